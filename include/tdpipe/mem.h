@@ -1,0 +1,106 @@
+/*
+ * mem.h: devices and memory allocation (host, pinned host, CUDA device).
+ *
+ * Every allocation the library makes goes through these helpers or the
+ * internal small-object allocator, and each is counted. Tests read the
+ * counters to prove that a steady-state path allocates nothing.
+ */
+#ifndef TDPIPE_MEM_H
+#define TDPIPE_MEM_H
+
+#include <tdpipe/common.h>
+#include <tdpipe/err.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where a buffer lives. */
+typedef enum tdp_device_type {
+    TDP_DEVICE_CPU = 0,
+    TDP_DEVICE_CUDA = 1,
+} tdp_device_type;
+
+typedef struct tdp_device {
+    tdp_device_type type;
+    int index; /* CUDA ordinal; 0 for CPU */
+} tdp_device;
+
+#define TDP_DEVICE_CPU_INIT ((tdp_device){TDP_DEVICE_CPU, 0})
+
+/* Longest device string tdp_device_format writes, NUL included ("cuda:2147483647"). */
+#define TDP_DEVICE_STRLEN 24
+
+/*
+ * Parse "cpu" or "cuda:N" (N a non-negative decimal, at most 9 digits) as
+ * PyTorch prints them; "cuda" alone means "cuda:0". Returns TDP_EINVAL for
+ * anything else; *out is written only on success.
+ */
+TDP_API tdp_err tdp_device_parse(const char *s, tdp_device *out);
+
+/* Write the canonical name ("cpu", "cuda:0") into buf; returns buf. */
+TDP_API const char *tdp_device_format(tdp_device dev, char buf[TDP_DEVICE_STRLEN]);
+
+/* True when both name the same device. */
+TDP_API bool tdp_device_equal(tdp_device a, tdp_device b);
+
+/* Kinds of memory the helpers allocate. */
+typedef enum tdp_mem_type {
+    TDP_MEM_HOST = 0,        /* pageable host memory, aligned */
+    TDP_MEM_HOST_PINNED = 1, /* page-locked host memory (cudaHostAlloc); needs CUDA */
+    TDP_MEM_CUDA = 2,        /* device memory (cudaMalloc) on one GPU; needs CUDA */
+    TDP_MEM_TYPE_COUNT = 3,
+} tdp_mem_type;
+
+/*
+ * Allocate `size` bytes aligned to `align` (a power of two; 0 means the
+ * default of TDP_BUFFER_ALIGN). size 0 returns a valid unique pointer.
+ * For TDP_MEM_CUDA, `device` selects the GPU; it is ignored otherwise.
+ * Returns TDP_ENOTSUP for CUDA kinds when the library was built without CUDA
+ * or no GPU is present, TDP_ECUDA when the runtime fails, TDP_ENOMEM on
+ * exhaustion. CUDA allocations are at least 256-byte aligned; a larger
+ * `align` than the runtime guarantees gives TDP_EINVAL.
+ */
+TDP_API tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align,
+                              void **out);
+
+/* Free memory from tdp_mem_alloc with the same type. NULL is a no-op. */
+TDP_API void tdp_mem_free(tdp_mem_type type, void *ptr);
+
+/* Alignment of every buffer tdp_mem_alloc returns by default: one page. */
+#define TDP_BUFFER_ALIGN 4096u
+
+/*
+ * Allocation counters, cumulative since process start. `allocs` and `frees`
+ * count calls that succeeded; `live_bytes` is what is held now. The
+ * `small_*` fields count the library's internal small-object allocations
+ * (schema nodes, frames, requests).
+ */
+typedef struct tdp_mem_stats {
+    uint64_t allocs[TDP_MEM_TYPE_COUNT];
+    uint64_t frees[TDP_MEM_TYPE_COUNT];
+    uint64_t live_bytes[TDP_MEM_TYPE_COUNT];
+    uint64_t small_allocs;
+    uint64_t small_frees;
+} tdp_mem_stats;
+
+/* Snapshot the counters (each field read atomically). Thread-safe. */
+TDP_API void tdp_mem_stats_get(tdp_mem_stats *out);
+
+/* Total allocations of every kind: handy for "no allocation happened" checks. */
+TDP_API uint64_t tdp_mem_total_allocs(void);
+
+/* True when the library was built with CUDA support. */
+TDP_API bool tdp_cuda_built(void);
+
+/*
+ * Number of CUDA devices usable now (0 when built without CUDA, without a
+ * driver, or without a GPU). Never fails.
+ */
+TDP_API int tdp_cuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TDPIPE_MEM_H */

@@ -1,0 +1,341 @@
+/* mem.c: counted host, pinned and device allocations; device names. */
+#include <tdpipe/mem.h>
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "log.h"
+
+#ifdef TDP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static _Atomic uint64_t stat_allocs[TDP_MEM_TYPE_COUNT];
+static _Atomic uint64_t stat_frees[TDP_MEM_TYPE_COUNT];
+static _Atomic uint64_t stat_live[TDP_MEM_TYPE_COUNT];
+static _Atomic uint64_t stat_small_allocs;
+static _Atomic uint64_t stat_small_frees;
+
+/*
+ * Host buffers carry their size in a header one alignment unit before the
+ * returned pointer so tdp_mem_free can keep live_bytes exact without a table.
+ */
+typedef struct mem_hdr {
+    size_t size;
+    size_t offset; /* from the start of the allocation to the user pointer */
+} mem_hdr;
+
+static tdp_err host_alloc(size_t size, size_t align, void **out)
+{
+    size_t off = align >= sizeof(mem_hdr) ? align : sizeof(mem_hdr);
+    void *base = NULL;
+
+    if (size > SIZE_MAX - off)
+        return TDP_ENOMEM;
+    if (posix_memalign(&base, align < sizeof(void *) ? sizeof(void *) : align, size + off) != 0)
+        return TDP_ENOMEM;
+    char *p = (char *)base + off;
+    mem_hdr *h = (mem_hdr *)(void *)(p - sizeof(mem_hdr));
+    h->size = size;
+    h->offset = off;
+    *out = p;
+    return TDP_OK;
+}
+
+static size_t host_size(void *p, void **base)
+{
+    mem_hdr *h = (mem_hdr *)(void *)((char *)p - sizeof(mem_hdr));
+    *base = (char *)p - h->offset;
+    return h->size;
+}
+
+#ifdef TDP_HAVE_CUDA
+static tdp_err cuda_err(cudaError_t rc, const char *what)
+{
+    if (rc == cudaErrorMemoryAllocation) {
+        tdp_log_debug("%s: %s", what, cudaGetErrorString(rc));
+        return TDP_ENOMEM;
+    }
+    if (rc == cudaErrorNoDevice || rc == cudaErrorInsufficientDriver) {
+        tdp_log_debug("%s: %s", what, cudaGetErrorString(rc));
+        return TDP_ENOTSUP;
+    }
+    tdp_log_error("%s: %s", what, cudaGetErrorString(rc));
+    (void)cudaGetLastError(); /* clear the sticky non-fatal error */
+    return TDP_ECUDA;
+}
+
+/* Sizes of CUDA allocations, kept in a header of pinned memory or a side list. */
+typedef struct cuda_blk {
+    void *ptr;
+    size_t size;
+    struct cuda_blk *next;
+} cuda_blk;
+static cuda_blk *cuda_blocks;
+static atomic_flag cuda_lock = ATOMIC_FLAG_INIT;
+
+static void blocks_lock(void)
+{
+    while (atomic_flag_test_and_set_explicit(&cuda_lock, memory_order_acquire))
+        ;
+}
+static void blocks_unlock(void)
+{
+    atomic_flag_clear_explicit(&cuda_lock, memory_order_release);
+}
+#endif
+
+tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, void **out)
+{
+    tdp_err rc;
+    void *p = NULL;
+
+    if (out == NULL || (unsigned)type >= TDP_MEM_TYPE_COUNT)
+        return TDP_EINVAL;
+    if (align == 0)
+        align = TDP_BUFFER_ALIGN;
+    if ((align & (align - 1)) != 0)
+        return TDP_EINVAL;
+
+    switch (type) {
+    case TDP_MEM_HOST:
+        rc = host_alloc(size, align, &p);
+        break;
+#ifdef TDP_HAVE_CUDA
+    case TDP_MEM_HOST_PINNED:
+    case TDP_MEM_CUDA: {
+        if (align > 256 && !(type == TDP_MEM_HOST_PINNED && align <= 4096))
+            return TDP_EINVAL;
+        if (tdp_cuda_device_count() == 0)
+            return TDP_ENOTSUP;
+        cuda_blk *blk = tdp__malloc(sizeof(*blk));
+        if (blk == NULL)
+            return TDP_ENOMEM;
+        if (type == TDP_MEM_CUDA) {
+            cudaError_t cr = cudaSetDevice(device);
+            if (cr == cudaSuccess)
+                cr = cudaMalloc(&p, size ? size : 1);
+            rc = cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaMalloc");
+        } else {
+            cudaError_t cr = cudaHostAlloc(&p, size ? size : 1, cudaHostAllocPortable);
+            rc = cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaHostAlloc");
+        }
+        if (rc != TDP_OK) {
+            tdp__free(blk);
+            break;
+        }
+        blk->ptr = p;
+        blk->size = size;
+        blocks_lock();
+        blk->next = cuda_blocks;
+        cuda_blocks = blk;
+        blocks_unlock();
+        break;
+    }
+#else
+    case TDP_MEM_HOST_PINNED:
+    case TDP_MEM_CUDA:
+        (void)device;
+        return TDP_ENOTSUP;
+#endif
+    default:
+        return TDP_EINVAL;
+    }
+    if (rc != TDP_OK)
+        return rc;
+    atomic_fetch_add(&stat_allocs[type], 1);
+    atomic_fetch_add(&stat_live[type], size);
+    *out = p;
+    return TDP_OK;
+}
+
+void tdp_mem_free(tdp_mem_type type, void *ptr)
+{
+    size_t size = 0;
+
+    if (ptr == NULL || (unsigned)type >= TDP_MEM_TYPE_COUNT)
+        return;
+    if (type == TDP_MEM_HOST) {
+        void *base;
+        size = host_size(ptr, &base);
+        free(base);
+    }
+#ifdef TDP_HAVE_CUDA
+    else {
+        cuda_blk **pp, *blk = NULL;
+        blocks_lock();
+        for (pp = &cuda_blocks; *pp != NULL; pp = &(*pp)->next) {
+            if ((*pp)->ptr == ptr) {
+                blk = *pp;
+                *pp = blk->next;
+                break;
+            }
+        }
+        blocks_unlock();
+        if (blk == NULL) {
+            tdp_log_error("tdp_mem_free: %p was not allocated by tdp_mem_alloc", ptr);
+            return;
+        }
+        size = blk->size;
+        tdp__free(blk);
+        cudaError_t cr = type == TDP_MEM_CUDA ? cudaFree(ptr) : cudaFreeHost(ptr);
+        if (cr != cudaSuccess)
+            (void)cuda_err(cr, type == TDP_MEM_CUDA ? "cudaFree" : "cudaFreeHost");
+    }
+#endif
+    atomic_fetch_add(&stat_frees[type], 1);
+    atomic_fetch_sub(&stat_live[type], size);
+}
+
+void tdp_mem_stats_get(tdp_mem_stats *out)
+{
+    if (out == NULL)
+        return;
+    for (int i = 0; i < TDP_MEM_TYPE_COUNT; i++) {
+        out->allocs[i] = atomic_load(&stat_allocs[i]);
+        out->frees[i] = atomic_load(&stat_frees[i]);
+        out->live_bytes[i] = atomic_load(&stat_live[i]);
+    }
+    out->small_allocs = atomic_load(&stat_small_allocs);
+    out->small_frees = atomic_load(&stat_small_frees);
+}
+
+uint64_t tdp_mem_total_allocs(void)
+{
+    uint64_t n = atomic_load(&stat_small_allocs);
+    for (int i = 0; i < TDP_MEM_TYPE_COUNT; i++)
+        n += atomic_load(&stat_allocs[i]);
+    return n;
+}
+
+bool tdp_cuda_built(void)
+{
+#ifdef TDP_HAVE_CUDA
+    return true;
+#else
+    return false;
+#endif
+}
+
+int tdp_cuda_device_count(void)
+{
+#ifdef TDP_HAVE_CUDA
+    static _Atomic int cached = -1;
+    int n = atomic_load(&cached);
+    if (n >= 0)
+        return n;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    atomic_store(&cached, n);
+    return n;
+#else
+    return 0;
+#endif
+}
+
+/* ---- small objects ------------------------------------------------------ */
+
+void *tdp__malloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (p != NULL)
+        atomic_fetch_add_explicit(&stat_small_allocs, 1, memory_order_relaxed);
+    return p;
+}
+
+void *tdp__calloc(size_t count, size_t n)
+{
+    void *p = calloc(count ? count : 1, n ? n : 1);
+    if (p != NULL)
+        atomic_fetch_add_explicit(&stat_small_allocs, 1, memory_order_relaxed);
+    return p;
+}
+
+void *tdp__realloc(void *p, size_t n)
+{
+    void *q = realloc(p, n ? n : 1);
+    if (q == NULL)
+        return NULL;
+    /* growing an object is an allocation too: count it as free + alloc */
+    atomic_fetch_add_explicit(&stat_small_allocs, 1, memory_order_relaxed);
+    if (p != NULL)
+        atomic_fetch_add_explicit(&stat_small_frees, 1, memory_order_relaxed);
+    return q;
+}
+
+char *tdp__strndup(const char *s, size_t n)
+{
+    char *p = tdp__malloc(n + 1);
+    if (p != NULL) {
+        memcpy(p, s, n);
+        p[n] = '\0';
+    }
+    return p;
+}
+
+char *tdp__strdup(const char *s)
+{
+    return tdp__strndup(s, strlen(s));
+}
+
+void tdp__free(void *p)
+{
+    if (p == NULL)
+        return;
+    atomic_fetch_add_explicit(&stat_small_frees, 1, memory_order_relaxed);
+    free(p);
+}
+
+/* ---- devices ------------------------------------------------------------- */
+
+tdp_err tdp_device_parse(const char *s, tdp_device *out)
+{
+    if (s == NULL || out == NULL)
+        return TDP_EINVAL;
+    if (strcmp(s, "cpu") == 0) {
+        *out = TDP_DEVICE_CPU_INIT;
+        return TDP_OK;
+    }
+    if (strcmp(s, "cuda") == 0) {
+        *out = (tdp_device){TDP_DEVICE_CUDA, 0};
+        return TDP_OK;
+    }
+    if (strncmp(s, "cuda:", 5) != 0)
+        return TDP_EINVAL;
+    const char *d = s + 5;
+    size_t n = strlen(d);
+    if (n == 0 || n > 9)
+        return TDP_EINVAL;
+    int idx = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (d[i] < '0' || d[i] > '9')
+            return TDP_EINVAL;
+        idx = idx * 10 + (d[i] - '0');
+    }
+    if (n > 1 && d[0] == '0')
+        return TDP_EINVAL; /* one spelling per device keeps the hash canonical */
+    *out = (tdp_device){TDP_DEVICE_CUDA, idx};
+    return TDP_OK;
+}
+
+const char *tdp_device_format(tdp_device dev, char buf[TDP_DEVICE_STRLEN])
+{
+    if (dev.type == TDP_DEVICE_CUDA)
+        snprintf(buf, TDP_DEVICE_STRLEN, "cuda:%d", dev.index);
+    else
+        snprintf(buf, TDP_DEVICE_STRLEN, "cpu");
+    return buf;
+}
+
+bool tdp_device_equal(tdp_device a, tdp_device b)
+{
+    if (a.type != b.type)
+        return false;
+    return a.type == TDP_DEVICE_CPU || a.index == b.index;
+}
