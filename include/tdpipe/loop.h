@@ -1,0 +1,77 @@
+/*
+ * loop.h: the event loop every pipe and server runs on.
+ *
+ * A tdp_loop owns one libevent event_base and one UCP context + worker
+ * (active messages, wakeup). All library callbacks run on the loop's thread.
+ * The loop runs either on the caller's thread (tdp_loop_run) or on a thread
+ * of its own (tdp_loop_start_thread); other threads hand it work with
+ * tdp_loop_post, which is safe from any thread.
+ *
+ * Teardown: tdp_loop_stop (any thread) makes run return / the thread exit;
+ * tdp_loop_free (not from the loop thread) joins a loop thread if one runs,
+ * then frees. Free every pipe and server on a loop before freeing the loop.
+ */
+#ifndef TDPIPE_LOOP_H
+#define TDPIPE_LOOP_H
+
+#include <tdpipe/common.h>
+#include <tdpipe/err.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdp_loop tdp_loop;
+
+/* Options; the struct can grow: set size = sizeof(tdp_loop_opts). */
+typedef struct tdp_loop_opts {
+    size_t size;
+    /*
+     * Most events handled per UCX wakeup before other libevent events get a
+     * turn (bounded drain). 0 = default (64).
+     */
+    uint32_t max_progress;
+    /* Period of the safety timer that progresses UCX against a lost wakeup, ms. 0 = 100. */
+    uint32_t safety_timer_ms;
+} tdp_loop_opts;
+
+/*
+ * Create a loop: event_base, UCP context (features: active messages,
+ * wakeup; UCX reads its usual UCX_* environment, e.g. UCX_TLS) and worker.
+ * opts may be NULL. *out is written only on success. TDP_EUCX if UCX fails.
+ */
+TDP_API tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out);
+
+/*
+ * Run on the calling thread until tdp_loop_stop. Returns TDP_OK after a
+ * stop, TDP_EINVAL if the loop already runs (here or on its thread).
+ */
+TDP_API tdp_err tdp_loop_run(tdp_loop *loop);
+
+/* Start a thread that runs the loop until tdp_loop_stop / tdp_loop_free. */
+TDP_API tdp_err tdp_loop_start_thread(tdp_loop *loop);
+
+/* Ask the loop to stop. Safe from any thread, any number of times. */
+TDP_API void tdp_loop_stop(tdp_loop *loop);
+
+/* Stop, join the loop thread if any, and free. Not from the loop thread. NULL is a no-op. */
+TDP_API void tdp_loop_free(tdp_loop *loop);
+
+/* True when called on the thread currently running the loop. */
+TDP_API bool tdp_loop_on_thread(const tdp_loop *loop);
+
+/* A function to run on the loop thread. */
+typedef void (*tdp_loop_fn)(void *arg);
+
+/*
+ * Run fn(arg) on the loop thread, soon, in posting order. Safe from any
+ * thread (from the loop thread too: it runs on a later turn, never inside
+ * this call). Allocates one small task; TDP_ENOMEM if that fails.
+ */
+TDP_API tdp_err tdp_loop_post(tdp_loop *loop, tdp_loop_fn fn, void *arg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TDPIPE_LOOP_H */
