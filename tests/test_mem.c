@@ -1,1 +1,352 @@
-int main(void){return 0;}
+/* test_mem: host, pinned and device allocation, counters, device names. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <tdpipe/mem.h>
+
+#include "core/alloc.h"
+
+#ifdef TDP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static bool aligned_to(const void *p, size_t a)
+{
+    return ((uintptr_t)p % a) == 0;
+}
+
+/* ---- host allocations ---------------------------------------------------- */
+
+static void test_host_alignment(void **state)
+{
+    (void)state;
+    static const size_t aligns[] = {1, 2, 8, 16, 32, 64, 128, 256, 4096, 65536};
+    for (size_t i = 0; i < sizeof(aligns) / sizeof(aligns[0]); i++) {
+        void *p = NULL;
+        assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 1000, aligns[i], &p), TDP_OK);
+        assert_non_null(p);
+        assert_true(aligned_to(p, aligns[i]));
+        memset(p, 0xab, 1000); /* the whole range is ours (ASan checks) */
+        tdp_mem_free(TDP_MEM_HOST, p);
+    }
+}
+
+static void test_host_default_alignment_is_page(void **state)
+{
+    (void)state;
+    assert_int_equal(TDP_BUFFER_ALIGN, 4096);
+    for (int i = 0; i < 8; i++) {
+        void *p = NULL;
+        size_t size = (size_t)1 << (i * 3); /* 1 .. 2 MiB */
+        assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, size, 0, &p), TDP_OK);
+        assert_true(aligned_to(p, TDP_BUFFER_ALIGN));
+        memset(p, i, size);
+        tdp_mem_free(TDP_MEM_HOST, p);
+    }
+}
+
+static void test_host_size_zero(void **state)
+{
+    (void)state;
+    tdp_mem_stats before, mid, after;
+    void *a = NULL, *b = NULL;
+
+    tdp_mem_stats_get(&before);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 0, 64, &a), TDP_OK);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 0, 0, &b), TDP_OK);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_ptr_not_equal(a, b); /* unique */
+    assert_true(aligned_to(a, 64));
+    assert_true(aligned_to(b, TDP_BUFFER_ALIGN));
+    tdp_mem_stats_get(&mid);
+    assert_int_equal(mid.allocs[TDP_MEM_HOST] - before.allocs[TDP_MEM_HOST], 2);
+    assert_int_equal(mid.live_bytes[TDP_MEM_HOST], before.live_bytes[TDP_MEM_HOST]);
+    tdp_mem_free(TDP_MEM_HOST, a);
+    tdp_mem_free(TDP_MEM_HOST, b);
+    tdp_mem_stats_get(&after);
+    assert_int_equal(after.frees[TDP_MEM_HOST] - before.frees[TDP_MEM_HOST], 2);
+}
+
+static void test_bad_arguments(void **state)
+{
+    (void)state;
+    static const size_t bad_align[] = {3, 6, 12, 48, 100, 4095, 4097, 3 * 4096};
+    tdp_mem_stats before, after;
+    void *p = (void *)&p;
+
+    tdp_mem_stats_get(&before);
+    for (size_t i = 0; i < sizeof(bad_align) / sizeof(bad_align[0]); i++) {
+        assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 64, bad_align[i], &p), TDP_EINVAL);
+        assert_ptr_equal(p, (void *)&p); /* output untouched */
+    }
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 64, 64, NULL), TDP_EINVAL);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_TYPE_COUNT, 0, 64, 64, &p), TDP_EINVAL);
+    assert_int_equal(tdp_mem_alloc((tdp_mem_type)-1, 0, 64, 64, &p), TDP_EINVAL);
+    assert_ptr_equal(p, (void *)&p);
+    /* size + header would wrap: refused before the allocator is asked */
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, SIZE_MAX - 10, 64, &p), TDP_ENOMEM);
+    assert_ptr_equal(p, (void *)&p);
+    /* freeing NULL or an unknown type is a no-op */
+    tdp_mem_free(TDP_MEM_HOST, NULL);
+    tdp_mem_free(TDP_MEM_CUDA, NULL);
+    tdp_mem_free(TDP_MEM_TYPE_COUNT, &p);
+    tdp_mem_stats_get(&after);
+    assert_memory_equal(&before, &after, sizeof(before));
+}
+
+static void test_counters_move_exactly(void **state)
+{
+    (void)state;
+    tdp_mem_stats s0, s1, s2, s3;
+    void *a = NULL, *b = NULL;
+
+    tdp_mem_stats_get(&s0);
+    uint64_t total0 = tdp_mem_total_allocs();
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 1234, 64, &a), TDP_OK);
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.allocs[TDP_MEM_HOST], s0.allocs[TDP_MEM_HOST] + 1);
+    assert_int_equal(s1.frees[TDP_MEM_HOST], s0.frees[TDP_MEM_HOST]);
+    assert_int_equal(s1.live_bytes[TDP_MEM_HOST], s0.live_bytes[TDP_MEM_HOST] + 1234);
+    assert_int_equal(tdp_mem_total_allocs(), total0 + 1);
+
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 100000, 4096, &b), TDP_OK);
+    tdp_mem_stats_get(&s2);
+    assert_int_equal(s2.allocs[TDP_MEM_HOST], s0.allocs[TDP_MEM_HOST] + 2);
+    assert_int_equal(s2.live_bytes[TDP_MEM_HOST], s0.live_bytes[TDP_MEM_HOST] + 101234);
+
+    tdp_mem_free(TDP_MEM_HOST, a);
+    tdp_mem_stats_get(&s3);
+    assert_int_equal(s3.frees[TDP_MEM_HOST], s0.frees[TDP_MEM_HOST] + 1);
+    assert_int_equal(s3.live_bytes[TDP_MEM_HOST], s0.live_bytes[TDP_MEM_HOST] + 100000);
+
+    tdp_mem_free(TDP_MEM_HOST, b);
+    tdp_mem_stats_get(&s3);
+    assert_int_equal(s3.frees[TDP_MEM_HOST], s0.frees[TDP_MEM_HOST] + 2);
+    assert_int_equal(s3.live_bytes[TDP_MEM_HOST], s0.live_bytes[TDP_MEM_HOST]);
+    /* host operations leave the other kinds alone */
+    for (int t = 1; t < TDP_MEM_TYPE_COUNT; t++) {
+        assert_int_equal(s3.allocs[t], s0.allocs[t]);
+        assert_int_equal(s3.frees[t], s0.frees[t]);
+        assert_int_equal(s3.live_bytes[t], s0.live_bytes[t]);
+    }
+    tdp_mem_stats_get(NULL); /* no crash */
+}
+
+static void test_small_object_counters(void **state)
+{
+    (void)state;
+    tdp_mem_stats s0, s1;
+
+    tdp_mem_stats_get(&s0);
+    uint64_t total0 = tdp_mem_total_allocs();
+    char *a = tdp__malloc(10);
+    char *b = tdp__calloc(3, 7);
+    char *c = tdp__strdup("hello");
+    char *d = tdp__strndup("hello world", 5);
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_string_equal(c, "hello");
+    assert_string_equal(d, "hello");
+    for (int i = 0; i < 21; i++)
+        assert_int_equal(b[i], 0);
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.small_allocs - s0.small_allocs, 4);
+    assert_int_equal(s1.small_frees, s0.small_frees);
+    assert_int_equal(tdp_mem_total_allocs() - total0, 4);
+
+    a = tdp__realloc(a, 4000); /* growing counts as free + alloc */
+    assert_non_null(a);
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.small_allocs - s0.small_allocs, 5);
+    assert_int_equal(s1.small_frees - s0.small_frees, 1);
+
+    tdp__free(a);
+    tdp__free(b);
+    tdp__free(c);
+    tdp__free(d);
+    tdp__free(NULL); /* not counted */
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.small_frees - s0.small_frees, 5);
+    assert_int_equal(s1.small_allocs - s1.small_frees, s0.small_allocs - s0.small_frees);
+}
+
+/* ---- CUDA kinds ---------------------------------------------------------- */
+
+static void test_cuda_kinds_without_gpu(void **state)
+{
+    (void)state;
+    if (tdp_cuda_device_count() > 0)
+        skip(); /* covered by test_cuda_alloc_free */
+    if (!tdp_cuda_built())
+        assert_int_equal(tdp_cuda_device_count(), 0);
+
+    tdp_mem_stats before, after;
+    tdp_mem_stats_get(&before);
+    void *p = (void *)&p;
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, 1024, 0, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, 1024, 256, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, 1024, 0, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, 0, 64, &p), TDP_ENOTSUP);
+    assert_ptr_equal(p, (void *)&p);
+    tdp_mem_stats_get(&after);
+    assert_memory_equal(&before, &after, sizeof(before));
+}
+
+static void test_cuda_alloc_free(void **state)
+{
+    (void)state;
+    if (tdp_cuda_device_count() == 0) {
+        print_message("[  SKIP    ] no CUDA device (built with CUDA: %s)\n",
+                      tdp_cuda_built() ? "yes" : "no");
+        skip();
+    }
+#ifdef TDP_HAVE_CUDA
+    tdp_mem_stats s0, s1;
+    void *d = NULL, *h = NULL;
+    const size_t n = 1 << 20;
+
+    tdp_mem_stats_get(&s0);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, n, 0, &d), TDP_OK);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, n, 0, &h), TDP_OK);
+    assert_true(aligned_to(d, 256));
+    assert_true(aligned_to(h, 256));
+    /* larger than the runtime guarantees: refused */
+    void *x = (void *)&x;
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, n, 4096, &x), TDP_EINVAL);
+    assert_ptr_equal(x, (void *)&x);
+
+    struct cudaPointerAttributes attr;
+    assert_int_equal(cudaPointerGetAttributes(&attr, d), cudaSuccess);
+    assert_int_equal(attr.type, cudaMemoryTypeDevice);
+    assert_int_equal(attr.device, 0);
+    assert_int_equal(cudaPointerGetAttributes(&attr, h), cudaSuccess);
+    assert_int_equal(attr.type, cudaMemoryTypeHost);
+
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.allocs[TDP_MEM_CUDA] - s0.allocs[TDP_MEM_CUDA], 1);
+    assert_int_equal(s1.live_bytes[TDP_MEM_CUDA] - s0.live_bytes[TDP_MEM_CUDA], n);
+    assert_int_equal(s1.allocs[TDP_MEM_HOST_PINNED] - s0.allocs[TDP_MEM_HOST_PINNED], 1);
+    assert_int_equal(s1.live_bytes[TDP_MEM_HOST_PINNED] - s0.live_bytes[TDP_MEM_HOST_PINNED], n);
+
+    /* the memory works: device -> pinned host round trip */
+    assert_int_equal(cudaMemset(d, 0x5a, n), cudaSuccess);
+    memset(h, 0, n);
+    assert_int_equal(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    assert_int_equal(((unsigned char *)h)[0], 0x5a);
+    assert_int_equal(((unsigned char *)h)[n - 1], 0x5a);
+
+    tdp_mem_free(TDP_MEM_CUDA, d);
+    tdp_mem_free(TDP_MEM_HOST_PINNED, h);
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.frees[TDP_MEM_CUDA] - s0.frees[TDP_MEM_CUDA], 1);
+    assert_int_equal(s1.frees[TDP_MEM_HOST_PINNED] - s0.frees[TDP_MEM_HOST_PINNED], 1);
+    assert_int_equal(s1.live_bytes[TDP_MEM_CUDA], s0.live_bytes[TDP_MEM_CUDA]);
+    assert_int_equal(s1.live_bytes[TDP_MEM_HOST_PINNED], s0.live_bytes[TDP_MEM_HOST_PINNED]);
+
+    /* size 0 gives a valid pointer that can be freed */
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, 0, 0, &d), TDP_OK);
+    assert_non_null(d);
+    tdp_mem_free(TDP_MEM_CUDA, d);
+#else
+    fail_msg("a CUDA device was counted in a build without CUDA");
+#endif
+}
+
+/* ---- devices ------------------------------------------------------------- */
+
+static void test_device_parse_good(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *s;
+        tdp_device_type type;
+        int index;
+        const char *canon;
+    } good[] = {
+        {"cpu", TDP_DEVICE_CPU, 0, "cpu"},
+        {"cuda", TDP_DEVICE_CUDA, 0, "cuda:0"},
+        {"cuda:0", TDP_DEVICE_CUDA, 0, "cuda:0"},
+        {"cuda:3", TDP_DEVICE_CUDA, 3, "cuda:3"},
+        {"cuda:10", TDP_DEVICE_CUDA, 10, "cuda:10"},
+        {"cuda:999999999", TDP_DEVICE_CUDA, 999999999, "cuda:999999999"},
+    };
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        tdp_device d = {(tdp_device_type)7, -7};
+        char buf[TDP_DEVICE_STRLEN];
+        assert_int_equal(tdp_device_parse(good[i].s, &d), TDP_OK);
+        assert_int_equal(d.type, good[i].type);
+        assert_int_equal(d.index, good[i].index);
+        assert_ptr_equal(tdp_device_format(d, buf), buf);
+        assert_string_equal(buf, good[i].canon);
+        /* the canonical name parses back to the same device */
+        tdp_device again;
+        assert_int_equal(tdp_device_parse(buf, &again), TDP_OK);
+        assert_true(tdp_device_equal(d, again));
+    }
+}
+
+static void test_device_parse_bad(void **state)
+{
+    (void)state;
+    static const char *const bad[] = {
+        "cuda:",  "cuda:01",     "gpu",         "cuda:-1", "cuda:1x",   "cuda:1234567890",
+        "",       "CPU",         "Cuda",        "cuda:+1", " cpu",      "cpu ",
+        "cpu:0",  "cuda:0 ",     "cuda:00",     "cuda0",   "cuda::1",   "cuda:0x1",
+        "cuda:1.0", "mps",       "cuda:9999999999",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tdp_device d = {(tdp_device_type)7, -7};
+        if (tdp_device_parse(bad[i], &d) != TDP_EINVAL)
+            fail_msg("device '%s' was accepted", bad[i]);
+        assert_int_equal(d.type, 7); /* untouched */
+        assert_int_equal(d.index, -7);
+    }
+    tdp_device d;
+    assert_int_equal(tdp_device_parse(NULL, &d), TDP_EINVAL);
+    assert_int_equal(tdp_device_parse("cpu", NULL), TDP_EINVAL);
+}
+
+static void test_device_format_and_equal(void **state)
+{
+    (void)state;
+    char buf[TDP_DEVICE_STRLEN];
+    assert_string_equal(tdp_device_format(TDP_DEVICE_CPU_INIT, buf), "cpu");
+    assert_string_equal(tdp_device_format((tdp_device){TDP_DEVICE_CUDA, 3}, buf), "cuda:3");
+    assert_string_equal(tdp_device_format((tdp_device){TDP_DEVICE_CUDA, INT_MAX}, buf),
+                        "cuda:2147483647");
+    assert_true(strlen(buf) < TDP_DEVICE_STRLEN);
+
+    tdp_device cpu = TDP_DEVICE_CPU_INIT, cpu_junk = {TDP_DEVICE_CPU, 5};
+    tdp_device c0 = {TDP_DEVICE_CUDA, 0}, c1 = {TDP_DEVICE_CUDA, 1};
+    assert_true(tdp_device_equal(cpu, cpu));
+    assert_true(tdp_device_equal(cpu, cpu_junk)); /* the index means nothing on cpu */
+    assert_true(tdp_device_equal(c0, (tdp_device){TDP_DEVICE_CUDA, 0}));
+    assert_false(tdp_device_equal(c0, c1));
+    assert_false(tdp_device_equal(cpu, c0));
+    assert_false(tdp_device_equal(c0, cpu));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_host_alignment),
+        cmocka_unit_test(test_host_default_alignment_is_page),
+        cmocka_unit_test(test_host_size_zero),
+        cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_counters_move_exactly),
+        cmocka_unit_test(test_small_object_counters),
+        cmocka_unit_test(test_cuda_kinds_without_gpu),
+        cmocka_unit_test(test_cuda_alloc_free),
+        cmocka_unit_test(test_device_parse_good),
+        cmocka_unit_test(test_device_parse_bad),
+        cmocka_unit_test(test_device_format_and_equal),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

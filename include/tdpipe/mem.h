@@ -54,7 +54,8 @@ typedef enum tdp_mem_type {
 
 /*
  * Allocate `size` bytes aligned to `align` (a power of two; 0 means the
- * default of TDP_BUFFER_ALIGN). size 0 returns a valid unique pointer.
+ * default: TDP_BUFFER_ALIGN, or TDP_CUDA_ALIGN for TDP_MEM_CUDA). size 0
+ * returns a valid unique pointer.
  * For TDP_MEM_CUDA, `device` selects the GPU; it is ignored otherwise.
  * Returns TDP_ENOTSUP for CUDA kinds when the library was built without CUDA
  * or no GPU is present, TDP_ECUDA when the runtime fails, TDP_ENOMEM on
@@ -67,8 +68,11 @@ TDP_API tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t
 /* Free memory from tdp_mem_alloc with the same type. NULL is a no-op. */
 TDP_API void tdp_mem_free(tdp_mem_type type, void *ptr);
 
-/* Alignment of every buffer tdp_mem_alloc returns by default: one page. */
+/* Default alignment of host (and pinned) buffers from tdp_mem_alloc: one page. */
 #define TDP_BUFFER_ALIGN 4096u
+
+/* Alignment cudaMalloc guarantees, the default (and the most) for TDP_MEM_CUDA. */
+#define TDP_CUDA_ALIGN 256u
 
 /*
  * Allocation counters, cumulative since process start. `allocs` and `frees`

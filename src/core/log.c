@@ -44,11 +44,12 @@ void tdp_log_set_handler(tdp_log_fn fn, void *arg)
 
 void tdp_log_set_level(tdp_log_level level)
 {
-    if (level < TDP_LOG_OFF)
-        level = TDP_LOG_OFF;
-    if (level > TDP_LOG_TRACE)
-        level = TDP_LOG_TRACE;
-    tdp__log_level = (int)level;
+    int l = (int)level; /* the enum may be unsigned: compare as int */
+    if (l < TDP_LOG_OFF)
+        l = TDP_LOG_OFF;
+    if (l > TDP_LOG_TRACE)
+        l = TDP_LOG_TRACE;
+    tdp__log_level = l;
 }
 
 tdp_log_level tdp_log_get_level(void)

@@ -42,4 +42,13 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
 /* True when a thread (a loop thread or tdp_loop_run) is running the loop now. */
 bool tdp__loop_running(const tdp_loop *loop);
 
+/*
+ * One slot of per-loop state for the pipe layer. pre_fini runs in
+ * tdp_loop_free before the UCP worker is destroyed, fini after it (and
+ * before the UCP context is cleaned up). Set at most once per loop.
+ */
+void *tdp__loop_pipe_ext(tdp_loop *loop);
+void tdp__loop_set_pipe_ext(tdp_loop *loop, void *ext, void (*pre_fini)(void *ext),
+                            void (*fini)(void *ext));
+
 #endif

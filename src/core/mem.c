@@ -96,8 +96,8 @@ tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, 
 
     if (out == NULL || (unsigned)type >= TDP_MEM_TYPE_COUNT)
         return TDP_EINVAL;
-    if (align == 0)
-        align = TDP_BUFFER_ALIGN;
+    if (align == 0) /* device memory: the runtime's guarantee, not a page */
+        align = type == TDP_MEM_CUDA ? TDP_CUDA_ALIGN : TDP_BUFFER_ALIGN;
     if ((align & (align - 1)) != 0)
         return TDP_EINVAL;
 
@@ -108,7 +108,7 @@ tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, 
 #ifdef TDP_HAVE_CUDA
     case TDP_MEM_HOST_PINNED:
     case TDP_MEM_CUDA: {
-        if (align > 256 && !(type == TDP_MEM_HOST_PINNED && align <= 4096))
+        if (align > TDP_CUDA_ALIGN && !(type == TDP_MEM_HOST_PINNED && align <= 4096))
             return TDP_EINVAL;
         if (tdp_cuda_device_count() == 0)
             return TDP_ENOTSUP;

@@ -437,7 +437,7 @@ tdp_err tdp_schema_decode(const void *json, size_t len, const tdp_schema_limits 
         return tdp__fail(&w, TDP_EMSGSIZE, "schema JSON is %zu bytes, limit %" PRIu64, len,
                          lim.max_json_bytes);
     /* top object + td node + nested nodes + leaves object, tuple and shape */
-    uint32_t max_nest = lim.max_depth + 5;
+    uint32_t max_nest = lim.max_depth > UINT32_MAX - 5 ? UINT32_MAX : lim.max_depth + 5;
     uint32_t nest = scan_depth(json, len, max_nest);
     if (nest > max_nest)
         return tdp__fail(&w, TDP_ESCHEMA, "JSON nested more than %u levels", max_nest);

@@ -155,6 +155,12 @@ static int node_cmp(const void *a, const void *b)
     return tdp__path_cmp(((const tdp__node *)a)->path, ((const tdp__node *)b)->path);
 }
 
+/* End of a tensor leaf's range, padding included (decoded: the declared stop). */
+static uint64_t leaf_end(const tdp__leaf *l)
+{
+    return l->has_stop ? l->stop : l->offset + l->nbytes + l->pad;
+}
+
 static int leaf_cmp(const void *pa, const void *pb)
 {
     const tdp__leaf *a = pa, *b = pb;
@@ -162,6 +168,9 @@ static int leaf_cmp(const void *pa, const void *pb)
         return a->kind == TDP_LEAF_TENSOR ? -1 : 1;
     if (a->kind == TDP_LEAF_TENSOR && a->offset != b->offset)
         return a->offset < b->offset ? -1 : 1;
+    /* an empty leaf shares its offset with the next one: it goes first */
+    if (a->kind == TDP_LEAF_TENSOR && leaf_end(a) != leaf_end(b))
+        return leaf_end(a) < leaf_end(b) ? -1 : 1;
     return tdp__path_cmp(a->path, b->path);
 }
 
@@ -354,6 +363,15 @@ static tdp_err validate_leaves(tdp_schema *s, const tdp_schema_limits *lim, tdp_
                 return tdp__fail(w, TDP_ESCHEMA, "leaf '%s': element count overflows 64 bits",
                                  l->path);
         }
+        /* strides are int64 products of max(dim, 1): with a zero dim they can
+         * overflow although numel is 0 */
+        uint64_t span = 1;
+        for (uint32_t d = 0; d < l->ndim; d++) {
+            if (tdp__mul_ovf(span, l->shape[d] > 0 ? (uint64_t)l->shape[d] : 1, &span) ||
+                span > INT64_MAX)
+                return tdp__fail(w, TDP_ESCHEMA, "leaf '%s': strides overflow 64 bits",
+                                 l->path);
+        }
         uint64_t nbytes;
         if (tdp__mul_ovf(numel, isz, &nbytes))
             return tdp__fail(w, TDP_ESCHEMA, "leaf '%s': byte size overflows 64 bits", l->path);
@@ -400,7 +418,7 @@ static tdp_err fill_strides(tdp_schema *s)
         int64_t st = 1;
         for (uint32_t d = l->ndim; d-- > 0;) {
             l->strides[d] = st;
-            st *= l->shape[d] > 0 ? l->shape[d] : 1; /* numel fits in 64 bits: checked */
+            st *= l->shape[d] > 0 ? l->shape[d] : 1; /* fits in int64: checked */
         }
     }
     return TDP_OK;

@@ -1,0 +1,230 @@
+/*
+ * pipe.h: a pipe streams consolidated tensordicts between two peers.
+ *
+ * One side listens, the other connects, by IP (v4 or v6) or host name and
+ * port. Each direction sends its schema once (and again after every change,
+ * detected by hash); every other message carries only the raw buffer, which
+ * lands in place in storage the receiver allocated once. See docs/pipe.md
+ * for the guide and docs/wire-format.md for the bytes.
+ *
+ * Threading: every pipe belongs to one tdp_loop and all its callbacks run on
+ * that loop's thread. The async calls (tdp_pipe_send_async,
+ * tdp_pipe_recv_async) may be made from any thread. The blocking calls may
+ * be made from any thread except the loop thread: when the loop runs on a
+ * thread of its own they wait for it; when nobody runs the loop they drive
+ * it on the calling thread until done.
+ *
+ * Errors: TDP_ECLOSED is a clean end (the peer closed after its last
+ * message), TDP_ECONNRESET a peer that died or vanished, TDP_ETIMEDOUT a
+ * deadline that passed, TDP_EPROTO / TDP_ESCHEMA / TDP_EMISMATCH a peer that
+ * sent something invalid (the pipe is then closed), TDP_EVERSION a peer that
+ * speaks another protocol version.
+ */
+#ifndef TDPIPE_PIPE_H
+#define TDPIPE_PIPE_H
+
+#include <tdpipe/common.h>
+#include <tdpipe/err.h>
+#include <tdpipe/loop.h>
+#include <tdpipe/schema.h>
+#include <tdpipe/td.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdp_pipe tdp_pipe;
+typedef struct tdp_listener tdp_listener;
+typedef struct tdp_op tdp_op;
+
+/* Wire protocol version this library speaks. */
+#define TDP_PROTOCOL_VERSION 1
+
+/* How a peer's death is detected; see docs/pipe.md. */
+typedef enum tdp_peer_mode {
+    /*
+     * Same host: UCX without its peer-failure mode, so shared memory stays
+     * available; death is seen on the control socket. Other hosts: UCX's
+     * peer-failure mode. The default.
+     */
+    TDP_PEER_AUTO = 0,
+    TDP_PEER_UCX = 1,    /* always UCX's peer-failure mode (no shared memory in UCX 1.13) */
+    TDP_PEER_SOCKET = 2, /* always the control socket only (fastest; see docs) */
+} tdp_peer_mode;
+
+/* Options; the struct can grow: set size = sizeof(tdp_pipe_opts). Zero = default. */
+typedef struct tdp_pipe_opts {
+    size_t size;
+    /*
+     * Receive buffers this side holds (1..64, default 1). 1 is the reference
+     * behaviour: each receive overwrites the last, the buffer is lent until
+     * the next receive. N > 1: a ring; each receive lends one buffer until
+     * tdp_pipe_release. The sender never has more in flight than this.
+     */
+    uint32_t recv_depth;
+    /* Where received buffers live; default: the sender's device. */
+    bool recv_device_set;
+    tdp_device recv_device;
+    /* Limits on the schemas a peer may send (NULL: defaults). Copied. */
+    const tdp_schema_limits *limits;
+    /* Connect / handshake deadline, ms (default 10000). */
+    int64_t connect_timeout_ms;
+    /*
+     * After a clean BYE, how long to wait for messages still in flight, ms
+     * (default 5000).
+     */
+    int64_t linger_ms;
+    tdp_peer_mode peer_mode;
+    /*
+     * Dead-link detection across hosts: TCP keepalive idle/interval seconds
+     * and probe count on the control socket (default 1, 1, 3: about 4 s). A
+     * process that dies on a live host is seen at once (its socket closes).
+     */
+    int keepalive_idle_s, keepalive_intvl_s, keepalive_cnt;
+} tdp_pipe_opts;
+
+/* Fill *o with the defaults (size included). */
+TDP_API void tdp_pipe_opts_default(tdp_pipe_opts *o);
+
+/* ---- connecting ---------------------------------------------------------- */
+
+/*
+ * Called on the loop thread when a connect or accept completes. On success
+ * `pipe` is the new pipe, owned by the callee (free it with tdp_pipe_free);
+ * on failure pipe is NULL and status says why.
+ */
+typedef void (*tdp_pipe_cb)(tdp_pipe *pipe, tdp_err status, void *arg);
+
+/*
+ * Connect to host:port (IPv4/IPv6 literal or host name) and do the HELLO
+ * exchange. The callback runs exactly once, never before this returns.
+ * Returns an error (and no callback) only for invalid arguments.
+ */
+TDP_API tdp_err tdp_pipe_connect_async(tdp_loop *loop, const char *host, uint16_t port,
+                                       const tdp_pipe_opts *opts, tdp_pipe_cb cb, void *arg);
+
+/* Blocking connect; *out written only on success. */
+TDP_API tdp_err tdp_pipe_connect(tdp_loop *loop, const char *host, uint16_t port,
+                                 const tdp_pipe_opts *opts, tdp_pipe **out);
+
+/*
+ * Listen on bind_host:port (NULL or "" = all IPv4 and IPv6 addresses; port
+ * 0 picks a free port, see tdp_listener_port). Each connection that
+ * completes its HELLO is handed to on_accept (if not NULL) or queued for
+ * tdp_listener_accept. Handshake failures are logged and dropped.
+ */
+TDP_API tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
+                                 const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                                 tdp_listener **out);
+
+/* The port actually bound. */
+TDP_API uint16_t tdp_listener_port(const tdp_listener *l);
+
+/* Blocking: the next accepted pipe, waiting up to timeout_ms (-1: forever). */
+TDP_API tdp_err tdp_listener_accept(tdp_listener *l, int64_t timeout_ms, tdp_pipe **out);
+
+/* Stop listening; pipes already accepted live on. Queued, unclaimed pipes are freed. */
+TDP_API void tdp_listener_free(tdp_listener *l);
+
+/* ---- operations (async) -------------------------------------------------- */
+
+/* Completion callback of an operation; runs on the loop thread. */
+typedef void (*tdp_op_cb)(tdp_op *op, void *arg);
+
+/*
+ * An operation object, reusable for any number of sends or receives, one at
+ * a time. Allocate it once (this allocates); using it does not.
+ */
+TDP_API tdp_err tdp_op_new(tdp_op_cb cb, void *arg, tdp_op **out);
+/* Free an idle op (not while one of its operations is pending). */
+TDP_API void tdp_op_free(tdp_op *op);
+/* Result of the last completed operation (TDP_EAGAIN while pending). */
+TDP_API tdp_err tdp_op_result(const tdp_op *op);
+/* The tensordict a completed receive lent (NULL otherwise). */
+TDP_API tdp_td *tdp_op_td(const tdp_op *op);
+/* Sequence number of the completed message (1 for the first). */
+TDP_API uint64_t tdp_op_seq(const tdp_op *op);
+
+/*
+ * Send td (referenced until the op completes; do not write its buffer
+ * meanwhile). The schema frame goes first when the schema differs from the
+ * last one sent. The op completes when the buffer may be reused; TDP_OK
+ * means the transport has taken the bytes, not that the consumer has read
+ * them. Sends complete in order. Waits for credit when the receiver's
+ * buffers are all in use.
+ */
+TDP_API void tdp_pipe_send_async(tdp_pipe *pipe, tdp_td *td, tdp_op *op);
+
+/*
+ * Receive the next message. On success tdp_op_td(op) is lent: with depth 1
+ * until the next receive; with depth N until tdp_pipe_release. Ends with
+ * TDP_ECLOSED after the peer's last message.
+ */
+TDP_API void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op);
+
+/* ---- blocking ------------------------------------------------------------ */
+
+/* Send and wait (timeout_ms -1: forever). One blocking send at a time per pipe. */
+TDP_API tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms);
+
+/*
+ * Gather tensor leaves from separate buffers (leaf i of the schema's tensor
+ * order from ptrs[i], nbytes from the schema) into a send buffer the pipe
+ * keeps and reuses, then send it. Host memory only.
+ */
+TDP_API tdp_err tdp_pipe_send_gather(tdp_pipe *pipe, tdp_schema *schema,
+                                     const void *const *ptrs, int64_t timeout_ms);
+
+/*
+ * Receive and wait. *out is lent as for tdp_pipe_recv_async. Returns
+ * TDP_ECLOSED at the clean end of the stream. With depth 1, a receive
+ * releases the previous message.
+ */
+TDP_API tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out);
+
+/* Give a received buffer back (returns a credit to the sender). */
+TDP_API void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td);
+
+/*
+ * Clean close: finish queued sends, send BYE, and wait up to timeout_ms for
+ * it to go. The peer's receives then end with TDP_ECLOSED after the last
+ * message. Pending local operations complete with TDP_ECANCELED.
+ */
+TDP_API tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms);
+
+/*
+ * Abort (if not closed) and free. Pending operations complete with
+ * TDP_ECANCELED before this returns... when called off the loop thread the
+ * callbacks run on the loop thread first. Lent tensordicts stay valid until
+ * released or unreferenced.
+ */
+TDP_API void tdp_pipe_free(tdp_pipe *pipe);
+
+/* ---- queries ------------------------------------------------------------- */
+
+typedef struct tdp_pipe_stats {
+    uint64_t msgs_sent, msgs_recv;
+    uint64_t bytes_sent, bytes_recv; /* payload bytes */
+    uint64_t schemas_sent, schemas_recv;
+    uint64_t credit_waits; /* sends that had to wait for the receiver */
+} tdp_pipe_stats;
+
+TDP_API void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out);
+
+/* Error that ended the pipe (TDP_OK while it is open). */
+TDP_API tdp_err tdp_pipe_status(const tdp_pipe *pipe);
+
+/* The schema of the last message received (NULL before the first). */
+TDP_API tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe);
+
+/* Peer address as "ip:port" into buf. */
+TDP_API const char *tdp_pipe_peer(const tdp_pipe *pipe, char *buf, size_t len);
+
+/* True when the peer is on this host (shared-memory transports usable). */
+TDP_API bool tdp_pipe_same_host(const tdp_pipe *pipe);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TDPIPE_PIPE_H */

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# demo.sh: install what is missing, build in build/ and run the main job.
+#
+# The main job is the loopback benchmark, `build/tools/tdpipe bench`, when
+# the tdpipe command has been built; until then it is the schema demo
+# (build/examples/schema_demo). Extra arguments are passed through to it.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+JOBS=$(nproc 2>/dev/null || echo 2)
+
+echo "== setup"
+"$ROOT/scripts/setup.sh"
+
+echo "== build (build/, RelWithDebInfo)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build build -j"$JOBS"
+
+if [[ -x build/tools/tdpipe ]]; then
+    echo "== tdpipe bench $*"
+    exec build/tools/tdpipe bench "$@"
+fi
+echo "== schema_demo $*"
+exec build/examples/schema_demo "$@"

@@ -1,0 +1,297 @@
+/*
+ * conn.c: the control socket of a pipe — connect, accept, the HELLO
+ * exchange that sets up the UCX endpoint, BYE, and liveness: when the peer
+ * process dies its socket closes at once, and TCP keepalive covers a peer
+ * host that vanishes.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <event2/buffer.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pipe_int.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+
+static void conn_read_cb(struct bufferevent *bev, void *arg);
+static void conn_event_cb(struct bufferevent *bev, short what, void *arg);
+
+static void set_sockopts(tdp_pipe *p, evutil_socket_t fd)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &p->opts.keepalive_idle_s, sizeof(int));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &p->opts.keepalive_intvl_s, sizeof(int));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &p->opts.keepalive_cnt, sizeof(int));
+    /* unacknowledged data also ends the connection after the same time */
+    unsigned int ums = (unsigned int)(p->opts.keepalive_idle_s +
+                                      p->opts.keepalive_intvl_s * p->opts.keepalive_cnt) *
+                       1000u;
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ums, sizeof(ums));
+}
+
+static void name_peer(tdp_pipe *p, const struct sockaddr *sa)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+    unsigned port = 0;
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *s4 = (const void *)sa;
+        inet_ntop(AF_INET, &s4->sin_addr, host, sizeof(host));
+        port = ntohs(s4->sin_port);
+        snprintf(p->peer_name, sizeof(p->peer_name), "%s:%u", host, port);
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *s6 = (const void *)sa;
+        inet_ntop(AF_INET6, &s6->sin6_addr, host, sizeof(host));
+        port = ntohs(s6->sin6_port);
+        snprintf(p->peer_name, sizeof(p->peer_name), "[%s]:%u", host, port);
+    }
+}
+
+static tdp_err send_hello(tdp_pipe *p)
+{
+    const void *addr;
+    size_t alen;
+    tdp_err rc = tdp__reg_worker_address(p->loop, &addr, &alen);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_hello h = {
+        .recv_depth = p->depth,
+        .peer_mode = (uint32_t)p->opts.peer_mode,
+        .caps = TDP_CAP_MEM_HOST | TDP_CAP_PLANE_UCX | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
+        .max_msg_bytes = p->limits.max_total_bytes,
+        .token = p->token,
+        .addr_len = (uint32_t)alen,
+        .addr = addr,
+    };
+    memcpy(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN);
+    size_t n = tdp_wire_hello_size(&h);
+    uint8_t *buf = tdp__malloc(n);
+    if (buf == NULL)
+        return TDP_ENOMEM;
+    tdp_wire_hello_encode(buf, &h);
+    int r = bufferevent_write(p->bev, buf, n);
+    tdp__free(buf);
+    p->hello_sent = true;
+    return r == 0 ? TDP_OK : TDP_ENOMEM;
+}
+
+static void connect_timeout_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_pipe *p = arg;
+    if (p->state == PIPE_CONNECTING)
+        tdp__pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
+}
+
+static void arm_timer(tdp_pipe *p, int64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    if (p->timer == NULL)
+        p->timer = evtimer_new(tdp__loop_base(p->loop), connect_timeout_cb, p);
+    if (p->timer != NULL)
+        evtimer_add(p->timer, &tv);
+}
+
+tdp_err tdp__conn_start_connect(tdp_pipe *p, const struct sockaddr *sa, socklen_t salen)
+{
+    p->bev = bufferevent_socket_new(tdp__loop_base(p->loop), -1, BEV_OPT_CLOSE_ON_FREE);
+    if (p->bev == NULL)
+        return TDP_ENOMEM;
+    name_peer(p, sa);
+    bufferevent_setcb(p->bev, conn_read_cb, NULL, conn_event_cb, p);
+    arm_timer(p, p->opts.connect_timeout_ms);
+    if (bufferevent_socket_connect(p->bev, sa, (int)salen) != 0) {
+        int e = EVUTIL_SOCKET_ERROR();
+        tdp_log_debug("connect %s: %s", p->peer_name, strerror(e));
+        return e == ECONNREFUSED ? TDP_ECONNREFUSED : TDP_EADDR;
+    }
+    bufferevent_enable(p->bev, EV_READ);
+    return TDP_OK;
+}
+
+/* An accepted socket: start the handshake at once. */
+tdp_err tdp__conn_accepted(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa)
+{
+    p->bev = bufferevent_socket_new(tdp__loop_base(p->loop), fd, BEV_OPT_CLOSE_ON_FREE);
+    if (p->bev == NULL) {
+        evutil_closesocket(fd);
+        return TDP_ENOMEM;
+    }
+    name_peer(p, sa);
+    set_sockopts(p, fd);
+    bufferevent_setcb(p->bev, conn_read_cb, NULL, conn_event_cb, p);
+    bufferevent_enable(p->bev, EV_READ);
+    arm_timer(p, p->opts.connect_timeout_ms);
+    return send_hello(p);
+}
+
+static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
+{
+    tdp_hello h;
+    if (p->hello_recv || tdp_wire_hello_decode(payload, len, &h) != TDP_OK) {
+        tdp__pipe_fail(p, TDP_EPROTO, "malformed or repeated HELLO");
+        return;
+    }
+    p->hello_recv = true;
+    p->peer_hello = h;
+    p->peer_hello.addr = NULL; /* points into the socket buffer: used below only */
+    p->peer_token = h.token;
+    p->peer_depth = h.recv_depth;
+    p->same_host = memcmp(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN) == 0;
+    /* Both sides compute the same answer from both HELLOs. */
+    if (h.peer_mode == TDP_PEER_UCX || p->opts.peer_mode == TDP_PEER_UCX)
+        p->peer_mode_ucx = true;
+    else if (h.peer_mode == TDP_PEER_SOCKET || p->opts.peer_mode == TDP_PEER_SOCKET)
+        p->peer_mode_ucx = false;
+    else
+        p->peer_mode_ucx = !p->same_host;
+
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = (const ucp_address_t *)h.addr,
+        .err_mode = p->peer_mode_ucx ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+    };
+    tdp_err rc = tdp__pipe_open_ep(p, &ep);
+    if (rc != TDP_OK)
+        tdp__pipe_fail(p, rc, "cannot create the UCX endpoint");
+}
+
+static void conn_read_cb(struct bufferevent *bev, void *arg)
+{
+    tdp_pipe *p = arg;
+    struct evbuffer *in = bufferevent_get_input(bev);
+
+    while (p->state != PIPE_DEAD) {
+        uint8_t hb[TDP_CTL_HDR_LEN];
+        tdp_ctl_hdr hdr;
+        if (evbuffer_copyout(in, hb, sizeof(hb)) < (ev_ssize_t)sizeof(hb))
+            return;
+        tdp_err rc = tdp_wire_ctl_hdr_decode(hb, &hdr);
+        if (rc == TDP_EVERSION) {
+            tdp_log_warn("peer %s speaks protocol %u, this library %u", p->peer_name,
+                         hdr.version, TDP_PROTOCOL_VERSION);
+            tdp__pipe_fail(p, TDP_EVERSION, "protocol version mismatch");
+            return;
+        }
+        if (rc != TDP_OK) {
+            tdp__pipe_fail(p, TDP_EPROTO, "malformed control frame");
+            return;
+        }
+        size_t total = TDP_CTL_HDR_LEN + hdr.length;
+        if (evbuffer_get_length(in) < total)
+            return;
+        const uint8_t *f = evbuffer_pullup(in, (ev_ssize_t)total);
+        if (f == NULL) {
+            tdp__pipe_fail(p, TDP_ENOMEM, "cannot buffer control frame");
+            return;
+        }
+        if (hdr.type == TDP_CTL_HELLO) {
+            on_hello(p, f + TDP_CTL_HDR_LEN, hdr.length);
+        } else {
+            tdp_bye bye;
+            if (tdp_wire_bye_decode(f + TDP_CTL_HDR_LEN, hdr.length, &bye) != TDP_OK)
+                tdp__pipe_fail(p, TDP_EPROTO, "malformed BYE");
+            else
+                tdp__pipe_on_bye(p, &bye);
+        }
+        if (p->bev == NULL)
+            return; /* the pipe closed its socket while handling the frame */
+        evbuffer_drain(in, total);
+    }
+}
+
+static void conn_event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    tdp_pipe *p = arg;
+    if (what & BEV_EVENT_CONNECTED) {
+        set_sockopts(p, bufferevent_getfd(bev));
+        tdp_err rc = send_hello(p);
+        if (rc != TDP_OK)
+            tdp__pipe_fail(p, rc, "cannot send HELLO");
+        return;
+    }
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) {
+        int e = EVUTIL_SOCKET_ERROR();
+        if (p->state == PIPE_CONNECTING && !p->hello_sent) {
+            if (p->iaddr + 1 < p->naddr) { /* e.g. localhost: ::1 refused, try 127.0.0.1 */
+                bufferevent_free(p->bev);
+                p->bev = NULL;
+                p->iaddr++;
+                tdp_err rc = tdp__conn_start_connect(p, (struct sockaddr *)&p->addrs[p->iaddr],
+                                                     p->addrlens[p->iaddr]);
+                if (rc != TDP_OK)
+                    tdp__pipe_fail(p, rc, "cannot connect");
+                return;
+            }
+            tdp__pipe_fail(p, e == ECONNREFUSED ? TDP_ECONNREFUSED : TDP_EADDR,
+                           "cannot connect");
+            return;
+        }
+        tdp__pipe_on_socket_closed(p);
+    }
+}
+
+static void bye_written_cb(struct bufferevent *bev, void *arg)
+{
+    tdp_pipe *p = arg;
+    p->bye_flushed = true;
+    bufferevent_setcb(bev, conn_read_cb, NULL, conn_event_cb, p);
+    tdp__pipe_check_close(p);
+}
+
+void tdp__conn_send_bye(tdp_pipe *p, tdp_err reason)
+{
+    uint8_t buf[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    tdp_bye b = {.last_seq = p->send_seq, .reason = reason};
+    if (p->bev == NULL || p->bye_sent)
+        return;
+    tdp_wire_bye_encode(buf, &b);
+    p->bye_sent = true;
+    bufferevent_setcb(p->bev, conn_read_cb, bye_written_cb, conn_event_cb, p);
+    bufferevent_write(p->bev, buf, sizeof(buf));
+}
+
+void tdp__conn_close(tdp_pipe *p)
+{
+    if (p->bev != NULL) {
+        bufferevent_free(p->bev);
+        p->bev = NULL;
+    }
+    if (p->timer != NULL) {
+        event_free(p->timer);
+        p->timer = NULL;
+    }
+}
+
+/* ---- resolving ------------------------------------------------------------ */
+
+tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
+                     socklen_t *outlen, int max, int *count)
+{
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC,
+        .ai_socktype = SOCK_STREAM,
+        .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0),
+    }, *res = NULL;
+    char ps[8];
+    snprintf(ps, sizeof(ps), "%u", port);
+    int r = getaddrinfo(host && host[0] ? host : NULL, ps, &hints, &res);
+    if (r != 0) {
+        tdp_log_debug("getaddrinfo(%s): %s", host ? host : "", gai_strerror(r));
+        return TDP_EADDR;
+    }
+    int n = 0;
+    for (struct addrinfo *ai = res; ai != NULL && n < max; ai = ai->ai_next) {
+        if (ai->ai_addrlen > sizeof(*out))
+            continue;
+        memcpy(&out[n], ai->ai_addr, ai->ai_addrlen);
+        outlen[n++] = ai->ai_addrlen;
+    }
+    freeaddrinfo(res);
+    *count = n;
+    return n > 0 ? TDP_OK : TDP_EADDR;
+}

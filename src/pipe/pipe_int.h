@@ -1,0 +1,188 @@
+/* pipe_int.h (internal): pipe, listener and op objects, shared by src/pipe and src/server. */
+#ifndef TDP_PIPE_INT_H
+#define TDP_PIPE_INT_H
+
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+#include <tdpipe/pipe.h>
+
+#include "../core/loop_int.h"
+#include "../schema/td_int.h"
+#include "wire.h"
+
+#define TDP_MAX_DEPTH 64u
+
+enum op_kind { OP_NONE, OP_SEND, OP_RECV };
+
+struct tdp_op {
+    tdp_op_cb cb;
+    void *arg;
+    tdp__task task; /* hop to the loop thread without allocating */
+    enum op_kind kind;
+    tdp_pipe *pipe;
+    tdp_td *td;
+    tdp_err result;
+    uint64_t seq;
+    bool pending;
+    bool posted;      /* send handed to UCX */
+    int ucx_inflight; /* UCX requests not yet completed */
+    tdp_err ucx_status;
+    struct tdp_op *next;
+    uint8_t schema_hdr[TDP_AM_HDR_LEN]; /* headers live until their sends complete */
+    uint8_t data_hdr[TDP_AM_HDR_LEN];
+    /* blocking wrappers */
+    bool sync;
+    volatile bool done;
+};
+
+enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
+
+/* Storage shared by the tds that wrap it; freed with the last one. */
+typedef struct rx_store {
+    _Atomic uint32_t refs;
+    void *buf;
+    uint64_t cap;
+    tdp_mem_type mt;
+} rx_store;
+
+typedef struct rx_slot {
+    enum slot_state state;
+    rx_store *store;
+    ucp_mem_h memh;
+    tdp_td *td; /* wraps store for the schema it was built for */
+    uint64_t seq;
+    tdp_pipe *pipe;
+    tdp__task release_task;
+    bool release_posted;
+} rx_slot;
+
+enum pipe_state {
+    PIPE_CONNECTING, /* socket connecting or HELLO not yet exchanged */
+    PIPE_OPEN,
+    PIPE_CLOSING, /* our BYE sent; the peer may still send */
+    PIPE_DEAD,    /* failed or closed for good */
+};
+
+struct tdp_pipe {
+    tdp_loop *loop;
+    tdp_pipe_opts opts;
+    tdp_schema_limits limits;
+    enum pipe_state state;
+    tdp_err status; /* why it ended */
+    uint32_t reg_index;
+    uint64_t token, peer_token;
+    char peer_name[64];
+
+    /* control socket */
+    struct bufferevent *bev;
+    struct event *timer; /* connect deadline, then linger */
+    bool hello_sent, hello_recv;
+    tdp_hello peer_hello;
+    tdp_pipe_cb connect_cb;
+    void *connect_arg;
+    tdp_listener *listener; /* set while an accepted pipe is handshaking */
+    struct tdp_pipe *lnext; /* listener's queue */
+    bool same_host;
+    bool peer_mode_ucx;
+    struct sockaddr_storage addrs[4]; /* connect: resolved addresses, tried in turn */
+    socklen_t addrlens[4];
+    int naddr, iaddr;
+    bool bye_sent, bye_flushed;
+    bool close_requested;
+    tdp__task free_task;
+
+    /* UCX */
+    ucp_ep_h ep;
+    bool ep_failed;
+
+    /* send side */
+    tdp_op *sendq, *sendq_tail; /* waiting for credit or for the ep */
+    uint64_t send_seq;          /* seq of the last DATA handed to UCX */
+    uint64_t peer_credit;       /* cumulative buffers the peer released */
+    uint32_t peer_depth;
+    tdp_schema *sent_schema;
+    uint32_t ucx_sends; /* outstanding UCX send requests (all kinds) */
+    rx_store *gather;   /* tdp_pipe_send_gather's reused buffer */
+    tdp_td *gather_td;
+
+    /* receive side */
+    uint32_t depth;
+    rx_slot slots[TDP_MAX_DEPTH];
+    uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
+    uint32_t ready_head, ready_count;
+    int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
+    tdp_op *recvq, *recvq_tail;
+    tdp_schema *rx_schema; /* layout of incoming data (device-adjusted) */
+    uint64_t rx_hash;      /* the sender's hash for it */
+    uint64_t rx_seq;       /* seq of the last DATA received */
+    uint64_t released;     /* cumulative buffers released (sent as CREDIT) */
+    uint64_t credit_sent;
+    bool credit_inflight;
+    uint8_t credit_hdr[TDP_AM_HDR_LEN];
+    uint32_t ucx_recvs; /* outstanding UCX receive requests */
+    bool peer_bye;
+    uint64_t peer_last_seq;
+
+    /* blocking wrappers */
+    tdp_op *sync_send, *sync_recv;
+    pthread_mutex_t mtx;
+    pthread_cond_t cond;
+
+    bool freed; /* the user freed it; memory goes with the last UCX request */
+    tdp_pipe_stats stats;
+};
+
+struct tdp_listener {
+    tdp_loop *loop;
+    tdp_pipe_opts opts;
+    tdp_schema_limits limits;
+    struct evconnlistener *evl[2];
+    uint16_t port;
+    tdp_pipe_cb on_accept;
+    void *arg;
+    tdp_pipe *pending; /* handshaking, linked by lnext */
+    tdp_pipe *ready, *ready_tail;
+    volatile bool has_ready;
+    pthread_mutex_t mtx;
+    pthread_cond_t cond;
+};
+
+/* registry.c: per-loop pipe table, AM handler, host identity. */
+tdp_err tdp__reg_add(tdp_pipe *p);
+void tdp__reg_remove(tdp_pipe *p);
+tdp_pipe *tdp__reg_lookup(tdp_loop *loop, uint64_t token);
+const uint8_t *tdp__host_id(void);
+tdp_err tdp__reg_worker_address(tdp_loop *loop, const void **addr, size_t *len);
+
+/* conn.c: control socket. */
+tdp_err tdp__conn_start_connect(tdp_pipe *p, const struct sockaddr *sa, socklen_t salen);
+void tdp__conn_send_bye(tdp_pipe *p, tdp_err reason);
+void tdp__conn_close(tdp_pipe *p);
+tdp_err tdp__conn_accepted(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa);
+tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
+                     socklen_t *outlen, int max, int *count);
+void tdp__reg_forget(tdp_pipe *p);
+
+/* pipe.c */
+tdp_pipe *tdp__pipe_alloc(tdp_loop *loop, const tdp_pipe_opts *opts);
+void tdp__pipe_destroy(tdp_pipe *p);
+void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
+tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params);
+void tdp__pipe_check_close(tdp_pipe *p);
+void tdp__pipe_on_bye(tdp_pipe *p, const tdp_bye *bye);
+void tdp__pipe_on_socket_closed(tdp_pipe *p);
+ucs_status_t tdp__pipe_am_cb(void *arg, const void *header, size_t header_length, void *data,
+                             size_t length, const ucp_am_recv_param_t *param);
+void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_limits *lim);
+tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms);
+/* Run fn(arg) on the loop thread and wait (inline on the loop thread or an idle loop). */
+void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg);
+void tdp__listener_ready(tdp_listener *l, tdp_pipe *p);
+void tdp__listener_drop(tdp_listener *l, tdp_pipe *p);
+int64_t tdp__now_ms(void);
+
+#endif
