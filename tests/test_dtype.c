@@ -97,13 +97,13 @@ static void test_parse_aliases(void **state)
         const char *name;
         tdp_dtype dt;
     } aliases[] = {
-        {"torch.float", TDP_FLOAT32},     {"float", TDP_FLOAT32},
-        {"torch.double", TDP_FLOAT64},    {"double", TDP_FLOAT64},
-        {"torch.half", TDP_FLOAT16},      {"half", TDP_FLOAT16},
-        {"torch.int", TDP_INT32},         {"int", TDP_INT32},
-        {"torch.long", TDP_INT64},        {"long", TDP_INT64},
-        {"torch.short", TDP_INT16},       {"short", TDP_INT16},
-        {"torch.cfloat", TDP_COMPLEX64},  {"cfloat", TDP_COMPLEX64},
+        {"torch.float", TDP_FLOAT32},      {"float", TDP_FLOAT32},
+        {"torch.double", TDP_FLOAT64},     {"double", TDP_FLOAT64},
+        {"torch.half", TDP_FLOAT16},       {"half", TDP_FLOAT16},
+        {"torch.int", TDP_INT32},          {"int", TDP_INT32},
+        {"torch.long", TDP_INT64},         {"long", TDP_INT64},
+        {"torch.short", TDP_INT16},        {"short", TDP_INT16},
+        {"torch.cfloat", TDP_COMPLEX64},   {"cfloat", TDP_COMPLEX64},
         {"torch.cdouble", TDP_COMPLEX128}, {"cdouble", TDP_COMPLEX128},
     };
     for (size_t i = 0; i < sizeof(aliases) / sizeof(aliases[0]); i++) {
@@ -118,10 +118,25 @@ static void test_parse_rejects_unknown(void **state)
 {
     (void)state;
     static const char *const bad[] = {
-        "torch.float33", "",          "torch.",        "Float32",     "torch.Float32",
-        "FLOAT32",       "float33",   "torch.float32 ", " torch.float32", "torch..float32",
-        "torch",         "numpy.float32", "f4",        "torch.float8", "torch.int128",
-        "torch.complex32", "torch.bool\n", "tor.float32", "torch.float32\t",
+        "torch.float33",
+        "",
+        "torch.",
+        "Float32",
+        "torch.Float32",
+        "FLOAT32",
+        "float33",
+        "torch.float32 ",
+        " torch.float32",
+        "torch..float32",
+        "torch",
+        "numpy.float32",
+        "f4",
+        "torch.float8",
+        "torch.int128",
+        "torch.complex32",
+        "torch.bool\n",
+        "tor.float32",
+        "torch.float32\t",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tdp_dtype out = (tdp_dtype)99;

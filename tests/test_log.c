@@ -130,10 +130,10 @@ static void test_level_parse(void **state)
         const char *name;
         tdp_log_level lvl;
     } good[] = {
-        {"off", TDP_LOG_OFF},     {"error", TDP_LOG_ERROR}, {"warn", TDP_LOG_WARN},
-        {"info", TDP_LOG_INFO},   {"debug", TDP_LOG_DEBUG}, {"trace", TDP_LOG_TRACE},
-        {"OFF", TDP_LOG_OFF},     {"Error", TDP_LOG_ERROR}, {"WARN", TDP_LOG_WARN},
-        {"InFo", TDP_LOG_INFO},   {"DEBUG", TDP_LOG_DEBUG}, {"tRaCe", TDP_LOG_TRACE},
+        {"off", TDP_LOG_OFF},   {"error", TDP_LOG_ERROR}, {"warn", TDP_LOG_WARN},
+        {"info", TDP_LOG_INFO}, {"debug", TDP_LOG_DEBUG}, {"trace", TDP_LOG_TRACE},
+        {"OFF", TDP_LOG_OFF},   {"Error", TDP_LOG_ERROR}, {"WARN", TDP_LOG_WARN},
+        {"InFo", TDP_LOG_INFO}, {"DEBUG", TDP_LOG_DEBUG}, {"tRaCe", TDP_LOG_TRACE},
     };
     for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
         tdp_log_level out = (tdp_log_level)77;
@@ -141,9 +141,8 @@ static void test_level_parse(void **state)
         assert_int_equal(out, good[i].lvl);
     }
 
-    static const char *const bad[] = {"",      "verbose", "warning", "debug ", " debug",
-                                      "deb",   "err",     "5",       "trace\n", "off2",
-                                      "fatal", "none"};
+    static const char *const bad[] = {"",    "verbose", "warning", "debug ", " debug", "deb",
+                                      "err", "5",       "trace\n", "off2",   "fatal",  "none"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tdp_log_level out = (tdp_log_level)77;
         assert_int_equal(tdp_log_level_parse(bad[i], &out), TDP_EINVAL);

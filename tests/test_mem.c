@@ -296,10 +296,13 @@ static void test_device_parse_bad(void **state)
 {
     (void)state;
     static const char *const bad[] = {
-        "cuda:",  "cuda:01",     "gpu",         "cuda:-1", "cuda:1x",   "cuda:1234567890",
-        "",       "CPU",         "Cuda",        "cuda:+1", " cpu",      "cpu ",
-        "cpu:0",  "cuda:0 ",     "cuda:00",     "cuda0",   "cuda::1",   "cuda:0x1",
-        "cuda:1.0", "mps",       "cuda:9999999999",
+        "cuda:",    "cuda:01", "gpu",
+        "cuda:-1",  "cuda:1x", "cuda:1234567890",
+        "",         "CPU",     "Cuda",
+        "cuda:+1",  " cpu",    "cpu ",
+        "cpu:0",    "cuda:0 ", "cuda:00",
+        "cuda0",    "cuda::1", "cuda:0x1",
+        "cuda:1.0", "mps",     "cuda:9999999999",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tdp_device d = {(tdp_device_type)7, -7};

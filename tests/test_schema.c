@@ -18,7 +18,7 @@
 #include <tdpipe/mem.h>
 #include <tdpipe/schema.h>
 
-#define N(a) (uint32_t)(sizeof(a) / sizeof((a)[0]))
+#define N(a)     (uint32_t)(sizeof(a) / sizeof((a)[0]))
 #define OK(call) assert_int_equal((call), TDP_OK)
 
 static tdp_schema *finish(tdp_schema_builder *b)
@@ -152,8 +152,8 @@ static tdp_schema *all_dtypes_schema(void)
 }
 
 typedef tdp_schema *(*schema_fn)(void);
-static const schema_fn all_schemas[] = {flat_schema,       nested_schema,       values_schema,
-                                        empty_schema,      zero_dims_schema,    empty_first_schema,
+static const schema_fn all_schemas[] = {flat_schema,        nested_schema,    values_schema,
+                                        empty_schema,       zero_dims_schema, empty_first_schema,
                                         batch_class_schema, all_dtypes_schema};
 
 /* ---- round trip ---------------------------------------------------------- */
@@ -539,8 +539,7 @@ static void test_layout(void **state)
             }
         }
         /* total is the end of the last leaf rounded up, nothing more */
-        assert_int_equal(total,
-                         (max_end + TDP_LEAF_ALIGN - 1) / TDP_LEAF_ALIGN * TDP_LEAF_ALIGN);
+        assert_int_equal(total, (max_end + TDP_LEAF_ALIGN - 1) / TDP_LEAF_ALIGN * TDP_LEAF_ALIGN);
         tdp_schema_unref(s);
     }
 }
@@ -627,8 +626,8 @@ static tdp_schema *variant_schema(enum variant v)
     if (v == V_NODE_BATCH)
         OK(tdp_schema_builder_tensor(b, "next.r", TDP_FLOAT32, 3, r));
     else
-        OK(tdp_schema_builder_tensor(b, v == V_NESTED_KEY ? "next.reward" : "next.r",
-                                     TDP_FLOAT32, 2, r1));
+        OK(tdp_schema_builder_tensor(b, v == V_NESTED_KEY ? "next.reward" : "next.r", TDP_FLOAT32,
+                                     2, r1));
     if (v == V_ADD_LEAF)
         OK(tdp_schema_builder_tensor(b, "extra", TDP_UINT8, 1, act));
     if (v == V_ADD_VALUE)
@@ -991,8 +990,8 @@ static void test_builder_errors(void **state)
     assert_int_equal(tdp_schema_builder_set_device(b, (tdp_device){(tdp_device_type)9, 0}),
                      TDP_EINVAL);
     /* values must be one JSON scalar */
-    static const char *const bad_values[] = {"[1]", "{}", "{\"a\":1}", "", "nope", "1 2",
-                                             "\"unterminated", "1e999", "NaN"};
+    static const char *const bad_values[] = {
+        "[1]", "{}", "{\"a\":1}", "", "nope", "1 2", "\"unterminated", "1e999", "NaN"};
     for (uint32_t i = 0; i < N(bad_values); i++)
         if (tdp_schema_builder_value(b, "x", bad_values[i]) != TDP_EINVAL)
             fail_msg("value '%s' accepted", bad_values[i]);
@@ -1032,8 +1031,8 @@ static void expect_finish_fails(tdp_schema_builder *b, tdp_err want, const char 
 static void test_reserved_node_names(void **state)
 {
     (void)state;
-    static const char *const paths[] = {"cls", "cls_metadata", "leaves", "non_tensors",
-                                        "ok.leaves", "ok.deeper.cls"};
+    static const char *const paths[] = {"cls",         "cls_metadata", "leaves",
+                                        "non_tensors", "ok.leaves",    "ok.deeper.cls"};
     for (uint32_t i = 0; i < N(paths); i++) {
         tdp_schema_builder *b;
         OK(tdp_schema_builder_new(&b));
@@ -1127,10 +1126,18 @@ static void test_print(void **state)
     size_t n = fread(text, 1, sizeof(text) - 1, f);
     fclose(f);
     text[n] = '\0';
-    static const char *const needles[] = {"MyData",       "Transition", "next:",
-                                          "stats:",       "obs:",       "action:",
-                                          "mean:",        "torch.uint8", "torch.bfloat16",
-                                          "[4, 2, 84, 84]", "batch_size=[4, 2]", "on cpu"};
+    static const char *const needles[] = {"MyData",
+                                          "Transition",
+                                          "next:",
+                                          "stats:",
+                                          "obs:",
+                                          "action:",
+                                          "mean:",
+                                          "torch.uint8",
+                                          "torch.bfloat16",
+                                          "[4, 2, 84, 84]",
+                                          "batch_size=[4, 2]",
+                                          "on cpu"};
     for (uint32_t i = 0; i < N(needles); i++)
         if (strstr(text, needles[i]) == NULL)
             fail_msg("'%s' missing from:\n%s", needles[i], text);

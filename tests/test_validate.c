@@ -14,7 +14,7 @@
 #include <time.h>
 #include <tdpipe/schema.h>
 
-#define N(a) (uint32_t)(sizeof(a) / sizeof((a)[0]))
+#define N(a)     (uint32_t)(sizeof(a) / sizeof((a)[0]))
 #define OK(call) assert_int_equal((call), TDP_OK)
 
 /* ---- building documents ---------------------------------------------------- */
@@ -71,8 +71,8 @@ static tdp_schema *expect_n(const char *json, size_t len, const tdp_schema_limit
     tdp_err rc = tdp_schema_decode(json, len, lim, &s, why, sizeof(why));
     assert_non_null(memchr(why, '\0', sizeof(why)));
     if (rc != want)
-        fail_msg("decode gave %s (%s), want %s, for:\n%.400s", tdp_errname(rc),
-                 rc ? why : "", tdp_errname(want), json ? json : "(null)");
+        fail_msg("decode gave %s (%s), want %s, for:\n%.400s", tdp_errname(rc), rc ? why : "",
+                 tdp_errname(want), json ? json : "(null)");
     if (rc != TDP_OK) {
         assert_ptr_equal(s, sentinel);
         assert_true(why[0] != '\0');
@@ -123,8 +123,8 @@ static tdp_schema_limits limits(void)
 static void test_baseline_accepted(void **state)
 {
     (void)state;
-    expect_doc(doc("64", "\"x\":[\"torch.float32\",[2,2],0,16,0]", "\"v\":1"), NULL, TDP_OK,
-               NULL, NULL);
+    expect_doc(doc("64", "\"x\":[\"torch.float32\",[2,2],0,16,0]", "\"v\":1"), NULL, TDP_OK, NULL,
+               NULL);
     expect_doc(doc("0", "", ""), NULL, TDP_OK, NULL, NULL);
     /* tensordict pads to 8 only: decoded schemas need only dtype alignment */
     expect_doc(doc("32",
@@ -133,9 +133,8 @@ static void test_baseline_accepted(void **state)
                    ""),
                NULL, TDP_OK, NULL, NULL);
     /* optional metadata fields may be missing; names may be given */
-    expect_doc(top("8", node("2", "\"x\":[\"torch.int16\",[2],0,4,0]", "",
-                             "")),
-               NULL, TDP_OK, NULL, NULL);
+    expect_doc(top("8", node("2", "\"x\":[\"torch.int16\",[2],0,4,0]", "", "")), NULL, TDP_OK, NULL,
+               NULL);
 }
 
 /* ---- arithmetic -------------------------------------------------------------- */
@@ -147,26 +146,31 @@ static void test_shape_overflow(void **state)
                TDP_ESCHEMA, "'x'", "overflow");
     expect_doc(doc("64", "\"x\":[\"torch.float32\",[4611686018427387904],0,64,0]", ""), NULL,
                TDP_ESCHEMA, "'x'", "overflow");
-    expect_doc(doc("64", "\"x\":[\"torch.uint8\",[9223372036854775807,9223372036854775807],0,64,0]",
-                   ""),
-               NULL, TDP_ESCHEMA, "'x'", "overflow");
+    expect_doc(
+        doc("64", "\"x\":[\"torch.uint8\",[9223372036854775807,9223372036854775807],0,64,0]", ""),
+        NULL, TDP_ESCHEMA, "'x'", "overflow");
     /* a zero dim makes numel 0, but the int64 strides still overflow */
     expect_doc(doc("64", "\"x\":[\"torch.float32\",[0,4294967296,4294967296],0,0,0]", ""), NULL,
                TDP_ESCHEMA, "'x'", "stride");
+    /* just past INT64_MAX (2^63) without wrapping uint64 */
+    expect_doc(doc("64", "\"x\":[\"torch.float32\",[0,4294967296,2147483648],0,0,0]", ""), NULL,
+               TDP_ESCHEMA, "'x'", "stride");
+    expect_doc(doc("64", "\"x\":[\"torch.float32\",[0,4294967296,2147483647],0,0,0]", ""), NULL,
+               TDP_OK, NULL, NULL);
     /* a zero dim with modest others is fine */
-    expect_doc(doc("64", "\"x\":[\"torch.float32\",[0,65536,65536],0,0,0]", ""), NULL, TDP_OK,
-               NULL, NULL);
+    expect_doc(doc("64", "\"x\":[\"torch.float32\",[0,65536,65536],0,0,0]", ""), NULL, TDP_OK, NULL,
+               NULL);
 }
 
 static void test_offset_near_max(void **state)
 {
     (void)state;
-    expect_doc(doc("64",
-                   "\"x\":[\"torch.uint8\",[1],9223372036854775807,9223372036854775807,0]", ""),
-               NULL, TDP_ESCHEMA, "'x'", "outside");
-    expect_doc(doc("64", "\"x\":[\"torch.uint8\",[1],9223372036854775800,9223372036854775801,0]",
-                   ""),
-               NULL, TDP_ESCHEMA, "'x'", "outside");
+    expect_doc(
+        doc("64", "\"x\":[\"torch.uint8\",[1],9223372036854775807,9223372036854775807,0]", ""),
+        NULL, TDP_ESCHEMA, "'x'", "outside");
+    expect_doc(
+        doc("64", "\"x\":[\"torch.uint8\",[1],9223372036854775800,9223372036854775801,0]", ""),
+        NULL, TDP_ESCHEMA, "'x'", "outside");
 
     /* start + nbytes wraps past 2^64 to a small number: still refused */
     tdp_schema_limits l = limits();
@@ -177,9 +181,9 @@ static void test_offset_near_max(void **state)
                    ""),
                &l, TDP_ESCHEMA, "'x'", "outside");
     /* and beyond int64, JSON integers are refused by the parser */
-    expect_doc(doc("64", "\"x\":[\"torch.uint8\",[1],18446744073709551615,18446744073709551615,0]",
-                   ""),
-               NULL, TDP_ESCHEMA, "JSON", "integer");
+    expect_doc(
+        doc("64", "\"x\":[\"torch.uint8\",[1],18446744073709551615,18446744073709551615,0]", ""),
+        NULL, TDP_ESCHEMA, "JSON", "integer");
 }
 
 static void test_stop_inconsistent(void **state)
@@ -224,38 +228,39 @@ static void test_leaf_beyond_total(void **state)
 static void test_overlap(void **state)
 {
     (void)state;
-    expect_doc(doc("64",
-                   "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[4],8,24,0]", ""),
-               NULL, TDP_ESCHEMA, "'b' overlaps leaf 'a'", NULL);
+    expect_doc(
+        doc("64", "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[4],8,24,0]", ""),
+        NULL, TDP_ESCHEMA, "'b' overlaps leaf 'a'", NULL);
     /* a's padding covers b */
     expect_doc(doc("64",
                    "\"a\":[\"torch.float32\",[4],0,32,16],\"b\":[\"torch.float32\",[4],16,32,0]",
                    ""),
                NULL, TDP_ESCHEMA, "overlaps", NULL);
     /* same range, two names */
-    expect_doc(doc("64",
-                   "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.int32\",[4],0,16,0]", ""),
-               NULL, TDP_ESCHEMA, "overlaps", NULL);
+    expect_doc(
+        doc("64", "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.int32\",[4],0,16,0]", ""),
+        NULL, TDP_ESCHEMA, "overlaps", NULL);
     /* in different nodes */
-    expect_doc(top("64", node("", "\"a\":[\"torch.float32\",[4],0,16,0]", "",
-                              "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},"
-                              "\"leaves\":{\"b\":[\"torch.uint8\",[1],15,16,0]}}")),
-               NULL, TDP_ESCHEMA, "overlaps", NULL);
+    expect_doc(
+        top("64", node("", "\"a\":[\"torch.float32\",[4],0,16,0]", "",
+                       "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},"
+                       "\"leaves\":{\"b\":[\"torch.uint8\",[1],15,16,0]}}")),
+        NULL, TDP_ESCHEMA, "overlaps", NULL);
     /* adjacent is fine */
-    expect_doc(doc("64",
-                   "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[4],16,32,0]", ""),
-               NULL, TDP_OK, NULL, NULL);
+    expect_doc(
+        doc("64", "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[4],16,32,0]", ""),
+        NULL, TDP_OK, NULL, NULL);
     /* an empty leaf sharing the offset of a full one, either name order */
-    expect_doc(doc("64",
-                   "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[0],0,0,0]", ""),
-               NULL, TDP_OK, NULL, NULL);
-    expect_doc(doc("64",
-                   "\"b\":[\"torch.float32\",[4],0,16,0],\"a\":[\"torch.float32\",[0],0,0,0]", ""),
-               NULL, TDP_OK, NULL, NULL);
+    expect_doc(
+        doc("64", "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[0],0,0,0]", ""),
+        NULL, TDP_OK, NULL, NULL);
+    expect_doc(
+        doc("64", "\"b\":[\"torch.float32\",[4],0,16,0],\"a\":[\"torch.float32\",[0],0,0,0]", ""),
+        NULL, TDP_OK, NULL, NULL);
     /* ... but an empty leaf inside another one's bytes is not */
-    expect_doc(doc("64",
-                   "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[0],8,8,0]", ""),
-               NULL, TDP_ESCHEMA, "overlaps", NULL);
+    expect_doc(
+        doc("64", "\"a\":[\"torch.float32\",[4],0,16,0],\"b\":[\"torch.float32\",[0],8,8,0]", ""),
+        NULL, TDP_ESCHEMA, "overlaps", NULL);
 }
 
 static void test_misaligned(void **state)
@@ -286,10 +291,10 @@ static char *nested_doc(uint32_t depth, bool leaf)
 {
     static const char open[] =
         "{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},\"a\":";
-    static const char last_leaf[] =
-        "{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},"
-        "\"leaves\":{\"x\":[\"torch.float32\",[1],0,4,0]}}";
-    static const char last_plain[] = "{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}";
+    static const char last_leaf[] = "{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},"
+                                    "\"leaves\":{\"x\":[\"torch.float32\",[1],0,4,0]}}";
+    static const char last_plain[] =
+        "{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}";
     size_t cap = (size_t)depth * sizeof(open) + sizeof(last_leaf) + depth + 256;
     char *td = malloc(cap), *p = td;
     assert_non_null(td);
@@ -369,29 +374,31 @@ static void test_brackets_in_strings(void **state)
 static void test_duplicate_keys(void **state)
 {
     (void)state;
-    expect(
-        "{\"format\":\"tdpipe.schema\",\"format\":\"tdpipe.schema\",\"version\":1,"
-        "\"total_bytes\":0,\"device\":\"cpu\",\"td\":{\"cls\":\"TensorDict\","
-        "\"cls_metadata\":{\"batch_size\":[]}}}",
-        NULL, TDP_ESCHEMA, "duplicate", "format");
-    expect_doc(doc("64", "\"x\":[\"torch.float32\",[1],0,4,0],\"x\":[\"torch.float32\",[1],8,12,0]",
-                   ""),
-               NULL, TDP_ESCHEMA, "duplicate", "x");
+    expect("{\"format\":\"tdpipe.schema\",\"format\":\"tdpipe.schema\",\"version\":1,"
+           "\"total_bytes\":0,\"device\":\"cpu\",\"td\":{\"cls\":\"TensorDict\","
+           "\"cls_metadata\":{\"batch_size\":[]}}}",
+           NULL, TDP_ESCHEMA, "duplicate", "format");
+    expect_doc(
+        doc("64", "\"x\":[\"torch.float32\",[1],0,4,0],\"x\":[\"torch.float32\",[1],8,12,0]", ""),
+        NULL, TDP_ESCHEMA, "duplicate", "x");
     expect_doc(doc("0", "", "\"v\":1,\"v\":2"), NULL, TDP_ESCHEMA, "duplicate", "v");
     /* the same key as a tensor and as a value */
     expect_doc(doc("64", "\"x\":[\"torch.float32\",[1],0,4,0]", "\"x\":1"), NULL, TDP_ESCHEMA,
                "'x'", "twice");
     /* and as a leaf and a sub-dict */
-    expect_doc(top("64", node("", "\"k\":[\"torch.float32\",[1],0,4,0]", "",
-                              "\"k\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
-               NULL, TDP_ESCHEMA, "'k'", "twice");
-    expect_doc(top("0", node("", "", "\"k\":null",
-                             "\"k\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
-               NULL, TDP_ESCHEMA, "'k'", "twice");
+    expect_doc(
+        top("64", node("", "\"k\":[\"torch.float32\",[1],0,4,0]", "",
+                       "\"k\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
+        NULL, TDP_ESCHEMA, "'k'", "twice");
+    expect_doc(
+        top("0", node("", "", "\"k\":null",
+                      "\"k\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
+        NULL, TDP_ESCHEMA, "'k'", "twice");
     /* duplicate keys in cls_metadata */
-    expect("{\"format\":\"tdpipe.schema\",\"version\":1,\"total_bytes\":0,\"device\":\"cpu\","
-           "\"td\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[],\"batch_size\":[]}}}",
-           NULL, TDP_ESCHEMA, "duplicate", "batch_size");
+    expect(
+        "{\"format\":\"tdpipe.schema\",\"version\":1,\"total_bytes\":0,\"device\":\"cpu\","
+        "\"td\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[],\"batch_size\":[]}}}",
+        NULL, TDP_ESCHEMA, "duplicate", "batch_size");
 }
 
 static void test_bad_dtype(void **state)
@@ -399,8 +406,7 @@ static void test_bad_dtype(void **state)
     (void)state;
     expect_doc(doc("64", "\"x\":[\"torch.float33\",[1],0,4,0]", ""), NULL, TDP_ESCHEMA, "'x'",
                "unknown dtype 'torch.float33'");
-    expect_doc(doc("64", "\"x\":[\"Float32\",[1],0,4,0]", ""), NULL, TDP_ESCHEMA, "'x'",
-               "dtype");
+    expect_doc(doc("64", "\"x\":[\"Float32\",[1],0,4,0]", ""), NULL, TDP_ESCHEMA, "'x'", "dtype");
     expect_doc(doc("64", "\"x\":[\"\",[1],0,4,0]", ""), NULL, TDP_ESCHEMA, "'x'", "dtype");
     expect_doc(doc("64", "\"x\":[5,[1],0,4,0]", ""), NULL, TDP_ESCHEMA, "'x'", "dtype");
     /* the wrong tuple */
@@ -429,12 +435,14 @@ static void test_negative_dims(void **state)
                "batch_size[0] = -2 is negative");
     expect_doc(top("64", node("3", "\"x\":[\"torch.float32\",[2],0,8,0]", "", "")), NULL,
                TDP_ESCHEMA, "'x'", "batch_size");
-    expect_doc(top("0", node("3", "", "",
-                             "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[4]}}")),
-               NULL, TDP_ESCHEMA, "'sub'", "batch_size");
-    expect_doc(top("0", node("3", "", "",
-                             "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[3,4]}}")),
-               NULL, TDP_OK, NULL, NULL);
+    expect_doc(
+        top("0", node("3", "", "",
+                      "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[4]}}")),
+        NULL, TDP_ESCHEMA, "'sub'", "batch_size");
+    expect_doc(
+        top("0", node("3", "", "",
+                      "\"sub\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[3,4]}}")),
+        NULL, TDP_OK, NULL, NULL);
 }
 
 /* ---- limits ------------------------------------------------------------ */
@@ -478,12 +486,13 @@ static void test_too_many_keys(void **state)
     expect_doc(doc("0", "", "\"a\":1,\"b\":2,\"c\":3"), &l, TDP_ESCHEMA, "key limit 3", NULL);
     expect_doc(doc("0", "", "\"a\":1,\"b\":2,\"c\":3,\"d\":4,\"e\":5"), &l, TDP_ESCHEMA,
                "more than 3 keys", NULL);
-    expect_doc(top("0", node("", "", "",
-                             "\"s1\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
-                             "\"s2\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
-                             "\"s3\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
-                             "\"s4\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
-               &l, TDP_ESCHEMA, "keys", NULL);
+    expect_doc(
+        top("0", node("", "", "",
+                      "\"s1\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
+                      "\"s2\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
+                      "\"s3\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}},"
+                      "\"s4\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
+        &l, TDP_ESCHEMA, "keys", NULL);
     l.max_keys = 4;
     expect_doc(doc("0", "", "\"a\":1,\"b\":2,\"c\":3"), &l, TDP_OK, NULL, NULL);
 
@@ -515,24 +524,24 @@ static void test_key_rules(void **state)
     l.max_key_len = 4;
     expect_doc(doc("0", "", "\"abcde\":1"), &l, TDP_ESCHEMA, "abcde", "limit 4");
     expect_doc(doc("0", "", "\"abcd\":1"), &l, TDP_OK, NULL, NULL);
-    expect_doc(top("0", node("", "", "",
-                             "\"abcde\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
-               &l, TDP_ESCHEMA, "abcde", "limit 4");
+    expect_doc(
+        top("0", node("", "", "",
+                      "\"abcde\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
+        &l, TDP_ESCHEMA, "abcde", "limit 4");
 
     /* the separator */
     expect_doc(doc("64", "\"a.b\":[\"torch.uint8\",[1],0,1,0]", ""), NULL, TDP_ESCHEMA, "'a.b'",
                "separator");
     expect_doc(doc("0", "", "\"a.b\":1"), NULL, TDP_ESCHEMA, "'a.b'", "separator");
-    expect_doc(top("0", node("", "", "",
-                             "\"x.y\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
-               NULL, TDP_ESCHEMA, "'x.y'", "separator");
+    expect_doc(
+        top("0", node("", "", "",
+                      "\"x.y\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]}}")),
+        NULL, TDP_ESCHEMA, "'x.y'", "separator");
     /* control characters */
     expect_doc(doc("64", "\"a\\u0001b\":[\"torch.uint8\",[1],0,1,0]", ""), NULL, TDP_ESCHEMA,
                "control character 0x01", NULL);
-    expect_doc(doc("0", "", "\"tab\\there\":1"), NULL, TDP_ESCHEMA, "control character 0x09",
-               NULL);
-    expect_doc(doc("0", "", "\"del\\u007f\":1"), NULL, TDP_ESCHEMA, "control character 0x7f",
-               NULL);
+    expect_doc(doc("0", "", "\"tab\\there\":1"), NULL, TDP_ESCHEMA, "control character 0x09", NULL);
+    expect_doc(doc("0", "", "\"del\\u007f\":1"), NULL, TDP_ESCHEMA, "control character 0x7f", NULL);
     expect_doc(top("0", node("", "", "",
                              "\"n\\u001f\":{\"cls\":\"TensorDict\",\"cls_metadata\":"
                              "{\"batch_size\":[]}}")),
@@ -584,15 +593,13 @@ static void test_rank(void **state)
 static void test_total_bytes_limit(void **state)
 {
     (void)state;
-    expect_doc(doc("68719476737", "", ""), NULL, TDP_EMSGSIZE, "total_bytes 68719476737",
-               "limit");
+    expect_doc(doc("68719476737", "", ""), NULL, TDP_EMSGSIZE, "total_bytes 68719476737", "limit");
     expect_doc(doc("68719476736", "", ""), NULL, TDP_OK, NULL, NULL);
     tdp_schema_limits l = limits();
     l.max_total_bytes = 1000;
     expect_doc(doc("1024", "\"x\":[\"torch.uint8\",[1000],0,1000,0]", ""), &l, TDP_EMSGSIZE,
                "total_bytes 1024", "limit 1000");
-    expect_doc(doc("1000", "\"x\":[\"torch.uint8\",[1000],0,1000,0]", ""), &l, TDP_OK, NULL,
-               NULL);
+    expect_doc(doc("1000", "\"x\":[\"torch.uint8\",[1000],0,1000,0]", ""), &l, TDP_OK, NULL, NULL);
     /* malformed total_bytes */
     expect_doc(doc("-1", "", ""), NULL, TDP_ESCHEMA, "total_bytes", NULL);
     expect_doc(doc("1.5", "", ""), NULL, TDP_ESCHEMA, "total_bytes", NULL);
@@ -712,8 +719,8 @@ static void test_non_scalar_values(void **state)
     free(j);
     static const struct {
         const char *path, *json;
-    } want[] = {{"s", "\"x\""}, {"i", "-3"},      {"r", "0.25"},
-                {"t", "true"},  {"f", "false"},   {"n", "null"}};
+    } want[] = {{"s", "\"x\""}, {"i", "-3"},    {"r", "0.25"},
+                {"t", "true"},  {"f", "false"}, {"n", "null"}};
     for (uint32_t i = 0; i < N(want); i++) {
         tdp_leaf l;
         OK(tdp_schema_find(s, want[i].path, &l));
@@ -794,9 +801,20 @@ static void test_garbage(void **state)
 {
     (void)state;
     static const char *const junk[] = {
-        "hello", "\xff\xfe\x00\x01", "[]", "null", "42", "\"tdpipe.schema\"", "{", "}",
-        "{\"format\":\"tdpipe.schema\"", "{} {}", "{\"a\":1} x", "\xef\xbb\xbf{}",
-        "{\"format\":\"tdpipe.sch\xff\"}", "{'format':'tdpipe.schema'}",
+        "hello",
+        "\xff\xfe\x00\x01",
+        "[]",
+        "null",
+        "42",
+        "\"tdpipe.schema\"",
+        "{",
+        "}",
+        "{\"format\":\"tdpipe.schema\"",
+        "{} {}",
+        "{\"a\":1} x",
+        "\xef\xbb\xbf{}",
+        "{\"format\":\"tdpipe.sch\xff\"}",
+        "{'format':'tdpipe.schema'}",
     };
     for (uint32_t i = 0; i < N(junk); i++)
         expect(junk[i], NULL, TDP_ESCHEMA, NULL, NULL);
@@ -844,14 +862,14 @@ static void test_empty_and_null_input(void **state)
 static void test_truncated_prefixes(void **state)
 {
     (void)state;
-    char *j = top("256",
-                  node("2",
-                       "\"a\":[\"torch.float32\",[2,3],0,32,8],\"b\":[\"torch.int64\",[2],64,80,0]",
-                       "\"name\":\"x \\\"y\\\" \\u00e9\",\"n\":-1.5e3,\"ok\":true,\"none\":null",
-                       "\"sub\":{\"cls\":\"Sub\",\"cls_metadata\":{\"batch_size\":[2,1],"
-                       "\"device\":\"cpu\",\"is_locked\":false,\"names\":[\"b\",null]},"
-                       "\"leaves\":{\"c\":[\"torch.bool\",[2,1,4],128,136,0]},"
-                       "\"non_tensors\":{\"k\":1}}"));
+    char *j =
+        top("256",
+            node("2", "\"a\":[\"torch.float32\",[2,3],0,32,8],\"b\":[\"torch.int64\",[2],64,80,0]",
+                 "\"name\":\"x \\\"y\\\" \\u00e9\",\"n\":-1.5e3,\"ok\":true,\"none\":null",
+                 "\"sub\":{\"cls\":\"Sub\",\"cls_metadata\":{\"batch_size\":[2,1],"
+                 "\"device\":\"cpu\",\"is_locked\":false,\"names\":[\"b\",null]},"
+                 "\"leaves\":{\"c\":[\"torch.bool\",[2,1,4],128,136,0]},"
+                 "\"non_tensors\":{\"k\":1}}"));
     size_t len = strlen(j);
     tdp_schema *s = expect_n(j, len, NULL, TDP_OK, NULL, NULL);
     tdp_schema_unref(s);

@@ -220,8 +220,11 @@ static uint32_t find_parent(const tdp_schema *s, const char *path)
  */
 static tdp_err schema_order(tdp_schema *s, tdp__why *w)
 {
-    qsort(s->nodes, s->nnodes, sizeof(*s->nodes), node_cmp);
-    qsort(s->leaves, s->nleaves, sizeof(*s->leaves), leaf_cmp);
+    /* a decoded schema without leaves has leaves == NULL: qsort must not see it */
+    if (s->nnodes > 1)
+        qsort(s->nodes, s->nnodes, sizeof(*s->nodes), node_cmp);
+    if (s->nleaves > 1)
+        qsort(s->leaves, s->nleaves, sizeof(*s->leaves), leaf_cmp);
 
     if (s->nnodes == 0 || s->nodes[0].path[0] != '\0')
         return tdp__fail(w, TDP_ESCHEMA, "schema has no root node");

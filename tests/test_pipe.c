@@ -1,0 +1,912 @@
+/*
+ * test_pipe: the pipe conformance suite. ctest runs it once per UCX
+ * transport set (UCX_TLS=tcp, UCX_TLS=shm,self... see CMakeLists.txt).
+ * Loopback only, ephemeral ports, every wait bounded.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include <tdpipe/pipe.h>
+#include <tdpipe/tdpipe.h>
+
+#include "pipe/pipe_int.h"
+
+#define TMO 20000 /* ms: generous bound for any single wait in this suite */
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- schemas and payload patterns ------------------------------------------- */
+
+/* variant picks one of several layouts that differ in one way each */
+static tdp_schema *make_schema(int variant, int64_t n)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    const int64_t batch[] = {4};
+    int64_t obs[] = {4, n}, lab[] = {4};
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_node(b, "", NULL, 1, batch), TDP_OK);
+    if (variant == 1)
+        obs[1] = n + 3; /* shape change */
+    assert_int_equal(tdp_schema_builder_tensor(b, "obs", variant == 2 ? TDP_FLOAT64 : TDP_FLOAT32,
+                                               2, obs),
+                     TDP_OK); /* variant 2: dtype change */
+    if (variant != 4)         /* variant 4: key removed */
+        assert_int_equal(tdp_schema_builder_tensor(b, "label", TDP_INT64, 1, lab), TDP_OK);
+    if (variant == 3) /* key added */
+        assert_int_equal(tdp_schema_builder_tensor(b, "extra", TDP_UINT8, 1, lab), TDP_OK);
+    assert_int_equal(tdp_schema_builder_node(b, "meta", variant == 5 ? "Renamed" : "Meta", 1,
+                                             batch),
+                     TDP_OK); /* variant 5: class name */
+    assert_int_equal(tdp_schema_builder_tensor(b, "meta.weight", TDP_BFLOAT16, 1, lab), TDP_OK);
+    assert_int_equal(tdp_schema_builder_string(b, "meta.source", "unit test"), TDP_OK);
+    assert_int_equal(tdp_schema_builder_int(b, "meta.epoch", 7), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+static tdp_schema *bytes_schema(int64_t nbytes)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+/* A pattern that depends on the sequence number: a stale buffer fails it. */
+static void fill(tdp_td *td, uint64_t seq)
+{
+    uint8_t *p = tdp_td_data(td);
+    uint64_t n = tdp_td_nbytes(td);
+    uint64_t x = seq * 0x9E3779B97F4A7C15ull;
+    for (uint64_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull);
+        memcpy(p + i, &v, 8);
+    }
+    for (uint64_t i = n & ~7ull; i < n; i++)
+        p[i] = (uint8_t)(seq + i);
+}
+
+static bool verify(const tdp_td *td, uint64_t seq)
+{
+    const uint8_t *p = tdp_td_data(td);
+    uint64_t n = tdp_td_nbytes(td);
+    uint64_t x = seq * 0x9E3779B97F4A7C15ull;
+    for (uint64_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull), got;
+        memcpy(&got, p + i, 8);
+        if (got != v)
+            return false;
+    }
+    for (uint64_t i = n & ~7ull; i < n; i++)
+        if (p[i] != (uint8_t)(seq + i))
+            return false;
+    return true;
+}
+
+/* ---- environment: two loops on their own threads, one pipe between them ------- */
+
+typedef struct env {
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *srv, *cli;
+} env;
+
+static void env_up(env *e, const tdp_pipe_opts *so, const tdp_pipe_opts *co)
+{
+    memset(e, 0, sizeof(*e));
+    assert_int_equal(tdp_loop_new(NULL, &e->sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &e->cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(e->sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(e->cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(e->sl, "127.0.0.1", 0, so, NULL, NULL, &e->l), TDP_OK);
+    assert_true(tdp_listener_port(e->l) > 0);
+    assert_int_equal(tdp_pipe_connect(e->cl, "127.0.0.1", tdp_listener_port(e->l), co, &e->cli),
+                     TDP_OK);
+    assert_int_equal(tdp_listener_accept(e->l, TMO, &e->srv), TDP_OK);
+}
+
+static void env_down(env *e)
+{
+    tdp_pipe_free(e->cli);
+    tdp_pipe_free(e->srv);
+    tdp_listener_free(e->l);
+    tdp_loop_free(e->cl);
+    tdp_loop_free(e->sl);
+}
+
+/* A thread that sends `count` messages, cycling through tds, then closes. */
+typedef struct sender {
+    pthread_t th;
+    tdp_pipe *pipe;
+    tdp_td **tds;
+    int ntds;
+    int per_td; /* messages before moving to the next td */
+    int count;
+    bool close;
+    tdp_err rc;
+    int sent;
+} sender;
+
+static void *sender_main(void *arg)
+{
+    sender *s = arg;
+    s->rc = TDP_OK;
+    for (int i = 0; i < s->count; i++) {
+        tdp_td *td = s->tds[(i / s->per_td) % s->ntds];
+        fill(td, (uint64_t)i + 1);
+        s->rc = tdp_pipe_send(s->pipe, td, TMO);
+        if (s->rc != TDP_OK)
+            return NULL;
+        s->sent++;
+    }
+    if (s->close)
+        s->rc = tdp_pipe_close(s->pipe, TMO);
+    return NULL;
+}
+
+static void sender_start(sender *s)
+{
+    if (s->per_td == 0)
+        s->per_td = 1;
+    assert_int_equal(pthread_create(&s->th, NULL, sender_main, s), 0);
+}
+
+/* ---- tests ---------------------------------------------------------------------- */
+
+static void test_handshake(void **state)
+{
+    env e;
+    char buf[80];
+    env_up(&e, NULL, NULL);
+    assert_true(tdp_pipe_same_host(e.cli));
+    assert_true(tdp_pipe_same_host(e.srv));
+    assert_non_null(strstr(tdp_pipe_peer(e.cli, buf, sizeof(buf)), "127.0.0.1:"));
+    assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
+    assert_null(tdp_pipe_recv_schema(e.srv));
+    env_down(&e);
+}
+
+static void test_steady_1000(void **state)
+{
+    env e;
+    tdp_schema *s = make_schema(0, 1000);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    env_up(&e, NULL, NULL);
+    sender snd = {.pipe = e.cli, .tds = &td, .ntds = 1, .count = 1000, .close = true};
+    sender_start(&snd);
+    tdp_td *got, *first = NULL;
+    for (uint64_t i = 1; i <= 1000; i++) {
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        if (first == NULL)
+            first = got;
+        assert_ptr_equal(got, first); /* depth 1: received in place, same storage */
+        assert_true(tdp_schema_equal(tdp_td_schema(got), s));
+        assert_true(verify(got, i));
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED); /* clean end */
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED); /* and it stays ended */
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(e.srv, &st);
+    assert_int_equal(st.msgs_recv, 1000);
+    assert_int_equal(st.schemas_recv, 1);
+    assert_int_equal(st.bytes_recv, 1000 * tdp_schema_total_bytes(s));
+    tdp_pipe_stats_get(e.cli, &st);
+    assert_int_equal(st.schemas_sent, 1);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_schema_changes(void **state)
+{
+    env e;
+    enum { NV = 6, PER = 5, ROUNDS = 2 };
+    tdp_schema *s[NV];
+    tdp_td *tds[NV];
+    for (int v = 0; v < NV; v++) {
+        s[v] = make_schema(v, 100);
+        assert_int_equal(tdp_td_new(s[v], &tds[v]), TDP_OK);
+        for (int w = 0; w < v; w++)
+            assert_int_not_equal(tdp_schema_hash(s[v]), tdp_schema_hash(s[w]));
+    }
+    env_up(&e, NULL, NULL);
+    sender snd = {.pipe = e.cli, .tds = tds, .ntds = NV, .per_td = PER,
+                  .count = NV * PER * ROUNDS, .close = true};
+    sender_start(&snd);
+    tdp_td *got;
+    for (int i = 0; i < NV * PER * ROUNDS; i++) {
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(tdp_schema_equal(tdp_td_schema(got), s[(i / PER) % NV]));
+        assert_true(verify(got, (uint64_t)i + 1));
+        /* nested keys, class names and non-tensor values arrive intact */
+        tdp_leaf l;
+        tdp_node_info ni;
+        assert_int_equal(tdp_td_get(got, "meta.source", &l), TDP_OK);
+        assert_int_equal(l.kind, TDP_LEAF_VALUE);
+        assert_string_equal(l.value_json, "\"unit test\"");
+        assert_int_equal(tdp_td_get(got, "meta.epoch", &l), TDP_OK);
+        assert_string_equal(l.value_json, "7");
+        assert_int_equal(tdp_schema_find_node(tdp_td_schema(got), "meta", &ni), TDP_OK);
+        assert_string_equal(ni.cls, (i / PER) % NV == 5 ? "Renamed" : "Meta");
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED);
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(e.srv, &st);
+    assert_int_equal(st.schemas_recv, NV * ROUNDS);
+    env_down(&e);
+    for (int v = 0; v < NV; v++) {
+        tdp_td_unref(tds[v]);
+        tdp_schema_unref(s[v]);
+    }
+}
+
+static void sizes_case(int64_t nbytes, int count)
+{
+    env e;
+    tdp_schema *s = bytes_schema(nbytes);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    env_up(&e, NULL, NULL);
+    sender snd = {.pipe = e.cli, .tds = &td, .ntds = 1, .count = count, .close = true};
+    sender_start(&snd);
+    tdp_td *got;
+    for (int i = 1; i <= count; i++) {
+        assert_int_equal(tdp_pipe_recv(e.srv, 60000, &got), TDP_OK);
+        assert_int_equal(tdp_td_nbytes(got), tdp_schema_total_bytes(s));
+        assert_true(verify(got, (uint64_t)i));
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED);
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_tiny(void **state)
+{
+    sizes_case(3, 50);
+}
+
+static void test_large_256mib(void **state)
+{
+    sizes_case(256ll << 20, 3);
+}
+
+/* depth N: a slow consumer holds several lent buffers at once; the sender waits. */
+static void test_depth_ring(void **state)
+{
+    env e;
+    tdp_pipe_opts so;
+    tdp_pipe_opts_default(&so);
+    so.recv_depth = 4;
+    tdp_schema *s = bytes_schema(64 << 10);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    env_up(&e, &so, NULL);
+    sender snd = {.pipe = e.cli, .tds = &td, .ntds = 1, .count = 200, .close = true};
+    sender_start(&snd);
+    tdp_td *held[4];
+    uint64_t seq = 1;
+    for (int round = 0; round < 50; round++) {
+        for (int k = 0; k < 4; k++) {
+            assert_int_equal(tdp_pipe_recv(e.srv, TMO, &held[k]), TDP_OK);
+            for (int j = 0; j < k; j++)
+                assert_ptr_not_equal(held[j], held[k]); /* distinct buffers */
+        }
+        /* all four are intact while held: nothing overwrote a lent buffer */
+        usleep(2000);
+        for (int k = 0; k < 4; k++)
+            assert_true(verify(held[k], seq + (uint64_t)k));
+        for (int k = 0; k < 4; k++)
+            tdp_pipe_release(e.srv, held[k]);
+        seq += 4;
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &held[0]), TDP_ECLOSED);
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(e.cli, &st);
+    assert_true(st.credit_waits > 0); /* the sender was held back, not buffered */
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_bidirectional(void **state)
+{
+    env e;
+    tdp_schema *a = make_schema(0, 64), *b = make_schema(3, 32);
+    tdp_td *ta, *tb;
+    assert_int_equal(tdp_td_new(a, &ta), TDP_OK);
+    assert_int_equal(tdp_td_new(b, &tb), TDP_OK);
+    env_up(&e, NULL, NULL);
+    sender s1 = {.pipe = e.cli, .tds = &ta, .ntds = 1, .count = 300};
+    sender s2 = {.pipe = e.srv, .tds = &tb, .ntds = 1, .count = 300};
+    sender_start(&s1);
+    sender_start(&s2);
+    tdp_td *got;
+    for (int i = 1; i <= 300; i++) {
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(tdp_schema_equal(tdp_td_schema(got), a));
+        assert_true(verify(got, (uint64_t)i));
+        assert_int_equal(tdp_pipe_recv(e.cli, TMO, &got), TDP_OK);
+        assert_true(tdp_schema_equal(tdp_td_schema(got), b));
+        assert_true(verify(got, (uint64_t)i));
+    }
+    pthread_join(s1.th, NULL);
+    pthread_join(s2.th, NULL);
+    assert_int_equal(s1.rc, TDP_OK);
+    assert_int_equal(s2.rc, TDP_OK);
+    env_down(&e);
+    tdp_td_unref(ta);
+    tdp_td_unref(tb);
+    tdp_schema_unref(a);
+    tdp_schema_unref(b);
+}
+
+static void test_timeouts(void **state)
+{
+    env e;
+    tdp_td *got;
+    env_up(&e, NULL, NULL);
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_pipe_recv(e.srv, 150, &got), TDP_ETIMEDOUT);
+    int64_t dt = mono_ms() - t0;
+    assert_true(dt >= 140 && dt < 5000);
+    /* the pipe still works after a timed-out receive */
+    tdp_schema *s = bytes_schema(100);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_true(verify(got, 1));
+    /* a second send waits for credit (depth 1, buffer still lent): times out */
+    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_send(e.cli, td, 150), TDP_ETIMEDOUT);
+    env_down(&e);
+
+    /* nobody listening: refused */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    uint16_t port = ntohs(sa.sin_port);
+    tdp_loop *loop;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", port, NULL, &p), TDP_ECONNREFUSED);
+    /* a listener that never says HELLO: the handshake deadline ends it */
+    assert_int_equal(listen(fd, 4), 0);
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.connect_timeout_ms = 200;
+    t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p), TDP_ETIMEDOUT);
+    dt = mono_ms() - t0;
+    assert_true(dt >= 190 && dt < 5000);
+    /* unresolvable names and bad arguments */
+    assert_int_equal(tdp_pipe_connect(loop, "no-such-host.invalid", 1, NULL, &p), TDP_EADDR);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 0, NULL, &p), TDP_EINVAL);
+    close(fd);
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/* IPv6 loopback and a host name resolve and connect. */
+static void test_ipv6_and_names(void **state)
+{
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *c, *s;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, NULL, 0, NULL, NULL, NULL, &l), TDP_OK); /* dual stack */
+    const char *hosts[] = {"::1", "127.0.0.1", "localhost"};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(tdp_pipe_connect(cl, hosts[i], tdp_listener_port(l), NULL, &c), TDP_OK);
+        assert_int_equal(tdp_listener_accept(l, TMO, &s), TDP_OK);
+        tdp_pipe_free(c);
+        tdp_pipe_free(s);
+    }
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
+/* ---- a peer SIGKILLed mid-transfer --------------------------------------------- */
+
+/* Child: connect and stream big messages until killed. */
+static void child_stream(uint16_t port, bool send)
+{
+    tdp_loop *loop;
+    tdp_pipe *p;
+    if (tdp_loop_new(NULL, &loop) != TDP_OK ||
+        tdp_pipe_connect(loop, "127.0.0.1", port, NULL, &p) != TDP_OK)
+        _exit(3);
+    tdp_schema *s = bytes_schema(32 << 20);
+    tdp_td *td;
+    tdp_td_new(s, &td);
+    for (uint64_t i = 1; i < 100000; i++) {
+        tdp_td *got;
+        if (send) {
+            fill(td, i);
+            if (tdp_pipe_send(p, td, TMO) != TDP_OK)
+                _exit(4);
+        } else if (tdp_pipe_recv(p, TMO, &got) != TDP_OK) {
+            _exit(5);
+        }
+    }
+    _exit(0);
+}
+
+static void kill_case(bool child_sends)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    uint16_t port = tdp_listener_port(l);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        child_stream(port, child_sends);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    tdp_schema *s = bytes_schema(32 << 20);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    /* a few complete messages first */
+    for (uint64_t i = 1; i <= 3; i++) {
+        if (child_sends) {
+            assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+            assert_true(verify(got, i));
+        } else {
+            fill(td, i);
+            assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+        }
+    }
+    kill(pid, SIGKILL);
+    int64_t t0 = mono_ms();
+    tdp_err rc = TDP_OK;
+    for (int i = 0; i < 1000 && rc == TDP_OK; i++) {
+        if (child_sends) {
+            rc = tdp_pipe_recv(p, TMO, &got);
+            /* anything handed out is a whole message, never a partial one */
+            if (rc == TDP_OK)
+                assert_true(verify(got, 4 + (uint64_t)i));
+        } else {
+            rc = tdp_pipe_send(p, td, TMO);
+        }
+    }
+    int64_t dt = mono_ms() - t0;
+    print_message("peer death seen after %" PRId64 " ms (%s)\n", dt, tdp_errname(rc));
+    assert_int_equal(rc, TDP_ECONNRESET);
+    assert_true(dt < 1000);
+    assert_int_equal(tdp_pipe_status(p), TDP_ECONNRESET);
+    int st;
+    waitpid(pid, &st, 0);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_kill_sender(void **state)
+{
+    kill_case(true);
+}
+
+static void test_kill_receiver(void **state)
+{
+    kill_case(false);
+}
+
+/* ---- hostile peers ------------------------------------------------------------- */
+
+/* On the client's loop thread: send one raw AM to the server pipe. */
+typedef struct rogue {
+    tdp_pipe *cli;
+    uint8_t hdr[TDP_AM_HDR_LEN];
+    const void *payload;
+    size_t len;
+    bool done;
+} rogue;
+
+static void rogue_cb(void *req, ucs_status_t st, void *user)
+{
+    ((rogue *)user)->done = true;
+    ucp_request_free(req);
+}
+
+static void rogue_task(void *arg)
+{
+    rogue *r = arg;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .cb.send = rogue_cb,
+        .user_data = r,
+    };
+    void *q = ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
+                              &prm);
+    if (q == NULL || UCS_PTR_IS_ERR(q))
+        r->done = true;
+    tdp__loop_kick(r->cli->loop);
+}
+
+static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len,
+                       bool corrupt_magic)
+{
+    rogue r = {.cli = e->cli, .payload = payload, .len = len};
+    tdp_wire_am_encode(r.hdr, h);
+    if (corrupt_magic)
+        r.hdr[0] ^= 0xff;
+    tdp__call_on_loop(e->cl, rogue_task, &r);
+    for (int i = 0; i < 2000 && !r.done; i++)
+        usleep(1000);
+}
+
+static void hostile_case(int kind, tdp_err expect)
+{
+    env e, good;
+    env_up(&e, NULL, NULL);
+    env_up(&good, NULL, NULL);
+    tdp_schema *s = bytes_schema(4096);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+
+    const char *hostile = "{\"device\":\"cpu\",\"format\":\"tdpipe.schema\",\"td\":{\"cls\":"
+                          "\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},\"leaves\":{\"x\":"
+                          "[\"torch.float32\",[4294967296,4294967296,2],0,0,0]}},"
+                          "\"total_bytes\":64,\"version\":1}";
+    tdp_am_hdr h = {.token = e.cli->peer_token, .seq = 1};
+    switch (kind) {
+    case 0: /* garbage header */
+        h.type = TDP_AM_DATA;
+        rogue_send(&e, &h, "junk", 4, true);
+        break;
+    case 1: /* hostile schema */
+        h.type = TDP_AM_SCHEMA;
+        h.length = strlen(hostile);
+        h.arg = 64;
+        rogue_send(&e, &h, hostile, strlen(hostile), false);
+        break;
+    case 2: /* data with no schema */
+        h.type = TDP_AM_DATA;
+        h.hash = 42;
+        h.length = 4096;
+        rogue_send(&e, &h, tdp_td_data(td), 4096, false);
+        break;
+    case 3: /* credit for messages never sent */
+        h.type = TDP_AM_CREDIT;
+        h.token = e.cli->peer_token;
+        h.arg = 1000;
+        h.seq = 0;
+        rogue_send(&e, &h, NULL, 0, false);
+        break;
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), expect);
+    assert_int_equal(tdp_pipe_status(e.srv), expect);
+    /* the peer is told, and its pipe ends too */
+    tdp_err rc = tdp_pipe_recv(e.cli, TMO, &got);
+    assert_true(rc == TDP_ECONNRESET || rc == TDP_ECLOSED);
+    /* other pipes carry on */
+    fill(td, 1);
+    assert_int_equal(tdp_pipe_send(good.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(good.srv, TMO, &got), TDP_OK);
+    assert_true(verify(got, 1));
+    env_down(&good);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_garbage_frame(void **state)
+{
+    hostile_case(0, TDP_EPROTO);
+}
+static void test_hostile_schema(void **state)
+{
+    hostile_case(1, TDP_ESCHEMA);
+}
+static void test_data_without_schema(void **state)
+{
+    hostile_case(2, TDP_EMISMATCH);
+}
+
+static void test_forged_credit(void **state)
+{
+    /* the credit goes to the server pipe's send side: its sends fail */
+    env e;
+    env_up(&e, NULL, NULL);
+    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = e.cli->peer_token, .arg = 1000};
+    rogue_send(&e, &h, NULL, 0, false);
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_EPROTO);
+    env_down(&e);
+}
+
+/* Junk on the control socket: the handshake fails, the listener lives on. */
+static void test_garbage_control(void **state)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                             .sin_port = htons(tdp_listener_port(l))};
+    for (int k = 0; k < 3; k++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+        char junk[64];
+        memset(junk, 'A' + k, sizeof(junk));
+        if (k == 1) { /* a valid header from a future protocol version */
+            memcpy(junk, "TDPC", 4);
+            junk[4] = 99;
+            junk[5] = 0;
+        }
+        assert_int_equal(write(fd, junk, sizeof(junk)), (ssize_t)sizeof(junk));
+        /* the server closes on us */
+        char b[256];
+        int64_t t0 = mono_ms();
+        ssize_t n;
+        while ((n = read(fd, b, sizeof(b))) > 0 && mono_ms() - t0 < 5000)
+            ;
+        assert_true(n <= 0);
+        close(fd);
+    }
+    assert_int_equal(tdp_listener_accept(l, 100, &p), TDP_ETIMEDOUT);
+    /* and a real client still gets in */
+    tdp_loop *cl;
+    tdp_pipe *c;
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), NULL, &c), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_loop_free(cl);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+}
+
+/* The receiver may place the data on another device than the sender's. */
+static void test_recv_device_override(void **state)
+{
+    env e;
+    tdp_pipe_opts so;
+    tdp_pipe_opts_default(&so);
+    so.recv_device_set = true;
+    so.recv_device = (tdp_device){TDP_DEVICE_CPU, 0};
+    env_up(&e, &so, NULL);
+    tdp_schema *s = bytes_schema(1000), *sc;
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_true(verify(got, 1));
+    sc = tdp_td_schema(got);
+    assert_int_equal(tdp_schema_device(sc).type, TDP_DEVICE_CPU);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_gather(void **state)
+{
+    env e;
+    env_up(&e, NULL, NULL);
+    tdp_schema *s = make_schema(0, 10);
+    float obs[4 * 10];
+    int64_t lab[4];
+    uint16_t w[4];
+    for (int i = 0; i < 40; i++)
+        obs[i] = (float)i * 0.25f;
+    for (int i = 0; i < 4; i++)
+        lab[i] = 100 + i, w[i] = (uint16_t)(0x3f80 + i);
+    const void *ptrs[] = {obs, lab, w};
+    assert_int_equal(tdp_schema_num_tensors(s), 3);
+    tdp_mem_stats m0, m1;
+    for (int k = 0; k < 3; k++) {
+        tdp_mem_stats_get(&m0);
+        assert_int_equal(tdp_pipe_send_gather(e.cli, s, ptrs, TMO), TDP_OK);
+        tdp_mem_stats_get(&m1);
+        if (k > 0) /* the send buffer is reused */
+            assert_int_equal(m1.allocs[TDP_MEM_HOST], m0.allocs[TDP_MEM_HOST]);
+        tdp_td *got;
+        tdp_leaf l;
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_int_equal(tdp_td_get(got, "obs", &l), TDP_OK);
+        assert_memory_equal(l.data, obs, sizeof(obs));
+        assert_int_equal(tdp_td_get(got, "label", &l), TDP_OK);
+        assert_memory_equal(l.data, lab, sizeof(lab));
+        assert_int_equal(tdp_td_get(got, "meta.weight", &l), TDP_OK);
+        assert_memory_equal(l.data, w, sizeof(w));
+    }
+    env_down(&e);
+    tdp_schema_unref(s);
+}
+
+/* Async API on a loop the caller drives: callbacks on the loop thread. */
+typedef struct actx {
+    int sends_done, recvs_done;
+    tdp_err last;
+    tdp_loop *loop;
+    bool on_thread;
+} actx;
+
+static void a_send_cb(tdp_op *op, void *arg)
+{
+    actx *c = arg;
+    c->sends_done++;
+    c->last = tdp_op_result(op);
+    c->on_thread = tdp_loop_on_thread(c->loop);
+}
+
+static void a_recv_cb(tdp_op *op, void *arg)
+{
+    actx *c = arg;
+    c->recvs_done++;
+    c->last = tdp_op_result(op);
+}
+
+static void test_async_ops(void **state)
+{
+    env e;
+    tdp_pipe_opts so;
+    tdp_pipe_opts_default(&so);
+    so.recv_depth = 8;
+    env_up(&e, &so, NULL);
+    tdp_schema *s = bytes_schema(10000);
+    tdp_td *td[8];
+    tdp_op *sops[8], *rop;
+    actx c = {.loop = e.cl};
+    for (int i = 0; i < 8; i++) {
+        assert_int_equal(tdp_td_new(s, &td[i]), TDP_OK);
+        fill(td[i], (uint64_t)i + 1);
+        assert_int_equal(tdp_op_new(a_send_cb, &c, &sops[i]), TDP_OK);
+        tdp_pipe_send_async(e.cli, td[i], sops[i]);
+    }
+    actx rc_ = {.loop = e.sl};
+    assert_int_equal(tdp_op_new(a_recv_cb, &rc_, &rop), TDP_OK);
+    for (uint64_t i = 1; i <= 8; i++) {
+        tdp_pipe_recv_async(e.srv, rop);
+        for (int k = 0; k < 5000 && tdp_op_result(rop) == TDP_EAGAIN; k++)
+            usleep(1000);
+        assert_int_equal(tdp_op_result(rop), TDP_OK);
+        assert_int_equal(tdp_op_seq(rop), i);
+        assert_true(verify(tdp_op_td(rop), i));
+        tdp_pipe_release(e.srv, tdp_op_td(rop));
+    }
+    for (int k = 0; k < 5000 && c.sends_done < 8; k++)
+        usleep(1000);
+    assert_int_equal(c.sends_done, 8);
+    assert_int_equal(c.last, TDP_OK);
+    assert_true(c.on_thread);
+    /* a receive pending when the pipe is freed completes with ECANCELED */
+    tdp_pipe_recv_async(e.srv, rop);
+    tdp_pipe_free(e.srv);
+    e.srv = NULL;
+    assert_int_equal(tdp_op_result(rop), TDP_ECANCELED);
+    env_down(&e);
+    for (int i = 0; i < 8; i++) {
+        tdp_op_free(sops[i]);
+        tdp_td_unref(td[i]);
+    }
+    tdp_op_free(rop);
+    tdp_schema_unref(s);
+}
+
+/* Both ends on one loop driven by the caller (no loop threads at all). */
+static void test_single_thread(void **state)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *c, *p;
+    tdp_op *sop, *rop;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", tdp_listener_port(l), NULL, &c), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    tdp_schema *s = bytes_schema(300000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    actx ac = {.loop = loop};
+    assert_int_equal(tdp_op_new(a_send_cb, &ac, &sop), TDP_OK);
+    assert_int_equal(tdp_op_new(a_recv_cb, &ac, &rop), TDP_OK);
+    for (uint64_t i = 1; i <= 20; i++) {
+        fill(td, i);
+        tdp_pipe_send_async(c, td, sop);
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, i));
+        if (tdp_op_result(sop) == TDP_EAGAIN) { /* drive the loop until the send is done */
+            tdp_td *dummy;
+            (void)dummy;
+            for (int k = 0; k < 1000 && tdp_op_result(sop) == TDP_EAGAIN; k++) {
+                volatile bool never = false;
+                tdp__loop_run_until(loop, &never, 5);
+            }
+        }
+        assert_int_equal(tdp_op_result(sop), TDP_OK);
+    }
+    assert_int_equal(tdp_pipe_close(c, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED);
+    tdp_op_free(sop);
+    tdp_op_free(rop);
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+int main(void)
+{
+    const char *tls = getenv("UCX_TLS");
+    printf("# UCX_TLS=%s\n", tls ? tls : "(default)");
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_handshake),
+        cmocka_unit_test(test_steady_1000),
+        cmocka_unit_test(test_schema_changes),
+        cmocka_unit_test(test_tiny),
+        cmocka_unit_test(test_large_256mib),
+        cmocka_unit_test(test_depth_ring),
+        cmocka_unit_test(test_bidirectional),
+        cmocka_unit_test(test_timeouts),
+        cmocka_unit_test(test_ipv6_and_names),
+        cmocka_unit_test(test_kill_sender),
+        cmocka_unit_test(test_kill_receiver),
+        cmocka_unit_test(test_garbage_frame),
+        cmocka_unit_test(test_hostile_schema),
+        cmocka_unit_test(test_data_without_schema),
+        cmocka_unit_test(test_forged_credit),
+        cmocka_unit_test(test_garbage_control),
+        cmocka_unit_test(test_recv_device_override),
+        cmocka_unit_test(test_gather),
+        cmocka_unit_test(test_async_ops),
+        cmocka_unit_test(test_single_thread),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

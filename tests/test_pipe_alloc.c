@@ -1,0 +1,202 @@
+/*
+ * test_pipe_alloc: zero allocations in steady state, on both sides.
+ *
+ * Two independent counts over 1000+ steady-state messages: the library's
+ * own counters (tdp_mem_total_allocs: every buffer and small object the
+ * library makes), and every malloc/calloc/realloc in the whole process —
+ * UCX, libevent and libc included — through interposition of the allocator
+ * symbols. Under AddressSanitizer the allocator belongs to the sanitizer, so
+ * only the library counters are checked there.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <tdpipe/pipe.h>
+#include <tdpipe/tdpipe.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define HAVE_INTERPOSE 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define HAVE_INTERPOSE 0
+#endif
+#endif
+#ifndef HAVE_INTERPOSE
+#define HAVE_INTERPOSE 1
+#endif
+
+static _Atomic uint64_t n_malloc;
+
+#if HAVE_INTERPOSE
+/* glibc's own entry points: interposing these symbols counts every call. */
+extern void *__libc_malloc(size_t);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+
+void *malloc(size_t n)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    return __libc_malloc(n);
+}
+void *calloc(size_t a, size_t b)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    return __libc_calloc(a, b);
+}
+void *realloc(void *p, size_t n)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    return __libc_realloc(p, n);
+}
+int posix_memalign(void **out, size_t align, size_t n)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    void *p = __libc_memalign(align, n);
+    if (p == NULL)
+        return 12; /* ENOMEM */
+    *out = p;
+    return 0;
+}
+void *aligned_alloc(size_t align, size_t n)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    return __libc_memalign(align, n);
+}
+void *memalign(size_t align, size_t n)
+{
+    atomic_fetch_add_explicit(&n_malloc, 1, memory_order_relaxed);
+    return __libc_memalign(align, n);
+}
+#endif
+
+#define TMO 20000
+#define WARMUP 50
+#define STEADY 1000
+
+typedef struct side {
+    tdp_pipe *pipe;
+    tdp_td *td;
+    int count;
+    tdp_err rc;
+    bool send;
+    /* counters read at message WARMUP and at the end */
+    uint64_t lib0, lib1, m0, m1;
+    pthread_barrier_t *bar;
+} side;
+
+static void *run_side(void *arg)
+{
+    side *s = arg;
+    tdp_td *got;
+    s->rc = TDP_OK;
+    for (int i = 0; i < s->count && s->rc == TDP_OK; i++) {
+        if (i == WARMUP) {
+            /* both sides reach steady state, then both take their snapshot */
+            pthread_barrier_wait(s->bar);
+            s->lib0 = tdp_mem_total_allocs();
+            s->m0 = atomic_load(&n_malloc);
+            pthread_barrier_wait(s->bar);
+        }
+        if (s->send) {
+            ((uint64_t *)tdp_td_data(s->td))[0] = (uint64_t)i;
+            s->rc = tdp_pipe_send(s->pipe, s->td, TMO);
+        } else {
+            s->rc = tdp_pipe_recv(s->pipe, TMO, &got);
+            if (s->rc == TDP_OK && ((uint64_t *)tdp_td_data(got))[0] != (uint64_t)i)
+                s->rc = TDP_EINTERNAL;
+        }
+    }
+    /* the receiver snapshots after its last receive; the sender waits for it */
+    pthread_barrier_wait(s->bar);
+    s->lib1 = tdp_mem_total_allocs();
+    s->m1 = atomic_load(&n_malloc);
+    return NULL;
+}
+
+static void steady_case(uint64_t nbytes, uint32_t depth)
+{
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *srv, *cli;
+    tdp_schema_builder *b;
+    tdp_schema *s;
+    tdp_td *td;
+    tdp_pipe_opts so;
+    int64_t n = (int64_t)nbytes;
+
+    tdp_pipe_opts_default(&so);
+    so.recv_depth = depth;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &n), TDP_OK);
+    assert_int_equal(tdp_schema_builder_string(b, "note", "steady"), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    memset(tdp_td_data(td), 0x5a, tdp_td_nbytes(td));
+
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, &so, NULL, NULL, &l), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), NULL, &cli), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &srv), TDP_OK);
+
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    side tx = {.pipe = cli, .td = td, .count = WARMUP + STEADY, .send = true, .bar = &bar};
+    side rx = {.pipe = srv, .count = WARMUP + STEADY, .bar = &bar};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, run_side, &tx);
+    pthread_create(&t2, NULL, run_side, &rx);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    pthread_barrier_destroy(&bar);
+    assert_int_equal(tx.rc, TDP_OK);
+    assert_int_equal(rx.rc, TDP_OK);
+
+    print_message("%" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
+                  "; process mallocs: %s%" PRIu64 "\n",
+                  nbytes, depth, STEADY, rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ",
+                  rx.m1 - rx.m0);
+    assert_int_equal(rx.lib1 - rx.lib0, 0);
+    if (HAVE_INTERPOSE) {
+        assert_true(rx.m1 > 0); /* the interposition works at all */
+        assert_int_equal(rx.m1 - rx.m0, 0);
+    }
+
+    tdp_pipe_free(cli);
+    tdp_pipe_free(srv);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+static void test_small_depth1(void **state)
+{
+    steady_case(1000, 1);
+}
+
+static void test_large_depth4(void **state)
+{
+    steady_case(4 << 20, 4);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_small_depth1),
+        cmocka_unit_test(test_large_depth4),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
