@@ -1085,10 +1085,22 @@ static void test_batch_size_rules(void **state)
     OK(tdp_schema_builder_node(b, "child", NULL, 1, bs2));
     expect_finish_fails(b, TDP_ESCHEMA, "'child'", "batch_size");
 
-    /* an implicitly created parent has batch_size [] */
+    /* an implicitly created parent inherits its parent's batch_size */
     OK(tdp_schema_builder_new(&b));
     OK(tdp_schema_builder_node(b, "", NULL, 1, bs));
+    OK(tdp_schema_builder_tensor(b, "auto.deeper.x", TDP_FLOAT32, 2, good));
+    {
+        tdp_schema *si = finish(b);
+        tdp_node_info ni;
+        OK(tdp_schema_find_node(si, "auto.deeper", &ni));
+        assert_int_equal(ni.batch_ndim, 1);
+        assert_int_equal(ni.batch_size[0], 4);
+        tdp_schema_unref(si);
+    }
+    /* ... as it is when the parent is created: a later root change breaks it */
+    OK(tdp_schema_builder_new(&b));
     OK(tdp_schema_builder_tensor(b, "auto.x", TDP_FLOAT32, 2, good));
+    OK(tdp_schema_builder_node(b, "", NULL, 1, bs));
     expect_finish_fails(b, TDP_ESCHEMA, "'auto'", "batch_size");
 
     /* node batch_size may be longer than the parent's */

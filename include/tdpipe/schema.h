@@ -199,7 +199,8 @@ TDP_API tdp_err tdp_schema_builder_set_device(tdp_schema_builder *b, tdp_device 
 
 /*
  * Create (or update) the node at `path` ("" is the root), creating missing
- * parents as plain "TensorDict" nodes. `cls` NULL keeps the current class
+ * parents as plain "TensorDict" nodes with their parent's batch size (as
+ * it is at that moment; leaves create their parents the same way). `cls` NULL keeps the current class
  * name. batch_ndim 0 means batch_size []. A tensorclass keeps its name here
  * ("MyData") so it survives the trip.
  */

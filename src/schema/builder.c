@@ -138,8 +138,17 @@ static tdp_err ensure_nodes(tdp_schema_builder *b, const char *path, size_t len)
             return TDP_EINVAL; /* a leaf is in the way */
         if (!grow((void **)&b->nodes, &b->cap_nodes, b->nnodes, sizeof(b_node)))
             return TDP_ENOMEM;
+        /* a created parent inherits its own parent's batch size */
+        size_t pl = i;
+        while (pl > 0 && path[pl - 1] != TDP_PATH_SEP)
+            pl--;
+        int64_t up = find_node(b, path, pl > 0 ? pl - 1 : 0);
         b_node *n = &b->nodes[b->nnodes];
         *n = (b_node){.path = tdp__strndup(path, i), .cls = tdp__strdup("TensorDict")};
+        if (up >= 0) {
+            n->batch_ndim = b->nodes[up].batch_ndim;
+            memcpy(n->batch, b->nodes[up].batch, sizeof(n->batch));
+        }
         if (n->path == NULL || n->cls == NULL) {
             tdp__free(n->path);
             tdp__free(n->cls);
