@@ -448,12 +448,14 @@ static void test_run_until(void **state)
 
 /* ---- UCX wakeups ------------------------------------------------------------ */
 
-#define AM_ID   7
-#define N_MSGS  1000
+#define AM_ID    7
+#define N_MSGS   1000
 #define PER_TASK 10
+#define HOUR_MS  (3600 * 1000)
 
 typedef struct am_test {
     tdp_loop *tx, *rx; /* the same loop for the self test */
+    bool peer;         /* endpoint with peer error handling (closed by force) */
     ucp_address_t *addr;
     size_t addr_len;
     ucp_ep_h ep;
@@ -515,14 +517,16 @@ static void ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
 static void tx_connect(void *arg)
 {
     am_test *a = arg;
-    /* peer error handling: UCP_EP_CLOSE_FLAG_FORCE refuses any other mode */
     ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
         .address = a->addr,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {.cb = ep_error, .arg = a},
     };
+    if (a->peer) {
+        /* UCP_EP_CLOSE_FLAG_FORCE refuses endpoints without it */
+        ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        ep.err_handler = (ucp_err_handler_t){.cb = ep_error, .arg = a};
+    }
     a->status = ucp_ep_create(tdp__loop_worker(a->tx), &ep, &a->ep);
     tdp__loop_kick(a->tx); /* wireup may have queued work */
 }
@@ -563,7 +567,7 @@ static void tx_close(void *arg)
     ucp_worker_h w = tdp__loop_worker(a->tx);
     ucp_request_param_t rp = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-        .flags = UCP_EP_CLOSE_FLAG_FORCE,
+        .flags = a->peer ? UCP_EP_CLOSE_FLAG_FORCE : 0, /* else flush: the peer is alive */
     };
     ucs_status_ptr_t r = ucp_ep_close_nbx(a->ep, &rp);
     a->status = UCS_OK;
@@ -587,29 +591,42 @@ static double cpu_s(void)
            ((double)ru.ru_utime.tv_usec + (double)ru.ru_stime.tv_usec) / 1e6;
 }
 
-/*
- * Sends N small AMs from tx loop tasks to rx's worker and waits, sleeping,
- * for all to arrive. Both safety timers are an hour long, so the messages can
- * only move through worker fd wakeups and kicks.
- */
-static void am_roundtrip(tdp_loop *tx, tdp_loop *rx)
+/* Start the loops, register the handler, connect; a->status tells how it went. */
+static void am_begin(am_test *a, bool two_loops, bool peer)
 {
-    am_test *a = &amt;
+    /*
+     * With peer error handling UCX picks a transport whose wakeups work and
+     * the safety timers are an hour long: messages can then only move
+     * through worker fd wakeups and kicks. Without it, see am_case.
+     */
+    uint32_t safety = peer ? HOUR_MS : 0;
+
     memset(a, 0, sizeof(*a));
-    a->tx = tx;
-    a->rx = rx;
-
-    assert_int_equal(tdp_loop_start_thread(tx), TDP_OK);
-    if (rx != tx)
-        assert_int_equal(tdp_loop_start_thread(rx), TDP_OK);
-    call_on_loop(rx, rx_setup, a);
+    a->peer = peer;
+    a->tx = new_loop(safety);
+    a->rx = two_loops ? new_loop(safety) : a->tx;
+    assert_int_equal(tdp_loop_start_thread(a->tx), TDP_OK);
+    if (a->rx != a->tx)
+        assert_int_equal(tdp_loop_start_thread(a->rx), TDP_OK);
+    call_on_loop(a->rx, rx_setup, a);
     assert_int_equal(a->status, UCS_OK);
-    call_on_loop(tx, tx_connect, a);
-    assert_int_equal(a->status, UCS_OK);
-    call_on_loop(rx, rx_release_addr, a);
+    call_on_loop(a->tx, tx_connect, a);
+    call_on_loop(a->rx, rx_release_addr, a);
+}
 
+static void am_end(am_test *a)
+{
+    if (a->rx != a->tx)
+        tdp_loop_free(a->rx);
+    tdp_loop_free(a->tx);
+    a->tx = a->rx = NULL;
+}
+
+/* N small AMs from tx loop tasks; the test thread only sleeps while they fly. */
+static void am_traffic(am_test *a)
+{
     for (int i = 0; i < N_MSGS / PER_TASK; i++)
-        assert_int_equal(tdp_loop_post(tx, send_task, a), TDP_OK);
+        assert_int_equal(tdp_loop_post(a->tx, send_task, a), TDP_OK);
     assert_true(wait_for(&a->received, N_MSGS, 20000));
     assert_true(wait_for(&a->sent, N_MSGS, 5000));
     assert_int_equal(atomic_load(&a->send_failed), 0);
@@ -628,45 +645,52 @@ static void am_roundtrip(tdp_loop *tx, tdp_loop *rx)
     print_message("idle: cpu %.3f s over %.3f s wall\n", cpu, wall);
     assert_true(cpu < wall * 0.2);
 
-    call_on_loop(tx, tx_close, a);
+    call_on_loop(a->tx, tx_close, a);
     assert_int_equal(a->status, UCS_OK);
+}
+
+static void am_case(bool two_loops)
+{
+    uint64_t live = live_small();
+    am_test *a = &amt;
+
+    am_begin(a, two_loops, true);
+    if (a->status == UCS_ERR_UNREACHABLE) {
+        /*
+         * UCX_TLS names no transport with peer failure handling (UCX 1.13's
+         * self and shared-memory transports have none). Shared memory can
+         * also lose a wakeup in UCX 1.13 (two workers in one process, both
+         * armed, messages left in the FIFO): with the default safety timer
+         * this run also checks that the timer carries the loop past that.
+         */
+        print_message("no transport with peer error handling: default safety timer\n");
+        am_end(a);
+        am_begin(a, two_loops, false);
+    }
+    assert_int_equal(a->status, UCS_OK);
+    am_traffic(a);
+    am_end(a);
+    assert_int_equal(live_small(), live);
 }
 
 static void test_ucx_self(void **state)
 {
-    uint64_t live = live_small();
-    tdp_loop *loop = new_loop(3600 * 1000);
-
-    am_roundtrip(loop, loop);
-    tdp_loop_free(loop);
-    assert_int_equal(live_small(), live);
+    am_case(false);
 }
 
 static void test_ucx_two_loops(void **state)
 {
-    uint64_t live = live_small();
-    tdp_loop *tx = new_loop(3600 * 1000);
-    tdp_loop *rx = new_loop(3600 * 1000);
-
-    am_roundtrip(tx, rx);
-    tdp_loop_free(tx);
-    tdp_loop_free(rx);
-    assert_int_equal(live_small(), live);
+    am_case(true);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_new_free),
-        cmocka_unit_test(test_misuse),
-        cmocka_unit_test(test_free_drops_pending),
-        cmocka_unit_test(test_stop_before_run),
-        cmocka_unit_test(test_stop_race),
-        cmocka_unit_test(test_post_many),
-        cmocka_unit_test(test_post_from_loop),
-        cmocka_unit_test(test_run_until),
-        cmocka_unit_test(test_ucx_self),
-        cmocka_unit_test(test_ucx_two_loops),
+        cmocka_unit_test(test_new_free),           cmocka_unit_test(test_misuse),
+        cmocka_unit_test(test_free_drops_pending), cmocka_unit_test(test_stop_before_run),
+        cmocka_unit_test(test_stop_race),          cmocka_unit_test(test_post_many),
+        cmocka_unit_test(test_post_from_loop),     cmocka_unit_test(test_run_until),
+        cmocka_unit_test(test_ucx_self),           cmocka_unit_test(test_ucx_two_loops),
     };
     /* TDP_TEST_FILTER=test_ucx* runs a subset while debugging */
     if (getenv("TDP_TEST_FILTER") != NULL)

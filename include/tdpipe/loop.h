@@ -48,13 +48,26 @@ TDP_API tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out);
  */
 TDP_API tdp_err tdp_loop_run(tdp_loop *loop);
 
-/* Start a thread that runs the loop until tdp_loop_stop / tdp_loop_free. */
+/*
+ * Start a thread that runs the loop until tdp_loop_stop / tdp_loop_free.
+ * TDP_EINVAL if the loop already runs; a loop thread that was stopped is
+ * joined and replaced.
+ */
 TDP_API tdp_err tdp_loop_start_thread(tdp_loop *loop);
 
-/* Ask the loop to stop. Safe from any thread, any number of times. */
+/*
+ * Ask the loop to stop. Safe from any thread, any number of times. The
+ * request is consumed by the run (or loop thread) it ends; made while
+ * nothing runs the loop, it ends the next run at once.
+ */
 TDP_API void tdp_loop_stop(tdp_loop *loop);
 
-/* Stop, join the loop thread if any, and free. Not from the loop thread. NULL is a no-op. */
+/*
+ * Stop, join the loop thread if any (or wait for tdp_loop_run on another
+ * thread to return), and free. Tasks still queued are dropped without
+ * running. Not from the loop thread (that is logged and the loop is leaked
+ * rather than freed under its own feet). NULL is a no-op.
+ */
 TDP_API void tdp_loop_free(tdp_loop *loop);
 
 /* True when called on the thread currently running the loop. */

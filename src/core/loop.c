@@ -19,7 +19,6 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <stdio.h>
 
 #include <event2/thread.h>
 
@@ -30,7 +29,6 @@
 #define DEFAULT_SAFETY_TIMER_MS 100
 
 struct tdp_loop {
-    unsigned long dbg_efd, dbg_again, dbg_safety, dbg_prog, dbg_arm_ok, dbg_arm_busy, dbg_arm_err, dbg_budget;
     struct event_base *base;
     struct event *ev_efd;      /* worker event fd readable */
     struct event *ev_again;    /* zero-timeout timer: progress the worker again */
@@ -124,15 +122,12 @@ static void drain(tdp_loop *loop)
             budget--;
             if (ucp_worker_progress(loop->worker) == 0)
                 break;
-            loop->dbg_prog++;
         }
         if (budget == 0) {
-            loop->dbg_budget++;
             schedule_again(loop);
             break;
         }
         ucs_status_t st = ucp_worker_arm(loop->worker);
-        if (st == UCS_OK) loop->dbg_arm_ok++; else if (st == UCS_ERR_BUSY) loop->dbg_arm_busy++; else loop->dbg_arm_err++;
         if (st == UCS_OK)
             break;
         if (st != UCS_ERR_BUSY) {
@@ -147,15 +142,8 @@ static void drain(tdp_loop *loop)
         event_base_loopbreak(loop->base);
 }
 
-void tdp__loop_dbg(tdp_loop *loop);
-void tdp__loop_dbg(tdp_loop *loop)
-{
-    fprintf(stderr, "loop %p: efd %lu again %lu safety %lu prog %lu arm ok %lu busy %lu err %lu budget %lu\n", (void*)loop,
-        loop->dbg_efd, loop->dbg_again, loop->dbg_safety, loop->dbg_prog, loop->dbg_arm_ok, loop->dbg_arm_busy, loop->dbg_arm_err, loop->dbg_budget);
-}
 static void efd_cb(evutil_socket_t fd, short what, void *arg)
 {
-    ((tdp_loop*)arg)->dbg_efd++;
     drain(arg);
 }
 
@@ -164,7 +152,6 @@ static void again_cb(evutil_socket_t fd, short what, void *arg)
     tdp_loop *loop = arg;
 
     loop->again_pending = false;
-    loop->dbg_again++;
     drain(loop);
 }
 
