@@ -8,6 +8,7 @@
  * symbols. Under AddressSanitizer the allocator belongs to the sanitizer, so
  * only the library counters are checked there.
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -112,6 +113,8 @@ static void *run_side(void *arg)
             s->rc = tdp_pipe_recv(s->pipe, TMO, &got);
             if (s->rc == TDP_OK && ((uint64_t *)tdp_td_data(got))[0] != (uint64_t)i)
                 s->rc = TDP_EINTERNAL;
+            if (s->rc == TDP_OK)
+                tdp_pipe_release(s->pipe, got); /* depth > 1: lent until released */
         }
     }
     /* the receiver snapshots after its last receive; the sender waits for it */

@@ -40,6 +40,11 @@ struct tdp_loop {
     ucp_context_h context;
     ucp_worker_h worker;
 
+    /* the pipe layer's per-loop state (see tdp__loop_set_pipe_ext) */
+    void *pipe_ext;
+    void (*pipe_pre_fini)(void *ext);
+    void (*pipe_fini)(void *ext);
+
     uint32_t max_progress;
     uint32_t safety_timer_ms;
 
@@ -647,7 +652,11 @@ void tdp_loop_free(tdp_loop *loop)
 
     /* events first: the efd event must leave epoll before the worker closes the fd */
     events_free(loop);
+    if (loop->pipe_pre_fini != NULL)
+        loop->pipe_pre_fini(loop->pipe_ext);
     ucp_worker_destroy(loop->worker);
+    if (loop->pipe_fini != NULL)
+        loop->pipe_fini(loop->pipe_ext); /* memory of requests the worker took with it */
     ucp_cleanup(loop->context);
     event_base_free(loop->base);
     pthread_cond_destroy(&loop->idle);
@@ -668,4 +677,17 @@ ucp_context_h tdp__loop_context(tdp_loop *loop)
 ucp_worker_h tdp__loop_worker(tdp_loop *loop)
 {
     return loop->worker;
+}
+
+void *tdp__loop_pipe_ext(tdp_loop *loop)
+{
+    return loop->pipe_ext;
+}
+
+void tdp__loop_set_pipe_ext(tdp_loop *loop, void *ext, void (*pre_fini)(void *ext),
+                            void (*fini)(void *ext))
+{
+    loop->pipe_ext = ext;
+    loop->pipe_pre_fini = pre_fini;
+    loop->pipe_fini = fini;
 }

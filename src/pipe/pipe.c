@@ -251,23 +251,20 @@ static bool q_remove(tdp_op **head, tdp_op **tail, tdp_op *op)
 
 /* ---- failure and end of stream ------------------------------------------ */
 
-static void ep_close_cb(void *req, ucs_status_t st, void *arg)
-{
-    ucp_request_free(req);
-}
-
 static void ep_close(tdp_pipe *p, bool force)
 {
     if (p->ep == NULL)
         return;
     ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK,
-        .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0,
-        .cb.send = ep_close_cb,
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+        /* UCX 1.13 refuses a forced close without its peer-failure mode */
+        .flags = force && p->peer_mode_ucx ? UCP_EP_CLOSE_FLAG_FORCE : 0,
     };
     void *r = ucp_ep_close_nbx(p->ep, &prm);
     if (UCS_PTR_IS_ERR(r))
         tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
+    else if (r != NULL)
+        ucp_request_free(r); /* the close goes on inside UCX; nobody waits for it */
     p->ep = NULL;
     tdp__loop_kick(p->loop);
 }
@@ -276,9 +273,18 @@ static void ep_close(tdp_pipe *p, bool force)
 static void drain_ops(tdp_pipe *p)
 {
     tdp_op *op;
-    tdp_err rc = p->status == TDP_OK ? TDP_ECANCELED : p->status;
+    tdp_err rc = p->status == TDP_OK || p->status == TDP_ECLOSED ? TDP_ECANCELED : p->status;
     while ((op = q_pop(&p->sendq, &p->sendq_tail)) != NULL)
-        op_complete(op, rc == TDP_ECLOSED ? TDP_ECANCELED : rc);
+        op_complete(op, rc);
+    /* sends UCX still holds: the op goes back now, the ticket waits for UCX */
+    for (uint32_t i = 0; i < p->nticket; i++) {
+        tx_ticket *t = &p->tickets[i];
+        if (t->op != NULL) {
+            op = t->op;
+            t->op = NULL;
+            op_complete(op, rc);
+        }
+    }
     deliver(p);
 }
 
@@ -383,6 +389,17 @@ tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params)
         prm.err_handler.cb = ep_err_cb;
         prm.err_handler.arg = p;
     }
+    /* sends in flight are bounded by the peer's credit; twice that covers a
+     * credit that comes back before the local completion of its send */
+    p->nticket = 2 * p->peer_depth + 1;
+    p->tickets = tdp__alloc_array(p->nticket, sizeof(*p->tickets));
+    if (p->tickets == NULL)
+        return TDP_ENOMEM;
+    for (uint32_t i = 0; i < p->nticket; i++) {
+        p->tickets[i].pipe = p;
+        p->tickets[i].next_free = i + 1 < p->nticket ? &p->tickets[i + 1] : NULL;
+    }
+    p->free_tickets = p->tickets;
     ucs_status_t st = ucp_ep_create(tdp__loop_worker(p->loop), &prm, &p->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
@@ -445,7 +462,10 @@ void tdp__pipe_destroy(tdp_pipe *p)
     tdp_schema_unref(p->rx_schema);
     tdp_schema_unref(p->sent_schema);
     tdp_td_unref(p->gather_td);
-    tdp__reg_forget(p);
+    for (uint32_t i = 0; i < p->nticket; i++)
+        tdp_td_unref(p->tickets[i].td); /* only tickets UCX never gave back */
+    tdp__free(p->tickets);
+    tdp__reg_remove(p);
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
     pthread_mutex_destroy(&p->mtx);
@@ -453,88 +473,86 @@ void tdp__pipe_destroy(tdp_pipe *p)
     tdp__free(p);
 }
 
-/* A UCX request on a pipe the user already freed finished: maybe the last. */
-static void maybe_reap(tdp_pipe *p)
-{
-    if (p->freed && p->ucx_sends == 0 && p->ucx_recvs == 0)
-        tdp__pipe_destroy(p);
-}
-
 /* ---- sending --------------------------------------------------------------- */
 
-static void send_req_done(tdp_op *op, ucs_status_t st)
+static tdp_err ucs_to_err(tdp_pipe *p, ucs_status_t st)
 {
-    tdp_pipe *p = op->pipe;
+    if (p->status != TDP_OK)
+        return p->status; /* say why the pipe ended, not how UCX noticed */
+    return st == UCS_ERR_CANCELED ? TDP_ECANCELED : TDP_ECONNRESET;
+}
+
+/* One UCX request of a ticket finished (or the hold post_send keeps). */
+static void ticket_done(tx_ticket *t, ucs_status_t st)
+{
+    tdp_pipe *p = t->pipe;
     p->ucx_sends--;
-    if (st != UCS_OK && op->ucx_status == TDP_OK)
-        op->ucx_status = st == UCS_ERR_CANCELED ? TDP_ECANCELED : TDP_ECONNRESET;
-    if (--op->ucx_inflight == 0) {
-        tdp_err rc = op->ucx_status;
-        if (rc != TDP_OK && p->status != TDP_OK)
-            rc = p->status; /* say why the pipe ended, not how UCX noticed */
-        if (p->freed) {
-            op->pending = false;
-            if (op->kind == OP_SEND && op->td != NULL)
-                tdp_td_unref(op->td), op->td = NULL;
-        } else {
-            op_complete(op, rc);
-        }
-    }
-    if (p->freed) {
-        maybe_reap(p);
+    if (st != UCS_OK && t->status == TDP_OK)
+        t->status = ucs_to_err(p, st);
+    if (--t->inflight > 0)
         return;
-    }
+    tdp_op *op = t->op;
+    t->op = NULL;
+    tdp_td_unref(t->td);
+    t->td = NULL;
+    t->next_free = p->free_tickets;
+    p->free_tickets = t;
+    if (op != NULL)
+        op_complete(op, t->status);
+    send_kick(p); /* a ticket came back: a send may have waited for one */
     tdp__pipe_check_close(p);
 }
 
 static void send_cb(void *req, ucs_status_t st, void *user)
 {
+    tx_ticket *t = user;
+    for (int i = 0; i < 2; i++)
+        if (t->req[i] == req)
+            t->req[i] = NULL;
     ucp_request_free(req);
-    send_req_done(user, st);
+    ticket_done(t, st);
 }
 
-/* Post one AM; counts it in flight unless it failed at once. */
-static tdp_err am_post(tdp_pipe *p, tdp_op *op, uint8_t *hdr, const void *buf, size_t len,
+/* Post one AM for a ticket; counts it in flight unless it finished at once. */
+static tdp_err am_post(tdp_pipe *p, tx_ticket *t, uint8_t *hdr, const void *buf, size_t len,
                        uint32_t flags, ucs_memory_type_t mt)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_FLAGS,
         .cb.send = send_cb,
-        .user_data = op,
+        .user_data = t,
         .flags = flags,
     };
     if (mt != UCS_MEMORY_TYPE_HOST) {
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = mt;
     }
-    op->ucx_inflight++;
-    p->ucx_sends++;
     void *r = ucp_am_send_nbx(p->ep, TDP_AM_ID, hdr, TDP_AM_HDR_LEN, buf, len, &prm);
-    if (r == NULL) {
-        op->ucx_inflight--;
-        p->ucx_sends--;
+    if (r == NULL)
         return TDP_OK;
-    }
     if (UCS_PTR_IS_ERR(r)) {
-        op->ucx_inflight--;
-        p->ucx_sends--;
         tdp_log_debug("ucp_am_send_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
         return TDP_ECONNRESET;
     }
+    t->req[t->req[0] == NULL ? 0 : 1] = r;
+    t->inflight++;
+    p->ucx_sends++;
     return TDP_OK;
 }
 
-static void post_send(tdp_pipe *p, tdp_op *op)
+static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
 {
     tdp_schema *sc = op->td->schema;
     tdp_err rc = TDP_OK;
     ucs_memory_type_t mt =
         op->td->device.type == TDP_DEVICE_CUDA ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
 
-    op->posted = true;
-    op->ucx_inflight = 1; /* held until both posts are made */
-    op->ucx_status = TDP_OK;
+    t->op = op;
+    t->td = tdp_td_ref(op->td);
+    t->status = TDP_OK;
+    t->inflight = 1; /* held until both posts are made */
+    p->ucx_sends++;
     op->seq = p->send_seq + 1;
     if (p->sent_schema != sc && !tdp_schema_equal(p->sent_schema, sc)) {
         size_t jl;
@@ -545,17 +563,14 @@ static void post_send(tdp_pipe *p, tdp_op *op)
                         .hash = tdp_schema_hash(sc),
                         .length = jl,
                         .arg = tdp_schema_total_bytes(sc)};
-        tdp_wire_am_encode(op->schema_hdr, &h);
+        tdp_wire_am_encode(t->schema_hdr, &h);
         /* eager: the schema is whole in the receiver's callback, before its data */
-        rc = am_post(p, op, op->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER,
-                     UCS_MEMORY_TYPE_HOST);
-        if (rc == TDP_OK) {
-            tdp_schema_unref(p->sent_schema);
-            p->sent_schema = tdp_schema_ref(sc);
+        rc = am_post(p, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST);
+        if (rc == TDP_OK)
             p->stats.schemas_sent++;
-        }
-    } else if (p->sent_schema != sc) {
-        /* an equal schema in another object: remember this one, skip the compare next time */
+    }
+    if (p->sent_schema != sc) {
+        /* remember this object: the next send compares pointers only */
         tdp_schema_unref(p->sent_schema);
         p->sent_schema = tdp_schema_ref(sc);
     }
@@ -565,36 +580,36 @@ static void post_send(tdp_pipe *p, tdp_op *op)
                         .seq = op->seq,
                         .hash = tdp_schema_hash(sc),
                         .length = op->td->nbytes};
-        tdp_wire_am_encode(op->data_hdr, &h);
-        rc = am_post(p, op, op->data_hdr, op->td->data, op->td->nbytes, 0, mt);
+        tdp_wire_am_encode(t->data_hdr, &h);
+        rc = am_post(p, t, t->data_hdr, op->td->data, op->td->nbytes, 0, mt);
     }
     p->send_seq = op->seq;
     if (rc == TDP_OK) {
         p->stats.msgs_sent++;
         p->stats.bytes_sent += op->td->nbytes;
     } else {
-        op->ucx_status = rc;
+        t->status = rc;
     }
     tdp__loop_kick(p->loop);
-    /* drop the hold; completes now if UCX finished both at once */
-    p->ucx_sends++;
-    send_req_done(op, UCS_OK);
     if (rc != TDP_OK)
         tdp__pipe_fail(p, TDP_ECONNRESET, "send failed");
+    ticket_done(t, UCS_OK); /* drop the hold: completes now if UCX finished both */
 }
 
 static void send_kick(tdp_pipe *p)
 {
     while (p->sendq != NULL && p->state == PIPE_OPEN && p->ep != NULL && !p->peer_bye) {
-        if (p->send_seq - p->peer_credit >= p->peer_depth) {
-            if (!p->sendq->posted) { /* count each waiting send once */
-                p->sendq->posted = true;
+        if (p->send_seq - p->peer_credit >= p->peer_depth || p->free_tickets == NULL) {
+            if (!p->sendq->waited) { /* count each waiting send once */
+                p->sendq->waited = true;
                 p->stats.credit_waits++;
             }
             return;
         }
         tdp_op *op = q_pop(&p->sendq, &p->sendq_tail);
-        post_send(p, op);
+        tx_ticket *t = p->free_tickets;
+        p->free_tickets = t->next_free;
+        post_send(p, op, t);
     }
 }
 
@@ -606,7 +621,7 @@ static void send_start(tdp_pipe *p, tdp_op *op)
                                                                      : TDP_ECANCELED);
         return;
     }
-    op->posted = false;
+    op->waited = false;
     q_push(&p->sendq, &p->sendq_tail, op);
     send_kick(p);
 }
@@ -619,10 +634,7 @@ static void credit_cb(void *req, ucs_status_t st, void *user)
     ucp_request_free(req);
     p->ucx_sends--;
     p->credit_inflight = false;
-    if (p->freed) {
-        maybe_reap(p);
-        return;
-    }
+    p->credit_req = NULL;
     send_credit(p);
 }
 
@@ -651,6 +663,7 @@ static void send_credit(tdp_pipe *p)
         return;
     }
     p->credit_inflight = true;
+    p->credit_req = r;
     p->ucx_sends++;
 }
 
@@ -702,11 +715,7 @@ static void recv_cb(void *req, ucs_status_t st, size_t length, void *user)
     tdp_pipe *p = s->pipe;
     ucp_request_free(req);
     p->ucx_recvs--;
-    if (p->freed) {
-        s->state = SLOT_FREE;
-        maybe_reap(p);
-        return;
-    }
+    s->req = NULL;
     if (st != UCS_OK || length != s->td->nbytes) {
         /* never hand out a partly filled buffer */
         s->state = SLOT_FREE;
@@ -838,6 +847,7 @@ static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
         s->state = SLOT_FREE;
         tdp__pipe_fail(p, TDP_ECONNRESET, "cannot receive data");
     } else {
+        s->req = r;
         p->ucx_recvs++;
     }
 }
@@ -1251,6 +1261,46 @@ tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms)
     return st;
 }
 
+/*
+ * Let go of every UCX request still pending: after ucp_request_free their
+ * callbacks never run, so the pipe can go now; the buffers they may still
+ * read or write are buried with the loop.
+ */
+static void abandon_requests(tdp_pipe *p)
+{
+    for (uint32_t i = 0; i < p->nticket; i++) {
+        tx_ticket *t = &p->tickets[i];
+        bool busy = false;
+        for (int k = 0; k < 2; k++) {
+            if (t->req[k] != NULL) {
+                ucp_request_free(t->req[k]);
+                t->req[k] = NULL;
+                busy = true;
+            }
+        }
+        if (busy) {
+            tdp__reg_bury(p->loop, t->td, NULL);
+            t->td = NULL;
+        }
+    }
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+        rx_slot *sl = &p->slots[i];
+        if (sl->req == NULL)
+            continue;
+        ucp_request_free(sl->req);
+        sl->req = NULL;
+        tdp__reg_bury(p->loop, sl->td, sl->memh);
+        sl->td = NULL;
+        sl->memh = NULL;
+        sl->store = NULL;
+    }
+    if (p->credit_req != NULL) {
+        ucp_request_free(p->credit_req);
+        p->credit_req = NULL;
+    }
+    p->ucx_sends = p->ucx_recvs = 0;
+}
+
 static void free_task(void *arg)
 {
     tdp_pipe *p = arg;
@@ -1264,10 +1314,8 @@ static void free_task(void *arg)
     while ((op = q_pop(&p->recvq, &p->recvq_tail)) != NULL)
         op_complete(op, TDP_ECANCELED);
     ep_close(p, true);
-    tdp__conn_close(p);
-    tdp__reg_remove(p);
-    p->freed = true;
-    maybe_reap(p); /* or later, when UCX gives back its last request */
+    abandon_requests(p);
+    tdp__pipe_destroy(p);
 }
 
 void tdp_pipe_free(tdp_pipe *pipe)

@@ -28,16 +28,29 @@ struct tdp_op {
     tdp_err result;
     uint64_t seq;
     bool pending;
-    bool posted;      /* send handed to UCX */
-    int ucx_inflight; /* UCX requests not yet completed */
-    tdp_err ucx_status;
+    bool waited; /* counted once in credit_waits */
     struct tdp_op *next;
-    uint8_t schema_hdr[TDP_AM_HDR_LEN]; /* headers live until their sends complete */
-    uint8_t data_hdr[TDP_AM_HDR_LEN];
     /* blocking wrappers */
     bool sync;
     volatile bool done;
 };
+
+/*
+ * A send in flight with UCX. The pipe owns it, not the op: when the pipe
+ * fails, the op is handed back at once while the ticket keeps the headers
+ * and a reference on the buffer until UCX lets go of its requests.
+ */
+typedef struct tx_ticket {
+    tdp_pipe *pipe;
+    tdp_op *op; /* NULL once handed back */
+    tdp_td *td;
+    int inflight;
+    tdp_err status;
+    void *req[2]; /* UCX requests not yet completed */
+    struct tx_ticket *next_free;
+    uint8_t schema_hdr[TDP_AM_HDR_LEN];
+    uint8_t data_hdr[TDP_AM_HDR_LEN];
+} tx_ticket;
 
 enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
 
@@ -58,6 +71,7 @@ typedef struct rx_slot {
     tdp_pipe *pipe;
     tdp__task release_task;
     bool release_posted;
+    void *req; /* the rendezvous receive while FILLING */
 } rx_slot;
 
 enum pipe_state {
@@ -106,6 +120,9 @@ struct tdp_pipe {
     uint32_t peer_depth;
     tdp_schema *sent_schema;
     uint32_t ucx_sends; /* outstanding UCX send requests (all kinds) */
+    tx_ticket *tickets; /* 2 x peer depth + 1, allocated at HELLO */
+    uint32_t nticket;
+    tx_ticket *free_tickets;
     rx_store *gather;   /* tdp_pipe_send_gather's reused buffer */
     tdp_td *gather_td;
 
@@ -122,6 +139,7 @@ struct tdp_pipe {
     uint64_t released;     /* cumulative buffers released (sent as CREDIT) */
     uint64_t credit_sent;
     bool credit_inflight;
+    void *credit_req;
     uint8_t credit_hdr[TDP_AM_HDR_LEN];
     uint32_t ucx_recvs; /* outstanding UCX receive requests */
     bool peer_bye;
@@ -132,7 +150,6 @@ struct tdp_pipe {
     pthread_mutex_t mtx;
     pthread_cond_t cond;
 
-    bool freed; /* the user freed it; memory goes with the last UCX request */
     tdp_pipe_stats stats;
 };
 
@@ -156,6 +173,11 @@ tdp_err tdp__reg_add(tdp_pipe *p);
 void tdp__reg_remove(tdp_pipe *p);
 tdp_pipe *tdp__reg_lookup(tdp_loop *loop, uint64_t token);
 const uint8_t *tdp__host_id(void);
+/*
+ * Keep a buffer (and its registration) UCX may still touch after its
+ * request was abandoned: freed with the loop, after the worker is gone.
+ */
+void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh);
 tdp_err tdp__reg_worker_address(tdp_loop *loop, const void **addr, size_t *len);
 
 /* conn.c: control socket. */
@@ -165,7 +187,6 @@ void tdp__conn_close(tdp_pipe *p);
 tdp_err tdp__conn_accepted(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa);
 tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
                      socklen_t *outlen, int max, int *count);
-void tdp__reg_forget(tdp_pipe *p);
 
 /* pipe.c */
 tdp_pipe *tdp__pipe_alloc(tdp_loop *loop, const tdp_pipe_opts *opts);

@@ -14,8 +14,15 @@
 #include "../core/alloc.h"
 #include "../core/log.h"
 
+typedef struct grave {
+    tdp_td *td;
+    ucp_mem_h memh;
+    struct grave *next;
+} grave;
+
 typedef struct pipe_reg {
     tdp_loop *loop;
+    grave *graves;
     tdp_pipe **tab;
     uint32_t cap;
     ucp_address_t *addr;
@@ -32,19 +39,35 @@ static void reg_pre_fini(void *ext)
     r->addr = NULL;
 }
 
-/* After the worker is gone: free pipes whose UCX requests never completed. */
+/* After the worker is gone: nothing can touch the buried buffers any more. */
 static void reg_fini(void *ext)
 {
     pipe_reg *r = ext;
-    for (uint32_t i = 0; i < r->cap; i++) {
-        tdp_pipe *p = r->tab[i];
-        if (p != NULL && p->freed) {
-            p->ucx_sends = p->ucx_recvs = 0;
-            tdp__pipe_destroy(p);
-        }
+    while (r->graves != NULL) {
+        grave *g = r->graves;
+        r->graves = g->next;
+        if (g->memh != NULL)
+            ucp_mem_unmap(tdp__loop_context(r->loop), g->memh);
+        tdp_td_unref(g->td);
+        tdp__free(g);
     }
     tdp__free(r->tab);
     tdp__free(r);
+}
+
+void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh)
+{
+    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    grave *g = r ? tdp__calloc(1, sizeof(*g)) : NULL;
+    if (g == NULL) {
+        /* cannot keep it safely: leaking beats a write into freed memory */
+        tdp_log_error("cannot keep a buffer UCX may still use; leaking it");
+        return;
+    }
+    g->td = td;
+    g->memh = memh;
+    g->next = r->graves;
+    r->graves = g;
 }
 
 static pipe_reg *reg_get(tdp_loop *loop)
@@ -112,14 +135,6 @@ tdp_err tdp__reg_add(tdp_pipe *p)
 void tdp__reg_remove(tdp_pipe *p)
 {
     pipe_reg *r = tdp__loop_pipe_ext(p->loop);
-    if (r != NULL && p->reg_index < r->cap && r->tab[p->reg_index] == p && !p->freed)
-        r->tab[p->reg_index] = NULL;
-}
-
-/* Forget a zombie pipe's slot once it is finally destroyed. */
-void tdp__reg_forget(tdp_pipe *p)
-{
-    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
     if (r != NULL && p->reg_index < r->cap && r->tab[p->reg_index] == p)
         r->tab[p->reg_index] = NULL;
 }
@@ -128,8 +143,7 @@ tdp_pipe *tdp__reg_lookup(tdp_loop *loop, uint64_t token)
 {
     pipe_reg *r = tdp__loop_pipe_ext(loop);
     uint32_t i = (uint32_t)token;
-    if (r == NULL || i >= r->cap || r->tab[i] == NULL || r->tab[i]->token != token ||
-        r->tab[i]->freed)
+    if (r == NULL || i >= r->cap || r->tab[i] == NULL || r->tab[i]->token != token)
         return NULL;
     return r->tab[i];
 }
