@@ -108,6 +108,19 @@ static bool verify(const tdp_td *td, uint64_t seq)
     return true;
 }
 
+/* TDP_TEST_PEER_MODE=ucx runs the suite with UCX's peer-failure mode. */
+static const tdp_pipe_opts *mode_opts(const tdp_pipe_opts *o, tdp_pipe_opts *buf)
+{
+    const char *m = getenv("TDP_TEST_PEER_MODE");
+    if (o != NULL)
+        *buf = *o;
+    else
+        tdp_pipe_opts_default(buf);
+    if (m != NULL && strcmp(m, "ucx") == 0)
+        buf->peer_mode = TDP_PEER_UCX;
+    return buf;
+}
+
 /* ---- environment: two loops on their own threads, one pipe between them ------- */
 
 typedef struct env {
@@ -118,6 +131,9 @@ typedef struct env {
 
 static void env_up(env *e, const tdp_pipe_opts *so, const tdp_pipe_opts *co)
 {
+    tdp_pipe_opts sb, cb;
+    so = mode_opts(so, &sb);
+    co = mode_opts(co, &cb);
     memset(e, 0, sizeof(*e));
     assert_int_equal(tdp_loop_new(NULL, &e->sl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &e->cl), TDP_OK);
@@ -489,7 +505,9 @@ static void kill_case(bool child_sends)
     tdp_pipe *p;
     assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
     assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
-    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    tdp_pipe_opts ob;
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, mode_opts(NULL, &ob), NULL, NULL, &l),
+                     TDP_OK);
     uint16_t port = tdp_listener_port(l);
     fflush(NULL);
     /* a fresh process (fork + exec): UCX's global state, its async thread
@@ -901,8 +919,8 @@ int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
         child_stream((uint16_t)atoi(argv[2]), strcmp(argv[3], "send") == 0);
-    const char *tls = getenv("UCX_TLS");
-    printf("# UCX_TLS=%s\n", tls ? tls : "(default)");
+    const char *tls = getenv("UCX_TLS"), *mode = getenv("TDP_TEST_PEER_MODE");
+    printf("# UCX_TLS=%s peer mode=%s\n", tls ? tls : "(default)", mode ? mode : "auto");
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_handshake),
