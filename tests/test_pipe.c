@@ -201,6 +201,11 @@ static void test_handshake(void **state)
     env_up(&e, NULL, NULL);
     assert_true(tdp_pipe_same_host(e.cli));
     assert_true(tdp_pipe_same_host(e.srv));
+    /* both sides agree on the UCX error mode: peer-failure only when asked */
+    const char *m = getenv("TDP_TEST_PEER_MODE");
+    bool want_ucx = m != NULL && strcmp(m, "ucx") == 0;
+    assert_int_equal(e.cli->peer_mode_ucx, want_ucx);
+    assert_int_equal(e.srv->peer_mode_ucx, want_ucx);
     assert_non_null(strstr(tdp_pipe_peer(e.cli, buf, sizeof(buf)), "127.0.0.1:"));
     assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
     assert_null(tdp_pipe_recv_schema(e.srv));
