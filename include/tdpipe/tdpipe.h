@@ -13,5 +13,8 @@
 #include <tdpipe/dtype.h>
 #include <tdpipe/schema.h>
 #include <tdpipe/td.h>
+#include <tdpipe/loop.h>
+#include <tdpipe/pipe.h>
+#include <tdpipe/server.h>
 
 #endif /* TDPIPE_TDPIPE_H */
