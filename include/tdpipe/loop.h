@@ -33,6 +33,14 @@ typedef struct tdp_loop_opts {
     uint32_t max_progress;
     /* Period of the safety timer that progresses UCX against a lost wakeup, ms. 0 = 100. */
     uint32_t safety_timer_ms;
+    /*
+     * Busy-poll window, microseconds (0 = off, the default): after the last
+     * UCX activity the loop keeps progressing the worker for this long
+     * instead of sleeping on its event fd. Lower latency for ping-pong
+     * traffic at the price of a busy core — the progress mode UCX's own
+     * ucx_perftest uses.
+     */
+    uint32_t busy_poll_us;
 } tdp_loop_opts;
 
 /*

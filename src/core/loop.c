@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 
 #include <event2/thread.h>
 
@@ -47,6 +48,8 @@ struct tdp_loop {
 
     uint32_t max_progress;
     uint32_t safety_timer_ms;
+    uint32_t busy_poll_us;
+    uint64_t last_activity_ns; /* last progress that did something (busy poll) */
 
     /* Loop thread only (or whoever drives the loop while nobody else does). */
     bool again_pending;
@@ -118,19 +121,39 @@ static void schedule_again(tdp_loop *loop)
  * again timer so other events get a turn. UCS_ERR_BUSY from arm means
  * events arrived since the last progress: progress them before sleeping.
  */
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static void drain(tdp_loop *loop)
 {
     uint32_t budget = loop->max_progress;
+    bool active = false;
 
     for (;;) {
         while (budget > 0) {
             budget--;
             if (ucp_worker_progress(loop->worker) == 0)
                 break;
+            active = true;
         }
         if (budget == 0) {
             schedule_again(loop);
             break;
+        }
+        if (loop->busy_poll_us > 0) {
+            /* busy-poll window: keep progressing instead of sleeping for a
+             * while after the last activity, trading CPU for wakeup latency */
+            uint64_t now = mono_ns();
+            if (active)
+                loop->last_activity_ns = now;
+            if (now - loop->last_activity_ns < (uint64_t)loop->busy_poll_us * 1000u) {
+                schedule_again(loop);
+                break;
+            }
         }
         ucs_status_t st = ucp_worker_arm(loop->worker);
         if (st == UCS_OK)
@@ -415,6 +438,36 @@ static void deadline_cb(evutil_socket_t fd, short what, void *arg)
     event_base_loopbreak(loop->base);
 }
 
+/*
+ * Busy-poll fast path of run_until: progress the worker directly, without
+ * a trip through libevent per iteration (an epoll_wait and a timer each),
+ * and give libevent a non-blocking turn every few spins so sockets, timers
+ * and posted tasks still run. Ends when done, at the deadline, or after the
+ * busy-poll window passes with nothing to do.
+ */
+static void spin(tdp_loop *loop, volatile bool *done)
+{
+    uint64_t window = (uint64_t)loop->busy_poll_us * 1000u;
+    uint64_t last = mono_ns();
+    unsigned n = 0;
+
+    while (!*done && !loop->deadline_hit) {
+        if (ucp_worker_progress(loop->worker) != 0) {
+            last = 0; /* refreshed below, on the next libevent turn */
+            continue;
+        }
+        if (++n % 32 != 0)
+            continue;
+        if (event_base_loop(loop->base, EVLOOP_NONBLOCK) != 0)
+            return;
+        uint64_t now = mono_ns();
+        if (last == 0)
+            last = now;
+        else if (now - last > window)
+            return; /* idle for a whole window: sleep on the fd instead */
+    }
+}
+
 tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout_ms)
 {
     run_frame frame;
@@ -439,6 +492,8 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
         }
     }
     tdp__loop_kick(loop);
+    if (loop->busy_poll_us > 0)
+        spin(loop, done);
     /*
      * EVLOOP_ONCE sleeps until something happens and returns after running
      * what did; callbacks of ours that see *done break out early, the
@@ -491,6 +546,7 @@ static void opts_resolve(const tdp_loop_opts *in, tdp_loop *loop)
         loop->f = in->f;
     TAKE(max_progress)
     TAKE(safety_timer_ms)
+    TAKE(busy_poll_us)
 #undef TAKE
 }
 

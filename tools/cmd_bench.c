@@ -1,0 +1,603 @@
+/*
+ * cmd_bench.c: `tdpipe bench` — a producer (this process) and a consumer (a
+ * child process it starts) on loopback, measuring for each payload size:
+ *
+ *   first send   round trip of the first message of a new schema (schema
+ *                frame, receiver validation + allocation + registration,
+ *                data) and a small acknowledgement back;
+ *   latency      one-way time = half the round trip of a ping-pong in which
+ *                the consumer sends each message straight back (the method
+ *                of ucx_perftest's am_lat), mean, p50, p99;
+ *   throughput   messages streamed back to back, timed by the consumer from
+ *                the completion of the first counted message to the last,
+ *                repeated to show the spread.
+ *
+ * Each message is exactly `size` bytes (a multiple of 4): the synthetic
+ * schema of `tdpipe send` (one float32 leaf, docs/cli.md) whose first 32
+ * bytes carry the benchmark's control words.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <getopt.h>
+#include <ucp/api/ucp.h>
+
+#include <tdpipe/tdpipe.h>
+
+#include "cli.h"
+
+enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
+#define HDR_BYTES 32u /* four int64 control words at the start of each message */
+#define MAX_SIZES 16
+#define TP_REPEATS 3
+#define BENCH_TMO 120000
+
+typedef struct bench_cfg {
+    uint64_t sizes[MAX_SIZES];
+    int nsizes;
+    int rounds; /* 0: scaled by size */
+    uint32_t depth;
+    uint32_t busy_poll_us;
+    tdp_peer_mode peer_mode;
+    const char *tls;
+    const char *json_path;
+    const char *plot_path;
+    bool quiet;
+    /* consumer role */
+    bool consumer;
+    const char *connect;
+} bench_cfg;
+
+typedef struct size_result {
+    uint64_t bytes;
+    double first_us;
+    double lat_mean, lat_p50, lat_p99, lat_min;
+    int lat_n;
+    double tp_bps[TP_REPEATS]; /* bytes per second, each repeat */
+    double tp_median, tp_min, tp_max;
+    uint64_t tp_msgs;
+} size_result;
+
+static tdp_schema *bench_schema(uint64_t bytes)
+{
+    tdp_schema *s = NULL;
+    if (tdp_cli_synth_schema(bytes, TDP_DEVICE_CPU_INIT, &s) != TDP_OK)
+        return NULL;
+    return s;
+}
+
+/* The control words ride in the first HDR_BYTES of the buffer. */
+static int64_t *hdr_of(tdp_td *td)
+{
+    return tdp_td_data(td);
+}
+
+/* ---- the consumer (child process) -------------------------------------------- */
+
+static int run_consumer(const bench_cfg *cfg)
+{
+    char host[TDP_CLI_HOST_LEN];
+    uint16_t port;
+    tdp_loop *loop;
+    tdp_pipe *pipe;
+    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
+    tdp_pipe_opts po;
+
+    if (!tdp_cli_parse_hostport(cfg->connect, false, host, sizeof(host), &port))
+        return TDP_EXIT_USAGE;
+    tdp_pipe_opts_default(&po);
+    po.recv_depth = cfg->depth;
+    po.peer_mode = cfg->peer_mode;
+    if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
+        return TDP_EXIT_CONNECT;
+    tdp_schema *as = bench_schema(128);
+    tdp_td *ack, *td;
+    if (as == NULL || tdp_td_new(as, &ack) != TDP_OK)
+        return TDP_EXIT_FAIL;
+    uint64_t t_start = 0;
+    tdp_err rc;
+    while ((rc = tdp_pipe_recv(pipe, BENCH_TMO, &td)) == TDP_OK) {
+        int64_t *h = hdr_of(td);
+        switch (h[0]) {
+        case PH_PING:
+            rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
+            tdp_pipe_release(pipe, td);
+            break;
+        case PH_STREAM: {
+            int64_t idx = h[1], count = h[2], warm = h[3];
+            if (idx == warm)
+                t_start = tdp_cli_now_ns();
+            tdp_pipe_release(pipe, td);
+            if (idx == count - 1) {
+                hdr_of(ack)[0] = PH_STREAM;
+                hdr_of(ack)[1] = (int64_t)(tdp_cli_now_ns() - t_start);
+                hdr_of(ack)[2] = count - 1 - warm; /* messages timed */
+                rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
+            }
+            break;
+        }
+        default: /* SETUP, FIRST: acknowledge */
+            hdr_of(ack)[0] = h[0];
+            tdp_pipe_release(pipe, td);
+            rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
+            break;
+        }
+        if (rc != TDP_OK)
+            break;
+    }
+    tdp_pipe_free(pipe);
+    tdp_td_unref(ack);
+    tdp_schema_unref(as);
+    tdp_loop_free(loop);
+    return rc == TDP_ECLOSED ? TDP_EXIT_OK : tdp_cli_exit_for(rc);
+}
+
+/* ---- the producer ------------------------------------------------------------- */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Send one message with header phase/idx and wait for the consumer's ack. */
+static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
+{
+    tdp_td *got;
+    hdr_of(td)[0] = phase;
+    tdp_err rc = tdp_pipe_send(p, td, BENCH_TMO);
+    if (rc == TDP_OK)
+        rc = tdp_pipe_recv(p, BENCH_TMO, &got);
+    if (rc == TDP_OK)
+        tdp_pipe_release(p, got);
+    return rc;
+}
+
+static int lat_rounds(const bench_cfg *cfg, uint64_t bytes)
+{
+    if (cfg->rounds > 0)
+        return cfg->rounds;
+    uint64_t r = (1ull << 30) / bytes; /* about 1 GiB each way */
+    return (int)(r < 10 ? 10 : r > 2000 ? 2000 : r);
+}
+
+static int tp_count(const bench_cfg *cfg, uint64_t bytes)
+{
+    if (cfg->rounds > 0)
+        return cfg->rounds;
+    uint64_t r = (2ull << 30) / bytes; /* about 2 GiB per repeat */
+    return (int)(r < 20 ? 20 : r > 20000 ? 20000 : r);
+}
+
+static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, size_result *out)
+{
+    tdp_schema *s = bench_schema(bytes);
+    tdp_td *td, *got;
+    tdp_err rc;
+
+    if (s == NULL)
+        return TDP_EINVAL;
+    if ((rc = tdp_td_new(s, &td)) != TDP_OK) {
+        tdp_schema_unref(s);
+        return rc;
+    }
+    tdp_cli_fill(td, 1); /* real data, written once: the benchmark times transfers */
+    out->bytes = bytes;
+    char label[32];
+    tdp_cli_format_size(bytes, label, sizeof(label));
+
+    /* first send: a new schema on the wire, allocation on the receiver */
+    uint64_t t0 = tdp_cli_now_ns();
+    rc = round_trip(p, td, PH_FIRST);
+    out->first_us = (double)(tdp_cli_now_ns() - t0) / 1e3;
+    if (rc != TDP_OK)
+        goto out;
+
+    /* latency: ping-pong, half the round trip */
+    int n = lat_rounds(cfg, bytes), warm = n / 10 + 2;
+    double *lat = calloc((size_t)n, sizeof(double));
+    if (lat == NULL) {
+        rc = TDP_ENOMEM;
+        goto out;
+    }
+    for (int i = 0; i < warm + n && rc == TDP_OK; i++) {
+        hdr_of(td)[0] = PH_PING;
+        hdr_of(td)[1] = i;
+        uint64_t a = tdp_cli_now_ns();
+        rc = tdp_pipe_send(p, td, BENCH_TMO);
+        if (rc == TDP_OK)
+            rc = tdp_pipe_recv(p, BENCH_TMO, &got);
+        uint64_t b = tdp_cli_now_ns();
+        if (rc == TDP_OK)
+            tdp_pipe_release(p, got);
+        if (i >= warm)
+            lat[i - warm] = (double)(b - a) / 2e3;
+        if (!cfg->quiet && (i % 256 == 0 || i == warm + n - 1))
+            fprintf(stderr, "\r  %-9s latency   %5d/%d ", label, i + 1, warm + n);
+    }
+    if (rc == TDP_OK) {
+        double sum = 0;
+        for (int i = 0; i < n; i++)
+            sum += lat[i];
+        qsort(lat, (size_t)n, sizeof(double), cmp_double);
+        out->lat_mean = sum / n;
+        out->lat_min = lat[0];
+        out->lat_p50 = lat[n / 2];
+        out->lat_p99 = lat[(int)((n - 1) * 0.99)];
+        out->lat_n = n;
+    }
+    free(lat);
+
+    /* throughput: back to back, timed on the receiver, repeated */
+    int count = tp_count(cfg, bytes), twarm = count / 10 + 1;
+    for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
+        for (int i = 0; i < count && rc == TDP_OK; i++) {
+            int64_t *h = hdr_of(td);
+            h[0] = PH_STREAM;
+            h[1] = i;
+            h[2] = count;
+            h[3] = twarm;
+            rc = tdp_pipe_send(p, td, BENCH_TMO);
+            if (!cfg->quiet && (i % 512 == 0 || i == count - 1))
+                fprintf(stderr, "\r  %-9s throughput %d/%d  %6d/%d ", label, r + 1, TP_REPEATS,
+                        i + 1, count);
+        }
+        if (rc == TDP_OK)
+            rc = tdp_pipe_recv(p, BENCH_TMO, &got);
+        if (rc == TDP_OK) {
+            int64_t *h = hdr_of(got);
+            double secs = (double)h[1] / 1e9;
+            out->tp_msgs = (uint64_t)h[2];
+            out->tp_bps[r] = secs > 0 ? (double)h[2] * (double)bytes / secs : 0;
+            tdp_pipe_release(p, got);
+        }
+    }
+    if (rc == TDP_OK) {
+        double v[TP_REPEATS];
+        memcpy(v, out->tp_bps, sizeof(v));
+        qsort(v, TP_REPEATS, sizeof(double), cmp_double);
+        out->tp_min = v[0];
+        out->tp_median = v[TP_REPEATS / 2];
+        out->tp_max = v[TP_REPEATS - 1];
+    }
+    if (!cfg->quiet)
+        fprintf(stderr, "\r%60s\r", "");
+out:
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    return rc;
+}
+
+static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE *f)
+{
+    char sz[32], tp[32], lo[32], hi[32];
+    fprintf(f, "%-10s %12s %12s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
+            "lat mean", "lat p50", "lat p99", "throughput", "(min..max of 3)");
+    for (int i = 0; i < n; i++) {
+        tdp_cli_format_size(r[i].bytes, sz, sizeof(sz));
+        tdp_cli_format_rate(r[i].tp_median, tp, sizeof(tp));
+        tdp_cli_format_rate(r[i].tp_min, lo, sizeof(lo));
+        tdp_cli_format_rate(r[i].tp_max, hi, sizeof(hi));
+        fprintf(f, "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n", sz,
+                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, tp, lo, hi);
+    }
+}
+
+static void write_json(const bench_cfg *cfg, const size_result *r, int n, const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        fprintf(stderr, "tdpipe bench: cannot write %s: %s\n", path, strerror(errno));
+        return;
+    }
+    char date[64];
+    time_t t = time(NULL);
+    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&t));
+    const char *tls = getenv("UCX_TLS");
+    fprintf(f,
+            "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
+            "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
+            "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
+            "\"cpus\": %ld},\n  \"results\": [\n",
+            tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
+            cfg->depth, cfg->busy_poll_us,
+            cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
+            : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
+                                                : "auto",
+            sysconf(_SC_NPROCESSORS_ONLN));
+    for (int i = 0; i < n; i++) {
+        fprintf(f,
+                "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
+                "     \"latency_us\": {\"mean\": %.3f, \"p50\": %.3f, \"p99\": %.3f, "
+                "\"min\": %.3f, \"n\": %d},\n"
+                "     \"throughput_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": %.0f, "
+                "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}}%s\n",
+                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99,
+                r[i].lat_min, r[i].lat_n, r[i].tp_median, r[i].tp_min, r[i].tp_max, TP_REPEATS,
+                r[i].tp_msgs, i + 1 < n ? "," : "");
+    }
+    fprintf(f, "  ]\n}\n");
+    fclose(f);
+}
+
+/* Draw latency and throughput against size with gnuplot, when installed. */
+static void write_plot(const size_result *r, int n, const char *path)
+{
+    char dat[] = "/tmp/tdpipe-bench-XXXXXX";
+    int fd = mkstemp(dat);
+    if (fd < 0)
+        return;
+    FILE *f = fdopen(fd, "w");
+    for (int i = 0; i < n; i++)
+        fprintf(f, "%" PRIu64 " %.3f %.3f %.3f\n", r[i].bytes, r[i].lat_p50, r[i].lat_p99,
+                r[i].tp_median / 1e9);
+    fclose(f);
+    FILE *g = popen("gnuplot 2>/dev/null", "w");
+    if (g == NULL) {
+        unlink(dat);
+        return;
+    }
+    fprintf(g,
+            "set terminal pngcairo size 1100,450 font ',10'\nset output '%s'\n"
+            "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
+            "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
+            "set ylabel 'one-way latency (us)'\n"
+            "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with linespoints "
+            "title 'p99'\n"
+            "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
+            "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
+            path, dat, dat);
+    int st = pclose(g);
+    unlink(dat);
+    if (st != 0)
+        fprintf(stderr, "tdpipe bench: gnuplot failed; no plot written (is gnuplot installed?)\n");
+}
+
+static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
+{
+    char hp[64], depth[16], poll[16];
+    snprintf(hp, sizeof(hp), "127.0.0.1:%u", port);
+    snprintf(depth, sizeof(depth), "%u", cfg->depth);
+    snprintf(poll, sizeof(poll), "%u", cfg->busy_poll_us);
+    const char *mode = cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
+                       : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
+                                                           : "auto";
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
+              depth, "--busy-poll", poll, "--peer-mode", mode, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static int run_producer(bench_cfg *cfg)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
+    tdp_pipe_opts po;
+    size_result res[MAX_SIZES];
+    int rc_exit = TDP_EXIT_OK;
+
+    tdp_pipe_opts_default(&po);
+    po.recv_depth = cfg->depth;
+    po.peer_mode = cfg->peer_mode;
+    if (tdp_loop_new(&lo, &loop) != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
+        return TDP_EXIT_FAIL;
+    }
+    if (tdp_listener_new(loop, "127.0.0.1", 0, &po, NULL, NULL, &l) != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: cannot listen on 127.0.0.1\n");
+        tdp_loop_free(loop);
+        return TDP_EXIT_CONNECT;
+    }
+    pid_t child = spawn_consumer(cfg, tdp_listener_port(l));
+    tdp_err rc = tdp_listener_accept(l, 30000, &p);
+    if (rc != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: the consumer did not connect: %s\n", tdp_strerror(rc));
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+        tdp_listener_free(l);
+        tdp_loop_free(loop);
+        return TDP_EXIT_CONNECT;
+    }
+    const char *tls = getenv("UCX_TLS");
+    if (!cfg->quiet)
+        fprintf(stderr,
+                "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
+                "UCX_TLS=%s, depth %u, %s\n",
+                (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default",
+                cfg->depth, cfg->busy_poll_us ? "busy-poll" : "event-driven");
+    /* settle the acknowledgement's schema before anything is timed */
+    tdp_schema *ss = bench_schema(128);
+    tdp_td *std_;
+    rc = ss ? tdp_td_new(ss, &std_) : TDP_ENOMEM;
+    if (rc == TDP_OK) {
+        rc = round_trip(p, std_, PH_SETUP);
+        tdp_td_unref(std_);
+    }
+    tdp_schema_unref(ss);
+    int done = 0;
+    for (int i = 0; i < cfg->nsizes && rc == TDP_OK; i++, done++) {
+        rc = measure_size(cfg, p, cfg->sizes[i], &res[i]);
+        if (rc == TDP_OK && !cfg->quiet) {
+            char sz[32], tp[32];
+            tdp_cli_format_size(res[i].bytes, sz, sizeof(sz));
+            tdp_cli_format_rate(res[i].tp_median, tp, sizeof(tp));
+            fprintf(stderr, "  %-9s first %.1f us, latency p50 %.2f us, throughput %s\n", sz,
+                    res[i].first_us, res[i].lat_p50, tp);
+        }
+    }
+    if (rc != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_strerror(rc));
+        rc_exit = tdp_cli_exit_for(rc);
+    } else {
+        rc = tdp_pipe_close(p, 10000);
+    }
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+    int st = 0;
+    waitpid(child, &st, 0);
+    if (rc_exit == TDP_EXIT_OK && (!WIFEXITED(st) || WEXITSTATUS(st) != 0)) {
+        fprintf(stderr, "tdpipe bench: the consumer failed (status %d)\n", st);
+        rc_exit = TDP_EXIT_FAIL;
+    }
+    if (done > 0) {
+        print_table(cfg, res, done, stdout);
+        if (cfg->json_path != NULL)
+            write_json(cfg, res, done, cfg->json_path);
+        if (cfg->plot_path != NULL)
+            write_plot(res, done, cfg->plot_path);
+    }
+    return rc_exit;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: tdpipe bench [options]\n"
+            "\n"
+            "Producer and consumer on loopback (this process and a child it starts):\n"
+            "first-send time, one-way latency (half a ping-pong: mean, p50, p99) and\n"
+            "throughput (timed on the receiver, 3 repeats) for each payload size.\n"
+            "\n"
+            "  --sizes LIST       payload sizes, comma-separated (default 1KB,1MB,100MB;\n"
+            "                     KB/MB/GB = 1000^n, KiB/MiB/GiB = 1024^n; 128 B .. 64 GiB)\n"
+            "  --rounds N         ping-pongs and messages per repeat (default: scaled by size)\n"
+            "  --depth N          receive buffers on each side (default 4)\n"
+            "  --tls LIST         UCX transports (sets UCX_TLS, e.g. tcp or shm,self)\n"
+            "  --busy-poll US     busy-poll window of both loops (default 0: event-driven)\n"
+            "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
+            "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
+            "  --plot FILE.png    draw latency and throughput against size (needs gnuplot)\n"
+            "  --quiet            no progress on stderr\n"
+            "  -h, --help         this text\n"
+            "\n"
+            "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set.\n");
+}
+
+static int parse_args(int argc, char **argv, bench_cfg *cfg)
+{
+    static const struct option opts[] = {
+        {"sizes", required_argument, NULL, 's'},   {"rounds", required_argument, NULL, 'r'},
+        {"depth", required_argument, NULL, 'd'},   {"tls", required_argument, NULL, 't'},
+        {"busy-poll", required_argument, NULL, 'b'}, {"peer-mode", required_argument, NULL, 'm'},
+        {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
+        {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
+        {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
+        {NULL, 0, NULL, 0},
+    };
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': {
+            cfg->nsizes = 0;
+            char *list = strdup(optarg), *save = NULL;
+            for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+                uint64_t v;
+                if (cfg->nsizes == MAX_SIZES || !tdp_cli_parse_size(tok, &v) || v < 128 ||
+                    v > (64ull << 30)) {
+                    fprintf(stderr, "tdpipe bench: bad size '%s' (128 B .. 64 GiB, at most %d)\n",
+                            tok, MAX_SIZES);
+                    free(list);
+                    return TDP_EXIT_USAGE;
+                }
+                cfg->sizes[cfg->nsizes++] = v & ~3ull; /* whole float32 elements */
+            }
+            free(list);
+            break;
+        }
+        case 'r':
+            cfg->rounds = atoi(optarg);
+            if (cfg->rounds < 2) {
+                fprintf(stderr, "tdpipe bench: --rounds must be at least 2\n");
+                return TDP_EXIT_USAGE;
+            }
+            break;
+        case 'd':
+            cfg->depth = (uint32_t)atoi(optarg);
+            if (cfg->depth < 1 || cfg->depth > 64) {
+                fprintf(stderr, "tdpipe bench: --depth must be 1..64\n");
+                return TDP_EXIT_USAGE;
+            }
+            break;
+        case 't':
+            cfg->tls = optarg;
+            break;
+        case 'b':
+            cfg->busy_poll_us = (uint32_t)atoi(optarg);
+            break;
+        case 'm':
+            if (strcmp(optarg, "auto") == 0)
+                cfg->peer_mode = TDP_PEER_AUTO;
+            else if (strcmp(optarg, "ucx") == 0)
+                cfg->peer_mode = TDP_PEER_UCX;
+            else if (strcmp(optarg, "socket") == 0)
+                cfg->peer_mode = TDP_PEER_SOCKET;
+            else {
+                fprintf(stderr, "tdpipe bench: --peer-mode is auto, ucx or socket\n");
+                return TDP_EXIT_USAGE;
+            }
+            break;
+        case 'j':
+            cfg->json_path = optarg;
+            break;
+        case 'p':
+            cfg->plot_path = optarg;
+            break;
+        case 'q':
+            cfg->quiet = true;
+            break;
+        case 'R':
+            cfg->consumer = strcmp(optarg, "consumer") == 0;
+            break;
+        case 'c':
+            cfg->connect = optarg;
+            break;
+        case 'h':
+            usage(stdout);
+            return -1;
+        default:
+            usage(stderr);
+            return TDP_EXIT_USAGE;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "tdpipe bench: unexpected argument '%s'\n", argv[optind]);
+        return TDP_EXIT_USAGE;
+    }
+    if (cfg->consumer && cfg->connect == NULL)
+        return TDP_EXIT_USAGE;
+    return TDP_EXIT_OK;
+}
+
+int tdp_cmd_bench(int argc, char **argv)
+{
+    bench_cfg cfg = {
+        .sizes = {1000, 1000 * 1000, 100 * 1000 * 1000}, /* 1 KB, 1 MB, 100 MB */
+        .nsizes = 3,
+        .depth = 4,
+        .peer_mode = TDP_PEER_AUTO,
+    };
+    int rc = parse_args(argc, argv, &cfg);
+    if (rc != TDP_EXIT_OK)
+        return rc < 0 ? TDP_EXIT_OK : rc;
+    /* a loopback benchmark: keep UCX's TCP transport off the other interfaces */
+    setenv("UCX_NET_DEVICES", "lo", 0);
+    if (cfg.tls != NULL)
+        setenv("UCX_TLS", cfg.tls, 1);
+    signal(SIGPIPE, SIG_IGN);
+    return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
+}
