@@ -456,7 +456,7 @@ static void spin(tdp_loop *loop, volatile bool *done)
             last = 0; /* refreshed below, on the next libevent turn */
             continue;
         }
-        if (++n % 32 != 0)
+        if (++n % 256 != 0)
             continue;
         if (event_base_loop(loop->base, EVLOOP_NONBLOCK) != 0)
             return;

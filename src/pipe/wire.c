@@ -1,41 +1,44 @@
 /* wire.c: frame encoding and strict decoding. */
 #include "wire.h"
 
+#include <endian.h>
+
 #include <string.h>
 #include <tdpipe/pipe.h>
 
+/* Little-endian fields at fixed offsets (memcpy: no alignment assumed). */
 static void put16(uint8_t *p, uint16_t v)
 {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
+    v = htole16(v);
+    memcpy(p, &v, 2);
 }
 static void put32(uint8_t *p, uint32_t v)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = htole32(v);
+    memcpy(p, &v, 4);
 }
 static void put64(uint8_t *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = htole64(v);
+    memcpy(p, &v, 8);
 }
 static uint16_t get16(const uint8_t *p)
 {
-    return (uint16_t)(p[0] | (p[1] << 8));
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return le16toh(v);
 }
 static uint32_t get32(const uint8_t *p)
 {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return le32toh(v);
 }
 static uint64_t get64(const uint8_t *p)
 {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return le64toh(v);
 }
 
 void tdp_wire_ctl_hdr_encode(uint8_t out[TDP_CTL_HDR_LEN], uint16_t type, uint32_t length)
