@@ -172,7 +172,7 @@ static void test_stop_before_run(void **state)
     tdp_loop_stop(loop); /* idempotent */
     int64_t t0 = now_ms();
     assert_int_equal(tdp_loop_run(loop), TDP_OK);
-    assert_true(now_ms() - t0 < 1000);
+    assert_true(now_ms() - t0 < 5000);
     assert_false(tdp__loop_running(loop));
 
     /* the stop was consumed: the next run lasts until the next stop */
@@ -217,7 +217,7 @@ static void test_stop_race(void **state)
         assert_int_equal(pthread_create(&t, NULL, stopper_main, loop), 0);
         int64_t t0 = now_ms();
         assert_int_equal(tdp_loop_run(loop), TDP_OK);
-        assert_true(now_ms() - t0 < 2000);
+        assert_true(now_ms() - t0 < 5000);
         pthread_join(t, NULL);
     }
     tdp_loop_free(loop);
@@ -406,7 +406,7 @@ static void test_run_until(void **state)
     t0 = now_ms();
     assert_int_equal(tdp__loop_run_until(loop, &done, 200), TDP_ETIMEDOUT);
     dt = now_ms() - t0;
-    assert_true(dt >= 195 && dt < 1000);
+    assert_true(dt >= 195 && dt < 5000);
     assert_false(tdp__loop_running(loop));
 
     /* a task posted from another thread ends it promptly */
@@ -419,7 +419,7 @@ static void test_run_until(void **state)
     pthread_join(t, NULL);
     assert_int_equal(l.rc, TDP_OK);
     assert_true(done);
-    assert_true(dt >= 45 && dt < 1000);
+    assert_true(dt >= 45 && dt < 5000);
 
     /* already done: returns at once */
     assert_int_equal(tdp__loop_run_until(loop, &done, -1), TDP_OK);
@@ -439,7 +439,7 @@ static void test_run_until(void **state)
     t0 = now_ms();
     assert_int_equal(tdp__loop_run_until(loop, &done, 100), TDP_ETIMEDOUT);
     dt = now_ms() - t0;
-    assert_true(dt >= 95 && dt < 1000);
+    assert_true(dt >= 95 && dt < 5000);
     assert_true(s.runs > 10);
     s.stop = true;
     tdp_loop_free(loop); /* the spinner's last post is dropped: it is ours, not the loop's */

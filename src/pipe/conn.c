@@ -160,11 +160,14 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
         tdp__pipe_fail(p, rc, "cannot create the UCX endpoint");
 }
 
-static void conn_read_cb(struct bufferevent *bev, void *arg)
+/*
+ * Handle every whole frame in the input. A frame can end the pipe, and a
+ * pipe that fails while connecting is freed on the spot (its listener or
+ * connect callback drops it): *gone, set by tdp__conn_close, says so, and
+ * then p must not be touched again.
+ */
+static void conn_read_frames(tdp_pipe *p, struct evbuffer *in, const bool *gone)
 {
-    tdp_pipe *p = arg;
-    struct evbuffer *in = bufferevent_get_input(bev);
-
     while (p->state != PIPE_DEAD) {
         uint8_t hb[TDP_CTL_HDR_LEN];
         tdp_ctl_hdr hdr;
@@ -198,10 +201,20 @@ static void conn_read_cb(struct bufferevent *bev, void *arg)
             else
                 tdp__pipe_on_bye(p, &bye);
         }
-        if (p->bev == NULL)
-            return; /* the pipe closed its socket while handling the frame */
+        if (*gone)
+            return; /* the pipe closed its socket (or was freed) handling the frame */
         evbuffer_drain(in, total);
     }
+}
+
+static void conn_read_cb(struct bufferevent *bev, void *arg)
+{
+    tdp_pipe *p = arg;
+    bool gone = false;
+    p->conn_gone = &gone;
+    conn_read_frames(p, bufferevent_get_input(bev), &gone);
+    if (!gone)
+        p->conn_gone = NULL; /* when gone, tdp__conn_close cleared it */
 }
 
 static void conn_event_cb(struct bufferevent *bev, short what, void *arg)
@@ -231,7 +244,13 @@ static void conn_event_cb(struct bufferevent *bev, short what, void *arg)
                            "cannot connect");
             return;
         }
+        /* an open pipe outlives this; a connecting one may be freed by it */
+        void (*hook)(tdp_pipe *, void *) =
+            p->state != PIPE_CONNECTING ? p->sock_closed_cb : NULL;
+        void *hook_arg = p->sock_closed_arg;
         tdp__pipe_on_socket_closed(p);
+        if (hook != NULL)
+            hook(p, hook_arg);
     }
 }
 
@@ -257,6 +276,10 @@ void tdp__conn_send_bye(tdp_pipe *p, tdp_err reason)
 
 void tdp__conn_close(tdp_pipe *p)
 {
+    if (p->conn_gone != NULL) {
+        *p->conn_gone = true;
+        p->conn_gone = NULL;
+    }
     if (p->bev != NULL) {
         bufferevent_free(p->bev);
         p->bev = NULL;
@@ -265,6 +288,105 @@ void tdp__conn_close(tdp_pipe *p)
         event_free(p->timer);
         p->timer = NULL;
     }
+}
+
+/* ---- refusing --------------------------------------------------------------- */
+
+/*
+ * A socket the listener will not serve (a server at its client limit). It
+ * gets BYE with the reason instead of HELLO, so the connecting side fails
+ * with that reason rather than a bare reset. The socket stays open until
+ * the peer hangs up: closing with the peer's HELLO unread would send a RST,
+ * which can destroy the BYE before the peer reads it.
+ */
+#define TDP_MAX_REFUSALS 256u /* more at once are closed without a word */
+#define TDP_REFUSAL_MS   2000 /* at most this long, or the handshake deadline */
+
+struct tdp__refusal {
+    tdp_listener *l;
+    struct bufferevent *bev;
+    struct event *timer;
+    struct tdp__refusal *next;
+};
+
+static void refusal_free(struct tdp__refusal *r)
+{
+    for (struct tdp__refusal **pp = &r->l->refusals; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    }
+    r->l->nrefusals--;
+    if (r->bev != NULL)
+        bufferevent_free(r->bev);
+    if (r->timer != NULL)
+        event_free(r->timer);
+    tdp__free(r);
+}
+
+static void refusal_read_cb(struct bufferevent *bev, void *arg)
+{
+    struct evbuffer *in = bufferevent_get_input(bev);
+    evbuffer_drain(in, evbuffer_get_length(in)); /* its HELLO: not read */
+}
+
+static void refusal_event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR))
+        refusal_free(arg);
+}
+
+static void refusal_written_cb(struct bufferevent *bev, void *arg)
+{
+    /* the BYE is out: say nothing more, wait for the peer to hang up */
+    shutdown(bufferevent_getfd(bev), SHUT_WR);
+    bufferevent_setcb(bev, refusal_read_cb, NULL, refusal_event_cb, arg);
+}
+
+static void refusal_timeout_cb(evutil_socket_t fd, short what, void *arg)
+{
+    refusal_free(arg);
+}
+
+void tdp__conn_refuse(tdp_listener *l, evutil_socket_t fd, tdp_err reason)
+{
+    struct tdp__refusal *r = NULL;
+    if (l->nrefusals < TDP_MAX_REFUSALS)
+        r = tdp__calloc(1, sizeof(*r));
+    if (r == NULL) {
+        evutil_closesocket(fd);
+        return;
+    }
+    r->l = l;
+    r->next = l->refusals;
+    l->refusals = r;
+    l->nrefusals++;
+    r->bev = bufferevent_socket_new(tdp__loop_base(l->loop), fd, BEV_OPT_CLOSE_ON_FREE);
+    r->timer = evtimer_new(tdp__loop_base(l->loop), refusal_timeout_cb, r);
+    if (r->bev == NULL || r->timer == NULL) {
+        if (r->bev == NULL)
+            evutil_closesocket(fd);
+        refusal_free(r);
+        return;
+    }
+    int64_t ms = l->opts.connect_timeout_ms < TDP_REFUSAL_MS ? l->opts.connect_timeout_ms
+                                                             : TDP_REFUSAL_MS;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(r->timer, &tv);
+    uint8_t buf[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    tdp_bye b = {.last_seq = 0, .reason = reason};
+    tdp_wire_bye_encode(buf, &b);
+    bufferevent_setcb(r->bev, refusal_read_cb, refusal_written_cb, refusal_event_cb, r);
+    bufferevent_enable(r->bev, EV_READ);
+    if (bufferevent_write(r->bev, buf, sizeof(buf)) != 0)
+        refusal_free(r);
+}
+
+void tdp__conn_refusals_free(tdp_listener *l)
+{
+    while (l->refusals != NULL)
+        refusal_free(l->refusals);
 }
 
 /* ---- resolving ------------------------------------------------------------ */

@@ -119,6 +119,11 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
                       int salen, void *arg)
 {
     tdp_listener *l = arg;
+    /* a server at its limit turns the socket away before any handshake */
+    if (l->hooks.admit != NULL && !l->hooks.admit(l->hooks.arg, l->npending)) {
+        tdp__conn_refuse(l, fd, TDP_ELIMIT);
+        return;
+    }
     tdp_pipe *p = tdp__pipe_alloc(l->loop, &l->opts);
     if (p == NULL) {
         evutil_closesocket(fd);
@@ -127,6 +132,7 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
     p->listener = l;
     p->lnext = l->pending;
     l->pending = p;
+    l->npending++;
     tdp_err rc = tdp__conn_accepted(p, fd, sa);
     if (rc != TDP_OK)
         tdp__pipe_fail(p, rc, "cannot start the handshake");
@@ -138,6 +144,7 @@ static void unlink_pending(tdp_listener *l, tdp_pipe *p)
         if (*pp == p) {
             *pp = p->lnext;
             p->lnext = NULL;
+            l->npending--;
             return;
         }
     }
@@ -166,6 +173,8 @@ void tdp__listener_drop(tdp_listener *l, tdp_pipe *p)
 {
     unlink_pending(l, p);
     tdp_log_debug("handshake with %s failed: %s", p->peer_name, tdp_strerror(p->status));
+    if (l->hooks.handshake_failed != NULL)
+        l->hooks.handshake_failed(l->hooks.arg, p->status);
     tdp__pipe_destroy(p);
 }
 
@@ -215,6 +224,13 @@ tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
                          tdp_listener **out)
 {
+    return tdp__listener_new(loop, bind_host, port, opts, on_accept, arg, NULL, out);
+}
+
+tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
+                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                          const tdp__listener_hooks *hooks, tdp_listener **out)
+{
     if (loop == NULL || out == NULL)
         return TDP_EINVAL;
     listen_req r = {.rc = TDP_EINTERNAL};
@@ -240,6 +256,8 @@ tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
     l->opts.limits = &l->limits;
     l->on_accept = on_accept;
     l->arg = arg;
+    if (hooks != NULL)
+        l->hooks = *hooks; /* set before the socket listens: no accept misses them */
     pthread_mutex_init(&l->mtx, NULL);
     pthread_cond_init(&l->cond, NULL);
     r.l = l;
@@ -312,6 +330,7 @@ static void listener_free_task(void *arg)
     for (int i = 0; i < 2; i++)
         if (l->evl[i] != NULL)
             evconnlistener_free(l->evl[i]);
+    tdp__conn_refusals_free(l);
     while (l->pending != NULL) {
         tdp_pipe *p = l->pending;
         l->pending = p->lnext;

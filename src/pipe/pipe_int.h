@@ -108,6 +108,18 @@ struct tdp_pipe {
     bool bye_sent, bye_flushed;
     bool close_requested;
     tdp__task free_task;
+    /*
+     * Set by conn_read_cb while it handles frames: tdp__conn_close sets *it
+     * to true, so the callback knows the socket (and maybe the pipe) is gone.
+     */
+    bool *conn_gone;
+    /*
+     * Told (on the loop thread) after the control socket of an open pipe
+     * closed and the pipe has reacted; must not free the pipe inline. The
+     * server uses it to know when a finished client may be freed.
+     */
+    void (*sock_closed_cb)(tdp_pipe *p, void *arg);
+    void *sock_closed_arg;
 
     /* UCX */
     ucp_ep_h ep;
@@ -153,6 +165,21 @@ struct tdp_pipe {
     tdp_pipe_stats stats;
 };
 
+/*
+ * What a server adds to its listener (tdp__listener_new): an admission check
+ * consulted for every accepted socket before any handshake, and a report of
+ * handshakes that failed. Both run on the loop thread.
+ */
+typedef struct tdp__listener_hooks {
+    /* false: refuse the socket (BYE with TDP_ELIMIT instead of HELLO) */
+    bool (*admit)(void *arg, uint32_t npending);
+    /* a handshake ended without a pipe (timed out, garbage, version) */
+    void (*handshake_failed)(void *arg, tdp_err why);
+    void *arg;
+} tdp__listener_hooks;
+
+struct tdp__refusal; /* conn.c: a refused socket until its BYE is out */
+
 struct tdp_listener {
     tdp_loop *loop;
     tdp_pipe_opts opts;
@@ -162,6 +189,10 @@ struct tdp_listener {
     tdp_pipe_cb on_accept;
     void *arg;
     tdp_pipe *pending; /* handshaking, linked by lnext */
+    uint32_t npending;
+    tdp__listener_hooks hooks;
+    struct tdp__refusal *refusals; /* sockets being refused */
+    uint32_t nrefusals;
     tdp_pipe *ready, *ready_tail;
     volatile bool has_ready;
     pthread_mutex_t mtx;
@@ -184,6 +215,13 @@ tdp_err tdp__reg_worker_address(tdp_loop *loop, const void **addr, size_t *len);
 tdp_err tdp__conn_start_connect(tdp_pipe *p, const struct sockaddr *sa, socklen_t salen);
 void tdp__conn_send_bye(tdp_pipe *p, tdp_err reason);
 void tdp__conn_close(tdp_pipe *p);
+/*
+ * Refuse an accepted socket: send BYE(reason) instead of HELLO, then close
+ * once the peer hangs up (or after the listener's handshake deadline). Takes
+ * fd. The listener keeps track; tdp__conn_refusals_free drops what is left.
+ */
+void tdp__conn_refuse(tdp_listener *l, evutil_socket_t fd, tdp_err reason);
+void tdp__conn_refusals_free(tdp_listener *l);
 tdp_err tdp__conn_accepted(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa);
 tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
                      socklen_t *outlen, int max, int *count);
@@ -202,6 +240,10 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
 tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms);
 /* Run fn(arg) on the loop thread and wait (inline on the loop thread or an idle loop). */
 void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg);
+/* connect.c: tdp_listener_new with server hooks (hooks may be NULL). */
+tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
+                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                          const tdp__listener_hooks *hooks, tdp_listener **out);
 void tdp__listener_ready(tdp_listener *l, tdp_pipe *p);
 void tdp__listener_drop(tdp_listener *l, tdp_pipe *p);
 int64_t tdp__now_ms(void);
