@@ -986,6 +986,10 @@ static void op_cancel(void *arg)
     tdp_pipe *p = op->pipe;
     if (q_remove(&p->sendq, &p->sendq_tail, op) || q_remove(&p->recvq, &p->recvq_tail, op))
         op_complete(op, TDP_ETIMEDOUT);
+    pthread_mutex_lock(&p->mtx);
+    op->cancel_pending = false; /* the waiter may return: this task is done with op */
+    pthread_cond_broadcast(&p->cond);
+    pthread_mutex_unlock(&p->mtx);
 }
 
 /*
@@ -996,7 +1000,6 @@ static void op_cancel(void *arg)
  */
 tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms)
 {
-    tdp__task cancel = {.fn = op_cancel, .arg = op};
     if (!tdp__loop_running(p->loop) || tdp_loop_on_thread(p->loop)) {
         if (tdp__loop_run_until(p->loop, &op->done, timeout_ms) != TDP_OK && !op->done) {
             op_cancel(op);
@@ -1008,7 +1011,7 @@ tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms)
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
     bool canceled = false;
     pthread_mutex_lock(&p->mtx);
-    while (!op->done) {
+    while (!op->done || op->cancel_pending) {
         if (deadline < 0 || canceled) {
             pthread_cond_wait(&p->cond, &p->mtx);
             continue;
@@ -1018,7 +1021,9 @@ tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms)
         int64_t left = deadline - tdp__now_ms();
         if (left <= 0) {
             canceled = true;
-            tdp__loop_post_task(p->loop, &cancel);
+            op->cancel_pending = true;
+            op->cancel_task = (tdp__task){.fn = op_cancel, .arg = op};
+            tdp__loop_post_task(p->loop, &op->cancel_task);
             continue;
         }
         ts.tv_sec += left / 1000;

@@ -33,6 +33,8 @@ struct tdp_op {
     /* blocking wrappers */
     bool sync;
     volatile bool done;
+    tdp__task cancel_task;
+    bool cancel_pending; /* under the pipe's mutex */
 };
 
 /*
