@@ -747,6 +747,81 @@ static void test_garbage_control(void **state)
     tdp_loop_free(loop);
 }
 
+/* A schema change reuses the receive storage when it is large enough. */
+static void test_storage_reuse(void **state)
+{
+    env e;
+    env_up(&e, NULL, NULL);
+    tdp_schema *big = bytes_schema(1 << 20), *small = bytes_schema(100 << 10);
+    tdp_td *tb, *ts, *got;
+    assert_int_equal(tdp_td_new(big, &tb), TDP_OK);
+    assert_int_equal(tdp_td_new(small, &ts), TDP_OK);
+    tdp_td *order[] = {tb, ts, tb, ts, tb};
+    tdp_mem_stats m0, m1;
+    for (int i = 0; i < 5; i++) {
+        if (i == 1)
+            tdp_mem_stats_get(&m0); /* after the first, largest, allocation */
+        fill(order[i], (uint64_t)i + 1);
+        assert_int_equal(tdp_pipe_send(e.cli, order[i], TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, (uint64_t)i + 1));
+        assert_int_equal(tdp_td_nbytes(got), tdp_td_nbytes(order[i]));
+        tdp_pipe_release(e.srv, got);
+    }
+    tdp_mem_stats_get(&m1);
+    assert_int_equal(m1.allocs[TDP_MEM_HOST], m0.allocs[TDP_MEM_HOST]);
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(e.srv, &st);
+    assert_int_equal(st.schemas_recv, 5);
+    env_down(&e);
+    tdp_td_unref(tb);
+    tdp_td_unref(ts);
+    tdp_schema_unref(big);
+    tdp_schema_unref(small);
+}
+
+/* A peer of another protocol version: the connect fails with TDP_EVERSION. */
+static void *future_server(void *arg)
+{
+    int lfd = *(int *)arg;
+    int fd = accept(lfd, NULL, NULL);
+    if (fd < 0)
+        return NULL;
+    uint8_t hdr[TDP_CTL_HDR_LEN];
+    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_HELLO, TDP_HELLO_FIXED_LEN + 8);
+    hdr[4] = 2; /* version 2 */
+    uint8_t payload[TDP_HELLO_FIXED_LEN + 8] = {0};
+    if (write(fd, hdr, sizeof(hdr)) == (ssize_t)sizeof(hdr))
+        (void)!write(fd, payload, sizeof(payload));
+    char b[256];
+    while (read(fd, b, sizeof(b)) > 0) /* until the client hangs up */
+        ;
+    close(fd);
+    return NULL;
+}
+
+static void test_version_mismatch(void **state)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(lfd, 4), 0);
+    assert_int_equal(getsockname(lfd, (struct sockaddr *)&sa, &sl), 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, future_server, &lfd), 0);
+    tdp_loop *loop;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", ntohs(sa.sin_port), NULL, &p),
+                     TDP_EVERSION);
+    assert_true(mono_ms() - t0 < 5000); /* told at once, not by a timeout */
+    tdp_loop_free(loop);
+    pthread_join(th, NULL);
+    close(lfd);
+}
+
 /* The receiver may place the data on another device than the sender's. */
 static void test_recv_device_override(void **state)
 {
@@ -944,6 +1019,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_data_without_schema),
         cmocka_unit_test(test_forged_credit),
         cmocka_unit_test(test_garbage_control),
+        cmocka_unit_test(test_version_mismatch),
+        cmocka_unit_test(test_storage_reuse),
         cmocka_unit_test(test_recv_device_override),
         cmocka_unit_test(test_gather),
         cmocka_unit_test(test_async_ops),
