@@ -18,7 +18,8 @@
 static void send_kick(tdp_pipe *p);
 static void deliver(tdp_pipe *p);
 static void send_credit(tdp_pipe *p);
-static void slot_release(tdp_pipe *p, rx_slot *s);
+static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit);
+static void credit_ev_cb(evutil_socket_t fd, short what, void *arg);
 
 /* ---- options -------------------------------------------------------------- */
 
@@ -400,6 +401,9 @@ tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params)
         p->tickets[i].next_free = i + 1 < p->nticket ? &p->tickets[i + 1] : NULL;
     }
     p->free_tickets = p->tickets;
+    p->credit_ev = evtimer_new(tdp__loop_base(p->loop), credit_ev_cb, p);
+    if (p->credit_ev == NULL)
+        return TDP_ENOMEM;
     ucs_status_t st = ucp_ep_create(tdp__loop_worker(p->loop), &prm, &p->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
@@ -465,6 +469,8 @@ void tdp__pipe_destroy(tdp_pipe *p)
     for (uint32_t i = 0; i < p->nticket; i++)
         tdp_td_unref(p->tickets[i].td); /* only tickets UCX never gave back */
     tdp__free(p->tickets);
+    if (p->credit_ev != NULL)
+        event_free(p->credit_ev);
     tdp__reg_remove(p);
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
@@ -575,11 +581,15 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         p->sent_schema = tdp_schema_ref(sc);
     }
     if (rc == TDP_OK) {
+        /* the credit this side owes its peer rides along for free */
         tdp_am_hdr h = {.type = TDP_AM_DATA,
                         .token = p->peer_token,
                         .seq = op->seq,
                         .hash = tdp_schema_hash(sc),
-                        .length = op->td->nbytes};
+                        .length = op->td->nbytes,
+                        .arg = p->released};
+        if (p->released > p->credit_sent)
+            p->credit_sent = p->released;
         tdp_wire_am_encode(t->data_hdr, &h);
         rc = am_post(p, t, t->data_hdr, op->td->data, op->td->nbytes, 0, mt);
     }
@@ -785,6 +795,20 @@ static void on_schema(tdp_pipe *p, const tdp_am_hdr *h, const void *data, size_t
     }
 }
 
+/* The peer's running count of released buffers, from CREDIT or DATA. */
+static bool take_credit(tdp_pipe *p, uint64_t total)
+{
+    if (total < p->peer_credit || total > p->send_seq) {
+        proto_fail(p, TDP_EPROTO, "credit beyond what was sent");
+        return false;
+    }
+    if (total > p->peer_credit) {
+        p->peer_credit = total;
+        send_kick(p);
+    }
+    return true;
+}
+
 static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
                     const ucp_am_recv_param_t *param)
 {
@@ -800,6 +824,8 @@ static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
         proto_fail(p, TDP_EMSGSIZE, "data length differs from the schema's size");
         return;
     }
+    if (!take_credit(p, h->arg))
+        return;
     rx_slot *s = NULL;
     for (uint32_t i = 0; i < p->depth; i++) {
         if (p->slots[i].state == SLOT_FREE) {
@@ -877,12 +903,7 @@ ucs_status_t tdp__pipe_am_cb(void *arg, const void *header, size_t header_length
         return UCS_OK;
     switch (h.type) {
     case TDP_AM_CREDIT:
-        if (h.arg < p->peer_credit || h.arg > p->send_seq) {
-            proto_fail(p, TDP_EPROTO, "credit beyond what was sent");
-            break;
-        }
-        p->peer_credit = h.arg;
-        send_kick(p);
+        take_credit(p, h.arg);
         break;
     case TDP_AM_SCHEMA:
         on_schema(p, &h, data, length, param);
@@ -894,7 +915,12 @@ ucs_status_t tdp__pipe_am_cb(void *arg, const void *header, size_t header_length
     return UCS_OK;
 }
 
-static void slot_release(tdp_pipe *p, rx_slot *s)
+/*
+ * A released buffer is a credit for the peer. defer_credit: the caller is
+ * about to run the loop (a receive is starting), so let the credit wait for
+ * the end of this turn — a DATA frame sent meanwhile carries it for free.
+ */
+static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
 {
     if (s->state != SLOT_LENT)
         return;
@@ -908,13 +934,23 @@ static void slot_release(tdp_pipe *p, rx_slot *s)
         return;
     }
     p->released++;
+    if (defer_credit && p->credit_ev != NULL) {
+        static const struct timeval zero = {0, 0};
+        event_add(p->credit_ev, &zero);
+        return;
+    }
     send_credit(p);
+}
+
+static void credit_ev_cb(evutil_socket_t fd, short what, void *arg)
+{
+    send_credit(arg);
 }
 
 static void recv_start(tdp_pipe *p, tdp_op *op)
 {
     if (p->depth == 1 && p->lent1 >= 0)
-        slot_release(p, &p->slots[p->lent1]); /* depth 1: the next receive overwrites */
+        slot_release(p, &p->slots[p->lent1], true); /* depth 1: the next receive overwrites */
     q_push(&p->recvq, &p->recvq_tail, op);
     deliver(p);
 }
@@ -1121,7 +1157,7 @@ static void release_task(void *arg)
 {
     rx_slot *s = arg;
     s->release_posted = false;
-    slot_release(s->pipe, s);
+    slot_release(s->pipe, s, false);
 }
 
 void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td)
@@ -1133,7 +1169,7 @@ void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td)
         if (s->td != td || s->state != SLOT_LENT)
             continue;
         if (tdp_loop_on_thread(pipe->loop) || !tdp__loop_running(pipe->loop)) {
-            slot_release(pipe, s);
+            slot_release(pipe, s, false);
         } else if (!s->release_posted) {
             s->release_posted = true;
             s->release_task = (tdp__task){.fn = release_task, .arg = s};

@@ -154,6 +154,7 @@ struct tdp_pipe {
     uint64_t credit_sent;
     bool credit_inflight;
     void *credit_req;
+    struct event *credit_ev; /* deferred credit: end of the loop turn */
     uint8_t credit_hdr[TDP_AM_HDR_LEN];
     uint32_t ucx_recvs; /* outstanding UCX receive requests */
     bool peer_bye;
