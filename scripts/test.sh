@@ -6,8 +6,9 @@
 #   3. install     install build/ into a scratch prefix and compile a small
 #                  program against it, through find_package and pkg-config
 #   4. asan        ASan + UBSan Debug build in build-asan/, then ctest
-#   5. fuzz        libFuzzer build in build-fuzz/ (clang), then a timed run of
-#                  the schema decoder fuzzer over a scratch copy of the corpus
+#   5. fuzz        libFuzzer build in build-fuzz/ (clang), then timed runs of
+#                  the schema and frame decoder fuzzers over scratch copies of
+#                  their corpora
 #
 # Every stage runs even if an earlier one failed (except that nothing runs
 # without setup); the script exits non-zero if any stage failed and ends
@@ -154,42 +155,53 @@ stage_asan() {
     ctest --test-dir build-asan --output-on-failure -j"$JOBS"
 }
 
-stage_fuzz() {
-    CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-O1 -g" \
-        -DTDP_BUILD_FUZZ=ON -DTDP_SANITIZE=address,undefined \
-        -DTDP_BUILD_TESTS=OFF -DTDP_BUILD_EXAMPLES=OFF -DTDP_BUILD_BENCH=OFF
-    cmake --build build-fuzz -j"$JOBS"
-
-    # libFuzzer writes new inputs into its first corpus directory: make that
-    # a fresh temporary one, and read the checked-in corpus from a copy, so
-    # the repository's corpus is never written. Crash artifacts are kept in
-    # build-fuzz/artifacts/<time>/ for inspection.
-    # Not local: the EXIT trap runs after this function has returned (the
-    # stage is a subshell of its own, so nothing leaks).
-    artifacts="$ROOT/build-fuzz/artifacts/$(date +%Y%m%d-%H%M%S)"
+# fuzz_one NAME SECONDS: run build-fuzz/fuzz/NAME over a scratch copy of
+# fuzz/corpus/<corpus of NAME>. libFuzzer writes new inputs into its first
+# corpus directory: that is a fresh temporary one, so the repository's corpus
+# is never written. New inputs are kept in build-fuzz/corpus-new/NAME and
+# crash reproducers in build-fuzz/artifacts/<time>/ for inspection.
+fuzz_one() {
+    local name=$1 secs=$2 corpus=${1#fuzz_} rc=0
+    local artifacts scratch
+    artifacts="$ROOT/build-fuzz/artifacts/$(date +%Y%m%d-%H%M%S)-$name"
     scratch=$(mktemp -d "${TMPDIR:-/tmp}/tdp-fuzz.XXXXXX")
-    trap 'rm -rf "$scratch"' EXIT
     mkdir -p "$scratch/new" "$scratch/seed" "$artifacts"
-    if [[ -d fuzz/corpus/schema ]]; then
-        cp -R fuzz/corpus/schema/. "$scratch/seed/"
+    if [[ -d fuzz/corpus/$corpus ]]; then
+        cp -R "fuzz/corpus/$corpus/." "$scratch/seed/"
     fi
-    echo ">> fuzz_schema for ${FUZZ_SECONDS}s over $(find "$scratch/seed" -type f | wc -l) seed inputs"
-    local rc=0
-    build-fuzz/fuzz/fuzz_schema -max_total_time="$FUZZ_SECONDS" -timeout=10 \
+    echo ">> $name for ${secs}s over $(find "$scratch/seed" -type f | wc -l) seed inputs"
+    "build-fuzz/fuzz/$name" -max_total_time="$secs" -timeout=10 \
         -print_final_stats=1 -artifact_prefix="$artifacts/" \
         "$scratch/new" "$scratch/seed" || rc=$?
     # Keep what was found (outside the source tree) for a deliberate merge:
-    #   build-fuzz/fuzz/fuzz_schema -merge=1 fuzz/corpus/schema build-fuzz/corpus-new
-    rm -rf build-fuzz/corpus-new
-    mv "$scratch/new" build-fuzz/corpus-new
-    echo ">> fuzz_schema: $(find build-fuzz/corpus-new -type f | wc -l) new inputs" \
-        "in build-fuzz/corpus-new"
+    #   build-fuzz/fuzz/NAME -merge=1 fuzz/corpus/CORPUS build-fuzz/corpus-new/NAME
+    mkdir -p build-fuzz/corpus-new
+    rm -rf "build-fuzz/corpus-new/$name"
+    mv "$scratch/new" "build-fuzz/corpus-new/$name"
+    rm -rf "$scratch"
+    echo ">> $name: $(find "build-fuzz/corpus-new/$name" -type f | wc -l) new inputs" \
+        "in build-fuzz/corpus-new/$name"
     if [[ $rc -ne 0 ]]; then
-        echo ">> fuzz_schema found a failure (exit $rc); reproducer(s):" >&2
+        echo ">> $name found a failure (exit $rc); reproducer(s):" >&2
         ls -l "$artifacts" >&2 || true
         return "$rc"
     fi
     rmdir "$artifacts" 2>/dev/null || true
+}
+
+stage_fuzz() {
+    CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-O1 -g" \
+        -DTDP_BUILD_FUZZ=ON -DTDP_SANITIZE=address,undefined \
+        -DTDP_BUILD_TESTS=OFF -DTDP_BUILD_EXAMPLES=OFF -DTDP_BUILD_BENCH=OFF \
+        -DTDP_BUILD_TOOLS=OFF
+    cmake --build build-fuzz -j"$JOBS"
+    # the schema decoder gets two thirds of the time, the frame decoders the rest
+    local s1=$(( FUZZ_SECONDS * 2 / 3 )) s2
+    (( s1 > 0 )) || s1=1
+    s2=$(( FUZZ_SECONDS - s1 ))
+    (( s2 > 0 )) || s2=1
+    fuzz_one fuzz_schema "$s1"
+    fuzz_one fuzz_frames "$s2"
 }
 
 # ---- main ------------------------------------------------------------------------
@@ -208,7 +220,7 @@ if [[ "$SKIP_FUZZ" == 1 ]]; then
 elif ! command -v clang >/dev/null 2>&1; then
     skip_stage fuzz "fuzz: build-fuzz/" "clang not found"
 else
-    run_stage fuzz "fuzz: build-fuzz/, fuzz_schema for ${FUZZ_SECONDS}s" stage_fuzz
+    run_stage fuzz "fuzz: build-fuzz/, schema and frame decoders for ${FUZZ_SECONDS}s" stage_fuzz
 fi
 
 section "summary"
