@@ -3,6 +3,7 @@
  * transport set (UCX_TLS=tcp, UCX_TLS=shm,self... see CMakeLists.txt).
  * Loopback only, ephemeral ports, every wait bounded.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -201,11 +202,16 @@ static void test_handshake(void **state)
     env_up(&e, NULL, NULL);
     assert_true(tdp_pipe_same_host(e.cli));
     assert_true(tdp_pipe_same_host(e.srv));
-    /* both sides agree on the UCX error mode: peer-failure only when asked */
+    /* both sides agree: the shared-memory worker without UCX's peer-failure
+     * mode when both have it (same host), else UCX's peer-failure mode */
     const char *m = getenv("TDP_TEST_PEER_MODE");
-    bool want_ucx = m != NULL && strcmp(m, "ucx") == 0;
-    assert_int_equal(e.cli->peer_mode_ucx, want_ucx);
-    assert_int_equal(e.srv->peer_mode_ucx, want_ucx);
+    bool forced = m != NULL && strcmp(m, "ucx") == 0;
+    bool local = !forced && tdp__loop_worker_n(e.sl, TDP_WORKER_LOCAL) != NULL;
+    print_message("same-host pipe on the %s worker\n", local ? "shared-memory" : "general");
+    assert_int_equal(e.cli->wi, local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
+    assert_int_equal(e.srv->wi, e.cli->wi);
+    assert_int_equal(e.cli->peer_mode_ucx, !local);
+    assert_int_equal(e.srv->peer_mode_ucx, !local);
     assert_non_null(strstr(tdp_pipe_peer(e.cli, buf, sizeof(buf)), "127.0.0.1:"));
     assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
     assert_null(tdp_pipe_recv_schema(e.srv));
@@ -780,6 +786,76 @@ static void test_storage_reuse(void **state)
     tdp_schema_unref(small);
 }
 
+static int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* Connect, exchange, close, free, many times: no fds or memory left behind. */
+static void test_connect_cycles(void **state)
+{
+    enum { CYCLES = 100 };
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe_opts ob;
+    const tdp_pipe_opts *o = mode_opts(NULL, &ob);
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, o, NULL, NULL, &l), TDP_OK);
+    tdp_schema *s = bytes_schema(200000); /* large enough for a rendezvous */
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    int fd0 = 0;
+    tdp_mem_stats m0, m1;
+    for (int i = 0; i < CYCLES + 5; i++) {
+        if (i == 5) { /* after a warm-up: what UCX keeps for good is made */
+            fd0 = count_fds();
+            tdp_mem_stats_get(&m0);
+        }
+        tdp_pipe *c, *p;
+        assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), o, &c), TDP_OK);
+        assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+        fill(td, (uint64_t)i + 1);
+        assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, (uint64_t)i + 1));
+        assert_int_equal(tdp_pipe_close(c, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED);
+        tdp_pipe_free(c);
+        tdp_pipe_free(p);
+    }
+    /* endpoints and freed pipes go on the loops' later turns: give them a moment */
+    int fds = count_fds();
+    tdp_mem_stats_get(&m1);
+    for (int k = 0; k < 500 && (fds > fd0 || m1.small_allocs - m1.small_frees >
+                                                   m0.small_allocs - m0.small_frees + 1);
+         k++) {
+        usleep(10000);
+        fds = count_fds();
+        tdp_mem_stats_get(&m1);
+    }
+    print_message("%d cycles: fds %d -> %d, small objects live %" PRIu64 " -> %" PRIu64 "\n",
+                  CYCLES, fd0, fds, m0.small_allocs - m0.small_frees,
+                  m1.small_allocs - m1.small_frees);
+    assert_true(fds <= fd0);
+    /* one object may be the list of endpoint closes in progress, grown once */
+    assert_true(m1.small_allocs - m1.small_frees <= m0.small_allocs - m0.small_frees + 1);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
 /* A peer of another protocol version: the connect fails with TDP_EVERSION. */
 static void *future_server(void *arg)
 {
@@ -1021,6 +1097,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_garbage_control),
         cmocka_unit_test(test_version_mismatch),
         cmocka_unit_test(test_storage_reuse),
+        cmocka_unit_test(test_connect_cycles),
         cmocka_unit_test(test_recv_device_override),
         cmocka_unit_test(test_gather),
         cmocka_unit_test(test_async_ops),

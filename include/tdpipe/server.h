@@ -3,13 +3,22 @@
  * state, served by the application's handler (request -> reply on the same
  * pipe: the inference-server pattern). See docs/server.md.
  *
- * Every handler callback runs on the server's loop thread. A handler that
- * returns an error closes only its own client; the server counts it and
- * reports it through on_close. Limits protect the server: a client over
- * max_clients is refused (it sees TDP_ELIMIT), a client that connects and
- * never completes its handshake is dropped after handshake_timeout_ms, and
- * a client that sends garbage or a hostile schema is disconnected while the
- * others carry on.
+ * Threading: every handler callback runs on the server's loop thread, and
+ * the tdp_client_* calls are made there (inside the callbacks). The server
+ * needs its loop to run: on a thread of its own (tdp_loop_start_thread) or
+ * in tdp_loop_run. tdp_server_new, _shutdown and _free are called from any
+ * other thread; tdp_server_stats_get from any thread.
+ *
+ * Isolation: a handler that returns an error closes only its own client;
+ * the server counts it and reports it through on_close. Limits protect the
+ * server: a client over max_clients is refused before any handshake (its
+ * tdp_pipe_connect fails with TDP_ELIMIT), a client that connects and never
+ * completes its handshake is dropped after handshake_timeout_ms, and a
+ * client that sends garbage or a hostile schema is disconnected (it sees
+ * TDP_ECONNRESET) while the others carry on.
+ *
+ * Allocation: a client's receive op and reply ops are allocated once, when
+ * it connects; receiving, calling the handler and replying allocate nothing.
  */
 #ifndef TDPIPE_SERVER_H
 #define TDPIPE_SERVER_H
@@ -29,69 +38,128 @@ typedef struct tdp_client tdp_client;
 
 /* The application's handler; any callback may be NULL. The struct can grow. */
 typedef struct tdp_server_handler {
-    size_t size; /* sizeof(tdp_server_handler) */
-    /* A client completed its handshake. Return non-OK to turn it away. */
+    size_t size; /* sizeof(tdp_server_handler); 0 is refused (TDP_EINVAL) */
+    /*
+     * A client completed its handshake. It may set client data and push
+     * messages (tdp_client_send). Return non-OK to turn it away: it is
+     * counted in `refused`, its pipe ends with TDP_ELIMIT on its side, and
+     * on_close still runs (with the value returned here), so whatever was
+     * set up can be released in one place.
+     */
     tdp_err (*on_connect)(tdp_client *c, void *arg);
     /*
-     * A message arrived. td is lent for the duration of the call (copy what
-     * must outlive it, or reply with it: tdp_client_send references it).
-     * Return TDP_OK to go on receiving; anything else closes this client
-     * (counted in handler_errors, reported to on_close).
+     * A message arrived. td is lent for the duration of the call: copy what
+     * must outlive it, or reply with it — tdp_client_send references it, and
+     * this client's next receive waits until that reply is out, so its
+     * buffer is not overwritten while being sent. Return TDP_OK to go on
+     * receiving; anything else closes this client (counted in
+     * handler_errors, reported to on_close; its peer sees TDP_ECONNRESET).
      */
     tdp_err (*on_message)(tdp_client *c, tdp_td *td, void *arg);
-    /* The client is gone: TDP_ECLOSED for a clean end, else why. Last call for c. */
+    /*
+     * The client is gone: TDP_ECLOSED for a clean end (the client closed,
+     * or the server closed it with tdp_client_close or a shutdown), else
+     * why: the pipe's error (TDP_ECONNRESET, TDP_EPROTO, TDP_ESCHEMA...),
+     * what on_message or on_connect returned, TDP_ETIMEDOUT when a close
+     * could not finish in time. Runs once for every client on_connect saw;
+     * the last call for c: c is invalid after it returns.
+     */
     void (*on_close)(tdp_client *c, tdp_err status, void *arg);
 } tdp_server_handler;
 
 /* Options; set size = sizeof(tdp_server_opts). Zero fields take defaults. */
 typedef struct tdp_server_opts {
     size_t size;
-    tdp_pipe_opts pipe;           /* for every client's pipe (size 0: defaults) */
-    uint32_t max_clients;         /* default 1024 */
-    int64_t handshake_timeout_ms; /* default 5000 */
-    uint32_t max_replies_queued;  /* per client, default 4; more gives TDP_EAGAIN */
+    /*
+     * For every client's pipe (size 0: defaults): receive depth, schema
+     * limits, keepalive... linger_ms also bounds how long a client that is
+     * being closed may take to read its last replies and hang up.
+     * connect_timeout_ms is replaced by handshake_timeout_ms.
+     */
+    tdp_pipe_opts pipe;
+    /* Clients at once, handshakes under way included; default 1024. */
+    uint32_t max_clients;
+    /* A client must complete its HELLO within this, ms; default 5000. */
+    int64_t handshake_timeout_ms;
+    /*
+     * Replies in flight per client; one more gives TDP_EAGAIN. Default (0):
+     * 4, or the pipe's recv_depth when larger (so echoing every message of
+     * a full receive ring never runs out).
+     */
+    uint32_t max_replies_queued;
 } tdp_server_opts;
 
+/* Fill *o with the defaults (size and pipe.size included). */
 TDP_API void tdp_server_opts_default(tdp_server_opts *o);
 
 /*
- * Listen on host:port (NULL: all addresses; port 0 picks a free one) and
- * serve. `h` is copied. *out written only on success.
+ * Listen on host:port (NULL: all IPv4 and IPv6 addresses; port 0 picks a
+ * free one, see tdp_server_port) and serve. `h` and `opts` are copied; `arg`
+ * is passed to every callback. *out is written only on success. Errors:
+ * TDP_EINVAL (no loop or out, h->size 0), TDP_EADDR (cannot resolve or
+ * bind), TDP_ENOMEM. Clients may connect at once: callbacks can start on
+ * the loop thread before this returns.
  */
 TDP_API tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port,
                                const tdp_server_opts *opts, const tdp_server_handler *h,
                                void *arg, tdp_server **out);
 
+/* The port actually bound. */
 TDP_API uint16_t tdp_server_port(const tdp_server *s);
 
 /*
- * Graceful shutdown: stop accepting, let in-flight replies finish (up to
- * timeout_ms), then close every client cleanly (they see TDP_ECLOSED).
- * Returns TDP_ETIMEDOUT if replies were still pending at the deadline (those
- * clients are closed anyway). Not from the loop thread.
+ * Graceful shutdown: stop accepting (handshakes under way are dropped),
+ * stop handing messages to on_message, let every client's queued replies go
+ * out, then close each client cleanly — it receives those replies and then
+ * TDP_ECLOSED — and wait (up to timeout_ms, -1: no limit) for the clients
+ * to hang up. Clients left at the deadline are closed at once; the result is
+ * TDP_ETIMEDOUT if any of them still had replies going out, else TDP_OK.
+ * on_close has run for every client when this returns. A second call
+ * returns the first one's result. Not from the loop thread (TDP_EINVAL).
  */
 TDP_API tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms);
 
-/* Shut down (if not yet, with a short deadline) and free. Not from the loop thread. */
+/*
+ * Shut down (if not yet, with a 1 s deadline) and free. Not from the loop
+ * thread. Free the server before its loop. NULL is a no-op.
+ */
 TDP_API void tdp_server_free(tdp_server *s);
 
 typedef struct tdp_server_stats {
-    uint64_t clients_now, clients_total;
-    uint64_t refused;           /* over max_clients or turned away by on_connect */
-    uint64_t handshakes_failed; /* timed out, garbage, version mismatch */
+    uint64_t clients_now;       /* clients holding a slot (connected or being closed) */
+    uint64_t clients_total;     /* clients accepted (on_connect said yes) */
+    uint64_t refused;           /* over max_clients, or turned away by on_connect */
+    uint64_t handshakes_failed; /* timed out, garbage, version mismatch, hung up early */
     uint64_t handler_errors;    /* on_message returned an error */
-    uint64_t client_errors;     /* clients that ended other than cleanly */
+    uint64_t client_errors;     /* clients whose pipe failed (not a clean end) */
+    /* payload messages and bytes over all clients' pipes, schemas received */
     uint64_t msgs_recv, msgs_sent, bytes_recv, bytes_sent, schemas_recv;
 } tdp_server_stats;
 
-/* Totals over all clients, past and present. Thread-safe. */
+/*
+ * Totals over all clients, past and present. Thread-safe. A client's own
+ * counters: tdp_pipe_stats_get(tdp_client_pipe(c), ...) on the loop thread.
+ */
 TDP_API void tdp_server_stats_get(const tdp_server *s, tdp_server_stats *out);
 
 /* ---- clients (loop thread only, inside handler callbacks) ---------------- */
 
-/* Reply (or push) td to this client; it is referenced until sent. */
+/*
+ * Reply (or push) td to this client; td is referenced until the send
+ * completes, and must not be written meanwhile. Sends complete in order and
+ * at most max_replies_queued are in flight, so a ring of
+ * max_replies_queued + 1 reply buffers used in turn is never written while
+ * in flight. Returns TDP_OK (queued; a failure later ends the client),
+ * TDP_EAGAIN (all reply ops busy: nothing queued), TDP_ECLOSED (the client
+ * is closing or gone), TDP_EINVAL (NULL, or not on the loop thread).
+ */
 TDP_API tdp_err tdp_client_send(tdp_client *c, tdp_td *td);
-/* Close this client cleanly after its queued replies. */
+/*
+ * Close this client cleanly after its queued replies: no more on_message;
+ * the client receives what was queued, then TDP_ECLOSED; on_close follows.
+ * A client that does not take its replies within the pipe's linger_ms is
+ * closed anyway (on_close gets TDP_ETIMEDOUT).
+ */
 TDP_API void tdp_client_close(tdp_client *c);
 /* The client's pipe: for its stats, peer address, schema. Do not free it. */
 TDP_API tdp_pipe *tdp_client_pipe(tdp_client *c);

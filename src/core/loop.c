@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -31,15 +32,20 @@
 
 struct tdp_loop {
     struct event_base *base;
-    struct event *ev_efd;      /* worker event fd readable */
+    struct event *ev_efd[TDP_LOOP_WORKERS]; /* a worker's event fd readable */
     struct event *ev_again;    /* zero-timeout timer: progress the worker again */
     struct event *ev_safety;   /* slow persistent timer against a lost wakeup */
     struct event *ev_tasks;    /* drain the task queue */
     struct event *ev_stop;     /* turns a stop request into a loopbreak on the loop thread */
     struct event *ev_deadline; /* run_until's deadline */
 
-    ucp_context_h context;
-    ucp_worker_h worker;
+    /*
+     * Worker 0 uses the transports UCX_TLS allows, for any peer; worker 1
+     * (NULL when unavailable) only shared memory, for peers on this host.
+     */
+    ucp_context_h context[TDP_LOOP_WORKERS];
+    ucp_worker_h worker[TDP_LOOP_WORKERS];
+    int nworkers;
 
     /* the pipe layer's per-loop state (see tdp__loop_set_pipe_ext) */
     void *pipe_ext;
@@ -128,6 +134,25 @@ static uint64_t mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static unsigned progress_all(tdp_loop *loop)
+{
+    unsigned n = 0;
+    for (int i = 0; i < loop->nworkers; i++)
+        n += ucp_worker_progress(loop->worker[i]);
+    return n;
+}
+
+/* Arm every worker; BUSY as soon as one has events waiting. */
+static ucs_status_t arm_all(tdp_loop *loop)
+{
+    for (int i = 0; i < loop->nworkers; i++) {
+        ucs_status_t st = ucp_worker_arm(loop->worker[i]);
+        if (st != UCS_OK)
+            return st;
+    }
+    return UCS_OK;
+}
+
 static void drain(tdp_loop *loop)
 {
     uint32_t budget = loop->max_progress;
@@ -136,7 +161,7 @@ static void drain(tdp_loop *loop)
     for (;;) {
         while (budget > 0) {
             budget--;
-            if (ucp_worker_progress(loop->worker) == 0)
+            if (progress_all(loop) == 0)
                 break;
             active = true;
         }
@@ -155,7 +180,7 @@ static void drain(tdp_loop *loop)
                 break;
             }
         }
-        ucs_status_t st = ucp_worker_arm(loop->worker);
+        ucs_status_t st = arm_all(loop);
         if (st == UCS_OK)
             break;
         if (st != UCS_ERR_BUSY) {
@@ -452,7 +477,7 @@ static void spin(tdp_loop *loop, volatile bool *done)
     unsigned n = 0;
 
     while (!*done && !loop->deadline_hit) {
-        if (ucp_worker_progress(loop->worker) != 0) {
+        if (progress_all(loop) != 0) {
             last = 0; /* refreshed below, on the next libevent turn */
             continue;
         }
@@ -550,7 +575,45 @@ static void opts_resolve(const tdp_loop_opts *in, tdp_loop *loop)
 #undef TAKE
 }
 
-static tdp_err ucx_init(tdp_loop *loop)
+/*
+ * The shared-memory transports of UCX_TLS for the same-host worker, or NULL
+ * when the user's list leaves none. cma is never among them: it reads a
+ * peer's memory with process_vm_readv, and in UCX 1.13 a peer that dies
+ * during such a read is a fatal error in the reading process whenever the
+ * endpoint has no peer-failure mode (which same-host endpoints cannot have:
+ * UCX's shared-memory transports do not support it).
+ */
+static char *local_tls(const char *user)
+{
+    static const char all[] = "posix,sysv";
+    if (user == NULL || user[0] == '\0' || strcmp(user, "all") == 0 || user[0] == '^')
+        return tdp__strdup(all); /* an exclusion list keeps these, unless it names them */
+    char *out = tdp__calloc(1, sizeof(all));
+    char *copy = tdp__strdup(user), *save = NULL;
+    if (out == NULL || copy == NULL) {
+        tdp__free(out);
+        tdp__free(copy);
+        return NULL;
+    }
+    bool posix = false, sysv = false, self = false;
+    for (char *t = strtok_r(copy, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        posix |= !strcmp(t, "shm") || !strcmp(t, "posix") || !strcmp(t, "sm");
+        sysv |= !strcmp(t, "shm") || !strcmp(t, "sysv") || !strcmp(t, "sm");
+        self |= !strcmp(t, "self");
+    }
+    tdp__free(copy);
+    if (!posix && !sysv) {
+        tdp__free(out);
+        return NULL;
+    }
+    (void)self; /* never "self": a worker's rendezvous to itself leaves requests behind
+                 * that crash ucp_worker_destroy in UCX 1.13 */
+    snprintf(out, sizeof(all), "%s%s%s", posix ? "posix" : "", posix && sysv ? "," : "",
+             sysv ? "sysv" : "");
+    return out;
+}
+
+static tdp_err worker_init(tdp_loop *loop, int i, const char *tls)
 {
     ucp_config_t *config;
     ucs_status_t st;
@@ -559,32 +622,56 @@ static tdp_err ucx_init(tdp_loop *loop)
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK)
         return ucx_fail("ucp_config_read", st);
+    if (tls != NULL && (st = ucp_config_modify(config, "TLS", tls)) != UCS_OK) {
+        ucp_config_release(config);
+        return ucx_fail("ucp_config_modify(TLS)", st);
+    }
     ucp_params_t params = {
         .field_mask = UCP_PARAM_FIELD_FEATURES,
         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
     };
-    st = ucp_init(&params, config, &loop->context);
+    st = ucp_init(&params, config, &loop->context[i]);
     ucp_config_release(config);
     if (st != UCS_OK) {
-        loop->context = NULL;
+        loop->context[i] = NULL;
         return ucx_fail("ucp_init", st);
     }
     ucp_worker_params_t wparams = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
         .thread_mode = UCS_THREAD_MODE_SINGLE,
     };
-    st = ucp_worker_create(loop->context, &wparams, &loop->worker);
+    st = ucp_worker_create(loop->context[i], &wparams, &loop->worker[i]);
     if (st != UCS_OK) {
-        loop->worker = NULL;
+        loop->worker[i] = NULL;
         return ucx_fail("ucp_worker_create", st);
+    }
+    loop->nworkers = i + 1;
+    return TDP_OK;
+}
+
+static tdp_err ucx_init(tdp_loop *loop)
+{
+    tdp_err rc = worker_init(loop, 0, NULL);
+    if (rc != TDP_OK)
+        return rc;
+    char *tls = local_tls(getenv("UCX_TLS"));
+    if (tls != NULL) {
+        /* without it, same-host pipes use worker 0 in peer-failure mode */
+        if (worker_init(loop, 1, tls) != TDP_OK)
+            tdp_log_info("no same-host shared-memory worker (%s); peers on this host use TCP",
+                         tls);
+        else
+            tdp_log_debug("same-host worker transports: %s", tls);
+        tdp__free(tls);
     }
     return TDP_OK;
 }
 
 static void events_free(tdp_loop *loop)
 {
-    struct event **evs[] = {&loop->ev_efd,   &loop->ev_again, &loop->ev_safety,
-                            &loop->ev_tasks, &loop->ev_stop,  &loop->ev_deadline};
+    struct event **evs[] = {&loop->ev_efd[0], &loop->ev_efd[1], &loop->ev_again,
+                            &loop->ev_safety, &loop->ev_tasks,  &loop->ev_stop,
+                            &loop->ev_deadline};
 
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++) {
         if (*evs[i] != NULL)
@@ -599,22 +686,26 @@ static tdp_err events_init(tdp_loop *loop)
     ucs_status_t st;
     int efd;
 
-    st = ucp_worker_get_efd(loop->worker, &efd);
-    if (st != UCS_OK)
-        return ucx_fail("ucp_worker_get_efd", st);
-    loop->ev_efd = event_new(b, efd, EV_READ | EV_PERSIST, efd_cb, loop);
+    for (int i = 0; i < loop->nworkers; i++) {
+        st = ucp_worker_get_efd(loop->worker[i], &efd);
+        if (st != UCS_OK)
+            return ucx_fail("ucp_worker_get_efd", st);
+        loop->ev_efd[i] = event_new(b, efd, EV_READ | EV_PERSIST, efd_cb, loop);
+        if (loop->ev_efd[i] == NULL || event_add(loop->ev_efd[i], NULL) != 0)
+            return TDP_ENOMEM;
+    }
     loop->ev_again = evtimer_new(b, again_cb, loop);
     loop->ev_safety = event_new(b, -1, EV_PERSIST, safety_cb, loop);
     loop->ev_tasks = event_new(b, -1, 0, tasks_cb, loop);
     loop->ev_stop = event_new(b, -1, 0, stop_cb, loop);
     loop->ev_deadline = evtimer_new(b, deadline_cb, loop);
-    if (loop->ev_efd == NULL || loop->ev_again == NULL || loop->ev_safety == NULL ||
+    if (loop->ev_again == NULL || loop->ev_safety == NULL ||
         loop->ev_tasks == NULL || loop->ev_stop == NULL || loop->ev_deadline == NULL)
         return TDP_ENOMEM;
 
     struct timeval safety = {.tv_sec = loop->safety_timer_ms / 1000,
                              .tv_usec = (suseconds_t)(loop->safety_timer_ms % 1000) * 1000};
-    if (event_add(loop->ev_efd, NULL) != 0 || event_add(loop->ev_safety, &safety) != 0) {
+    if (event_add(loop->ev_safety, &safety) != 0) {
         tdp_log_error("event_add failed for the worker events");
         return TDP_EINTERNAL;
     }
@@ -647,7 +738,14 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
         rc = TDP_ENOMEM;
         goto err_destroy_lock;
     }
-    loop->base = event_base_new();
+    /* precise timers: deadlines are kept to the millisecond, not the
+     * coarse clock's few-millisecond tick */
+    struct event_config *cfg = event_config_new();
+    if (cfg != NULL) {
+        event_config_set_flag(cfg, EVENT_BASE_FLAG_PRECISE_TIMER);
+        loop->base = event_base_new_with_config(cfg);
+        event_config_free(cfg);
+    }
     if (loop->base == NULL) {
         tdp_log_error("event_base_new failed");
         rc = TDP_ENOMEM;
@@ -667,10 +765,12 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
 err_free_events:
     events_free(loop);
 err_cleanup_ucx:
-    if (loop->worker != NULL)
-        ucp_worker_destroy(loop->worker);
-    if (loop->context != NULL)
-        ucp_cleanup(loop->context);
+    for (int i = TDP_LOOP_WORKERS - 1; i >= 0; i--) {
+        if (loop->worker[i] != NULL)
+            ucp_worker_destroy(loop->worker[i]);
+        if (loop->context[i] != NULL)
+            ucp_cleanup(loop->context[i]);
+    }
     event_base_free(loop->base);
 err_destroy_idle:
     pthread_cond_destroy(&loop->idle);
@@ -710,10 +810,12 @@ void tdp_loop_free(tdp_loop *loop)
     events_free(loop);
     if (loop->pipe_pre_fini != NULL)
         loop->pipe_pre_fini(loop->pipe_ext);
-    ucp_worker_destroy(loop->worker);
+    for (int i = 0; i < loop->nworkers; i++)
+        ucp_worker_destroy(loop->worker[i]);
     if (loop->pipe_fini != NULL)
-        loop->pipe_fini(loop->pipe_ext); /* memory of requests the worker took with it */
-    ucp_cleanup(loop->context);
+        loop->pipe_fini(loop->pipe_ext); /* memory of requests the workers took with them */
+    for (int i = 0; i < loop->nworkers; i++)
+        ucp_cleanup(loop->context[i]);
     event_base_free(loop->base);
     pthread_cond_destroy(&loop->idle);
     pthread_mutex_destroy(&loop->lock);
@@ -727,12 +829,27 @@ struct event_base *tdp__loop_base(tdp_loop *loop)
 
 ucp_context_h tdp__loop_context(tdp_loop *loop)
 {
-    return loop->context;
+    return loop->context[0];
 }
 
 ucp_worker_h tdp__loop_worker(tdp_loop *loop)
 {
-    return loop->worker;
+    return loop->worker[0];
+}
+
+int tdp__loop_nworkers(tdp_loop *loop)
+{
+    return loop->nworkers;
+}
+
+ucp_worker_h tdp__loop_worker_n(tdp_loop *loop, int i)
+{
+    return i < loop->nworkers ? loop->worker[i] : NULL;
+}
+
+ucp_context_h tdp__loop_context_n(tdp_loop *loop, int i)
+{
+    return i < loop->nworkers ? loop->context[i] : NULL;
 }
 
 void *tdp__loop_pipe_ext(tdp_loop *loop)

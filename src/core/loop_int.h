@@ -20,8 +20,22 @@ typedef struct tdp__task {
 void tdp__loop_post_task(tdp_loop *loop, tdp__task *t);
 
 struct event_base *tdp__loop_base(tdp_loop *loop);
+
+/*
+ * A loop has up to two UCP workers, each with its own context: worker 0
+ * (TDP_WORKER_ANY) uses the transports UCX_TLS allows and serves any peer;
+ * worker 1 (TDP_WORKER_LOCAL), when it exists, uses only UCX's
+ * shared-memory transports (never cma) and serves peers on this host
+ * without UCX's peer-failure mode. tdp__loop_worker/context name worker 0.
+ */
+#define TDP_LOOP_WORKERS 2
+#define TDP_WORKER_ANY   0
+#define TDP_WORKER_LOCAL 1
 ucp_context_h tdp__loop_context(tdp_loop *loop);
 ucp_worker_h tdp__loop_worker(tdp_loop *loop);
+int tdp__loop_nworkers(tdp_loop *loop);
+ucp_worker_h tdp__loop_worker_n(tdp_loop *loop, int i); /* NULL if absent */
+ucp_context_h tdp__loop_context_n(tdp_loop *loop, int i);
 
 /*
  * Call after UCP calls made outside the worker fd callback (e.g. a send

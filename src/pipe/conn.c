@@ -54,9 +54,11 @@ static void name_peer(tdp_pipe *p, const struct sockaddr *sa)
 
 static tdp_err send_hello(tdp_pipe *p)
 {
-    const void *addr;
-    size_t alen;
-    tdp_err rc = tdp__reg_worker_address(p->loop, &addr, &alen);
+    const void *addr, *laddr;
+    size_t alen, llen;
+    tdp_err rc = tdp__reg_worker_address(p->loop, TDP_WORKER_ANY, &addr, &alen);
+    if (rc == TDP_OK)
+        rc = tdp__reg_worker_address(p->loop, TDP_WORKER_LOCAL, &laddr, &llen);
     if (rc != TDP_OK)
         return rc;
     tdp_hello h = {
@@ -67,6 +69,8 @@ static tdp_err send_hello(tdp_pipe *p)
         .token = p->token,
         .addr_len = (uint32_t)alen,
         .addr = addr,
+        .local_addr_len = (uint32_t)llen,
+        .local_addr = laddr,
     };
     memcpy(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN);
     size_t n = tdp_wire_hello_size(&h);
@@ -142,17 +146,32 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
     p->peer_token = h.token;
     p->peer_depth = h.recv_depth;
     p->same_host = memcmp(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN) == 0;
-    /* Both sides compute the same answer from both HELLOs. */
-    if (h.peer_mode == TDP_PEER_UCX || p->opts.peer_mode == TDP_PEER_UCX)
+    /*
+     * Which worker, and whether UCX watches for peer failure. Both sides
+     * compute the same answer from both HELLOs: a peer on this host, when
+     * both have a shared-memory worker, gets that worker without UCX's
+     * peer-failure mode (shared memory stays usable; the control socket
+     * sees the peer die); any other peer gets the general worker with UCX's
+     * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
+     * worker with / without it.
+     */
+    bool local = p->same_host && h.local_addr_len > 0 &&
+                 tdp__loop_worker_n(p->loop, TDP_WORKER_LOCAL) != NULL;
+    p->wi = TDP_WORKER_ANY;
+    if (h.peer_mode == TDP_PEER_UCX || p->opts.peer_mode == TDP_PEER_UCX) {
         p->peer_mode_ucx = true;
-    else if (h.peer_mode == TDP_PEER_SOCKET || p->opts.peer_mode == TDP_PEER_SOCKET)
+    } else if (h.peer_mode == TDP_PEER_SOCKET || p->opts.peer_mode == TDP_PEER_SOCKET) {
         p->peer_mode_ucx = false;
-    else
-        p->peer_mode_ucx = !p->same_host;
+    } else if (local) {
+        p->peer_mode_ucx = false;
+        p->wi = TDP_WORKER_LOCAL;
+    } else {
+        p->peer_mode_ucx = true;
+    }
 
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .address = (const ucp_address_t *)h.addr,
+        .address = (const ucp_address_t *)(p->wi == TDP_WORKER_LOCAL ? h.local_addr : h.addr),
         .err_mode = p->peer_mode_ucx ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
     };
     tdp_err rc = tdp__pipe_open_ep(p, &ep);
@@ -281,6 +300,15 @@ void tdp__conn_close(tdp_pipe *p)
         p->conn_gone = NULL;
     }
     if (p->bev != NULL) {
+        /* a BYE still queued goes out now: freeing would drop it */
+        struct evbuffer *out = bufferevent_get_output(p->bev);
+        size_t n = evbuffer_get_length(out);
+        if (n > 0 && n <= 256 && bufferevent_getfd(p->bev) >= 0) {
+            const void *b = evbuffer_pullup(out, (ev_ssize_t)n);
+            /* MSG_NOSIGNAL: a peer already gone must not SIGPIPE the application */
+            if (b != NULL)
+                (void)!send(bufferevent_getfd(p->bev), b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
         bufferevent_free(p->bev);
         p->bev = NULL;
     }

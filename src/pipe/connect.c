@@ -175,7 +175,7 @@ void tdp__listener_drop(tdp_listener *l, tdp_pipe *p)
     tdp_log_debug("handshake with %s failed: %s", p->peer_name, tdp_strerror(p->status));
     if (l->hooks.handshake_failed != NULL)
         l->hooks.handshake_failed(l->hooks.arg, p->status);
-    tdp__pipe_destroy(p);
+    tdp__reg_defer_destroy(p); /* we may be inside its socket's callback */
 }
 
 typedef struct listen_req {

@@ -81,7 +81,7 @@ static void store_unref(void *buf, void *arg)
 static void slot_drop(tdp_pipe *p, rx_slot *s)
 {
     if (s->memh != NULL) {
-        ucp_mem_unmap(tdp__loop_context(p->loop), s->memh);
+        ucp_mem_unmap(tdp__loop_context_n(p->loop, p->wi), s->memh);
         s->memh = NULL;
     }
     tdp_td_unref(s->td); /* the store goes with the last td that wraps it */
@@ -141,7 +141,7 @@ static tdp_err slot_build(tdp_pipe *p, rx_slot *s)
             mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
             mp.memory_type = UCS_MEMORY_TYPE_CUDA;
         }
-        ucs_status_t us = ucp_mem_map(tdp__loop_context(p->loop), &mp, &s->memh);
+        ucs_status_t us = ucp_mem_map(tdp__loop_context_n(p->loop, p->wi), &mp, &s->memh);
         if (us != UCS_OK) {
             tdp_log_debug("ucp_mem_map: %s (receiving without a handle)", ucs_status_string(us));
             s->memh = NULL;
@@ -265,7 +265,7 @@ static void ep_close(tdp_pipe *p, bool force)
     if (UCS_PTR_IS_ERR(r))
         tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
     else if (r != NULL)
-        ucp_request_free(r); /* the close goes on inside UCX; nobody waits for it */
+        tdp__reg_track_close(p->loop, r); /* finished before the worker goes */
     p->ep = NULL;
     tdp__loop_kick(p->loop);
 }
@@ -314,7 +314,7 @@ void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
             tdp_pipe_cb cb = p->connect_cb;
             p->connect_cb = NULL;
             cb(NULL, err, p->connect_arg);
-            tdp__pipe_destroy(p);
+            tdp__reg_defer_destroy(p); /* we may be inside its socket's callback */
             return;
         }
     }
@@ -404,7 +404,7 @@ tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params)
     p->credit_ev = evtimer_new(tdp__loop_base(p->loop), credit_ev_cb, p);
     if (p->credit_ev == NULL)
         return TDP_ENOMEM;
-    ucs_status_t st = ucp_ep_create(tdp__loop_worker(p->loop), &prm, &p->ep);
+    ucs_status_t st = ucp_ep_create(tdp__loop_worker_n(p->loop, p->wi), &prm, &p->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
         p->ep = NULL;
@@ -485,7 +485,12 @@ static tdp_err ucs_to_err(tdp_pipe *p, ucs_status_t st)
 {
     if (p->status != TDP_OK)
         return p->status; /* say why the pipe ended, not how UCX noticed */
-    return st == UCS_ERR_CANCELED ? TDP_ECANCELED : TDP_ECONNRESET;
+    /*
+     * Cancelled while this pipe is up: not by us (we cancel only after the
+     * pipe ended), so the receiver declined it — a rendezvous that arrived
+     * after its side of the pipe had ended, e.g. just after its BYE.
+     */
+    return st == UCS_ERR_CANCELED ? TDP_ECLOSED : TDP_ECONNRESET;
 }
 
 /* One UCX request of a ticket finished (or the hold post_send keeps). */
@@ -866,7 +871,8 @@ static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = UCS_MEMORY_TYPE_CUDA;
     }
-    void *r = ucp_am_recv_data_nbx(tdp__loop_worker(p->loop), data, s->td->data, length, &prm);
+    void *r = ucp_am_recv_data_nbx(tdp__loop_worker_n(p->loop, p->wi), data, s->td->data, length,
+                                   &prm);
     if (r == NULL) {
         slot_ready(p, s);
     } else if (UCS_PTR_IS_ERR(r)) {
@@ -984,8 +990,13 @@ void tdp_pipe_send_async(tdp_pipe *pipe, tdp_td *td, tdp_op *op)
 {
     if (op == NULL)
         return;
+    if (op->pending) {
+        /* completing it here would corrupt the operation in flight */
+        tdp_log_error("tdp_pipe_send_async: op %p is still pending; ignored", (void *)op);
+        return;
+    }
     op->kind = OP_SEND;
-    if (pipe == NULL || td == NULL || op->pending) {
+    if (pipe == NULL || td == NULL) {
         op->pipe = pipe;
         op->td = NULL;
         op_complete(op, TDP_EINVAL);
@@ -999,9 +1010,13 @@ void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op)
 {
     if (op == NULL)
         return;
+    if (op->pending) {
+        tdp_log_error("tdp_pipe_recv_async: op %p is still pending; ignored", (void *)op);
+        return;
+    }
     op->kind = OP_RECV;
     op->td = NULL;
-    if (pipe == NULL || op->pending) {
+    if (pipe == NULL) {
         op->pipe = pipe;
         op_complete(op, TDP_EINVAL);
         return;
@@ -1320,7 +1335,7 @@ static void abandon_requests(tdp_pipe *p)
             }
         }
         if (busy) {
-            tdp__reg_bury(p->loop, t->td, NULL);
+            tdp__reg_bury(p->loop, t->td, NULL, p->wi);
             t->td = NULL;
         }
     }
@@ -1330,7 +1345,7 @@ static void abandon_requests(tdp_pipe *p)
             continue;
         ucp_request_free(sl->req);
         sl->req = NULL;
-        tdp__reg_bury(p->loop, sl->td, sl->memh);
+        tdp__reg_bury(p->loop, sl->td, sl->memh, p->wi);
         sl->td = NULL;
         sl->memh = NULL;
         sl->store = NULL;
@@ -1356,6 +1371,15 @@ static void free_task(void *arg)
         op_complete(op, TDP_ECANCELED);
     ep_close(p, true);
     abandon_requests(p);
+    if (p->credit_ev != NULL)
+        event_del(p->credit_ev);
+    if (tdp_loop_on_thread(p->loop)) {
+        /* maybe inside one of this pipe's own callbacks, whose frames still
+         * read it: the pipe is inert now; its memory goes on a later turn */
+        tdp__reg_defer_destroy(p);
+        return;
+    }
+    tdp__reg_remove(p);
     tdp__pipe_destroy(p);
 }
 

@@ -108,6 +108,7 @@ struct tdp_pipe {
     socklen_t addrlens[4];
     int naddr, iaddr;
     bool bye_sent, bye_flushed;
+    struct tdp_pipe *doomed_next;
     bool close_requested;
     tdp__task free_task;
     /*
@@ -124,6 +125,7 @@ struct tdp_pipe {
     void *sock_closed_arg;
 
     /* UCX */
+    int wi; /* which of the loop's workers: TDP_WORKER_ANY or TDP_WORKER_LOCAL */
     ucp_ep_h ep;
     bool ep_failed;
 
@@ -211,8 +213,12 @@ const uint8_t *tdp__host_id(void);
  * Keep a buffer (and its registration) UCX may still touch after its
  * request was abandoned: freed with the loop, after the worker is gone.
  */
-void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh);
-tdp_err tdp__reg_worker_address(tdp_loop *loop, const void **addr, size_t *len);
+void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh, int wi);
+/* Keep an endpoint close request until UCX finishes it (or the loop goes). */
+void tdp__reg_track_close(tdp_loop *loop, void *req);
+/* Destroy a freed (inert) pipe on a later loop turn, or when the loop goes. */
+void tdp__reg_defer_destroy(tdp_pipe *p);
+tdp_err tdp__reg_worker_address(tdp_loop *loop, int wi, const void **addr, size_t *len);
 
 /* conn.c: control socket. */
 tdp_err tdp__conn_start_connect(tdp_pipe *p, const struct sockaddr *sa, socklen_t salen);

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -17,37 +18,99 @@
 typedef struct grave {
     tdp_td *td;
     ucp_mem_h memh;
+    int wi; /* the worker (and context) memh belongs to */
     struct grave *next;
 } grave;
 
 typedef struct pipe_reg {
     tdp_loop *loop;
     grave *graves;
+    tdp_pipe *doomed; /* freed pipes whose memory waits for a later turn */
+    void **closing;   /* endpoint closes still in progress */
+    uint32_t nclosing, capclosing;
     tdp_pipe **tab;
     uint32_t cap;
-    ucp_address_t *addr;
-    size_t addr_len;
+    ucp_address_t *addr[TDP_LOOP_WORKERS];
+    size_t addr_len[TDP_LOOP_WORKERS];
 } pipe_reg;
 
-/* Before the worker goes: give its address back, drop abandoned pipes' eps. */
+/* Forget the closes UCX has finished. */
+static void purge_closing(pipe_reg *r)
+{
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < r->nclosing; i++) {
+        if (ucp_request_check_status(r->closing[i]) != UCS_INPROGRESS)
+            ucp_request_free(r->closing[i]);
+        else
+            r->closing[k++] = r->closing[i];
+    }
+    r->nclosing = k;
+}
+
+void tdp__reg_track_close(tdp_loop *loop, void *req)
+{
+    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    purge_closing(r);
+    if (r->nclosing == r->capclosing) {
+        uint32_t cap = r->capclosing ? r->capclosing * 2 : 16;
+        void **c = tdp__realloc(r->closing, cap * sizeof(*c));
+        if (c == NULL) {
+            ucp_request_free(req); /* cannot wait for it: let UCX finish alone */
+            return;
+        }
+        r->closing = c;
+        r->capclosing = cap;
+    }
+    r->closing[r->nclosing++] = req;
+}
+
+/*
+ * Before the workers go: let endpoint closes (and abandoned requests) finish
+ * — destroying a worker with a close in progress can crash UCX 1.13 — then
+ * give the addresses back.
+ */
 static void reg_pre_fini(void *ext)
 {
     pipe_reg *r = ext;
-    ucp_worker_h w = tdp__loop_worker(r->loop);
-    if (r->addr != NULL)
-        ucp_worker_release_address(w, r->addr);
-    r->addr = NULL;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t end = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + 1000;
+    for (;;) {
+        purge_closing(r);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        if (r->nclosing == 0 || (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 > end)
+            break;
+        for (int i = 0; i < tdp__loop_nworkers(r->loop); i++)
+            ucp_worker_progress(tdp__loop_worker_n(r->loop, i));
+    }
+    if (r->nclosing > 0)
+        tdp_log_warn("%u endpoint close(s) still in progress as the loop goes", r->nclosing);
+    for (uint32_t i = 0; i < r->nclosing; i++)
+        ucp_request_free(r->closing[i]);
+    r->nclosing = 0;
+    tdp__free(r->closing);
+    r->closing = NULL;
+    for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
+        if (r->addr[i] != NULL)
+            ucp_worker_release_address(tdp__loop_worker_n(r->loop, i), r->addr[i]);
+        r->addr[i] = NULL;
+    }
 }
 
 /* After the worker is gone: nothing can touch the buried buffers any more. */
 static void reg_fini(void *ext)
 {
     pipe_reg *r = ext;
+    while (r->doomed != NULL) { /* the loop stopped before their turn came */
+        tdp_pipe *p = r->doomed;
+        r->doomed = p->doomed_next;
+        tdp__pipe_destroy(p);
+    }
     while (r->graves != NULL) {
         grave *g = r->graves;
         r->graves = g->next;
         if (g->memh != NULL)
-            ucp_mem_unmap(tdp__loop_context(r->loop), g->memh);
+            ucp_mem_unmap(tdp__loop_context_n(r->loop, g->wi), g->memh);
         tdp_td_unref(g->td);
         tdp__free(g);
     }
@@ -55,7 +118,7 @@ static void reg_fini(void *ext)
     tdp__free(r);
 }
 
-void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh)
+void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh, int wi)
 {
     pipe_reg *r = tdp__loop_pipe_ext(loop);
     grave *g = r ? tdp__calloc(1, sizeof(*g)) : NULL;
@@ -66,6 +129,7 @@ void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh)
     }
     g->td = td;
     g->memh = memh;
+    g->wi = wi;
     g->next = r->graves;
     r->graves = g;
 }
@@ -87,11 +151,13 @@ static pipe_reg *reg_get(tdp_loop *loop)
         .cb = tdp__pipe_am_cb,
         .arg = loop,
     };
-    ucs_status_t st = ucp_worker_set_am_recv_handler(tdp__loop_worker(loop), &hp);
-    if (st != UCS_OK) {
-        tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
-        tdp__free(r);
-        return NULL;
+    for (int i = 0; i < tdp__loop_nworkers(loop); i++) {
+        ucs_status_t st = ucp_worker_set_am_recv_handler(tdp__loop_worker_n(loop, i), &hp);
+        if (st != UCS_OK) {
+            tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
+            tdp__free(r);
+            return NULL;
+        }
     }
     tdp__loop_set_pipe_ext(loop, r, reg_pre_fini, reg_fini);
     return r;
@@ -148,20 +214,26 @@ tdp_pipe *tdp__reg_lookup(tdp_loop *loop, uint64_t token)
     return r->tab[i];
 }
 
-tdp_err tdp__reg_worker_address(tdp_loop *loop, const void **addr, size_t *len)
+tdp_err tdp__reg_worker_address(tdp_loop *loop, int wi, const void **addr, size_t *len)
 {
     pipe_reg *r = reg_get(loop);
     if (r == NULL)
         return TDP_EUCX;
-    if (r->addr == NULL) {
-        ucs_status_t st = ucp_worker_get_address(tdp__loop_worker(loop), &r->addr, &r->addr_len);
+    if (tdp__loop_worker_n(loop, wi) == NULL) {
+        *addr = NULL; /* no such worker: an empty address */
+        *len = 0;
+        return TDP_OK;
+    }
+    if (r->addr[wi] == NULL) {
+        ucs_status_t st = ucp_worker_get_address(tdp__loop_worker_n(loop, wi), &r->addr[wi],
+                                                 &r->addr_len[wi]);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_get_address: %s", ucs_status_string(st));
             return TDP_EUCX;
         }
     }
-    *addr = r->addr;
-    *len = r->addr_len;
+    *addr = r->addr[wi];
+    *len = r->addr_len[wi];
     return TDP_OK;
 }
 
@@ -195,4 +267,28 @@ const uint8_t *tdp__host_id(void)
 {
     pthread_once(&host_once, host_id_init);
     return host_id;
+}
+
+static void destroy_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
+    for (tdp_pipe **pp = &r->doomed; *pp != NULL; pp = &(*pp)->doomed_next) {
+        if (*pp == p) {
+            *pp = p->doomed_next;
+            break;
+        }
+    }
+    tdp__pipe_destroy(p);
+}
+
+void tdp__reg_defer_destroy(tdp_pipe *p)
+{
+    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
+    tdp__reg_remove(p); /* no frame may find it any more */
+    tdp__conn_close(p); /* nor its socket: libevent allows this inside its callback */
+    p->doomed_next = r->doomed;
+    r->doomed = p;
+    p->free_task = (tdp__task){.fn = destroy_task, .arg = p};
+    tdp__loop_post_task(p->loop, &p->free_task);
 }

@@ -63,7 +63,7 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
     switch (hdr->type) {
     case TDP_CTL_HELLO:
         if (hdr->length < TDP_HELLO_FIXED_LEN ||
-            hdr->length > TDP_HELLO_FIXED_LEN + TDP_MAX_UCX_ADDR)
+            hdr->length > TDP_HELLO_FIXED_LEN + 2 * TDP_MAX_UCX_ADDR)
             return TDP_EPROTO;
         return TDP_OK;
     case TDP_CTL_BYE:
@@ -75,17 +75,18 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
 
 size_t tdp_wire_hello_size(const tdp_hello *h)
 {
-    return TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN + h->addr_len;
+    return TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN + h->addr_len + h->local_addr_len;
 }
 
 /*
  * HELLO payload: recv_depth u32 | peer_mode u32 | caps u64 | max_msg u64 |
- * token u64 | host_id[16] | addr_len u32 | reserved u32 (0) | reserved u64
- * (0) | addr bytes.
+ * token u64 | host_id[16] | addr_len u32 | local_addr_len u32 | reserved u64
+ * (0) | addr bytes | local addr bytes.
  */
 void tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
 {
-    tdp_wire_ctl_hdr_encode(out, TDP_CTL_HELLO, TDP_HELLO_FIXED_LEN + h->addr_len);
+    tdp_wire_ctl_hdr_encode(out, TDP_CTL_HELLO,
+                            TDP_HELLO_FIXED_LEN + h->addr_len + h->local_addr_len);
     uint8_t *p = out + TDP_CTL_HDR_LEN;
     put32(p, h->recv_depth);
     put32(p + 4, h->peer_mode);
@@ -94,9 +95,11 @@ void tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     put64(p + 24, h->token);
     memcpy(p + 32, h->host_id, TDP_HOST_ID_LEN);
     put32(p + 48, h->addr_len);
-    put32(p + 52, 0);
+    put32(p + 52, h->local_addr_len);
     put64(p + 56, 0);
     memcpy(p + TDP_HELLO_FIXED_LEN, h->addr, h->addr_len);
+    if (h->local_addr_len > 0)
+        memcpy(p + TDP_HELLO_FIXED_LEN + h->addr_len, h->local_addr, h->local_addr_len);
 }
 
 tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
@@ -110,13 +113,17 @@ tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
     h->token = get64(in + 24);
     memcpy(h->host_id, in + 32, TDP_HOST_ID_LEN);
     h->addr_len = get32(in + 48);
-    if (get32(in + 52) != 0 || get64(in + 56) != 0)
+    h->local_addr_len = get32(in + 52);
+    if (get64(in + 56) != 0)
         return TDP_EPROTO;
     if (h->recv_depth == 0 || h->recv_depth > 64 || h->peer_mode > TDP_PEER_SOCKET ||
         h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR ||
-        h->addr_len != len - TDP_HELLO_FIXED_LEN || (h->caps & TDP_CAP_PLANE_UCX) == 0)
+        h->local_addr_len > TDP_MAX_UCX_ADDR ||
+        (uint64_t)h->addr_len + h->local_addr_len != len - TDP_HELLO_FIXED_LEN ||
+        (h->caps & TDP_CAP_PLANE_UCX) == 0)
         return TDP_EPROTO;
     h->addr = in + TDP_HELLO_FIXED_LEN;
+    h->local_addr = h->local_addr_len > 0 ? in + TDP_HELLO_FIXED_LEN + h->addr_len : NULL;
     return TDP_OK;
 }
 

@@ -49,8 +49,10 @@ typedef struct tdp_hello {
     uint64_t max_msg_bytes; /* largest buffer this side accepts */
     uint64_t token;         /* put in every AM frame sent to this side */
     uint8_t host_id[TDP_HOST_ID_LEN];
-    uint32_t addr_len; /* UCX worker address that follows */
+    uint32_t addr_len; /* UCX address of the worker for any peer */
     const void *addr;
+    uint32_t local_addr_len; /* of the shared-memory worker for same-host peers; 0: none */
+    const void *local_addr;
 } tdp_hello;
 
 #define TDP_BYE_LEN 16u

@@ -1,0 +1,223 @@
+/*
+ * common.c: what every peer of tdp_peers shares — the clock, the scaling of
+ * rounds by size (the same as tools/cmd_bench.c), the statistics, sizes,
+ * and the JSON output.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "peers.h"
+
+uint64_t peers_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* These four mirror lat_rounds, tp_count and their warm-ups in tools/cmd_bench.c. */
+int peers_lat_rounds(const peer_cfg *cfg, uint64_t bytes)
+{
+    if (cfg->rounds > 0)
+        return cfg->rounds;
+    uint64_t r = (1ull << 30) / bytes; /* about 1 GiB each way */
+    return (int)(r < 10 ? 10 : r > 2000 ? 2000 : r);
+}
+
+int peers_lat_warm(int rounds)
+{
+    return rounds / 10 + 2;
+}
+
+int peers_tp_count(const peer_cfg *cfg, uint64_t bytes)
+{
+    if (cfg->rounds > 0)
+        return cfg->rounds;
+    uint64_t r = (2ull << 30) / bytes; /* about 2 GiB per repeat */
+    return (int)(r < 20 ? 20 : r > 20000 ? 20000 : r);
+}
+
+int peers_tp_warm(int count)
+{
+    return count / 10 + 1;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+void peers_lat_summary(double *samples, int n, size_result *res)
+{
+    if (n <= 0)
+        return;
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += samples[i];
+    qsort(samples, (size_t)n, sizeof(double), cmp_double);
+    res->lat_mean = sum / n;
+    res->lat_min = samples[0];
+    res->lat_p50 = samples[n / 2];
+    res->lat_p99 = samples[(int)((n - 1) * 0.99)];
+    res->lat_n = n;
+}
+
+void peers_tp_summary(size_result *res)
+{
+    double v[PEERS_REPEATS];
+    memcpy(v, res->tp_bps, sizeof(v));
+    qsort(v, PEERS_REPEATS, sizeof(double), cmp_double);
+    res->tp_min = v[0];
+    res->tp_median = v[PEERS_REPEATS / 2];
+    res->tp_max = v[PEERS_REPEATS - 1];
+}
+
+void peers_result_init(size_result *res, uint64_t bytes)
+{
+    memset(res, 0, sizeof(*res));
+    res->bytes = bytes;
+    res->lat_mean = res->lat_p50 = res->lat_p99 = res->lat_min = -1;
+    res->tp_median = res->tp_min = res->tp_max = -1;
+    for (int i = 0; i < PEERS_REPEATS; i++)
+        res->tp_bps[i] = -1;
+}
+
+/* One size with its unit; the same units as tdpipe's --sizes. */
+static bool parse_size(const char *s, uint64_t *out)
+{
+    static const struct {
+        const char *unit;
+        double mult;
+    } units[] = {
+        {"", 1},
+        {"b", 1},
+        {"k", 1e3},
+        {"kb", 1e3},
+        {"m", 1e6},
+        {"mb", 1e6},
+        {"g", 1e9},
+        {"gb", 1e9},
+        {"t", 1e12},
+        {"tb", 1e12},
+        {"kib", 1024.0},
+        {"mib", 1048576.0},
+        {"gib", 1073741824.0},
+        {"tib", 1099511627776.0},
+    };
+    char *end;
+    errno = 0;
+    if (!isdigit((unsigned char)*s))
+        return false;
+    double v = strtod(s, &end);
+    if (errno != 0 || !isfinite(v))
+        return false;
+    while (*end == ' ')
+        end++;
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+        if (strcasecmp(end, units[i].unit) == 0) {
+            double b = v * units[i].mult;
+            if (b != floor(b) || b > 1e18)
+                return false;
+            *out = (uint64_t)b;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool peers_parse_sizes(const char *list, peer_cfg *cfg)
+{
+    char *copy = strdup(list), *save = NULL;
+    bool ok = copy != NULL;
+    cfg->nsizes = 0;
+    for (char *tok = ok ? strtok_r(copy, ",", &save) : NULL; tok != NULL;
+         tok = strtok_r(NULL, ",", &save)) {
+        uint64_t v;
+        if (cfg->nsizes == PEERS_MAX_SIZES || !parse_size(tok, &v) || v < PEERS_MIN_SIZE ||
+            v > (64ull << 30)) {
+            fprintf(stderr, "tdp_peers: bad size '%s' (%d B .. 64 GiB, at most %d sizes)\n", tok,
+                    PEERS_MIN_SIZE, PEERS_MAX_SIZES);
+            ok = false;
+            break;
+        }
+        cfg->sizes[cfg->nsizes++] = v & ~3ull; /* as tdpipe bench: whole float32 elements */
+    }
+    free(copy);
+    return ok && cfg->nsizes > 0;
+}
+
+const char *peers_format_size(uint64_t bytes, char *buf, size_t len)
+{
+    static const char *const unit[] = {"B", "KB", "MB", "GB", "TB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1000 && u < 4) {
+        v /= 1000;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+    else
+        snprintf(buf, len, v >= 100 ? "%.0f %s" : v >= 10 ? "%.1f %s" : "%.2f %s", v, unit[u]);
+    return buf;
+}
+
+void peers_progress(const peer_cfg *cfg, const char *fmt, ...)
+{
+    if (cfg->quiet)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+}
+
+/* A figure, or null where the peer does not measure it. */
+static json_t *num(double v, int decimals)
+{
+    if (v < 0)
+        return json_null();
+    double scale = pow(10, decimals);
+    return decimals == 0 ? json_integer((json_int_t)llround(v))
+                         : json_real(round(v * scale) / scale);
+}
+
+int peers_write_json(const peer_cfg *cfg, const peer_ops *peer, const size_result *res, int n)
+{
+    char date[64];
+    time_t t = time(NULL);
+    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&t));
+    json_t *config =
+        json_pack("{s:i, s:i}", "cpus", (int)sysconf(_SC_NPROCESSORS_ONLN), "rounds", cfg->rounds);
+    if (peer->describe != NULL)
+        peer->describe(cfg, config);
+    json_t *results = json_array();
+    for (int i = 0; i < n; i++) {
+        const size_result *r = &res[i];
+        json_t *lat = json_pack("{s:o, s:o, s:o, s:o, s:i}", "mean", num(r->lat_mean, 3), "p50",
+                                num(r->lat_p50, 3), "p99", num(r->lat_p99, 3), "min",
+                                num(r->lat_min, 3), "n", r->lat_n);
+        json_t *tp = json_pack("{s:o, s:o, s:o, s:i, s:I}", "median", num(r->tp_median, 0), "min",
+                               num(r->tp_min, 0), "max", num(r->tp_max, 0), "repeats",
+                               PEERS_REPEATS, "msgs_per_repeat", (json_int_t)r->tp_msgs);
+        json_array_append_new(results, json_pack("{s:I, s:o, s:o}", "bytes", (json_int_t)r->bytes,
+                                                 "latency_us", lat, "throughput_Bps", tp));
+    }
+    json_t *root =
+        json_pack("{s:s, s:s, s:s, s:s, s:o, s:o}", "tool", "tdp_peers", "peer", peer->name,
+                  "method", peer->method, "date", date, "config", config, "results", results);
+    int rc = json_dump_file(root, cfg->json_path, JSON_INDENT(2) | JSON_REAL_PRECISION(12));
+    if (rc != 0)
+        fprintf(stderr, "tdp_peers: cannot write %s\n", cfg->json_path);
+    json_decref(root);
+    return rc == 0 ? 0 : 1;
+}

@@ -1,0 +1,335 @@
+#!/usr/bin/env bash
+# test_cli.sh TDPIPE [PRODUCER]: the tdpipe command end to end, on loopback.
+#
+#   TDPIPE     path of the built tdpipe binary (ctest passes it)
+#   PRODUCER   optional: examples/producer, a peer whose payload is not
+#              tdpipe's pattern (for the verification-failure case)
+#
+# Every process runs under `timeout`, so a hang fails the test instead of
+# stalling it; servers and receivers started in the background are killed
+# (by their own pid) on exit. Only 127.0.0.1 and ::1 are ever used.
+set -uo pipefail
+
+TDPIPE=${1:?usage: test_cli.sh TDPIPE [PRODUCER]}
+PRODUCER=${2:-}
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tdp-cli.XXXXXX")
+BG_PIDS=()
+declare -A RCS # exit status of each run, by name
+FAILS=0
+CHECKS=0
+
+cleanup() {
+    for pid in "${BG_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+fail() {
+    echo "FAIL: $*" >&2
+    FAILS=$((FAILS + 1))
+}
+
+# Show what a process printed, for a failure's context.
+dump() {
+    local f
+    for f in "$@"; do
+        [[ -f $f ]] && sed "s|^|  $(basename "$f"): |" "$f" >&2
+    done
+}
+
+# run NAME SECONDS CMD...: run in the foreground; out/err in $WORK/NAME.{out,err}.
+run() {
+    local name=$1 secs=$2 rc=0
+    shift 2
+    timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" || rc=$?
+    RCS[$name]=$rc
+}
+
+# expect_rc NAME WANT: run NAME's exit status must be WANT.
+expect_rc() {
+    CHECKS=$((CHECKS + 1))
+    if [[ ${RCS[$1]:-none} != "$2" ]]; then
+        fail "$1: exit ${RCS[$1]:-none}, expected $2"
+        dump "$WORK/$1.out" "$WORK/$1.err"
+    fi
+}
+
+# expect_in NAME out|err TEXT: run NAME's stdout/stderr contains TEXT.
+expect_in() {
+    CHECKS=$((CHECKS + 1))
+    if ! grep -qF -- "$3" "$WORK/$1.$2"; then
+        fail "$1: std$2 lacks '$3'"
+        dump "$WORK/$1.out" "$WORK/$1.err"
+    fi
+}
+
+# start NAME SECONDS CMD...: run in the background; sets PID.
+start() {
+    local name=$1 secs=$2
+    shift 2
+    timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
+    PID=$!
+    BG_PIDS+=("$PID")
+}
+
+# finish NAME PID: wait for a background run and record its exit status.
+finish() {
+    local rc=0
+    wait "$2" || rc=$?
+    RCS[$1]=$rc
+}
+
+# port_of NAME: wait (10 s at most) for "listening on HOST:PORT"; prints PORT.
+port_of() {
+    local line
+    for _ in $(seq 100); do
+        line=$(head -n1 "$WORK/$1.out" 2>/dev/null || true)
+        if [[ $line == "listening on "* ]]; then
+            echo "${line##*:}"
+            return 0
+        fi
+        sleep 0.1
+    done
+    fail "$1: no 'listening on' line"
+    dump "$WORK/$1.out" "$WORK/$1.err"
+    echo 0
+    return 1
+}
+
+# ---- usage and help ------------------------------------------------------------
+
+test_usage() {
+    run help 10 "$TDPIPE" --help
+    expect_rc help 0
+    for sub in bench serve send recv inspect version help; do
+        expect_in help out "  $sub "
+    done
+    run help_cmd 10 "$TDPIPE" help
+    expect_rc help_cmd 0
+    run help_send 10 "$TDPIPE" help send
+    expect_rc help_send 0
+    expect_in help_send out "usage: tdpipe send"
+
+    for sub in serve send recv inspect version; do
+        run "help_$sub" 10 "$TDPIPE" "$sub" --help
+        expect_rc "help_$sub" 0
+        expect_in "help_$sub" out "usage: tdpipe $sub"
+    done
+
+    run noargs 10 "$TDPIPE"
+    expect_rc noargs 2
+    run badsub 10 "$TDPIPE" frobnicate
+    expect_rc badsub 2
+    expect_in badsub err "unknown subcommand 'frobnicate'"
+    run badglobal 10 "$TDPIPE" --frobnicate
+    expect_rc badglobal 2
+    run badopt 10 "$TDPIPE" send --bogus 127.0.0.1:1
+    expect_rc badopt 2
+    expect_in badopt err "unknown option '--bogus'"
+    run noval 10 "$TDPIPE" recv --count
+    expect_rc noval 2
+    expect_in noval err "needs a value"
+    run noaddr 10 "$TDPIPE" send
+    expect_rc noaddr 2
+    expect_in noaddr err "missing HOST:PORT"
+    run badaddr 10 "$TDPIPE" send ::1:5000
+    expect_rc badaddr 2
+    run port0 10 "$TDPIPE" send 127.0.0.1:0
+    expect_rc port0 2
+    run badsize 10 "$TDPIPE" send --size 12XB 127.0.0.1:1
+    expect_rc badsize 2
+    expect_in badsize err "invalid size '12XB'"
+    run baddepth 10 "$TDPIPE" recv --depth 65
+    expect_rc baddepth 2
+    run extra 10 "$TDPIPE" recv stray
+    expect_rc extra 2
+
+    run version 10 "$TDPIPE" version
+    expect_rc version 0
+    expect_in version out "protocol: 1"
+    expect_in version out "ucx:"
+    expect_in version out "cuda:"
+    run verbose 10 "$TDPIPE" -vv version
+    expect_rc verbose 0
+}
+
+# ---- recv + send ---------------------------------------------------------------
+
+test_recv_send() {
+    local port rpid
+    start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet
+    rpid=$PID
+    port=$(port_of recv) || return
+    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet
+    expect_rc send 0
+    expect_in send out "sent 50 messages (3.20 MB)"
+    finish recv "$rpid"
+    expect_rc recv 0
+    expect_in recv out "received 50 messages (3.20 MB)"
+    expect_in recv out "verify ok"
+}
+
+# recv --count ends the stream early: the sender hears the receiver closed.
+test_recv_count() {
+    local port rpid
+    start recv_count 60 "$TDPIPE" recv --bind 127.0.0.1 --count 5 --depth 4 --quiet
+    rpid=$PID
+    port=$(port_of recv_count) || return
+    run send_more 60 "$TDPIPE" send "127.0.0.1:$port" --count 100000 --size 4KiB --quiet
+    expect_rc send_more 4
+    expect_in send_more err "the receiver closed the stream"
+    finish recv_count "$rpid"
+    expect_rc recv_count 0
+    expect_in recv_count out "received 5 messages"
+}
+
+test_ipv6() {
+    if ! grep -q '^0\{31\}1 ' /proc/net/if_inet6 2>/dev/null; then
+        echo "skip: no ::1"
+        return
+    fi
+    local port rpid
+    start recv6 60 "$TDPIPE" recv --bind ::1 --quiet
+    rpid=$PID
+    port=$(port_of recv6) || return
+    expect_in recv6 out "listening on [::1]:"
+    run send6 60 "$TDPIPE" send "[::1]:$port" --count 10 --size 1000 --quiet
+    expect_rc send6 0
+    finish recv6 "$rpid"
+    expect_rc recv6 0
+    expect_in recv6 out "received 10 messages (10.0 KB)"
+}
+
+# A receiver nobody connects to times out (5); its port, now closed, refuses (3);
+# a port in use cannot be listened on (3).
+test_errors() {
+    local port rpid hpid
+    start lonely 30 "$TDPIPE" recv --bind 127.0.0.1 --timeout 300
+    rpid=$PID
+    port=$(port_of lonely) || return
+    finish lonely "$rpid"
+    expect_rc lonely 5
+    expect_in lonely err "no producer connected within 300 ms"
+
+    run refused 30 "$TDPIPE" send "127.0.0.1:$port" --count 1
+    expect_rc refused 3
+    expect_in refused err "cannot connect to 127.0.0.1:$port: connection refused"
+
+    start hold 30 "$TDPIPE" recv --bind 127.0.0.1 --timeout 5000
+    hpid=$PID
+    port=$(port_of hold) || return
+    run inuse 30 "$TDPIPE" recv --bind 127.0.0.1 --port "$port"
+    expect_rc inuse 3
+    expect_in inuse err "cannot listen on 127.0.0.1:$port"
+    kill "$hpid" 2>/dev/null
+    finish hold "$hpid"
+}
+
+# A producer whose payload is not tdpipe's pattern fails verification (1).
+test_verify_fail() {
+    if [[ -z $PRODUCER ]]; then
+        echo "skip: no producer example"
+        return
+    fi
+    local port rpid
+    start badrecv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of badrecv) || return
+    run producer 60 "$PRODUCER" 127.0.0.1 "$port" 3
+    expect_rc producer 0
+    finish badrecv "$rpid"
+    expect_rc badrecv 1
+    expect_in badrecv err "message 1: pattern mismatch"
+    expect_in badrecv out "verify FAILED"
+}
+
+# ---- inspect ---------------------------------------------------------------------
+
+test_inspect() {
+    local port ipid
+    start inspect 60 "$TDPIPE" inspect --bind 127.0.0.1 --count 2
+    ipid=$PID
+    port=$(port_of inspect) || return
+    run send_i 60 "$TDPIPE" send "127.0.0.1:$port" --count 2 --size 1000 --quiet
+    expect_rc send_i 0
+    finish inspect "$ipid"
+    expect_rc inspect 0
+    expect_in inspect out "data: torch.float32 [250] @ 0+1000"
+    expect_in inspect out "meta: (TensorDict)"
+    expect_in inspect out 'source: "tdpipe"'
+    expect_in inspect out 'json: {"device":"cpu","format":"tdpipe.schema"'
+    expect_in inspect out "hash: "
+    expect_in inspect out "message 1: 1000 bytes, schema "
+    expect_in inspect out "message 2: 1000 bytes, schema "
+}
+
+# ---- serve -----------------------------------------------------------------------
+
+test_serve() {
+    local port spid
+    # echo: ends by itself after --count messages
+    start serve_echo 60 "$TDPIPE" serve --bind 127.0.0.1 --mode echo --count 20 --quiet
+    spid=$PID
+    port=$(port_of serve_echo) || return
+    run send_echo 60 "$TDPIPE" send "127.0.0.1:$port" --echo --count 20 --size 64KB --quiet
+    expect_rc send_echo 0
+    expect_in send_echo out "sent 20 messages"
+    expect_in send_echo out "round trip:"
+    finish serve_echo "$spid"
+    expect_rc serve_echo 0
+    expect_in serve_echo out "client 1 connected from 127.0.0.1:"
+    expect_in serve_echo out "stopping: 20 messages handled"
+    expect_in serve_echo out "served 1 clients"
+    expect_in serve_echo out "20 messages in"
+
+    # sink: two clients, verified, then SIGINT
+    start serve_sink 60 "$TDPIPE" serve --bind 127.0.0.1 --mode sink --quiet
+    spid=$PID
+    port=$(port_of serve_sink) || return
+    run sink1 60 "$TDPIPE" send "127.0.0.1:$port" --count 30 --size 10KB --quiet
+    expect_rc sink1 0
+    run sink2 60 "$TDPIPE" send "127.0.0.1:$port" --count 30 --size 10KB --quiet
+    expect_rc sink2 0
+    kill -INT "$spid"
+    finish serve_sink "$spid"
+    expect_rc serve_sink 0
+    expect_in serve_sink out "stopping: SIGINT"
+    expect_in serve_sink out "served 2 clients"
+    expect_in serve_sink out "60 messages in"
+    expect_in serve_sink out "verify ok"
+
+    # --max-clients: one over the limit is refused (3); --duration ends it
+    start serve_one 60 "$TDPIPE" serve --bind 127.0.0.1 --mode sink --max-clients 1 \
+        --duration 4 --quiet
+    spid=$PID
+    port=$(port_of serve_one) || return
+    start holder 60 "$TDPIPE" send "127.0.0.1:$port" --count 40 --rate 20 --size 1KB --quiet
+    local hpid=$PID
+    sleep 0.5
+    run over 30 "$TDPIPE" send "127.0.0.1:$port" --count 1 --quiet
+    expect_rc over 3
+    finish holder "$hpid"
+    expect_rc holder 0
+    finish serve_one "$spid"
+    expect_rc serve_one 0
+    expect_in serve_one out "stopping: 4 s elapsed"
+}
+
+test_usage
+test_recv_send
+test_recv_count
+test_ipv6
+test_errors
+test_verify_fail
+test_inspect
+test_serve
+
+if [[ $FAILS -ne 0 ]]; then
+    echo "test_cli: $FAILS of $CHECKS checks failed"
+    exit 1
+fi
+echo "test_cli: all $CHECKS checks passed"

@@ -1,0 +1,1084 @@
+/*
+ * test_server: tdp_server with many clients — different schemas at once,
+ * request/reply, the reply ring, limits (max clients, handshake deadline),
+ * hostile clients, handler errors, connect/disconnect cycles without leaks,
+ * a client killed mid-stream, graceful shutdown.
+ *
+ * Loopback only, ephemeral ports, every wait bounded. cmocka asserts run on
+ * the main thread only: client threads and handlers record what they saw.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include <tdpipe/tdpipe.h>
+
+#include "pipe/pipe_int.h"
+
+#define TMO 20000 /* ms: generous bound for any single wait */
+#define MAX_IDS 1024
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+/* Poll cond for up to ms; true if it held. */
+#define WAIT_FOR(cond, ms)                                                                         \
+    ({                                                                                             \
+        int64_t _end = mono_ms() + (ms);                                                           \
+        while (!(cond) && mono_ms() < _end)                                                        \
+            sleep_ms(2);                                                                           \
+        (bool)(cond);                                                                              \
+    })
+
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (d == NULL)
+        return -1;
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* ---- payloads: a header {cid, seq} and leaves filled from (cid, seq, leaf) --- */
+
+static void pat_fill(uint8_t *p, uint64_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull;
+    for (uint64_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull);
+        memcpy(p + i, &v, 8);
+    }
+    for (uint64_t i = n & ~7ull; i < n; i++)
+        p[i] = (uint8_t)(seed + i);
+}
+
+static bool pat_check(const uint8_t *p, uint64_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull;
+    for (uint64_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull), got;
+        memcpy(&got, p + i, 8);
+        if (got != v)
+            return false;
+    }
+    for (uint64_t i = n & ~7ull; i < n; i++)
+        if (p[i] != (uint8_t)(seed + i))
+            return false;
+    return true;
+}
+
+static uint64_t seed_of(int64_t cid, int64_t seq, uint32_t leaf)
+{
+    return ((uint64_t)cid << 40) ^ ((uint64_t)seq << 8) ^ leaf;
+}
+
+static void td_fill(tdp_td *td, int64_t cid, int64_t seq)
+{
+    tdp_leaf l;
+    for (uint32_t i = 0; i < tdp_td_num_leaves(td); i++) {
+        tdp_td_leaf_at(td, i, &l);
+        if (l.kind != TDP_LEAF_TENSOR)
+            continue;
+        if (strcmp(l.path, "hdr") == 0) {
+            int64_t h[2] = {cid, seq};
+            memcpy(l.data, h, sizeof(h));
+        } else {
+            pat_fill(l.data, l.nbytes, seed_of(cid, seq, i));
+        }
+    }
+}
+
+/* Every byte checked; *cid and *seq come from the header. */
+static bool td_check(const tdp_td *td, int64_t *cid, int64_t *seq)
+{
+    tdp_leaf l;
+    int64_t h[2];
+    if (tdp_td_get(td, "hdr", &l) != TDP_OK || l.nbytes != sizeof(h))
+        return false;
+    memcpy(h, l.data, sizeof(h));
+    for (uint32_t i = 0; i < tdp_td_num_leaves(td); i++) {
+        tdp_td_leaf_at(td, i, &l);
+        if (l.kind != TDP_LEAF_TENSOR || strcmp(l.path, "hdr") == 0)
+            continue;
+        if (!pat_check(l.data, l.nbytes, seed_of(h[0], h[1], i)))
+            return false;
+    }
+    if (cid != NULL)
+        *cid = h[0];
+    if (seq != NULL)
+        *seq = h[1];
+    return true;
+}
+
+/* A schema of client cid's own: its keys, dtypes and sizes; variant 1 differs. */
+static tdp_schema *stream_schema(int cid, int variant, int64_t nbytes)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    char path[64];
+    const int64_t two = 2;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "hdr", TDP_INT64, 1, &two), TDP_OK);
+    int64_t n = nbytes + (variant ? 64 : 0);
+    snprintf(path, sizeof(path), "c%d.payload", cid);
+    assert_int_equal(tdp_schema_builder_tensor(b, path, TDP_UINT8, 1, &n), TDP_OK);
+    int64_t aux[2] = {cid % 5 + 1, 3};
+    snprintf(path, sizeof(path), "c%d.%s", cid, variant ? "ids" : "aux");
+    assert_int_equal(tdp_schema_builder_tensor(b, path, variant ? TDP_INT32 : TDP_FLOAT32, 2, aux),
+                     TDP_OK);
+    if (variant) {
+        snprintf(path, sizeof(path), "c%d.tag", cid);
+        assert_int_equal(tdp_schema_builder_string(b, path, "second"), TDP_OK);
+    }
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+static tdp_schema *req_schema(int64_t n)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    const int64_t two = 2;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "hdr", TDP_INT64, 1, &two), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_FLOAT32, 1, &n), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+/* ---- the server side: one context, several handler behaviours ------------------ */
+
+enum mode {
+    MODE_ECHO,     /* verify every byte, send the same td back */
+    MODE_REQREP,   /* reply {hdr, sum, y = 2x + 1} in a schema of its own */
+    MODE_RING,     /* on the first message, queue replies until the ring is full */
+};
+
+typedef struct srv_ctx {
+    enum mode mode;
+    atomic_int connects, closes, msgs, bad;
+    atomic_int close_clean;
+    atomic_int reject; /* on_connect turns away while > 0 (counts down) */
+    int64_t fail_cid, fail_seq; /* on_message fails for this message */
+    int ring_ok, ring_eagain;   /* MODE_RING results */
+    tdp_td *ring_td;
+    _Atomic int status[MAX_IDS]; /* on_close status per client id (1 = not yet) */
+    _Atomic int64_t cid_of[MAX_IDS];
+    atomic_int bad_thread;
+    tdp_loop *loop;
+} srv_ctx;
+
+/* MODE_REQREP: per client, the reply buffer, rebuilt only when the request changes. */
+typedef struct rr_client {
+    tdp_schema *req, *rep_schema;
+    tdp_td *rep;
+} rr_client;
+
+static tdp_err h_connect(tdp_client *c, void *arg)
+{
+    srv_ctx *x = arg;
+    if (!tdp_loop_on_thread(x->loop))
+        atomic_fetch_add(&x->bad_thread, 1);
+    atomic_fetch_add(&x->connects, 1);
+    if (atomic_load(&x->reject) > 0) {
+        atomic_fetch_sub(&x->reject, 1);
+        return TDP_EINVAL;
+    }
+    if (x->mode == MODE_REQREP) {
+        rr_client *r = calloc(1, sizeof(*r));
+        if (r == NULL)
+            return TDP_ENOMEM;
+        tdp_client_set_data(c, r);
+    }
+    return TDP_OK;
+}
+
+static tdp_err build_reply(rr_client *r, tdp_schema *req)
+{
+    tdp_leaf x;
+    tdp_schema_builder *b;
+    const int64_t one = 1, two = 2;
+    tdp_err rc;
+    if (tdp_schema_find(req, "x", &x) != TDP_OK || x.ndim != 1)
+        return TDP_ESCHEMA;
+    int64_t n = x.shape[0];
+    if ((rc = tdp_schema_builder_new(&b)) != TDP_OK)
+        return rc;
+    tdp_schema_builder_tensor(b, "hdr", TDP_INT64, 1, &two);
+    tdp_schema_builder_tensor(b, "sum", TDP_FLOAT64, 1, &one);
+    tdp_schema_builder_tensor(b, "y", TDP_FLOAT32, 1, &n);
+    tdp_schema_builder_string(b, "kind", "reply");
+    tdp_schema *s = NULL;
+    rc = tdp_schema_builder_finish(b, &s, NULL, 0);
+    tdp_schema_builder_free(b);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_td_unref(r->rep);
+    tdp_schema_unref(r->rep_schema);
+    tdp_schema_unref(r->req);
+    r->rep_schema = s;
+    r->req = tdp_schema_ref(req);
+    return tdp_td_new(s, &r->rep);
+}
+
+static tdp_err h_message(tdp_client *c, tdp_td *td, void *arg)
+{
+    srv_ctx *x = arg;
+    int64_t cid = 0, seq = 0;
+    tdp_leaf l;
+    if (!tdp_loop_on_thread(x->loop))
+        atomic_fetch_add(&x->bad_thread, 1);
+    atomic_fetch_add(&x->msgs, 1);
+    if (tdp_td_get(td, "hdr", &l) == TDP_OK) {
+        cid = ((const int64_t *)l.data)[0];
+        seq = ((const int64_t *)l.data)[1];
+    }
+    if (tdp_client_id(c) < MAX_IDS)
+        atomic_store(&x->cid_of[tdp_client_id(c)], cid);
+    if (cid == x->fail_cid && seq == x->fail_seq)
+        return TDP_EINVAL; /* the handler fails: only this client goes */
+    switch (x->mode) {
+    case MODE_ECHO:
+        if (!td_check(td, NULL, NULL)) {
+            atomic_fetch_add(&x->bad, 1);
+            return TDP_EINVAL;
+        }
+        return tdp_client_send(c, td);
+    case MODE_REQREP: {
+        rr_client *r = tdp_client_get_data(c);
+        tdp_err rc;
+        if (r->req != tdp_td_schema(td) && (rc = build_reply(r, tdp_td_schema(td))) != TDP_OK)
+            return rc;
+        tdp_leaf xs, y, sum, h;
+        tdp_td_get(td, "x", &xs);
+        tdp_td_get(r->rep, "y", &y);
+        tdp_td_get(r->rep, "sum", &sum);
+        tdp_td_get(r->rep, "hdr", &h);
+        const float *in = xs.data;
+        float *out = y.data;
+        double acc = 0;
+        for (uint64_t i = 0; i < xs.numel; i++) {
+            acc += in[i];
+            out[i] = 2.0f * in[i] + 1.0f;
+        }
+        *(double *)sum.data = acc;
+        memcpy(h.data, l.data, 16);
+        return tdp_client_send(c, r->rep);
+    }
+    case MODE_RING:
+        if (x->ring_ok == 0 && x->ring_eagain == 0) {
+            for (int i = 0; i < 20; i++) {
+                td_fill(x->ring_td, 77, i + 1);
+                tdp_err rc = tdp_client_send(c, x->ring_td);
+                if (rc == TDP_OK)
+                    x->ring_ok++;
+                else if (rc == TDP_EAGAIN)
+                    x->ring_eagain++;
+                else
+                    return rc;
+            }
+        }
+        return TDP_OK;
+    }
+    return TDP_OK;
+}
+
+static void h_close(tdp_client *c, tdp_err status, void *arg)
+{
+    srv_ctx *x = arg;
+    if (!tdp_loop_on_thread(x->loop))
+        atomic_fetch_add(&x->bad_thread, 1);
+    atomic_fetch_add(&x->closes, 1);
+    if (status == TDP_ECLOSED)
+        atomic_fetch_add(&x->close_clean, 1);
+    if (tdp_client_id(c) < MAX_IDS)
+        atomic_store(&x->status[tdp_client_id(c)], status);
+    rr_client *r = tdp_client_get_data(c);
+    if (r != NULL) {
+        tdp_td_unref(r->rep);
+        tdp_schema_unref(r->rep_schema);
+        tdp_schema_unref(r->req);
+        free(r);
+        tdp_client_set_data(c, NULL);
+    }
+}
+
+static const tdp_server_handler handler = {
+    .size = sizeof(tdp_server_handler),
+    .on_connect = h_connect,
+    .on_message = h_message,
+    .on_close = h_close,
+};
+
+typedef struct env {
+    tdp_loop *sl, *cl[2];
+    tdp_server *s;
+    uint16_t port;
+    srv_ctx *x;
+} env;
+
+static void env_up(env *e, enum mode mode, const tdp_server_opts *o)
+{
+    memset(e, 0, sizeof(*e));
+    e->x = calloc(1, sizeof(*e->x));
+    assert_non_null(e->x);
+    e->x->mode = mode;
+    e->x->fail_cid = -1;
+    for (int i = 0; i < MAX_IDS; i++)
+        atomic_init(&e->x->status[i], 1);
+    assert_int_equal(tdp_loop_new(NULL, &e->sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(e->sl), TDP_OK);
+    e->x->loop = e->sl;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(tdp_loop_new(NULL, &e->cl[i]), TDP_OK);
+        assert_int_equal(tdp_loop_start_thread(e->cl[i]), TDP_OK);
+    }
+    assert_int_equal(tdp_server_new(e->sl, "127.0.0.1", 0, o, &handler, e->x, &e->s), TDP_OK);
+    e->port = tdp_server_port(e->s);
+    assert_true(e->port > 0);
+}
+
+static void env_down(env *e)
+{
+    assert_int_equal(tdp_server_shutdown(e->s, TMO), TDP_OK);
+    tdp_server_stats st;
+    tdp_server_stats_get(e->s, &st);
+    assert_int_equal(st.clients_now, 0);
+    /* every client on_connect saw got exactly one on_close, on the loop thread */
+    assert_int_equal(atomic_load(&e->x->closes), atomic_load(&e->x->connects));
+    assert_int_equal(atomic_load(&e->x->bad_thread), 0);
+    tdp_server_free(e->s);
+    for (int i = 0; i < 2; i++)
+        tdp_loop_free(e->cl[i]);
+    tdp_loop_free(e->sl);
+    tdp_td_unref(e->x->ring_td);
+    free(e->x);
+}
+
+static tdp_server_stats stats(env *e)
+{
+    tdp_server_stats st;
+    tdp_server_stats_get(e->s, &st);
+    return st;
+}
+
+/* ---- client threads ------------------------------------------------------------- */
+
+/*
+ * one_loop_per_client: clients that are connected at the same time each
+ * use a loop (a UCP worker) of their own. Several pipes open at once
+ * between the same two loops can crash UCX 1.13 when one of them ends: it
+ * pairs the two sides' endpoints by creation order, not by pipe, so a pipe
+ * may be left holding its peer's id of an endpoint another pipe destroyed
+ * (see the report on the pipe layer). Clients of different processes, the
+ * real case, always have loops of their own.
+ */
+
+typedef struct worker {
+    pthread_t th;
+    int cid;
+    tdp_loop *loop;
+    uint16_t port;
+    int count;         /* messages; 0: until the stream ends */
+    int64_t nbytes;
+    bool change;       /* switch to the second schema halfway */
+    bool close;        /* close cleanly at the end (else just free) */
+    tdp_err rc;        /* connect, or the first failure */
+    tdp_err end;       /* how the stream ended (count 0) */
+    atomic_int ok;     /* echoes received and verified */
+    int bad;
+} worker;
+
+static void *echo_worker(void *arg)
+{
+    worker *w = arg;
+    tdp_loop *own = NULL;
+    tdp_pipe *p;
+    tdp_schema *s[2];
+    tdp_td *td[2], *got;
+    /*
+     * By default each client has a loop of its own, driven by its blocking
+     * calls: see the note on one_loop_per_client below.
+     */
+    if (w->loop == NULL && (w->rc = tdp_loop_new(NULL, &own)) != TDP_OK)
+        return NULL;
+    w->rc = tdp_pipe_connect(own ? own : w->loop, "127.0.0.1", w->port, NULL, &p);
+    if (w->rc != TDP_OK) {
+        tdp_loop_free(own);
+        return NULL;
+    }
+    for (int v = 0; v < 2; v++) {
+        s[v] = stream_schema(w->cid, v, w->nbytes);
+        tdp_td_new(s[v], &td[v]);
+    }
+    for (int64_t seq = 1; w->count == 0 || seq <= w->count; seq++) {
+        int v = w->change && seq > w->count / 2;
+        td_fill(td[v], w->cid, seq);
+        tdp_err rc = tdp_pipe_send(p, td[v], TMO);
+            if (rc == TDP_OK)
+            rc = tdp_pipe_recv(p, TMO, &got);
+        if (rc != TDP_OK) {
+            w->end = rc;
+            if (w->count != 0)
+                w->rc = rc;
+            break;
+        }
+        int64_t cid, sq;
+        if (!td_check(got, &cid, &sq) || cid != w->cid || sq != seq ||
+            !tdp_schema_equal(tdp_td_schema(got), s[v]))
+            w->bad++;
+        else
+            atomic_fetch_add(&w->ok, 1);
+    }
+    if (w->rc == TDP_OK && w->close)
+        w->rc = tdp_pipe_close(p, TMO);
+    tdp_pipe_free(p);
+    tdp_loop_free(own);
+    for (int v = 0; v < 2; v++) {
+        tdp_td_unref(td[v]);
+        tdp_schema_unref(s[v]);
+    }
+    return NULL;
+}
+
+static void worker_start(worker *w)
+{
+    assert_int_equal(pthread_create(&w->th, NULL, echo_worker, w), 0);
+}
+
+/* ---- tests ------------------------------------------------------------------------ */
+
+static void test_lifecycle(void **state)
+{
+    tdp_loop *loop;
+    tdp_server *s;
+    tdp_server_opts o;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    /* bad arguments */
+    tdp_server_handler bad = {.size = 0};
+    assert_int_equal(tdp_server_new(NULL, NULL, 0, NULL, NULL, NULL, &s), TDP_EINVAL);
+    assert_int_equal(tdp_server_new(loop, NULL, 0, NULL, &bad, NULL, &s), TDP_EINVAL);
+    assert_int_equal(tdp_server_new(loop, "no-such-host.invalid", 0, NULL, NULL, NULL, &s),
+                     TDP_EADDR);
+    /* a loop nobody runs: set up and torn down inline */
+    tdp_server_opts_default(&o);
+    assert_int_equal(o.max_clients, 1024);
+    assert_int_equal(o.handshake_timeout_ms, 5000);
+    assert_int_equal(tdp_server_new(loop, "127.0.0.1", 0, &o, &handler, NULL, &s), TDP_OK);
+    assert_true(tdp_server_port(s) > 0);
+    tdp_server_stats st;
+    tdp_server_stats_get(s, &st);
+    assert_int_equal(st.clients_now + st.clients_total + st.refused + st.msgs_recv, 0);
+    assert_int_equal(tdp_server_shutdown(s, 100), TDP_OK);
+    assert_int_equal(tdp_server_shutdown(s, 100), TDP_OK); /* twice is fine */
+    tdp_server_free(s);
+    /* on a loop thread, all addresses, freed without an explicit shutdown */
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_int_equal(tdp_server_new(loop, NULL, 0, NULL, NULL, NULL, &s), TDP_OK);
+    tdp_loop *cl;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "::1", tdp_server_port(s), NULL, &p), TDP_OK);
+    assert_true(WAIT_FOR((tdp_server_stats_get(s, &st), st.clients_now == 1), TMO));
+    tdp_server_free(s);
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED); /* the server's clean end */
+    tdp_pipe_free(p);
+    tdp_loop_free(cl);
+    tdp_loop_free(loop);
+}
+
+/* 16 clients at once, each its own schemas (changed halfway), every byte checked twice. */
+static void test_many_clients(void **state)
+{
+    enum { N = 16, COUNT = 40 };
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    static const int64_t sizes[] = {24, 300, 4000, 20000, 100000, 300000};
+    worker w[N];
+    memset(w, 0, sizeof(w));
+    for (int i = 0; i < N; i++) {
+        w[i] = (worker){.cid = i + 1, .port = e.port, .count = COUNT, .nbytes = sizes[i % 6],
+                        .change = true, .close = true};
+        worker_start(&w[i]);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(w[i].th, NULL);
+        assert_int_equal(w[i].rc, TDP_OK);
+        assert_int_equal(w[i].bad, 0);
+        assert_int_equal(atomic_load(&w[i].ok), COUNT);
+    }
+    assert_int_equal(atomic_load(&e.x->bad), 0);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.clients_total, N);
+    assert_int_equal(st.msgs_recv, N * COUNT);
+    assert_int_equal(st.msgs_sent, N * COUNT);
+    assert_int_equal(st.schemas_recv, N * 2);
+    assert_int_equal(st.client_errors + st.handler_errors + st.refused, 0);
+    assert_true(st.bytes_recv > 0 && st.bytes_recv == st.bytes_sent);
+    assert_int_equal(atomic_load(&e.x->close_clean), N);
+    env_down(&e);
+}
+
+/* Request -> reply in another schema; steady state allocates nothing on either side. */
+static void test_request_reply(void **state)
+{
+    env e;
+    env_up(&e, MODE_REQREP, NULL);
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    const int64_t ns[] = {10, 5000, 33};
+    uint64_t allocs0 = 0;
+    for (int k = 0; k < 3; k++) {
+        tdp_schema *rs = req_schema(ns[k]);
+        tdp_td *req, *rep;
+        assert_int_equal(tdp_td_new(rs, &req), TDP_OK);
+        for (int64_t seq = 1; seq <= 300; seq++) {
+            if (k == 1 && seq == 50)
+                allocs0 = tdp_mem_total_allocs();
+            tdp_leaf h, x;
+            tdp_td_get(req, "hdr", &h);
+            tdp_td_get(req, "x", &x);
+            ((int64_t *)h.data)[0] = 9;
+            ((int64_t *)h.data)[1] = seq + k * 1000;
+            float *f = x.data;
+            double want = 0;
+            for (int64_t i = 0; i < ns[k]; i++) {
+                f[i] = (float)((seq * 31 + i * 7) % 1000) * 0.125f;
+                want += f[i];
+            }
+            assert_int_equal(tdp_pipe_send(p, req, TMO), TDP_OK);
+            assert_int_equal(tdp_pipe_recv(p, TMO, &rep), TDP_OK);
+            tdp_leaf sum, y, rh, kind;
+            assert_int_equal(tdp_td_get(rep, "sum", &sum), TDP_OK);
+            assert_int_equal(tdp_td_get(rep, "y", &y), TDP_OK);
+            assert_int_equal(tdp_td_get(rep, "hdr", &rh), TDP_OK);
+            assert_int_equal(tdp_td_get(rep, "kind", &kind), TDP_OK);
+            assert_string_equal(kind.value_json, "\"reply\"");
+            assert_int_equal(y.numel, ns[k]);
+            assert_true(*(double *)sum.data == want);
+            assert_int_equal(((int64_t *)rh.data)[1], seq + k * 1000);
+            for (int64_t i = 0; i < ns[k]; i++)
+                assert_true(((float *)y.data)[i] == 2.0f * f[i] + 1.0f);
+            if (k == 1 && seq == 250) /* 200 round trips: nothing allocated anywhere */
+                assert_int_equal(tdp_mem_total_allocs(), allocs0);
+        }
+        tdp_td_unref(req);
+        tdp_schema_unref(rs);
+    }
+    tdp_pipe_stats ps;
+    tdp_pipe_stats_get(p, &ps);
+    assert_int_equal(ps.msgs_recv, 900);
+    assert_int_equal(ps.schemas_recv, 3); /* one reply schema per request schema */
+    assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.msgs_recv, 900);
+    assert_int_equal(st.msgs_sent, 900);
+    assert_int_equal(st.schemas_recv, 3);
+    assert_int_equal(atomic_load(&e.x->close_clean), 1);
+    env_down(&e);
+}
+
+/* The reply ring: max_replies_queued sends at once, then TDP_EAGAIN; all arrive. */
+static void test_reply_ring(void **state)
+{
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.max_replies_queued = 4;
+    env_up(&e, MODE_RING, &o);
+    tdp_schema *s = stream_schema(77, 0, 1 << 20); /* rendezvous: no send ends inline */
+    assert_int_equal(tdp_td_new(s, &e.x->ring_td), TDP_OK);
+    tdp_pipe *p;
+    tdp_td *td, *got;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    tdp_schema *rs = req_schema(4);
+    assert_int_equal(tdp_td_new(rs, &td), TDP_OK);
+    td_fill(td, 1, 1);
+    assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+    /* (the handler reuses one buffer for all its sends: contents not checked here) */
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_int_equal(tdp_td_nbytes(got), tdp_td_nbytes(e.x->ring_td));
+    }
+    assert_int_equal(e.x->ring_ok, 4);
+    assert_int_equal(e.x->ring_eagain, 16);
+    assert_int_equal(tdp_pipe_recv(p, 200, &got), TDP_ETIMEDOUT); /* nothing more */
+    assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
+    tdp_pipe_free(p);
+    tdp_td_unref(td);
+    tdp_schema_unref(rs);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
+/* max_clients: the next one is refused with TDP_ELIMIT; a slot freed is reusable. */
+static void test_max_clients(void **state)
+{
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.max_clients = 2;
+    env_up(&e, MODE_ECHO, &o);
+    tdp_pipe *a, *b, *c;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &a), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &b), TDP_OK);
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &c), TDP_ELIMIT);
+    assert_true(mono_ms() - t0 < 2000); /* told at once, not timed out */
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &c), TDP_ELIMIT);
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.refused, 2);
+    assert_int_equal(st.clients_now, 2);
+    /* the two admitted ones work */
+    tdp_schema *s = stream_schema(1, 0, 100);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    td_fill(td, 1, 1);
+    assert_int_equal(tdp_pipe_send(b, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(b, TMO, &got), TDP_OK);
+    assert_true(td_check(got, NULL, NULL));
+    /* one leaves: its slot is free again */
+    assert_int_equal(tdp_pipe_close(a, TMO), TDP_OK);
+    tdp_pipe_free(a);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 1, TMO));
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &c), TDP_OK);
+    assert_true(WAIT_FOR(stats(&e).clients_total == 3, TMO)); /* the server took it too */
+    /* on_connect may turn a client away: its pipe ends with TDP_ELIMIT */
+    tdp_pipe_free(b);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 1, TMO));
+    atomic_store(&e.x->reject, 1);
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &b), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(b, TMO, &got), TDP_ELIMIT);
+    assert_int_equal(stats(&e).refused, 3);
+    tdp_pipe_free(b);
+    /* and it got its on_close with what on_connect said */
+    assert_true(WAIT_FOR(atomic_load(&e.x->status[4]) != 1, TMO));
+    assert_int_equal(atomic_load(&e.x->status[4]), TDP_EINVAL);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 1, TMO));
+    assert_int_equal(stats(&e).clients_total, 3);
+    tdp_pipe_free(c);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
+static int raw_connect(uint16_t port)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                             .sin_port = htons(port)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    return fd;
+}
+
+/* Read until the server closes (bounded); returns ms waited. */
+static int64_t raw_wait_closed(int fd)
+{
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    int64_t t0 = mono_ms();
+    char b[512];
+    ssize_t n;
+    while ((n = read(fd, b, sizeof(b))) > 0 && mono_ms() - t0 < 10000)
+        ;
+    assert_true(n == 0 || (n < 0 && errno == ECONNRESET));
+    return mono_ms() - t0;
+}
+
+/* A socket that says nothing holds a slot only until the handshake deadline. */
+static void test_handshake_timeout(void **state)
+{
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.max_clients = 1;
+    o.handshake_timeout_ms = 200;
+    env_up(&e, MODE_ECHO, &o);
+    int fd = raw_connect(e.port);
+    /* wait for the server to take it (its HELLO arrives), then it is full */
+    char hb[16];
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    assert_int_equal(read(fd, hb, sizeof(hb)), (ssize_t)sizeof(hb));
+    assert_memory_equal(hb, "TDPC", 4);
+    int64_t t0 = mono_ms();
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_ELIMIT);
+    raw_wait_closed(fd);
+    int64_t dt = mono_ms() - t0;
+    close(fd);
+    print_message("silent socket dropped after about %" PRId64 " ms\n", dt);
+    assert_true(dt < 5000);
+    assert_true(WAIT_FOR(stats(&e).handshakes_failed == 1, TMO));
+    /* the slot is free: a real client gets in */
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    /* (its HELLO may still be on its way when connect returns: let it land) */
+    assert_true(WAIT_FOR(stats(&e).clients_total == 1, TMO));
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    /* junk on the control socket: dropped at once, counted */
+    fd = raw_connect(e.port);
+    char junk[64];
+    memset(junk, 'J', sizeof(junk));
+    assert_int_equal(write(fd, junk, sizeof(junk)), (ssize_t)sizeof(junk));
+    assert_true(raw_wait_closed(fd) < 1000);
+    close(fd);
+    assert_true(WAIT_FOR(stats(&e).handshakes_failed == 2, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.handshakes_failed, 2);
+    assert_int_equal(st.refused, 1);
+    assert_int_equal(st.clients_total, 1);
+    env_down(&e);
+}
+
+/* ---- hostile clients --------------------------------------------------------------- */
+
+typedef struct rogue {
+    tdp_pipe *cli;
+    uint8_t hdr[TDP_AM_HDR_LEN];
+    const void *payload;
+    size_t len;
+    atomic_bool done;
+} rogue;
+
+static void rogue_cb(void *req, ucs_status_t st, void *user)
+{
+    atomic_store(&((rogue *)user)->done, true);
+    ucp_request_free(req);
+}
+
+static void rogue_task(void *arg)
+{
+    rogue *r = arg;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .cb.send = rogue_cb,
+        .user_data = r,
+    };
+    void *q = ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
+                              &prm);
+    if (q == NULL || UCS_PTR_IS_ERR(q))
+        atomic_store(&r->done, true);
+    tdp__loop_kick(r->cli->loop);
+}
+
+/* Send one raw active message from a client pipe to its server side. */
+static void rogue_send(tdp_pipe *cli, const tdp_am_hdr *h, const void *payload, size_t len,
+                       bool corrupt_magic)
+{
+    rogue r = {.cli = cli, .payload = payload, .len = len};
+    tdp_wire_am_encode(r.hdr, h);
+    if (corrupt_magic)
+        r.hdr[0] ^= 0xff;
+    tdp__call_on_loop(cli->loop, rogue_task, &r);
+    assert_true(WAIT_FOR(atomic_load(&r.done), TMO));
+}
+
+/* Garbage and a hostile schema end their own clients; a streaming one carries on. */
+static void test_hostile_clients(void **state)
+{
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    worker good = {.cid = 5, .port = e.port, .count = 400, .nbytes = 50000, .close = true};
+    worker_start(&good);
+    assert_true(WAIT_FOR(atomic_load(&good.ok) >= 20, TMO));
+
+    const char *hostile = "{\"device\":\"cpu\",\"format\":\"tdpipe.schema\",\"td\":{\"cls\":"
+                          "\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},\"leaves\":{\"x\":"
+                          "[\"torch.float32\",[4294967296,4294967296,2],0,0,0]}},"
+                          "\"total_bytes\":64,\"version\":1}";
+    tdp_pipe *bad[3];
+    tdp_td *got;
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &bad[k]), TDP_OK);
+        /* once the server has taken it (else it is a failed handshake instead) */
+        assert_true(WAIT_FOR(stats(&e).clients_total == (uint64_t)k + 2, TMO));
+        tdp_am_hdr h = {.token = bad[k]->peer_token, .seq = 1};
+        if (k == 0) { /* garbage header */
+            h.type = TDP_AM_DATA;
+            rogue_send(bad[k], &h, "junk", 4, true);
+        } else if (k == 1) { /* hostile schema */
+            h.type = TDP_AM_SCHEMA;
+            h.length = strlen(hostile);
+            h.arg = 64;
+            rogue_send(bad[k], &h, hostile, strlen(hostile), false);
+        } else { /* data with no schema */
+            h.type = TDP_AM_DATA;
+            h.hash = 42;
+            h.length = 16;
+            rogue_send(bad[k], &h, "0123456789abcdef", 16, false);
+        }
+        /* the server tells it why and hangs up on it */
+        tdp_err rc = tdp_pipe_recv(bad[k], TMO, &got);
+        assert_true(rc == TDP_ECONNRESET || rc == TDP_ECLOSED);
+        tdp_pipe_free(bad[k]);
+    }
+    int before = atomic_load(&good.ok);
+    pthread_join(good.th, NULL);
+    assert_int_equal(good.rc, TDP_OK);
+    assert_int_equal(good.bad, 0);
+    assert_int_equal(atomic_load(&good.ok), 400);
+    assert_true(before < 400); /* it was still streaming meanwhile */
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.client_errors, 3);
+    assert_int_equal(st.handler_errors, 0);
+    /* on_close said why for each */
+    int eproto = 0, eschema = 0, emismatch = 0;
+    for (int id = 1; id < 8; id++) {
+        int s = atomic_load(&e.x->status[id]);
+        eproto += s == TDP_EPROTO;
+        eschema += s == TDP_ESCHEMA;
+        emismatch += s == TDP_EMISMATCH;
+    }
+    assert_int_equal(eproto, 1);
+    assert_int_equal(eschema, 1);
+    assert_int_equal(emismatch, 1);
+    env_down(&e);
+}
+
+/* A handler error closes its client only, and on_close hears it. */
+static void test_handler_error(void **state)
+{
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    e.x->fail_cid = 2;
+    e.x->fail_seq = 5;
+    worker w[2] = {
+        {.cid = 1, .port = e.port, .count = 200, .nbytes = 1000, .close = true},
+        {.cid = 2, .port = e.port, .count = 200, .nbytes = 1000, .close = true},
+    };
+    worker_start(&w[0]);
+    worker_start(&w[1]);
+    pthread_join(w[0].th, NULL);
+    pthread_join(w[1].th, NULL);
+    assert_int_equal(w[0].rc, TDP_OK);
+    assert_int_equal(atomic_load(&w[0].ok), 200);
+    assert_int_equal(w[1].rc, TDP_ECONNRESET); /* its pipe ended: the server gave up on it */
+    assert_int_equal(atomic_load(&w[1].ok), 4);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.handler_errors, 1);
+    assert_int_equal(st.client_errors, 0);
+    int einval = 0, clean = 0;
+    for (int id = 1; id <= 2; id++) {
+        einval += atomic_load(&e.x->status[id]) == TDP_EINVAL;
+        clean += atomic_load(&e.x->status[id]) == TDP_ECLOSED;
+    }
+    assert_int_equal(einval, 1);
+    assert_int_equal(clean, 1);
+    env_down(&e);
+}
+
+/* 200 connect / request / reply / close cycles: no fd or memory growth. */
+static void one_cycle(env *e, tdp_td *td, int64_t seq)
+{
+    tdp_pipe *p;
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_connect(e->cl[0], "127.0.0.1", e->port, NULL, &p), TDP_OK);
+    td_fill(td, 3, seq);
+    assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    int64_t cid, sq;
+    assert_true(td_check(got, &cid, &sq));
+    assert_int_equal(sq, seq);
+    assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
+    tdp_pipe_free(p);
+}
+
+static void test_connect_cycles(void **state)
+{
+    enum { CYCLES = 200 };
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    tdp_schema *s = stream_schema(3, 0, 2000);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (int i = 0; i < 5; i++) /* warm up: UCX sets up what it keeps */
+        one_cycle(&e, td, i + 1);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    int fd0 = count_fds();
+    tdp_mem_stats m0, m1;
+    tdp_mem_stats_get(&m0);
+    int64_t t0 = mono_ms();
+    for (int i = 0; i < CYCLES; i++)
+        one_cycle(&e, td, i + 100);
+    int64_t dt = mono_ms() - t0;
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    /* the last peers' endpoints may take a moment to go */
+    bool same = WAIT_FOR((tdp_mem_stats_get(&m1), count_fds() <= fd0 &&
+                          m1.small_allocs - m1.small_frees == m0.small_allocs - m0.small_frees &&
+                          m1.live_bytes[TDP_MEM_HOST] == m0.live_bytes[TDP_MEM_HOST]),
+                         5000);
+    print_message("%d cycles in %" PRId64 " ms; fds %d -> %d; small live %" PRIu64 " -> %" PRIu64
+                  "; host bytes %" PRIu64 " -> %" PRIu64 "\n",
+                  CYCLES, dt, fd0, count_fds(), m0.small_allocs - m0.small_frees,
+                  m1.small_allocs - m1.small_frees, m0.live_bytes[TDP_MEM_HOST],
+                  m1.live_bytes[TDP_MEM_HOST]);
+    assert_true(same);
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.clients_total, CYCLES + 5);
+    assert_int_equal(st.msgs_recv, CYCLES + 5);
+    assert_int_equal(st.client_errors + st.handler_errors + st.refused, 0);
+    assert_int_equal(atomic_load(&e.x->close_clean), CYCLES + 5);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
+/* ---- a client process killed mid-stream ------------------------------------------ */
+
+static void child_main(uint16_t port)
+{
+    tdp_loop *loop;
+    tdp_pipe *p;
+    tdp_td *got;
+    if (tdp_loop_new(NULL, &loop) != TDP_OK ||
+        tdp_pipe_connect(loop, "127.0.0.1", port, NULL, &p) != TDP_OK)
+        _exit(3);
+    tdp_schema_builder *b;
+    tdp_schema *s;
+    tdp_td *td;
+    const int64_t two = 2, n = 1 << 20;
+    tdp_schema_builder_new(&b);
+    tdp_schema_builder_tensor(b, "hdr", TDP_INT64, 1, &two);
+    tdp_schema_builder_tensor(b, "big", TDP_UINT8, 1, &n);
+    if (tdp_schema_builder_finish(b, &s, NULL, 0) != TDP_OK || tdp_td_new(s, &td) != TDP_OK)
+        _exit(4);
+    for (int64_t seq = 1; seq < 1000000; seq++) {
+        td_fill(td, 99, seq);
+        if (tdp_pipe_send(p, td, TMO) != TDP_OK || tdp_pipe_recv(p, TMO, &got) != TDP_OK)
+            _exit(5);
+    }
+    _exit(0);
+}
+
+static void test_kill_client(void **state)
+{
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    fflush(NULL);
+    /* a fresh process (fork + exec): UCX's state does not survive a bare fork */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        char ps[16];
+        snprintf(ps, sizeof(ps), "%u", e.port);
+        execl("/proc/self/exe", "test_server", "--child", ps, (char *)NULL);
+        _exit(127);
+    }
+    assert_true(WAIT_FOR(stats(&e).msgs_recv >= 10, TMO));
+    worker good = {.cid = 6, .port = e.port, .count = 300, .nbytes = 70000, .close = true};
+    worker_start(&good);
+    assert_true(WAIT_FOR(atomic_load(&good.ok) >= 20, TMO));
+    int at_kill = atomic_load(&good.ok);
+    kill(pid, SIGKILL);
+    int st_;
+    waitpid(pid, &st_, 0);
+    int64_t t0 = mono_ms();
+    assert_true(WAIT_FOR(stats(&e).client_errors == 1, TMO));
+    print_message("killed client seen after %" PRId64 " ms\n", mono_ms() - t0);
+    pthread_join(good.th, NULL);
+    assert_int_equal(good.rc, TDP_OK);
+    assert_int_equal(good.bad, 0);
+    assert_int_equal(atomic_load(&good.ok), 300);
+    assert_true(at_kill < 300);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    assert_int_equal(atomic_load(&e.x->status[1]), TDP_ECONNRESET);
+    assert_int_equal(atomic_load(&e.x->bad), 0);
+    env_down(&e);
+}
+
+/* ---- graceful shutdown ------------------------------------------------------------ */
+
+static void test_shutdown(void **state)
+{
+    enum { N = 6 };
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    worker w[N];
+    memset(w, 0, sizeof(w));
+    for (int i = 0; i < N; i++) {
+        w[i] = (worker){.cid = 20 + i, .port = e.port, .count = 0,
+                        .nbytes = i % 2 ? 200000 : 500};
+        worker_start(&w[i]);
+    }
+    for (int i = 0; i < N; i++)
+        assert_true(WAIT_FOR(atomic_load(&w[i].ok) >= 20, TMO));
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_server_shutdown(e.s, 10000), TDP_OK);
+    print_message("shutdown with %d busy clients took %" PRId64 " ms\n", N, mono_ms() - t0);
+    for (int i = 0; i < N; i++) {
+        pthread_join(w[i].th, NULL);
+        assert_int_equal(w[i].rc, TDP_OK);
+        assert_int_equal(w[i].end, TDP_ECLOSED); /* a clean end, mid-conversation */
+        assert_int_equal(w[i].bad, 0);
+    }
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.clients_now, 0);
+    assert_int_equal(st.client_errors + st.handler_errors, 0);
+    assert_int_equal(atomic_load(&e.x->close_clean), N);
+    /* nothing listens any more */
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p),
+                     TDP_ECONNREFUSED);
+    env_down(&e); /* a second shutdown returns the first one's result */
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && strcmp(argv[1], "--child") == 0)
+        child_main((uint16_t)atoi(argv[2]));
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_lifecycle),
+        cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_request_reply),
+        cmocka_unit_test(test_reply_ring),
+        cmocka_unit_test(test_max_clients),
+        cmocka_unit_test(test_handshake_timeout),
+        cmocka_unit_test(test_hostile_clients),
+        cmocka_unit_test(test_handler_error),
+        cmocka_unit_test(test_connect_cycles),
+        cmocka_unit_test(test_kill_client),
+        cmocka_unit_test(test_shutdown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

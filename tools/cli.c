@@ -1,0 +1,455 @@
+/* cli.c: helpers shared by the tdpipe subcommands (see cli.h). */
+#include "cli.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+/* ---- exit codes -------------------------------------------------------- */
+
+int tdp_cli_exit_for(tdp_err err)
+{
+    switch (err) {
+    case TDP_OK:
+        return TDP_EXIT_OK;
+    case TDP_ECONNREFUSED:
+    case TDP_EADDR:
+    case TDP_ELIMIT: /* a server at max_clients refuses: we could not get in */
+        return TDP_EXIT_CONNECT;
+    case TDP_ECLOSED:
+    case TDP_ECONNRESET:
+    case TDP_EPROTO:
+    case TDP_EVERSION:
+    case TDP_ESCHEMA:
+    case TDP_EMISMATCH:
+    case TDP_EMSGSIZE:
+        return TDP_EXIT_PEER;
+    case TDP_ETIMEDOUT:
+        return TDP_EXIT_TIMEOUT;
+    default:
+        return TDP_EXIT_FAIL;
+    }
+}
+
+/* ---- numbers, sizes, rates ---------------------------------------------- */
+
+bool tdp_cli_parse_u64(const char *s, uint64_t min, uint64_t max, uint64_t *out)
+{
+    if (s == NULL || !isdigit((unsigned char)s[0]))
+        return false; /* strtoull would accept a sign and leading space */
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0 || *end != '\0' || v < min || v > max)
+        return false;
+    *out = v;
+    return true;
+}
+
+bool tdp_cli_parse_double(const char *s, double *out)
+{
+    if (s == NULL || !(isdigit((unsigned char)s[0]) || s[0] == '.'))
+        return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || *end != '\0' || !isfinite(v) || v < 0)
+        return false;
+    *out = v;
+    return true;
+}
+
+bool tdp_cli_parse_timeout(const char *s, int64_t *ms)
+{
+    uint64_t v;
+    if (s != NULL && strcmp(s, "-1") == 0) {
+        *ms = -1;
+        return true;
+    }
+    if (!tdp_cli_parse_u64(s, 0, TDP_CLI_TIMEOUT_MAX_MS, &v))
+        return false;
+    *ms = (int64_t)v;
+    return true;
+}
+
+static bool size_unit(const char *u, uint64_t *mult)
+{
+    static const struct {
+        const char *name;
+        uint64_t mult;
+    } units[] = {
+        {"", 1},
+        {"b", 1},
+        {"k", 1000ull},
+        {"kb", 1000ull},
+        {"kib", 1ull << 10},
+        {"m", 1000000ull},
+        {"mb", 1000000ull},
+        {"mib", 1ull << 20},
+        {"g", 1000000000ull},
+        {"gb", 1000000000ull},
+        {"gib", 1ull << 30},
+        {"t", 1000000000000ull},
+        {"tb", 1000000000000ull},
+        {"tib", 1ull << 40},
+    };
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+        if (strcasecmp(u, units[i].name) == 0) {
+            *mult = units[i].mult;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool tdp_cli_parse_size(const char *s, uint64_t *out)
+{
+    /* Exact integer arithmetic: strtod would round large byte counts. */
+    typedef unsigned __int128 u128;
+    const u128 limit = UINT64_MAX;
+    u128 whole = 0, frac = 0, scale = 1;
+    const char *p = s;
+
+    if (s == NULL || !(isdigit((unsigned char)*p) || *p == '.'))
+        return false;
+    for (; isdigit((unsigned char)*p); p++) {
+        whole = whole * 10 + (u128)(*p - '0');
+        if (whole > limit)
+            return false;
+    }
+    if (*p == '.') {
+        p++;
+        if (!isdigit((unsigned char)*p) && p - 1 == s)
+            return false; /* "." alone */
+        for (int n = 0; isdigit((unsigned char)*p); p++, n++) {
+            if (n >= 18)
+                return false; /* more precision than any byte count needs */
+            frac = frac * 10 + (u128)(*p - '0');
+            scale *= 10;
+        }
+    }
+    while (*p == ' ')
+        p++;
+    uint64_t mult;
+    if (!size_unit(p, &mult))
+        return false;
+    u128 v = whole * mult;
+    if (v > limit || (frac * mult) % scale != 0)
+        return false; /* overflow, or not a whole number of bytes */
+    v += frac * mult / scale;
+    if (v > limit)
+        return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
+/* Three significant digits in SI units; rounding may carry into the next unit. */
+static const char *format_si(double v, bool integer_bytes, const char *suffix, char *buf,
+                             size_t len)
+{
+    static const char *const units[] = {"B", "KB", "MB", "GB", "TB", "PB", "EB"};
+    size_t u = 0;
+    if (integer_bytes && v < 999.5) {
+        snprintf(buf, len, "%.0f B%s", v, suffix);
+        return buf;
+    }
+    while (u + 1 < sizeof(units) / sizeof(units[0]) && v >= 999.5) {
+        v /= 1000.0;
+        u++;
+    }
+    int prec = v < 9.995 ? 2 : v < 99.95 ? 1 : 0;
+    snprintf(buf, len, "%.*f %s%s", prec, v, units[u], suffix);
+    return buf;
+}
+
+const char *tdp_cli_format_size(uint64_t bytes, char *buf, size_t len)
+{
+    return format_si((double)bytes, true, "", buf, len);
+}
+
+const char *tdp_cli_format_rate(double bytes_per_s, char *buf, size_t len)
+{
+    if (!(bytes_per_s > 0) || !isfinite(bytes_per_s))
+        bytes_per_s = 0;
+    return format_si(bytes_per_s, bytes_per_s == 0, "/s", buf, len);
+}
+
+/* ---- addresses ------------------------------------------------------------ */
+
+bool tdp_cli_parse_port(const char *s, bool allow_zero, uint16_t *port)
+{
+    uint64_t v;
+    if (!tdp_cli_parse_u64(s, allow_zero ? 0 : 1, 65535, &v))
+        return false;
+    *port = (uint16_t)v;
+    return true;
+}
+
+bool tdp_cli_parse_hostport(const char *s, bool allow_zero, char *host, size_t hostlen,
+                            uint16_t *port)
+{
+    const char *h, *colon;
+    size_t hlen;
+
+    if (s == NULL)
+        return false;
+    if (s[0] == '[') {
+        const char *close = strchr(s, ']');
+        if (close == NULL || close[1] != ':')
+            return false;
+        h = s + 1;
+        hlen = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = strrchr(s, ':');
+        if (colon == NULL || memchr(s, ':', (size_t)(colon - s)) != NULL)
+            return false; /* no port, or a bare IPv6 literal */
+        h = s;
+        hlen = (size_t)(colon - s);
+    }
+    if (hlen == 0 || hlen >= hostlen || memchr(h, '\0', hlen) != NULL)
+        return false;
+    uint16_t p;
+    if (!tdp_cli_parse_port(colon + 1, allow_zero, &p))
+        return false;
+    memcpy(host, h, hlen);
+    host[hlen] = '\0';
+    *port = p;
+    return true;
+}
+
+const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, size_t len)
+{
+    if (host == NULL || host[0] == '\0')
+        snprintf(buf, len, "[::]:%u", port);
+    else if (strchr(host, ':') != NULL)
+        snprintf(buf, len, "[%s]:%u", host, port);
+    else
+        snprintf(buf, len, "%s:%u", host, port);
+    return buf;
+}
+
+/* ---- synthetic payloads --------------------------------------------------- */
+
+uint64_t tdp_cli_synth_bytes(uint64_t nbytes)
+{
+    return nbytes > UINT64_MAX - 3 ? UINT64_MAX & ~3ull : (nbytes + 3) & ~3ull;
+}
+
+tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out)
+{
+    /*
+     * Written in canonical form already, so it reads as what it is; the
+     * decoder would accept any order. The leaf is unpadded: the total is
+     * the leaf's size, not a multiple of TDP_LEAF_ALIGN as the builder's is.
+     */
+    static const char fmt[] =
+        "{\"device\":\"%s\",\"format\":\"tdpipe.schema\",\"td\":{\"cls\":\"TensorDict\","
+        "\"cls_metadata\":{\"batch_size\":[],\"device\":\"%s\",\"is_locked\":false,"
+        "\"names\":null},\"leaves\":{\"" TDP_CLI_SYNTH_LEAF "\":[\"torch.float32\",[%" PRIu64
+        "],0,%" PRIu64 ",0]},\"meta\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":"
+        "[],\"device\":\"%s\",\"is_locked\":false,\"names\":null},\"leaves\":{},"
+        "\"non_tensors\":{\"source\":\"tdpipe\"}},\"non_tensors\":{}},\"total_bytes\":%" PRIu64
+        ",\"version\":1}";
+    char dname[TDP_DEVICE_STRLEN], json[1024];
+    uint64_t total = tdp_cli_synth_bytes(nbytes);
+
+    tdp_device_format(dev, dname);
+    int n = snprintf(json, sizeof(json), fmt, dname, dname, total / 4, total, dname, total);
+    if (n < 0 || (size_t)n >= sizeof(json))
+        return TDP_EINTERNAL;
+    return tdp_schema_decode(json, (size_t)n, NULL, out, NULL, 0);
+}
+
+/*
+ * Word i of message seq is k(seq) + i * C. Both constants are odd, so
+ * different seqs differ in every word and different words of one message
+ * differ: a stale, repeated, shifted or torn buffer never passes. It is one
+ * add per 8 bytes, which the compiler vectorizes.
+ */
+#define PAT_SEQ_MUL  0x9E3779B97F4A7C15ull
+#define PAT_SEQ_ADD  0x632BE59BD9B4E019ull
+#define PAT_WORD_MUL 0xD6E8FEB86659FD93ull
+
+static inline uint64_t pat_base(uint64_t seq)
+{
+    return seq * PAT_SEQ_MUL + PAT_SEQ_ADD;
+}
+
+void tdp_cli_fill_buf(void *buf, uint64_t len, uint64_t seq)
+{
+    uint8_t *b = buf;
+    uint64_t words = len / 8, k = pat_base(seq);
+    for (uint64_t i = 0; i < words; i++) {
+        uint64_t w = k + i * PAT_WORD_MUL;
+        memcpy(b + i * 8, &w, 8); /* one store; no alignment assumed */
+    }
+    uint64_t w = k + words * PAT_WORD_MUL;
+    memcpy(b + words * 8, &w, len % 8);
+}
+
+bool tdp_cli_verify_buf(const void *buf, uint64_t len, uint64_t seq, uint64_t *bad_offset)
+{
+    enum { BLOCK = 512 }; /* words compared branch-free before looking closer */
+    const uint8_t *b = buf;
+    uint64_t words = len / 8, k = pat_base(seq);
+
+    for (uint64_t start = 0; start < words; start += BLOCK) {
+        uint64_t end = words - start < BLOCK ? words : start + BLOCK, diff = 0;
+        for (uint64_t i = start; i < end; i++) {
+            uint64_t w;
+            memcpy(&w, b + i * 8, 8);
+            diff |= w ^ (k + i * PAT_WORD_MUL);
+        }
+        if (diff == 0)
+            continue;
+        for (uint64_t i = start; i < end; i++) {
+            uint64_t w;
+            memcpy(&w, b + i * 8, 8);
+            if (w != k + i * PAT_WORD_MUL) {
+                if (bad_offset != NULL)
+                    *bad_offset = i * 8;
+                return false;
+            }
+        }
+    }
+    uint64_t w = k + words * PAT_WORD_MUL;
+    if (memcmp(b + words * 8, &w, len % 8) != 0) {
+        if (bad_offset != NULL)
+            *bad_offset = words * 8;
+        return false;
+    }
+    return true;
+}
+
+tdp_err tdp_cli_fill(tdp_td *td, uint64_t seq)
+{
+    if (td == NULL)
+        return TDP_EINVAL;
+    if (tdp_td_device(td).type != TDP_DEVICE_CPU)
+        return TDP_ENOTSUP;
+    tdp_cli_fill_buf(tdp_td_data(td), tdp_td_nbytes(td), seq);
+    return TDP_OK;
+}
+
+tdp_err tdp_cli_verify(const tdp_td *td, uint64_t seq, uint64_t *bad_offset)
+{
+    if (td == NULL)
+        return TDP_EINVAL;
+    if (tdp_td_device(td).type != TDP_DEVICE_CPU)
+        return TDP_ENOTSUP;
+    return tdp_cli_verify_buf(tdp_td_data(td), tdp_td_nbytes(td), seq, bad_offset) ? TDP_OK
+                                                                                   : TDP_EMISMATCH;
+}
+
+/* ---- time ------------------------------------------------------------------ */
+
+uint64_t tdp_cli_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void tdp_cli_sleep_until_ns(uint64_t deadline_ns)
+{
+    struct timespec ts = {
+        .tv_sec = (time_t)(deadline_ns / 1000000000ull),
+        .tv_nsec = (long)(deadline_ns % 1000000000ull),
+    };
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+/* ---- option parsing ------------------------------------------------------- */
+
+void tdp_cli_getopt_reset(void)
+{
+    optind = 0; /* glibc: 0 re-initialises getopt completely, unlike 1 */
+    opterr = 0;
+}
+
+static void vreport(const char *cmd, const char *fmt, va_list ap) TDP_CHECK_FMT(2, 0);
+
+static void vreport(const char *cmd, const char *fmt, va_list ap)
+{
+    fprintf(stderr, "tdpipe%s%s: ", cmd ? " " : "", cmd ? cmd : "");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+}
+
+int tdp_cli_usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vreport(cmd, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "Try 'tdpipe %s%s--help' for more information.\n", cmd ? cmd : "",
+            cmd ? " " : "");
+    return TDP_EXIT_USAGE;
+}
+
+void tdp_cli_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vreport(cmd, fmt, ap);
+    va_end(ap);
+}
+
+int tdp_cli_bad_option(const char *cmd, char **argv, int c)
+{
+    /* getopt leaves optind past the offending word; a long option is named there */
+    const char *word = optind > 0 ? argv[optind - 1] : "";
+    bool is_long = strncmp(word, "--", 2) == 0;
+    char shortname[3] = {'-', (char)optopt, '\0'};
+    const char *name = is_long || optopt == 0 ? word : shortname;
+
+    if (c == ':')
+        return tdp_cli_usage_error(cmd, "option '%s' needs a value", name);
+    if (is_long && strchr(word, '=') != NULL && optopt != 0)
+        return tdp_cli_usage_error(cmd, "option '%s' takes no value", word);
+    return tdp_cli_usage_error(cmd, "unknown option '%s'", name);
+}
+
+/* ---- meter ------------------------------------------------------------------ */
+
+void tdp_cli_meter_start(tdp_cli_meter *m, uint64_t interval_ns)
+{
+    *m = (tdp_cli_meter){.interval_ns = interval_ns ? interval_ns : 1000000000ull};
+    m->start_ns = m->last_ns = tdp_cli_now_ns();
+}
+
+void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f)
+{
+    uint64_t now = tdp_cli_now_ns();
+    if (now - m->last_ns < m->interval_ns)
+        return;
+    double s = (double)(now - m->last_ns) / 1e9;
+    char rate[TDP_CLI_FMT_LEN];
+    fprintf(f, "%s: %" PRIu64 " messages, %s, %.0f msgs/s\n", label, m->msgs,
+            tdp_cli_format_rate((double)(m->bytes - m->last_bytes) / s, rate, sizeof(rate)),
+            (double)(m->msgs - m->last_msgs) / s);
+    m->last_ns = now;
+    m->last_msgs = m->msgs;
+    m->last_bytes = m->bytes;
+}
+
+const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint64_t now_ns,
+                                  char *buf, size_t len)
+{
+    double s = now_ns > m->start_ns ? (double)(now_ns - m->start_ns) / 1e9 : 0;
+    char size[TDP_CLI_FMT_LEN], rate[TDP_CLI_FMT_LEN];
+    snprintf(buf, len, "%s %" PRIu64 " messages (%s) in %.3f s: %s, %.0f msgs/s", verb, m->msgs,
+             tdp_cli_format_size(m->bytes, size, sizeof(size)), s,
+             tdp_cli_format_rate(s > 0 ? (double)m->bytes / s : 0, rate, sizeof(rate)),
+             s > 0 ? (double)m->msgs / s : 0);
+    return buf;
+}

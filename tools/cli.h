@@ -1,0 +1,242 @@
+/*
+ * cli.h: helpers shared by the subcommands of the `tdpipe` tool.
+ *
+ * Nothing here is part of the library: these are the conventions every
+ * subcommand follows, so that `send`, `recv`, `serve`, `inspect` and
+ * `bench` parse, print and fail the same way. See docs/cli.md for the user's
+ * view.
+ *
+ * Conventions:
+ *   - Options are parsed with getopt_long (long and short forms); a
+ *     subcommand starts with tdp_cli_getopt_reset() and reports a bad
+ *     option with tdp_cli_bad_option(), which returns TDP_EXIT_USAGE.
+ *   - Errors go to stderr as one line, "tdpipe CMD: what: why"; results go
+ *     to stdout. stdout is line-buffered (main sets it up), so a script that
+ *     reads "listening on HOST:PORT" sees it at once.
+ *   - The exit status is one of tdp_cli_exit; tdp_cli_exit_for() maps a
+ *     library error to it.
+ */
+#ifndef TDPIPE_TOOLS_CLI_H
+#define TDPIPE_TOOLS_CLI_H
+
+#include <getopt.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <tdpipe/tdpipe.h>
+
+/* ---- exit codes -------------------------------------------------------- */
+
+/* Exit status of every subcommand (docs/cli.md has the table). */
+typedef enum tdp_cli_exit {
+    TDP_EXIT_OK = 0,      /* done as asked */
+    TDP_EXIT_FAIL = 1,    /* runtime failure: transfer or verification error */
+    TDP_EXIT_USAGE = 2,   /* bad command line */
+    TDP_EXIT_CONNECT = 3, /* cannot connect or listen: refused, unreachable, address in use */
+    TDP_EXIT_PEER = 4,    /* the peer ended with an error: reset, protocol error, schema */
+    TDP_EXIT_TIMEOUT = 5, /* a deadline passed */
+} tdp_cli_exit;
+
+/*
+ * The exit status for a library error. TDP_OK gives 0. A clean end
+ * (TDP_ECLOSED) gives TDP_EXIT_PEER: where the caller expected the peer to
+ * go on, its leaving early is the peer's doing; callers for which a clean
+ * end is success test for TDP_ECLOSED first.
+ */
+int tdp_cli_exit_for(tdp_err err);
+
+/* ---- numbers, sizes, rates ---------------------------------------------- */
+
+/*
+ * Parse an unsigned decimal integer in [min, max], whole string. False on
+ * anything else (sign, junk, overflow, out of range).
+ */
+bool tdp_cli_parse_u64(const char *s, uint64_t min, uint64_t max, uint64_t *out);
+
+/* Parse a finite, non-negative decimal real ("2.5", "1e3"). */
+bool tdp_cli_parse_double(const char *s, double *out);
+
+/*
+ * Parse a timeout in milliseconds: 0..TDP_CLI_TIMEOUT_MAX_MS (about 31
+ * years, so that it still fits in nanoseconds), or -1 for "wait forever".
+ */
+#define TDP_CLI_TIMEOUT_MAX_MS 1000000000000ull
+bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
+
+/*
+ * Parse a byte count: a non-negative number (integer or decimal fraction)
+ * and an optional unit, case-insensitive, with or without a space:
+ *   B or nothing           bytes
+ *   KB, MB, GB, TB         SI: 1000^1..4          ("1MB" = 1000000)
+ *   KiB, MiB, GiB, TiB     IEC: 1024^1..4         ("1MiB" = 1048576)
+ *   K, M, G, T             as KB, MB, GB, TB (SI)
+ * Fractions are allowed with a unit ("1.5MB" = 1500000) and must come to a
+ * whole number of bytes. False on junk, an unknown unit or overflow.
+ */
+bool tdp_cli_parse_size(const char *s, uint64_t *out);
+
+/*
+ * Format a byte count for people, SI units, three significant digits:
+ * "512 B", "64.0 KB", "1.00 MB", "12.3 GB". Writes into buf and returns it.
+ */
+const char *tdp_cli_format_size(uint64_t bytes, char *buf, size_t len);
+
+/* Format a rate in bytes per second the same way: "5.71 GB/s", "0 B/s". */
+const char *tdp_cli_format_rate(double bytes_per_s, char *buf, size_t len);
+
+/* Enough for any string the two formatters write. */
+#define TDP_CLI_FMT_LEN 32
+
+/* ---- addresses ------------------------------------------------------------ */
+
+/* Longest host name or address we accept, NUL included. */
+#define TDP_CLI_HOST_LEN 256
+
+/*
+ * Split "HOST:PORT" into its parts. HOST is a name, an IPv4 literal or an
+ * IPv6 literal in brackets ("[::1]:5000"; the brackets are removed). A bare
+ * IPv6 literal without brackets is refused (its colons are ambiguous).
+ * PORT is 1..65535 unless allow_zero (then 0 too). False on any error; host
+ * (of hostlen bytes) and *port are written only on success.
+ */
+bool tdp_cli_parse_hostport(const char *s, bool allow_zero, char *host, size_t hostlen,
+                            uint16_t *port);
+
+/* Parse a port number 0..65535 (0 only if allow_zero). */
+bool tdp_cli_parse_port(const char *s, bool allow_zero, uint16_t *port);
+
+/*
+ * Format host and port for display and for scripts: "127.0.0.1:5000",
+ * "[::1]:5000", and "[::]:5000" for a NULL or empty host (all addresses).
+ */
+const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, size_t len);
+
+/* ---- synthetic payloads --------------------------------------------------- */
+
+/* Key of the tensor leaf of the synthetic schema. */
+#define TDP_CLI_SYNTH_LEAF "data"
+
+/*
+ * The schema `send` and `bench` stream: a root TensorDict holding one
+ * float32 leaf "data" of shape [n] at offset 0 with no padding, and a nested
+ * TensorDict "meta" holding one non-tensor value, meta.source = "tdpipe".
+ * The consolidated buffer is exactly `nbytes` bytes when nbytes is a multiple
+ * of 4, otherwise nbytes rounded up to the next multiple of 4 (n =
+ * ceil(nbytes / 4)); nbytes 0 is allowed (an empty leaf). The schema is
+ * made from JSON rather than with the builder because the builder pads
+ * leaves to 64 bytes, and message sizes should be what the user asked for.
+ * `dev` is the buffer's device. *out holds one reference on success.
+ */
+tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out);
+
+/* The buffer size tdp_cli_synth_schema makes for a requested size. */
+uint64_t tdp_cli_synth_bytes(uint64_t nbytes);
+
+/*
+ * Fill the whole consolidated buffer of td (host memory) with the pattern
+ * of message `seq`: 64-bit words that depend on seq and their index, so a
+ * message that arrives out of order, twice or torn is caught. Works on any
+ * schema (the whole buffer, padding included), 8 bytes at a time; a tail of
+ * fewer than 8 bytes gets the low bytes of the next word. TDP_ENOTSUP for a
+ * buffer that is not in host memory.
+ */
+tdp_err tdp_cli_fill(tdp_td *td, uint64_t seq);
+
+/*
+ * Check td's buffer against the pattern of `seq`. TDP_OK when it matches;
+ * TDP_EMISMATCH when it does not, with the offset of the first wrong 8-byte
+ * word in *bad_offset (if not NULL); TDP_ENOTSUP for device memory.
+ */
+tdp_err tdp_cli_verify(const tdp_td *td, uint64_t seq, uint64_t *bad_offset);
+
+/* The same on a plain host buffer (what fill/verify apply to td's buffer). */
+void tdp_cli_fill_buf(void *buf, uint64_t len, uint64_t seq);
+bool tdp_cli_verify_buf(const void *buf, uint64_t len, uint64_t seq, uint64_t *bad_offset);
+
+/* ---- time ------------------------------------------------------------------ */
+
+/* CLOCK_MONOTONIC in nanoseconds: for durations and rates only. */
+uint64_t tdp_cli_now_ns(void);
+
+/* Sleep until the monotonic clock reads deadline_ns (returns at once if past). */
+void tdp_cli_sleep_until_ns(uint64_t deadline_ns);
+
+/*
+ * A throughput meter: totals since start, and a report about once per
+ * interval of what happened since the last report. Not thread-safe.
+ */
+typedef struct tdp_cli_meter {
+    uint64_t start_ns, last_ns, interval_ns;
+    uint64_t msgs, bytes;           /* totals */
+    uint64_t last_msgs, last_bytes; /* totals at the last report */
+} tdp_cli_meter;
+
+/* Start counting now; reports are due every interval_ns (0: one second). */
+void tdp_cli_meter_start(tdp_cli_meter *m, uint64_t interval_ns);
+
+/* Count one message of `bytes` bytes. */
+static inline void tdp_cli_meter_add(tdp_cli_meter *m, uint64_t bytes)
+{
+    m->msgs++;
+    m->bytes += bytes;
+}
+
+/*
+ * When a report is due (an interval has passed since the last), print
+ * "LABEL: N messages, RATE, M msgs/s" on f, rates over the interval, and
+ * start the next interval. Cheap when not due: one clock read.
+ */
+void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f);
+
+/*
+ * The totals as one line (no newline) into buf:
+ * "VERB N messages (SIZE) in S.SSS s: RATE, M msgs/s", e.g.
+ * "received 50 messages (3.20 MB) in 0.012 s: 266 MB/s, 4167 msgs/s".
+ * The duration runs from start to now_ns. Returns buf.
+ */
+const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint64_t now_ns,
+                                  char *buf, size_t len);
+
+/* ---- option parsing ------------------------------------------------------- */
+
+/*
+ * Prepare getopt_long for a subcommand's own argv (argv[0] is the
+ * subcommand's name): resets getopt's state and turns its own messages off,
+ * so that tdp_cli_bad_option can say which subcommand complained.
+ */
+void tdp_cli_getopt_reset(void);
+
+/*
+ * After getopt_long returned '?' or ':' (when the short option string
+ * starts with ':'): print "tdpipe CMD: unknown option '--x'" or "option
+ * '--x' needs a value", and a pointer to CMD --help, on stderr. Returns
+ * TDP_EXIT_USAGE.
+ */
+int tdp_cli_bad_option(const char *cmd, char **argv, int c);
+
+/*
+ * Print "tdpipe CMD: MESSAGE" and the --help pointer on stderr; returns
+ * TDP_EXIT_USAGE. For bad option values and missing or extra arguments.
+ */
+int tdp_cli_usage_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
+
+/* Print "tdpipe CMD: MESSAGE" on stderr (runtime errors). */
+void tdp_cli_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
+
+/* ---- subcommands ---------------------------------------------------------- */
+
+/* Each takes its own argv (argv[0] is its name) and returns a tdp_cli_exit. */
+int tdp_cmd_bench(int argc, char **argv);
+int tdp_cmd_serve(int argc, char **argv);
+int tdp_cmd_send(int argc, char **argv);
+int tdp_cmd_recv(int argc, char **argv);
+int tdp_cmd_inspect(int argc, char **argv);
+int tdp_cmd_version(int argc, char **argv);
+
+/* Subcommand help texts end with this pointer to the exit-status table. */
+#define TDP_CLI_EXIT_HELP                                                                          \
+    "Exit status: 0 ok, 1 runtime failure, 2 usage error, 3 cannot connect/listen,\n"              \
+    "4 peer ended with an error, 5 timed out.\n"
+
+#endif /* TDPIPE_TOOLS_CLI_H */

@@ -1,0 +1,646 @@
+/*
+ * cmd_net.c: the point-to-point subcommands — `send` (connect and stream
+ * synthetic messages), `recv` (listen for one producer, receive and
+ * verify) and `inspect` (listen for one producer and show what it sends).
+ *
+ * All three drive their loop from the calling thread through the blocking
+ * pipe calls: one pipe, one thread, nothing to synchronise.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+/* The longest wait in one blocking call, so progress keeps printing when idle. */
+#define SLICE_MS 1000
+
+/* ---- shared: listening for one producer ---------------------------------- */
+
+typedef struct listen_args {
+    const char *bind; /* NULL: all addresses */
+    uint16_t port;
+    uint32_t depth;
+    int64_t timeout_ms; /* for the producer to connect; -1 forever */
+} listen_args;
+
+/*
+ * Listen, print "listening on HOST:PORT" (the first line on stdout, which
+ * scripts read for the port), accept one producer and stop listening.
+ * On success *loop and *pipe are the caller's; on failure nothing is left
+ * and the return value is the exit status.
+ */
+static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out,
+                      tdp_pipe **pipe_out)
+{
+    char where[TDP_CLI_HOST_LEN + 16], peer[80];
+    tdp_pipe_opts opts;
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *pipe;
+    tdp_err rc;
+
+    tdp_pipe_opts_default(&opts);
+    opts.recv_depth = a->depth;
+    if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
+        tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
+        return TDP_EXIT_FAIL;
+    }
+    rc = tdp_listener_new(loop, a->bind, a->port, &opts, NULL, NULL, &l);
+    if (rc != TDP_OK) {
+        tdp_cli_error(cmd, "cannot listen on %s: %s",
+                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
+                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
+        tdp_loop_free(loop);
+        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+    }
+    printf("listening on %s\n",
+           tdp_cli_format_hostport(a->bind, tdp_listener_port(l), where, sizeof(where)));
+    rc = tdp_listener_accept(l, a->timeout_ms, &pipe);
+    tdp_listener_free(l); /* one producer: later ones are refused */
+    if (rc != TDP_OK) {
+        if (rc == TDP_ETIMEDOUT)
+            tdp_cli_error(cmd, "no producer connected within %" PRId64 " ms", a->timeout_ms);
+        else
+            tdp_cli_error(cmd, "accept: %s", tdp_strerror(rc));
+        tdp_loop_free(loop);
+        return tdp_cli_exit_for(rc);
+    }
+    fprintf(stderr, "%s: producer %s connected\n", cmd, tdp_pipe_peer(pipe, peer, sizeof(peer)));
+    *loop_out = loop;
+    *pipe_out = pipe;
+    return TDP_EXIT_OK;
+}
+
+/*
+ * Receive the next message, waiting up to timeout_ms (-1 forever) in
+ * slices so the caller's meter can report while the stream is idle.
+ */
+static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_cli_meter *m, const char *label,
+                         tdp_td **out)
+{
+    uint64_t deadline = timeout_ms < 0 ? 0 : tdp_cli_now_ns() + (uint64_t)timeout_ms * 1000000u;
+    for (;;) {
+        int64_t slice = SLICE_MS;
+        if (timeout_ms >= 0) {
+            uint64_t now = tdp_cli_now_ns();
+            if (now >= deadline)
+                return TDP_ETIMEDOUT;
+            if ((deadline - now) / 1000000u < (uint64_t)slice)
+                slice = (int64_t)((deadline - now) / 1000000u) + 1;
+        }
+        tdp_err rc = tdp_pipe_recv(pipe, slice, out);
+        /* a timed-out receive was canceled before it started: the pipe lives on */
+        if (rc != TDP_ETIMEDOUT || tdp_pipe_status(pipe) != TDP_OK)
+            return rc;
+        if (m != NULL)
+            tdp_cli_meter_tick(m, label, stderr);
+    }
+}
+
+/* Close cleanly (the producer sees the end), then free. */
+static void close_and_free(tdp_pipe *pipe, tdp_loop *loop)
+{
+    if (tdp_pipe_status(pipe) == TDP_OK)
+        tdp_pipe_close(pipe, 2000);
+    tdp_pipe_free(pipe);
+    tdp_loop_free(loop);
+}
+
+/* ---- recv ------------------------------------------------------------------ */
+
+static const char recv_help[] =
+    "usage: tdpipe recv [OPTIONS]\n\n"
+    "Listen, accept one producer (e.g. 'tdpipe send'), receive until it closes\n"
+    "or COUNT messages arrived, and check each message's pattern.\n\n"
+    "The first line on stdout is 'listening on HOST:PORT'; the last is a summary:\n"
+    "  received N messages (SIZE) in S s: RATE, M msgs/s; ...\n\n"
+    "Options:\n"
+    "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
+    "  -p, --port PORT     port (default 0: any free port, printed)\n"
+    "  -n, --count N       stop after N messages (default 0: until the producer closes)\n"
+    "  -d, --depth D       receive buffers, 1..64 (default 1)\n"
+    "  -t, --timeout MS    longest wait for the producer and for each message\n"
+    "                      (default 60000; -1 waits forever)\n"
+    "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
+    "  -q, --quiet         no progress lines on stderr\n"
+    "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
+
+typedef struct recv_args {
+    listen_args listen;
+    uint64_t count;
+    bool verify, quiet;
+} recv_args;
+
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT }; /* long options without a short form */
+
+/* Parses recv's options into *a; returns -1 to go on, else an exit status. */
+static int recv_parse(int argc, char **argv, recv_args *a)
+{
+    static const struct option opts[] = {
+        {"bind", required_argument, NULL, 'b'},
+        {"port", required_argument, NULL, 'p'},
+        {"count", required_argument, NULL, 'n'},
+        {"depth", required_argument, NULL, 'd'},
+        {"timeout", required_argument, NULL, 't'},
+        {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    uint64_t v;
+    int c;
+
+    *a = (recv_args){.listen = {.depth = 1, .timeout_ms = 60000}, .verify = true};
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b':
+            a->listen.bind = optarg[0] ? optarg : NULL;
+            break;
+        case 'p':
+            if (!tdp_cli_parse_port(optarg, true, &a->listen.port))
+                return tdp_cli_usage_error("recv", "invalid port '%s'", optarg);
+            break;
+        case 'n':
+            if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("recv", "invalid count '%s'", optarg);
+            break;
+        case 'd':
+            if (!tdp_cli_parse_u64(optarg, 1, 64, &v))
+                return tdp_cli_usage_error("recv", "depth must be 1..64, not '%s'", optarg);
+            a->listen.depth = (uint32_t)v;
+            break;
+        case 't':
+            if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
+                return tdp_cli_usage_error("recv", "invalid timeout '%s' (ms, or -1)", optarg);
+            break;
+        case OPT_NO_VERIFY:
+            a->verify = false;
+            break;
+        case 'q':
+            a->quiet = true;
+            break;
+        case 'h':
+            fputs(recv_help, stdout);
+            return TDP_EXIT_OK;
+        default:
+            return tdp_cli_bad_option("recv", argv, c);
+        }
+    }
+    if (optind < argc)
+        return tdp_cli_usage_error("recv", "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+/* What ended the receive loop and how the messages fared. */
+typedef struct recv_result {
+    tdp_err end; /* TDP_ECLOSED: producer closed; TDP_OK: --count reached */
+    uint64_t bad;
+} recv_result;
+
+static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv_result *r)
+{
+    tdp_td *td;
+    *r = (recv_result){.end = TDP_OK};
+    while (a->count == 0 || m->msgs < a->count) {
+        tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
+        if (rc != TDP_OK) {
+            r->end = rc;
+            return;
+        }
+        uint64_t seq = m->msgs + 1, off = 0;
+        if (a->verify && tdp_cli_verify(td, seq, &off) != TDP_OK && r->bad++ == 0)
+            tdp_cli_error("recv", "message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
+                          off);
+        tdp_cli_meter_add(m, tdp_td_nbytes(td));
+        tdp_pipe_release(pipe, td);
+        if (!a->quiet)
+            tdp_cli_meter_tick(m, "recv", stderr);
+    }
+}
+
+/* Report how the stream ended; returns the exit status. */
+static int recv_report(const recv_args *a, const tdp_cli_meter *m, const recv_result *r)
+{
+    char line[256];
+    bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED;
+    printf("%s; verify %s; end: %s\n",
+           tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
+           !a->verify ? "off"
+           : r->bad   ? "FAILED"
+                      : "ok",
+           r->end == TDP_OK        ? "count reached"
+           : r->end == TDP_ECLOSED ? "producer closed"
+                                   : tdp_strerror(r->end));
+    if (!clean) {
+        if (r->end == TDP_ETIMEDOUT)
+            tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " messages",
+                          a->listen.timeout_ms, m->msgs);
+        else
+            tdp_cli_error("recv", "stream ended after %" PRIu64 " messages: %s", m->msgs,
+                          tdp_strerror(r->end));
+        return tdp_cli_exit_for(r->end);
+    }
+    if (r->bad > 0) {
+        tdp_cli_error("recv", "%" PRIu64 " of %" PRIu64 " messages failed verification", r->bad,
+                      m->msgs);
+        return TDP_EXIT_FAIL;
+    }
+    if (m->msgs == 0) {
+        tdp_cli_error("recv", "the producer closed without sending a message");
+        return TDP_EXIT_FAIL;
+    }
+    return TDP_EXIT_OK;
+}
+
+int tdp_cmd_recv(int argc, char **argv)
+{
+    recv_args a;
+    tdp_cli_meter m;
+    recv_result r;
+    tdp_loop *loop;
+    tdp_pipe *pipe;
+
+    int ec = recv_parse(argc, argv, &a);
+    if (ec >= 0)
+        return ec;
+    if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
+        return ec;
+    tdp_cli_meter_start(&m, 0);
+    recv_loop(pipe, &a, &m, &r);
+    ec = recv_report(&a, &m, &r);
+    close_and_free(pipe, loop);
+    return ec;
+}
+
+/* ---- send ------------------------------------------------------------------ */
+
+static const char send_help[] =
+    "usage: tdpipe send HOST:PORT [OPTIONS]\n\n"
+    "Connect to a receiver ('tdpipe recv', 'tdpipe serve', 'tdpipe inspect') and\n"
+    "send COUNT synthetic tensordicts of SIZE bytes: a float32 leaf 'data' and a\n"
+    "nested 'meta' node; message n (from 1) carries a pattern that depends on n,\n"
+    "which 'recv' and 'serve --mode sink' check. Then close cleanly.\n"
+    "HOST is a name, an IPv4 address or an IPv6 address in brackets ([::1]:5000).\n\n"
+    "The last line on stdout is a summary:\n"
+    "  sent N messages (SIZE) in S s: RATE, M msgs/s\n\n"
+    "Options:\n"
+    "  -s, --size BYTES    payload size (default 1MB); units B, KB/MB/GB (10^3n),\n"
+    "                      KiB/MiB/GiB (2^10n); rounded up to a multiple of 4\n"
+    "  -n, --count N       messages to send (default 1000)\n"
+    "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
+    "  -e, --echo          wait for each message to come back and check it\n"
+    "                      (for 'tdpipe serve --mode echo'); reports round-trip times\n"
+    "      --depth-hint    report how often sends waited for the receiver's buffers,\n"
+    "                      and whether a larger 'recv --depth' would help\n"
+    "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
+    "                      -1 waits forever)\n"
+    "  -q, --quiet         no progress lines on stderr\n"
+    "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
+
+typedef struct send_args {
+    char host[TDP_CLI_HOST_LEN];
+    uint16_t port;
+    uint64_t size, count;
+    double rate;
+    int64_t timeout_ms;
+    bool echo, depth_hint, quiet;
+} send_args;
+
+/* Parses send's options and HOST:PORT; returns -1 to go on, else an exit status. */
+static int send_parse(int argc, char **argv, send_args *a)
+{
+    static const struct option opts[] = {
+        {"size", required_argument, NULL, 's'},
+        {"count", required_argument, NULL, 'n'},
+        {"rate", required_argument, NULL, 'r'},
+        {"echo", no_argument, NULL, 'e'},
+        {"depth-hint", no_argument, NULL, OPT_DEPTH_HINT},
+        {"timeout", required_argument, NULL, 't'},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    int c;
+
+    *a = (send_args){.size = 1000000, .count = 1000, .timeout_ms = 10000};
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":s:n:r:et:qh", opts, NULL)) != -1) {
+        switch (c) {
+        case 's':
+            if (!tdp_cli_parse_size(optarg, &a->size) ||
+                a->size > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
+                return tdp_cli_usage_error("send", "invalid size '%s'", optarg);
+            break;
+        case 'n':
+            if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("send", "invalid count '%s'", optarg);
+            break;
+        case 'r':
+            /* a floor keeps (seq - 1) / rate within the clock's range */
+            if (!tdp_cli_parse_double(optarg, &a->rate) || (a->rate > 0 && a->rate < 1e-3))
+                return tdp_cli_usage_error("send", "invalid rate '%s' (0, or 0.001 and up)",
+                                           optarg);
+            break;
+        case 'e':
+            a->echo = true;
+            break;
+        case OPT_DEPTH_HINT:
+            a->depth_hint = true;
+            break;
+        case 't':
+            if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
+                return tdp_cli_usage_error("send", "invalid timeout '%s' (ms, or -1)", optarg);
+            break;
+        case 'q':
+            a->quiet = true;
+            break;
+        case 'h':
+            fputs(send_help, stdout);
+            return TDP_EXIT_OK;
+        default:
+            return tdp_cli_bad_option("send", argv, c);
+        }
+    }
+    if (optind >= argc)
+        return tdp_cli_usage_error("send", "missing HOST:PORT");
+    if (optind + 1 < argc)
+        return tdp_cli_usage_error("send", "unexpected argument '%s'", argv[optind + 1]);
+    if (!tdp_cli_parse_hostport(argv[optind], false, a->host, sizeof(a->host), &a->port))
+        return tdp_cli_usage_error("send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)",
+                                   argv[optind]);
+    return -1;
+}
+
+/* Round-trip times of --echo, ns. */
+typedef struct rtt_stats {
+    uint64_t n, min, max, sum;
+} rtt_stats;
+
+static void rtt_add(rtt_stats *r, uint64_t ns)
+{
+    r->min = r->n == 0 || ns < r->min ? ns : r->min;
+    r->max = ns > r->max ? ns : r->max;
+    r->sum += ns;
+    r->n++;
+}
+
+/* --echo: the message comes back; it must be the one sent. */
+static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq)
+{
+    tdp_td *reply;
+    uint64_t off;
+    tdp_err rc = recv_next(pipe, a->timeout_ms, NULL, NULL, &reply);
+    if (rc != TDP_OK)
+        return rc;
+    rc = tdp_cli_verify(reply, seq, &off);
+    if (rc != TDP_OK)
+        tdp_cli_error("send", "echo of message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
+                      off);
+    tdp_pipe_release(pipe, reply);
+    return rc;
+}
+
+/*
+ * Say why message seq failed and return the error that tells it best: an
+ * operation canceled because the pipe ended reports how the pipe ended.
+ */
+static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc)
+{
+    tdp_err status = tdp_pipe_status(pipe);
+    if (rc == TDP_ECANCELED && status == TDP_OK) {
+        /*
+         * UCX cancels a payload the receiver declined as it closed, and may
+         * say so before the receiver's BYE is read. A receive ends when the
+         * pipe does (we expect no data): wait a little for the real reason.
+         */
+        tdp_td *td;
+        tdp_err end = tdp_pipe_recv(pipe, 1000, &td);
+        if (end == TDP_OK)
+            tdp_pipe_release(pipe, td);
+        else if (end != TDP_ETIMEDOUT)
+            status = end; /* TDP_ECLOSED: the receiver said goodbye */
+    }
+    if (rc == TDP_ECANCELED && status != TDP_OK)
+        rc = status;
+    if (rc == TDP_ECLOSED)
+        tdp_cli_error("send", "message %" PRIu64 ": the receiver closed the stream", seq);
+    else if (rc != TDP_EMISMATCH) /* await_echo has said what was wrong */
+        tdp_cli_error("send", "message %" PRIu64 ": %s", seq, tdp_strerror(rc));
+    return rc;
+}
+
+/* Send (and with --echo, get back) every message; returns the first error. */
+static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli_meter *m,
+                         rtt_stats *rtt)
+{
+    uint64_t t0 = m->start_ns;
+    for (uint64_t seq = 1; seq <= a->count; seq++) {
+        if (a->rate > 0) /* message seq leaves no sooner than (seq - 1) / rate */
+            tdp_cli_sleep_until_ns(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+        tdp_cli_fill(td, seq);
+        uint64_t t = tdp_cli_now_ns();
+        tdp_err rc = tdp_pipe_send(pipe, td, a->timeout_ms);
+        if (rc == TDP_OK && a->echo)
+            rc = await_echo(pipe, a, seq);
+        if (rc != TDP_OK)
+            return send_failed(pipe, seq, rc);
+        if (a->echo)
+            rtt_add(rtt, tdp_cli_now_ns() - t);
+        tdp_cli_meter_add(m, tdp_td_nbytes(td));
+        if (!a->quiet)
+            tdp_cli_meter_tick(m, "send", stderr);
+    }
+    return TDP_OK;
+}
+
+static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stats *rtt)
+{
+    if (a->echo && rtt->n > 0)
+        printf("round trip: min %.1f us, avg %.1f us, max %.1f us\n", (double)rtt->min / 1e3,
+               (double)rtt->sum / (double)rtt->n / 1e3, (double)rtt->max / 1e3);
+    if (a->depth_hint) {
+        tdp_pipe_stats st;
+        tdp_pipe_stats_get(pipe, &st);
+        double frac = st.msgs_sent ? (double)st.credit_waits / (double)st.msgs_sent : 0;
+        printf("credit waits: %" PRIu64 " of %" PRIu64 " sends (%.0f%%)%s\n", st.credit_waits,
+               st.msgs_sent, frac * 100,
+               frac > 0.1 ? ": the receiver's buffers were the limit; a larger "
+                            "'recv --depth' may help"
+                          : ": the receiver kept up");
+    }
+}
+
+/* Connect; on failure says why and returns the exit status, else -1. */
+static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
+{
+    char where[TDP_CLI_HOST_LEN + 16];
+    tdp_pipe_opts opts;
+    tdp_pipe_opts_default(&opts);
+    if (a->timeout_ms >= 0)
+        opts.connect_timeout_ms = a->timeout_ms;
+    else
+        opts.connect_timeout_ms = 365LL * 24 * 3600 * 1000; /* "forever", in a timeval's range */
+    tdp_err rc = tdp_pipe_connect(loop, a->host, a->port, &opts, pipe);
+    if (rc == TDP_OK)
+        return -1;
+    tdp_cli_error("send", "cannot connect to %s: %s",
+                  tdp_cli_format_hostport(a->host, a->port, where, sizeof(where)),
+                  tdp_strerror(rc));
+    return tdp_cli_exit_for(rc);
+}
+
+int tdp_cmd_send(int argc, char **argv)
+{
+    send_args a;
+    tdp_cli_meter m;
+    rtt_stats rtt = {0};
+    tdp_schema *s;
+    tdp_loop *loop;
+    tdp_pipe *pipe;
+    tdp_td *td;
+    tdp_err rc;
+    char line[256];
+
+    int ec = send_parse(argc, argv, &a);
+    if (ec >= 0)
+        return ec;
+    if ((rc = tdp_cli_synth_schema(a.size, (tdp_device){.type = TDP_DEVICE_CPU}, &s)) != TDP_OK ||
+        (rc = tdp_td_new(s, &td)) != TDP_OK) {
+        tdp_cli_error("send", "cannot make a %" PRIu64 "-byte message: %s", a.size,
+                      tdp_strerror(rc));
+        return TDP_EXIT_FAIL;
+    }
+    tdp_schema_unref(s); /* td holds it */
+    if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
+        tdp_cli_error("send", "cannot create the event loop: %s", tdp_strerror(rc));
+        tdp_td_unref(td);
+        return TDP_EXIT_FAIL;
+    }
+    if ((ec = send_connect(&a, loop, &pipe)) >= 0)
+        goto out_free_loop;
+
+    tdp_cli_meter_start(&m, 0);
+    rc = send_loop(pipe, td, &a, &m, &rtt);
+    if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
+        tdp_cli_error("send", "close: %s", tdp_strerror(rc));
+    printf("%s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)));
+    send_report_extra(pipe, &a, &rtt);
+    ec = rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    tdp_pipe_free(pipe);
+out_free_loop:
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    return ec;
+}
+
+/* ---- inspect --------------------------------------------------------------- */
+
+static const char inspect_help[] =
+    "usage: tdpipe inspect [OPTIONS]\n\n"
+    "Listen, accept one producer and show what it sends: the schema of the stream\n"
+    "as a tree, its canonical JSON and hash; then one line per message, and the\n"
+    "tree again whenever the schema changes. Closes after COUNT messages.\n\n"
+    "Output (stdout):\n"
+    "  listening on HOST:PORT\n"
+    "  schema HASH  BYTES bytes on DEVICE  (...)      <- the tree (tdp_schema_print)\n"
+    "  ...\n"
+    "  json: {...}\n"
+    "  hash: HASH\n"
+    "  message SEQ: BYTES bytes, schema HASH\n\n"
+    "Options:\n"
+    "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
+    "  -p, --port PORT     port (default 0: any free port, printed)\n"
+    "  -n, --count N       messages to show before closing (default 1)\n"
+    "  -t, --timeout MS    longest wait for the producer and for each message\n"
+    "                      (default 60000; -1 waits forever)\n"
+    "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
+
+typedef struct inspect_args {
+    listen_args listen;
+    uint64_t count;
+} inspect_args;
+
+static int inspect_parse(int argc, char **argv, inspect_args *a)
+{
+    static const struct option opts[] = {
+        {"bind", required_argument, NULL, 'b'},  {"port", required_argument, NULL, 'p'},
+        {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
+        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
+    };
+    int c;
+
+    *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}, .count = 1};
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":b:p:n:t:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b':
+            a->listen.bind = optarg[0] ? optarg : NULL;
+            break;
+        case 'p':
+            if (!tdp_cli_parse_port(optarg, true, &a->listen.port))
+                return tdp_cli_usage_error("inspect", "invalid port '%s'", optarg);
+            break;
+        case 'n':
+            if (!tdp_cli_parse_u64(optarg, 1, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("inspect", "invalid count '%s' (1 or more)", optarg);
+            break;
+        case 't':
+            if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
+                return tdp_cli_usage_error("inspect", "invalid timeout '%s' (ms, or -1)", optarg);
+            break;
+        case 'h':
+            fputs(inspect_help, stdout);
+            return TDP_EXIT_OK;
+        default:
+            return tdp_cli_bad_option("inspect", argv, c);
+        }
+    }
+    if (optind < argc)
+        return tdp_cli_usage_error("inspect", "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+static void print_schema(tdp_schema *s)
+{
+    tdp_schema_print(s, stdout);
+    printf("json: %s\n", tdp_schema_json(s, NULL));
+    printf("hash: %016" PRIx64 "\n", tdp_schema_hash(s));
+}
+
+int tdp_cmd_inspect(int argc, char **argv)
+{
+    inspect_args a;
+    tdp_loop *loop;
+    tdp_pipe *pipe;
+    tdp_td *td;
+    tdp_err rc = TDP_OK;
+    uint64_t n = 0, last_hash = 0;
+
+    int ec = inspect_parse(argc, argv, &a);
+    if (ec >= 0)
+        return ec;
+    if ((ec = accept_one("inspect", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
+        return ec;
+    while (n < a.count && (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
+        tdp_schema *s = tdp_td_schema(td);
+        n++;
+        if (n == 1 || tdp_schema_hash(s) != last_hash)
+            print_schema(s);
+        last_hash = tdp_schema_hash(s);
+        printf("message %" PRIu64 ": %" PRIu64 " bytes, schema %016" PRIx64 "\n", n,
+               tdp_td_nbytes(td), last_hash);
+        tdp_pipe_release(pipe, td);
+    }
+    if (rc == TDP_ECLOSED && n > 0) {
+        printf("producer closed after %" PRIu64 " messages\n", n);
+        rc = TDP_OK;
+    } else if (rc != TDP_OK) {
+        tdp_cli_error("inspect", "after %" PRIu64 " messages: %s", n, tdp_strerror(rc));
+    }
+    ec = rc == TDP_ECLOSED ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    close_and_free(pipe, loop);
+    return ec;
+}

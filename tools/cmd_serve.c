@@ -1,0 +1,368 @@
+/*
+ * cmd_serve.c: `tdpipe serve` — a tdp_server that echoes every message back
+ * to its client, or verifies and drops it.
+ *
+ * The server runs on a loop thread of its own; the main thread only waits
+ * for a reason to stop (SIGINT/SIGTERM, --count, --duration) and prints
+ * totals. tdp_server_shutdown must not be called from the loop thread, and
+ * this way it never is. The signals are blocked in every thread and taken
+ * with sigtimedwait on the main thread, so no handler runs at a random point
+ * of the library; the handler that sees the last of --count messages wakes
+ * the main thread with SIGUSR1.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char serve_help[] =
+    "usage: tdpipe serve [OPTIONS]\n\n"
+    "Serve any number of clients (e.g. 'tdpipe send'). In echo mode every message\n"
+    "is sent back to its client ('tdpipe send --echo' waits for it and checks it);\n"
+    "in sink mode it is checked against 'tdpipe send's pattern and dropped.\n"
+    "Stops on SIGINT or SIGTERM, after COUNT messages or after S seconds, with a\n"
+    "graceful shutdown (clients see a clean end).\n\n"
+    "Output: 'listening on HOST:PORT' first, then a line per client connecting and\n"
+    "closing, totals about once a second on stderr, and a final 'served ...' line.\n\n"
+    "Options:\n"
+    "  -b, --bind HOST       address to listen on (default: all IPv4 and IPv6)\n"
+    "  -p, --port PORT       port (default 0: any free port, printed)\n"
+    "  -m, --mode MODE       echo (default) or sink\n"
+    "  -c, --max-clients N   clients at once; more are refused (default 1024)\n"
+    "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
+    "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
+    "  -d, --depth D         receive buffers per client, 1..64 (default 1)\n"
+    "      --no-verify       sink mode: do not check the pattern\n"
+    "  -q, --quiet           no totals on stderr\n"
+    "  -h, --help            show this help\n\n"
+    "Exit status: 0 ok, 1 sink verification failures or runtime failure, 2 usage\n"
+    "error, 3 cannot listen, 5 replies still pending at the shutdown deadline.\n";
+
+/* How long the graceful shutdown may wait for replies in flight. */
+#define SHUTDOWN_MS 5000
+
+typedef struct serve_args {
+    const char *bind;
+    uint16_t port;
+    bool echo, verify, quiet;
+    uint32_t max_clients, depth;
+    uint64_t count;
+    double duration_s;
+} serve_args;
+
+/* State the handler callbacks share with the main thread. */
+typedef struct serve_ctx {
+    const serve_args *args;
+    pthread_t main_thread;
+    atomic_uint_fast64_t msgs; /* messages handled, for --count */
+    atomic_uint_fast64_t bad;  /* sink: messages that failed verification */
+} serve_ctx;
+
+/* Per client, owned by the loop thread from on_connect to on_close. */
+typedef struct client_state {
+    uint64_t msgs, bytes, bad;
+} client_state;
+
+enum { OPT_NO_VERIFY = 0x100 };
+
+static int serve_parse(int argc, char **argv, serve_args *a)
+{
+    static const struct option opts[] = {
+        {"bind", required_argument, NULL, 'b'},
+        {"port", required_argument, NULL, 'p'},
+        {"mode", required_argument, NULL, 'm'},
+        {"max-clients", required_argument, NULL, 'c'},
+        {"count", required_argument, NULL, 'n'},
+        {"duration", required_argument, NULL, 'T'},
+        {"depth", required_argument, NULL, 'd'},
+        {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    uint64_t v;
+    int c;
+
+    *a = (serve_args){.echo = true, .verify = true, .depth = 1};
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b':
+            a->bind = optarg[0] ? optarg : NULL;
+            break;
+        case 'p':
+            if (!tdp_cli_parse_port(optarg, true, &a->port))
+                return tdp_cli_usage_error("serve", "invalid port '%s'", optarg);
+            break;
+        case 'm':
+            if (strcmp(optarg, "echo") != 0 && strcmp(optarg, "sink") != 0)
+                return tdp_cli_usage_error("serve", "mode must be echo or sink, not '%s'", optarg);
+            a->echo = strcmp(optarg, "echo") == 0;
+            break;
+        case 'c':
+            if (!tdp_cli_parse_u64(optarg, 1, UINT32_MAX, &v))
+                return tdp_cli_usage_error("serve", "invalid max-clients '%s'", optarg);
+            a->max_clients = (uint32_t)v;
+            break;
+        case 'n':
+            if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("serve", "invalid count '%s'", optarg);
+            break;
+        case 'T':
+            if (!tdp_cli_parse_double(optarg, &a->duration_s) || a->duration_s > 1e9)
+                return tdp_cli_usage_error("serve", "invalid duration '%s' (seconds)", optarg);
+            break;
+        case 'd':
+            if (!tdp_cli_parse_u64(optarg, 1, 64, &v))
+                return tdp_cli_usage_error("serve", "depth must be 1..64, not '%s'", optarg);
+            a->depth = (uint32_t)v;
+            break;
+        case OPT_NO_VERIFY:
+            a->verify = false;
+            break;
+        case 'q':
+            a->quiet = true;
+            break;
+        case 'h':
+            fputs(serve_help, stdout);
+            return TDP_EXIT_OK;
+        default:
+            return tdp_cli_bad_option("serve", argv, c);
+        }
+    }
+    if (optind < argc)
+        return tdp_cli_usage_error("serve", "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+/* ---- handler (loop thread) ------------------------------------------------- */
+
+static tdp_err on_connect(tdp_client *c, void *arg)
+{
+    char peer[80];
+    client_state *cs = calloc(1, sizeof(*cs));
+    if (cs == NULL)
+        return TDP_ENOMEM;
+    tdp_client_set_data(c, cs);
+    printf("client %" PRIu64 " connected from %s\n", tdp_client_id(c),
+           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)));
+    return TDP_OK;
+}
+
+/* Sink: message n of a client must carry pattern n (as `tdpipe send` fills it). */
+static void sink_check(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *td)
+{
+    uint64_t off;
+    if (tdp_cli_verify(td, cs->msgs, &off) == TDP_OK)
+        return;
+    atomic_fetch_add(&ctx->bad, 1);
+    if (cs->bad++ == 0) /* once per client: a foreign producer would flood */
+        tdp_cli_error("serve",
+                      "client %" PRIu64 ", message %" PRIu64 ": pattern mismatch at byte %" PRIu64,
+                      tdp_client_id(c), cs->msgs, off);
+}
+
+static tdp_err on_message(tdp_client *c, tdp_td *td, void *arg)
+{
+    serve_ctx *ctx = arg;
+    client_state *cs = tdp_client_get_data(c);
+    tdp_err rc = TDP_OK;
+
+    cs->msgs++;
+    cs->bytes += tdp_td_nbytes(td);
+    if (ctx->args->echo) {
+        if ((rc = tdp_client_send(c, td)) != TDP_OK) /* counted as a handler error */
+            tdp_cli_error("serve", "client %" PRIu64 ": cannot echo message %" PRIu64 ": %s",
+                          tdp_client_id(c), cs->msgs, tdp_strerror(rc));
+    } else if (ctx->args->verify) {
+        sink_check(ctx, c, cs, td);
+    }
+    uint64_t total = atomic_fetch_add(&ctx->msgs, 1) + 1;
+    if (ctx->args->count != 0 && total == ctx->args->count)
+        pthread_kill(ctx->main_thread, SIGUSR1);
+    return rc; /* an error closes only this client */
+}
+
+static void on_close(tdp_client *c, tdp_err status, void *arg)
+{
+    client_state *cs = tdp_client_get_data(c);
+    char size[TDP_CLI_FMT_LEN];
+    if (cs == NULL)
+        return; /* turned away before on_connect kept anything */
+    printf("client %" PRIu64 " closed: %s, %" PRIu64 " messages (%s)\n", tdp_client_id(c),
+           status == TDP_ECLOSED ? "clean" : tdp_strerror(status), cs->msgs,
+           tdp_cli_format_size(cs->bytes, size, sizeof(size)));
+    tdp_client_set_data(c, NULL);
+    free(cs);
+}
+
+/* ---- main thread ----------------------------------------------------------- */
+
+/* Totals since the last report, on stderr, when anything moved. */
+static void report_totals(tdp_server *s, tdp_server_stats *last, uint64_t dt_ns)
+{
+    tdp_server_stats st;
+    char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
+    double dt = (double)dt_ns / 1e9;
+
+    tdp_server_stats_get(s, &st);
+    if (st.msgs_recv == last->msgs_recv && st.msgs_sent == last->msgs_sent &&
+        st.clients_total == last->clients_total && st.clients_now == last->clients_now)
+        return;
+    fprintf(stderr,
+            "serve: %" PRIu64 " clients (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
+            " msgs %s\n",
+            st.clients_now, st.clients_total, st.msgs_recv,
+            tdp_cli_format_rate((double)(st.bytes_recv - last->bytes_recv) / dt, in, sizeof(in)),
+            st.msgs_sent,
+            tdp_cli_format_rate((double)(st.bytes_sent - last->bytes_sent) / dt, out, sizeof(out)));
+    *last = st;
+}
+
+/* Wait for a reason to stop; print totals meanwhile. Returns the reason. */
+static const char *wait_for_stop(tdp_server *s, const serve_args *a, const sigset_t *set)
+{
+    static char why[64];
+    const uint64_t second = 1000000000ull, start = tdp_cli_now_ns();
+    uint64_t deadline = a->duration_s > 0 ? start + (uint64_t)(a->duration_s * 1e9) : 0;
+    uint64_t last_report = start;
+    tdp_server_stats last = {0};
+
+    for (;;) {
+        uint64_t now = tdp_cli_now_ns(), until = last_report + second;
+        if (deadline != 0 && deadline < until)
+            until = deadline;
+        uint64_t wait = until > now ? until - now : 0;
+        struct timespec ts = {(time_t)(wait / second), (long)(wait % second)};
+        int sig = sigtimedwait(set, NULL, &ts);
+        if (sig == SIGUSR1) {
+            snprintf(why, sizeof(why), "%" PRIu64 " messages handled", a->count);
+            return why;
+        }
+        if (sig > 0) {
+            snprintf(why, sizeof(why), "%s", sig == SIGINT ? "SIGINT" : "SIGTERM");
+            return why;
+        }
+        now = tdp_cli_now_ns();
+        if (deadline != 0 && now >= deadline) {
+            snprintf(why, sizeof(why), "%g s elapsed", a->duration_s);
+            return why;
+        }
+        if (now - last_report >= second) {
+            if (!a->quiet)
+                report_totals(s, &last, now - last_report);
+            last_report = now;
+        }
+    }
+}
+
+static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
+{
+    tdp_server_stats st;
+    char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
+    tdp_server_stats_get(s, &st);
+    printf("served %" PRIu64 " clients in %.3f s: %" PRIu64 " messages in (%s), %" PRIu64
+           " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
+           ", handler errors %" PRIu64 "; verify %s\n",
+           st.clients_total, (double)ns / 1e9, st.msgs_recv,
+           tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
+           tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused, st.handshakes_failed,
+           st.client_errors, st.handler_errors,
+           ctx->args->echo || !ctx->args->verify ? "off"
+           : atomic_load(&ctx->bad) > 0          ? "FAILED"
+                                                 : "ok");
+}
+
+/* Listen and start serving on a loop thread; on failure, the exit status. */
+static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp_server **s)
+{
+    static const tdp_server_handler h = {
+        .size = sizeof(tdp_server_handler),
+        .on_connect = on_connect,
+        .on_message = on_message,
+        .on_close = on_close,
+    };
+    char where[TDP_CLI_HOST_LEN + 16];
+    tdp_server_opts opts;
+    tdp_err rc;
+
+    tdp_server_opts_default(&opts);
+    tdp_pipe_opts_default(&opts.pipe);
+    opts.pipe.recv_depth = a->depth;
+    if (a->max_clients != 0)
+        opts.max_clients = a->max_clients;
+    if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||
+        (rc = tdp_loop_start_thread(*loop)) != TDP_OK) {
+        tdp_cli_error("serve", "cannot start the event loop: %s", tdp_strerror(rc));
+        tdp_loop_free(*loop);
+        return TDP_EXIT_FAIL;
+    }
+    if ((rc = tdp_server_new(*loop, a->bind, a->port, &opts, &h, ctx, s)) != TDP_OK) {
+        tdp_cli_error("serve", "cannot listen on %s: %s",
+                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
+                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
+        tdp_loop_free(*loop);
+        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+    }
+    printf("listening on %s\n",
+           tdp_cli_format_hostport(a->bind, tdp_server_port(*s), where, sizeof(where)));
+    return TDP_EXIT_OK;
+}
+
+static void ignore_signal(int sig)
+{
+    (void)sig;
+}
+
+int tdp_cmd_serve(int argc, char **argv)
+{
+    serve_args a;
+    tdp_loop *loop = NULL;
+    tdp_server *s;
+    sigset_t set;
+
+    int ec = serve_parse(argc, argv, &a);
+    if (ec >= 0)
+        return ec;
+    serve_ctx ctx = {.args = &a, .main_thread = pthread_self()};
+
+    /*
+     * A handler, not SIG_IGN: an ignored signal is dropped even while
+     * blocked, and a shell starts background jobs with SIGINT ignored. The
+     * handler never runs (the signals stay blocked); sigtimedwait takes them.
+     */
+    struct sigaction sa = {.sa_handler = ignore_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
+    /* blocked before any thread exists (the loop's, UCX's): all inherit it */
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+
+    if ((ec = serve_start(&a, &ctx, &loop, &s)) != TDP_EXIT_OK)
+        return ec;
+    uint64_t t0 = tdp_cli_now_ns();
+    printf("stopping: %s\n", wait_for_stop(s, &a, &set));
+
+    tdp_err rc = tdp_server_shutdown(s, SHUTDOWN_MS);
+    if (rc != TDP_OK)
+        tdp_cli_error("serve", "shutdown: %s", tdp_strerror(rc));
+    print_final(s, &ctx, tdp_cli_now_ns() - t0);
+    tdp_server_free(s);
+    tdp_loop_free(loop);
+
+    if (rc == TDP_ETIMEDOUT)
+        return TDP_EXIT_TIMEOUT;
+    if (atomic_load(&ctx.bad) > 0)
+        return TDP_EXIT_FAIL;
+    return rc == TDP_OK ? TDP_EXIT_OK : TDP_EXIT_FAIL;
+}

@@ -1,0 +1,43 @@
+/* cmd_version.c: `tdpipe version` — what this binary runs on. */
+#include <stdio.h>
+#include <ucp/api/ucp.h>
+
+#include "cli.h"
+
+static const char version_help[] =
+    "usage: tdpipe version\n\n"
+    "Print the library version (and the headers this tool was built with), the\n"
+    "wire protocol and schema format versions, CUDA support and the GPUs visible,\n"
+    "and the UCX version, one 'key: value' line each.\n";
+
+int tdp_cmd_version(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    int c;
+
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        if (c != 'h')
+            return tdp_cli_bad_option("version", argv, c);
+        fputs(version_help, stdout);
+        return TDP_EXIT_OK;
+    }
+    if (optind < argc)
+        return tdp_cli_usage_error("version", "unexpected argument '%s'", argv[optind]);
+
+    printf("tdpipe:   %s (built with headers %d.%d.%d)\n", tdp_version_string(), TDP_VERSION_MAJOR,
+           TDP_VERSION_MINOR, TDP_VERSION_PATCH);
+    printf("protocol: %d\n", TDP_PROTOCOL_VERSION);
+    printf("schema:   format %d\n", TDP_SCHEMA_FORMAT_VERSION);
+    if (tdp_cuda_built()) {
+        int n = tdp_cuda_device_count();
+        printf("cuda:     built, %d GPU%s visible\n", n, n == 1 ? "" : "s");
+    } else {
+        printf("cuda:     not built\n");
+    }
+    printf("ucx:      %s\n", ucp_get_version_string());
+    return TDP_EXIT_OK;
+}

@@ -1,0 +1,133 @@
+/*
+ * tdpipe.c: the `tdpipe` command — global options, then one subcommand.
+ *
+ *   tdpipe [-v|--verbose]... SUBCOMMAND [OPTIONS] [ARGS]
+ *
+ * See docs/cli.md.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+typedef struct subcommand {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} subcommand;
+
+static const subcommand subcommands[] = {
+    {"bench", tdp_cmd_bench, "measure throughput and latency over loopback"},
+    {"serve", tdp_cmd_serve, "run a server: echo messages back, or verify and drop them"},
+    {"send", tdp_cmd_send, "connect and stream synthetic tensordicts"},
+    {"recv", tdp_cmd_recv, "listen, accept one producer, receive and verify"},
+    {"inspect", tdp_cmd_inspect, "listen, accept one producer, print its schema and messages"},
+    {"version", tdp_cmd_version, "print library, protocol, CUDA and UCX versions"},
+    {"help", NULL, "show this help, or a subcommand's (tdpipe help SUBCOMMAND)"},
+};
+#define NSUB (sizeof(subcommands) / sizeof(subcommands[0]))
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: tdpipe [-v|--verbose]... SUBCOMMAND [OPTIONS] [ARGS]\n\n"
+               "Stream tensordicts between processes over UCX.\n\n"
+               "Subcommands:\n");
+    for (size_t i = 0; i < NSUB; i++)
+        fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
+    fprintf(f, "\nGlobal options (before the subcommand):\n"
+               "  -v, --verbose   library log level: -v info, -vv debug, -vvv trace\n"
+               "  -h, --help      show this help\n"
+               "  -V, --version   same as 'tdpipe version'\n\n"
+               "Each subcommand takes --help. Exit status: 0 ok, 1 runtime failure,\n"
+               "2 usage error, 3 cannot connect/listen, 4 peer ended with an error,\n"
+               "5 timed out. See docs/cli.md.\n");
+}
+
+static const subcommand *find_subcommand(const char *name)
+{
+    for (size_t i = 0; i < NSUB; i++)
+        if (strcmp(subcommands[i].name, name) == 0)
+            return &subcommands[i];
+    return NULL;
+}
+
+/* Each -v raises the library's level one step, starting from info. */
+static void raise_verbosity(int verbose)
+{
+    if (verbose <= 0)
+        return;
+    int level = TDP_LOG_INFO + verbose - 1;
+    if (level > TDP_LOG_TRACE)
+        level = TDP_LOG_TRACE;
+    if (level > (int)tdp_log_get_level())
+        tdp_log_set_level((tdp_log_level)level);
+}
+
+/* `tdpipe help [SUBCOMMAND]`: the subcommand's own --help, or the list. */
+static int run_help(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stdout);
+        return TDP_EXIT_OK;
+    }
+    const subcommand *sc = find_subcommand(argv[1]);
+    if (sc == NULL || sc->run == NULL) {
+        if (sc != NULL) {
+            usage(stdout);
+            return TDP_EXIT_OK;
+        }
+        return tdp_cli_usage_error(NULL, "unknown subcommand '%s'", argv[1]);
+    }
+    char *sub_argv[] = {argv[1], "--help", NULL};
+    return sc->run(2, sub_argv);
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"verbose", no_argument, NULL, 'v'},
+        {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
+        {NULL, 0, NULL, 0},
+    };
+    int verbose = 0, c;
+
+    /* a peer that vanishes must surface as an error code, not kill us */
+    signal(SIGPIPE, SIG_IGN);
+    /* scripts read our lines as they come (e.g. "listening on ...") */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+
+    tdp_cli_getopt_reset();
+    /* '+': stop at the subcommand; what follows is its own */
+    while ((c = getopt_long(argc, argv, "+:vhV", opts, NULL)) != -1) {
+        switch (c) {
+        case 'v':
+            verbose++;
+            break;
+        case 'h':
+            usage(stdout);
+            return TDP_EXIT_OK;
+        case 'V': {
+            char *vargv[] = {"version", NULL};
+            return tdp_cmd_version(1, vargv);
+        }
+        default:
+            return tdp_cli_bad_option(NULL, argv, c);
+        }
+    }
+    if (optind >= argc) {
+        usage(stderr);
+        return TDP_EXIT_USAGE;
+    }
+    raise_verbosity(verbose);
+
+    int sub_argc = argc - optind;
+    char **sub_argv = argv + optind;
+    const subcommand *sc = find_subcommand(sub_argv[0]);
+    if (sc == NULL)
+        return tdp_cli_usage_error(NULL, "unknown subcommand '%s'", sub_argv[0]);
+    if (sc->run == NULL)
+        return run_help(sub_argc, sub_argv);
+    return sc->run(sub_argc, sub_argv);
+}
