@@ -157,6 +157,7 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
      */
     bool local = p->same_host && h.local_addr_len > 0 &&
                  tdp__loop_worker_n(p->loop, TDP_WORKER_LOCAL) != NULL;
+    int seen = p->wi;
     p->wi = TDP_WORKER_ANY;
     if (h.peer_mode == TDP_PEER_UCX || p->opts.peer_mode == TDP_PEER_UCX) {
         p->peer_mode_ucx = true;
@@ -169,6 +170,10 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
         p->peer_mode_ucx = true;
     }
 
+    if (p->wi_seen && seen != p->wi) {
+        tdp__pipe_fail(p, TDP_EPROTO, "the peer chose another worker than this side would");
+        return;
+    }
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
         .address = (const ucp_address_t *)(p->wi == TDP_WORKER_LOCAL ? h.local_addr : h.addr),

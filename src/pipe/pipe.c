@@ -887,7 +887,8 @@ static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
 ucs_status_t tdp__pipe_am_cb(void *arg, const void *header, size_t header_length, void *data,
                              size_t length, const ucp_am_recv_param_t *param)
 {
-    tdp_loop *loop = arg;
+    const tdp__am_arg *aa = arg;
+    tdp_loop *loop = aa->loop;
     tdp_am_hdr h;
     tdp_err rc = tdp_wire_am_decode(header, header_length, &h);
 
@@ -907,6 +908,15 @@ ucs_status_t tdp__pipe_am_cb(void *arg, const void *header, size_t header_length
     tdp_pipe *p = tdp__reg_lookup(loop, h.token);
     if (p == NULL || p->state == PIPE_DEAD)
         return UCS_OK;
+    if (!p->hello_recv && !p->wi_seen) {
+        /* the peer has our HELLO and chose a worker before we read its own:
+         * its choice is the one ours will be; on_hello checks that */
+        p->wi = aa->wi;
+        p->wi_seen = true;
+    } else if (aa->wi != p->wi) {
+        proto_fail(p, TDP_EPROTO, "frame on the wrong worker");
+        return UCS_OK;
+    }
     switch (h.type) {
     case TDP_AM_CREDIT:
         take_credit(p, h.arg);

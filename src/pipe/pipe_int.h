@@ -126,6 +126,7 @@ struct tdp_pipe {
 
     /* UCX */
     int wi; /* which of the loop's workers: TDP_WORKER_ANY or TDP_WORKER_LOCAL */
+    bool wi_seen; /* a frame arrived (on worker wi) before the peer's HELLO */
     ucp_ep_h ep;
     bool ep_failed;
 
@@ -203,6 +204,12 @@ struct tdp_listener {
     pthread_mutex_t mtx;
     pthread_cond_t cond;
 };
+
+/* The argument of a worker's AM handler: which loop, which of its workers. */
+typedef struct tdp__am_arg {
+    tdp_loop *loop;
+    int wi;
+} tdp__am_arg;
 
 /* registry.c: per-loop pipe table, AM handler, host identity. */
 tdp_err tdp__reg_add(tdp_pipe *p);

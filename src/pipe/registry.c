@@ -26,6 +26,7 @@ typedef struct pipe_reg {
     tdp_loop *loop;
     grave *graves;
     tdp_pipe *doomed; /* freed pipes whose memory waits for a later turn */
+    tdp__am_arg args[TDP_LOOP_WORKERS]; /* each worker's handler knows which it is */
     void **closing;   /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
     tdp_pipe **tab;
@@ -149,9 +150,10 @@ static pipe_reg *reg_get(tdp_loop *loop)
         .id = TDP_AM_ID,
         .flags = UCP_AM_FLAG_WHOLE_MSG,
         .cb = tdp__pipe_am_cb,
-        .arg = loop,
     };
     for (int i = 0; i < tdp__loop_nworkers(loop); i++) {
+        r->args[i] = (tdp__am_arg){.loop = loop, .wi = i};
+        hp.arg = &r->args[i];
         ucs_status_t st = ucp_worker_set_am_recv_handler(tdp__loop_worker_n(loop, i), &hp);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
