@@ -50,8 +50,11 @@ typedef struct bench_cfg {
     const char *json_path;
     const char *plot_path;
     bool quiet;
-    /* consumer role */
+    int clients;      /* --clients N: many producers to one server */
+    bool sizes_given;
+    /* child roles */
     bool consumer;
+    bool server;
     const char *connect;
 } bench_cfg;
 
@@ -481,6 +484,9 @@ static void usage(FILE *f)
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
             "  --plot FILE.png    draw latency and throughput against size (needs gnuplot)\n"
+            "  --clients N        instead: N producers streaming to one server at once\n"
+            "                     against one producer alone (first --sizes entry,\n"
+            "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
             "  --quiet            no progress on stderr\n"
             "  -h, --help         this text\n"
             "\n"
@@ -496,13 +502,22 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
+        {"clients", required_argument, NULL, 'C'},
         {NULL, 0, NULL, 0},
     };
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
+        case 'C':
+            cfg->clients = atoi(optarg);
+            if (cfg->clients < 1 || cfg->clients > 1024) {
+                fprintf(stderr, "tdpipe bench: --clients must be 1..1024\n");
+                return TDP_EXIT_USAGE;
+            }
+            break;
         case 's': {
+            cfg->sizes_given = true;
             cfg->nsizes = 0;
             char *list = strdup(optarg), *save = NULL;
             for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
@@ -562,6 +577,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'R':
             cfg->consumer = strcmp(optarg, "consumer") == 0;
+            cfg->server = strcmp(optarg, "server") == 0;
             break;
         case 'c':
             cfg->connect = optarg;
@@ -599,5 +615,10 @@ int tdp_cmd_bench(int argc, char **argv)
     if (cfg.tls != NULL)
         setenv("UCX_TLS", cfg.tls, 1);
     signal(SIGPIPE, SIG_IGN);
+    if (cfg.server)
+        return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth);
+    if (cfg.clients > 0)
+        return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000,
+                                 cfg.rounds, cfg.depth, cfg.quiet);
     return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
 }
