@@ -50,6 +50,7 @@ typedef struct bench_cfg {
     const char *json_path;
     const char *plot_path;
     bool quiet;
+    bool progress;
     int clients;      /* --clients N: many producers to one server */
     bool sizes_given;
     /* child roles */
@@ -222,7 +223,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
             tdp_pipe_release(p, got);
         if (i >= warm)
             lat[i - warm] = (double)(b - a) / 2e3;
-        if (!cfg->quiet && (i % 256 == 0 || i == warm + n - 1))
+        if (cfg->progress && (i % 256 == 0 || i == warm + n - 1))
             fprintf(stderr, "\r  %-9s latency   %5d/%d ", label, i + 1, warm + n);
     }
     if (rc == TDP_OK) {
@@ -248,7 +249,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
             h[2] = count;
             h[3] = twarm;
             rc = tdp_pipe_send(p, td, BENCH_TMO);
-            if (!cfg->quiet && (i % 512 == 0 || i == count - 1))
+            if (cfg->progress && (i % 512 == 0 || i == count - 1))
                 fprintf(stderr, "\r  %-9s throughput %d/%d  %6d/%d ", label, r + 1, TP_REPEATS,
                         i + 1, count);
         }
@@ -270,7 +271,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
         out->tp_median = v[TP_REPEATS / 2];
         out->tp_max = v[TP_REPEATS - 1];
     }
-    if (!cfg->quiet)
+    if (cfg->progress)
         fprintf(stderr, "\r%60s\r", "");
 out:
     tdp_td_unref(td);
@@ -615,6 +616,8 @@ int tdp_cmd_bench(int argc, char **argv)
     if (cfg.tls != NULL)
         setenv("UCX_TLS", cfg.tls, 1);
     signal(SIGPIPE, SIG_IGN);
+    /* live progress redraws one line: only on a terminal */
+    cfg.progress = !cfg.quiet && isatty(STDERR_FILENO);
     if (cfg.server)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth);
     if (cfg.clients > 0)
