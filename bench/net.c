@@ -112,21 +112,6 @@ bool net_send_all(int fd, const void *buf, size_t len)
     return true;
 }
 
-bool net_recv_all(int fd, void *buf, size_t len)
-{
-    char *p = buf;
-    while (len > 0) {
-        ssize_t n = recv(fd, p, len, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return false;
-        p += n;
-        len -= (size_t)n;
-    }
-    return true;
-}
-
 int peers_wait_child(int pid, int timeout_ms, bool *timed_out)
 {
     uint64_t deadline = peers_now_ns() + (uint64_t)timeout_ms * 1000000ull;

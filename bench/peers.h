@@ -116,9 +116,8 @@ int net_accept_timeout(int lfd, int timeout_ms);
 /* A port that was free a moment ago on 127.0.0.1 (bind port 0, read, close); 0 on error. */
 uint16_t net_free_port(void);
 
-/* Write or read exactly len bytes (blocking socket); false on error or EOF. */
+/* Write exactly len bytes (blocking socket); false on error. */
 bool net_send_all(int fd, const void *buf, size_t len);
-bool net_recv_all(int fd, void *buf, size_t len);
 
 /* Wait for a child with a deadline; kills it (SIGKILL) when it passes. Returns the status. */
 int peers_wait_child(int pid, int timeout_ms, bool *timed_out);

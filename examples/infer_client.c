@@ -36,8 +36,9 @@ static uint64_t check(const float *x, int64_t rows, int64_t d, tdp_td *rep)
 {
     tdp_leaf logits, label;
     uint64_t bad = 0;
-    if (tdp_td_get(rep, "logits", &logits) != TDP_OK || tdp_td_get(rep, "label", &label) != TDP_OK ||
-        logits.numel != (uint64_t)(rows * K) || label.numel != (uint64_t)rows)
+    if (tdp_td_get(rep, "logits", &logits) != TDP_OK ||
+        tdp_td_get(rep, "label", &label) != TDP_OK || logits.numel != (uint64_t)(rows * K) ||
+        label.numel != (uint64_t)rows)
         return (uint64_t)rows * (K + 1);
     const float *out = logits.data;
     const int64_t *lab = label.data;
@@ -120,8 +121,7 @@ int main(int argc, char **argv)
                "(%.0f req/s), %" PRIu64 " wrong values\n",
                n, rows, d, total_s, (double)n / total_s, bad);
         printf("infer_client: latency us: min %.1f  p50 %.1f  p99 %.1f  max %.1f  mean %.1f\n",
-               lat[0], lat[n / 2], lat[(n - 1) * 99 / 100], lat[n - 1],
-               sum / (double)n);
+               lat[0], lat[n / 2], lat[(n - 1) * 99 / 100], lat[n - 1], sum / (double)n);
     }
     tdp_err cl = tdp_pipe_close(p, 5000);
     tdp_pipe_free(p);

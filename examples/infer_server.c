@@ -41,7 +41,7 @@ typedef struct server_ctx {
 #define RING 5 /* max_replies_queued (4) + 1 */
 
 typedef struct client_ctx {
-    tdp_schema *req;  /* the request layout the ring was built for */
+    tdp_schema *req; /* the request layout the ring was built for */
     tdp_td *ring[RING];
     unsigned next;
     uint64_t served;
@@ -211,7 +211,8 @@ int main(int argc, char **argv)
     tdp_loop *loop;
     tdp_server *s;
     tdp_err rc;
-    if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK || (rc = tdp_loop_start_thread(loop)) != TDP_OK ||
+    if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK ||
+        (rc = tdp_loop_start_thread(loop)) != TDP_OK ||
         (rc = tdp_server_new(loop, host, (uint16_t)port, &o, &h, &sc, &s)) != TDP_OK) {
         fprintf(stderr, "infer_server: cannot start: %s\n", tdp_strerror(rc));
         return 1;
@@ -221,8 +222,9 @@ int main(int argc, char **argv)
 
     int sig = 0;
     sigwait(&set, &sig);
-    printf("infer_server: %s, shutting down\n",
-           sig == SIGUSR1 ? "request count reached" : sig == SIGINT ? "SIGINT" : "SIGTERM");
+    printf("infer_server: %s, shutting down\n", sig == SIGUSR1  ? "request count reached"
+                                                : sig == SIGINT ? "SIGINT"
+                                                                : "SIGTERM");
     rc = tdp_server_shutdown(s, 5000);
     printf("infer_server: shutdown: %s\n", tdp_strerror(rc));
     print_stats(s);

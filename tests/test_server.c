@@ -31,7 +31,7 @@
 
 #include "pipe/pipe_int.h"
 
-#define TMO 20000 /* ms: generous bound for any single wait */
+#define TMO     20000 /* ms: generous bound for any single wait */
 #define MAX_IDS 1024
 
 static int64_t mono_ms(void)
@@ -180,16 +180,16 @@ static tdp_schema *req_schema(int64_t n)
 /* ---- the server side: one context, several handler behaviours ------------------ */
 
 enum mode {
-    MODE_ECHO,     /* verify every byte, send the same td back */
-    MODE_REQREP,   /* reply {hdr, sum, y = 2x + 1} in a schema of its own */
-    MODE_RING,     /* on the first message, queue replies until the ring is full */
+    MODE_ECHO,   /* verify every byte, send the same td back */
+    MODE_REQREP, /* reply {hdr, sum, y = 2x + 1} in a schema of its own */
+    MODE_RING,   /* on the first message, queue replies until the ring is full */
 };
 
 typedef struct srv_ctx {
     enum mode mode;
     atomic_int connects, closes, msgs, bad;
     atomic_int close_clean;
-    atomic_int reject; /* on_connect turns away while > 0 (counts down) */
+    atomic_int reject;          /* on_connect turns away while > 0 (counts down) */
     int64_t fail_cid, fail_seq; /* on_message fails for this message */
     int ring_ok, ring_eagain;   /* MODE_RING results */
     tdp_td *ring_td;
@@ -410,13 +410,13 @@ typedef struct worker {
     int cid;
     tdp_loop *loop;
     uint16_t port;
-    int count;         /* messages; 0: until the stream ends */
+    int count; /* messages; 0: until the stream ends */
     int64_t nbytes;
-    bool change;       /* switch to the second schema halfway */
-    bool close;        /* close cleanly at the end (else just free) */
-    tdp_err rc;        /* connect, or the first failure */
-    tdp_err end;       /* how the stream ended (count 0) */
-    atomic_int ok;     /* echoes received and verified */
+    bool change;   /* switch to the second schema halfway */
+    bool close;    /* close cleanly at the end (else just free) */
+    tdp_err rc;    /* connect, or the first failure */
+    tdp_err end;   /* how the stream ended (count 0) */
+    atomic_int ok; /* echoes received and verified */
     int bad;
 } worker;
 
@@ -446,7 +446,7 @@ static void *echo_worker(void *arg)
         int v = w->change && seq > w->count / 2;
         td_fill(td[v], w->cid, seq);
         tdp_err rc = tdp_pipe_send(p, td[v], TMO);
-            if (rc == TDP_OK)
+        if (rc == TDP_OK)
             rc = tdp_pipe_recv(p, TMO, &got);
         if (rc != TDP_OK) {
             w->end = rc;
@@ -529,8 +529,12 @@ static void test_many_clients(void **state)
     worker w[N];
     memset(w, 0, sizeof(w));
     for (int i = 0; i < N; i++) {
-        w[i] = (worker){.cid = i + 1, .port = e.port, .count = COUNT, .nbytes = sizes[i % 6],
-                        .change = true, .close = true};
+        w[i] = (worker){.cid = i + 1,
+                        .port = e.port,
+                        .count = COUNT,
+                        .nbytes = sizes[i % 6],
+                        .change = true,
+                        .close = true};
         worker_start(&w[i]);
     }
     for (int i = 0; i < N; i++) {
@@ -549,6 +553,50 @@ static void test_many_clients(void **state)
     assert_int_equal(st.client_errors + st.handler_errors + st.refused, 0);
     assert_true(st.bytes_recv > 0 && st.bytes_recv == st.bytes_sent);
     assert_int_equal(atomic_load(&e.x->close_clean), N);
+    env_down(&e);
+}
+
+/* A receive ring on the server (depth 4): four requests in flight, each echoed. */
+static void test_depth_echo(void **state)
+{
+    enum { BATCH = 4, ROUNDS = 50 };
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.pipe.recv_depth = BATCH;
+    env_up(&e, MODE_ECHO, &o);
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    tdp_schema *s = stream_schema(8, 0, 40000); /* rendezvous on most transports */
+    tdp_td *td[BATCH], *got;
+    for (int k = 0; k < BATCH; k++)
+        assert_int_equal(tdp_td_new(s, &td[k]), TDP_OK);
+    int64_t seq = 1;
+    for (int r = 0; r < ROUNDS; r++) {
+        /* the server grants four credits: four sends go without a reply */
+        for (int k = 0; k < BATCH; k++) {
+            td_fill(td[k], 8, seq + k);
+            assert_int_equal(tdp_pipe_send(p, td[k], TMO), TDP_OK);
+        }
+        for (int k = 0; k < BATCH; k++) {
+            int64_t cid, sq;
+            assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+            assert_true(td_check(got, &cid, &sq));
+            assert_int_equal(sq, seq + k); /* in order, every byte intact */
+        }
+        seq += BATCH;
+    }
+    assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.msgs_recv, BATCH * ROUNDS);
+    assert_int_equal(st.msgs_sent, BATCH * ROUNDS);
+    assert_int_equal(st.client_errors + st.handler_errors, 0);
+    assert_int_equal(atomic_load(&e.x->bad), 0);
+    for (int k = 0; k < BATCH; k++)
+        tdp_td_unref(td[k]);
+    tdp_schema_unref(s);
     env_down(&e);
 }
 
@@ -699,9 +747,8 @@ static void test_max_clients(void **state)
 
 static int raw_connect(uint16_t port)
 {
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
-                             .sin_port = htons(port)};
+    struct sockaddr_in sa = {
+        .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK), .sin_port = htons(port)};
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
     assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
@@ -792,8 +839,8 @@ static void rogue_task(void *arg)
         .cb.send = rogue_cb,
         .user_data = r,
     };
-    void *q = ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
-                              &prm);
+    void *q =
+        ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
     if (q == NULL || UCS_PTR_IS_ERR(q))
         atomic_store(&r->done, true);
     tdp__loop_kick(r->cli->loop);
@@ -943,10 +990,12 @@ static void test_connect_cycles(void **state)
     int64_t dt = mono_ms() - t0;
     assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
     /* the last peers' endpoints may take a moment to go */
-    bool same = WAIT_FOR((tdp_mem_stats_get(&m1), count_fds() <= fd0 &&
-                          m1.small_allocs - m1.small_frees == m0.small_allocs - m0.small_frees &&
-                          m1.live_bytes[TDP_MEM_HOST] == m0.live_bytes[TDP_MEM_HOST]),
-                         5000);
+    bool same =
+        WAIT_FOR((tdp_mem_stats_get(&m1),
+                  count_fds() <= fd0 &&
+                      m1.small_allocs - m1.small_frees == m0.small_allocs - m0.small_frees &&
+                      m1.live_bytes[TDP_MEM_HOST] == m0.live_bytes[TDP_MEM_HOST]),
+                 5000);
     print_message("%d cycles in %" PRId64 " ms; fds %d -> %d; small live %" PRIu64 " -> %" PRIu64
                   "; host bytes %" PRIu64 " -> %" PRIu64 "\n",
                   CYCLES, dt, fd0, count_fds(), m0.small_allocs - m0.small_frees,
@@ -1036,8 +1085,7 @@ static void test_shutdown(void **state)
     worker w[N];
     memset(w, 0, sizeof(w));
     for (int i = 0; i < N; i++) {
-        w[i] = (worker){.cid = 20 + i, .port = e.port, .count = 0,
-                        .nbytes = i % 2 ? 200000 : 500};
+        w[i] = (worker){.cid = 20 + i, .port = e.port, .count = 0, .nbytes = i % 2 ? 200000 : 500};
         worker_start(&w[i]);
     }
     for (int i = 0; i < N; i++)
@@ -1057,8 +1105,7 @@ static void test_shutdown(void **state)
     assert_int_equal(atomic_load(&e.x->close_clean), N);
     /* nothing listens any more */
     tdp_pipe *p;
-    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p),
-                     TDP_ECONNREFUSED);
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_ECONNREFUSED);
     env_down(&e); /* a second shutdown returns the first one's result */
 }
 
@@ -1068,17 +1115,12 @@ int main(int argc, char **argv)
         child_main((uint16_t)atoi(argv[2]));
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_lifecycle),
-        cmocka_unit_test(test_many_clients),
-        cmocka_unit_test(test_request_reply),
-        cmocka_unit_test(test_reply_ring),
-        cmocka_unit_test(test_max_clients),
-        cmocka_unit_test(test_handshake_timeout),
-        cmocka_unit_test(test_hostile_clients),
-        cmocka_unit_test(test_handler_error),
-        cmocka_unit_test(test_connect_cycles),
-        cmocka_unit_test(test_kill_client),
-        cmocka_unit_test(test_shutdown),
+        cmocka_unit_test(test_lifecycle),         cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_request_reply),     cmocka_unit_test(test_depth_echo),
+        cmocka_unit_test(test_reply_ring),        cmocka_unit_test(test_max_clients),
+        cmocka_unit_test(test_handshake_timeout), cmocka_unit_test(test_hostile_clients),
+        cmocka_unit_test(test_handler_error),     cmocka_unit_test(test_connect_cycles),
+        cmocka_unit_test(test_kill_client),       cmocka_unit_test(test_shutdown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

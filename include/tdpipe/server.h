@@ -101,8 +101,8 @@ TDP_API void tdp_server_opts_default(tdp_server_opts *o);
  * the loop thread before this returns.
  */
 TDP_API tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port,
-                               const tdp_server_opts *opts, const tdp_server_handler *h,
-                               void *arg, tdp_server **out);
+                               const tdp_server_opts *opts, const tdp_server_handler *h, void *arg,
+                               tdp_server **out);
 
 /* The port actually bound. */
 TDP_API uint16_t tdp_server_port(const tdp_server *s);

@@ -487,8 +487,9 @@ static tdp_err ucs_to_err(tdp_pipe *p, ucs_status_t st)
         return p->status; /* say why the pipe ended, not how UCX noticed */
     /*
      * Cancelled while this pipe is up: not by us (we cancel only after the
-     * pipe ended), so the receiver declined it — a rendezvous that arrived
-     * after its side of the pipe had ended, e.g. just after its BYE.
+     * pipe ended) but by the receiver, which declines a rendezvous that
+     * arrives after its side has ended — typically just after its BYE,
+     * which may not have been read yet: the stream has ended.
      */
     return st == UCS_ERR_CANCELED ? TDP_ECLOSED : TDP_ECONNRESET;
 }

@@ -17,11 +17,11 @@
 #include "../core/alloc.h"
 #include "../core/log.h"
 
-#define DEFAULT_MAX_CLIENTS   1024u
-#define DEFAULT_HANDSHAKE_MS  5000
-#define DEFAULT_REPLIES       4u
-#define MAX_REPLIES           1024u
-#define FREE_SHUTDOWN_MS      1000
+#define DEFAULT_MAX_CLIENTS  1024u
+#define DEFAULT_HANDSHAKE_MS 5000
+#define DEFAULT_REPLIES      4u
+#define MAX_REPLIES          1024u
+#define FREE_SHUTDOWN_MS     1000
 
 enum client_state {
     CL_OPEN,    /* receiving; the handler sees every message */
@@ -43,20 +43,20 @@ struct tdp_client {
     tdp_pipe *pipe;
     void *data;
     enum client_state state;
-    tdp_err status;      /* why it ended */
-    bool greeted;        /* on_connect ran: on_close will */
-    bool turned_away;    /* on_connect said no */
-    bool reported;       /* on_close ran */
-    bool close_started;  /* pipe close requested */
-    bool linger_armed;   /* the timer now bounds the wait for the peer to hang up */
+    tdp_err status;     /* why it ended */
+    bool greeted;       /* on_connect ran: on_close will */
+    bool turned_away;   /* on_connect said no */
+    bool reported;      /* on_close ran */
+    bool close_started; /* pipe close requested */
+    bool linger_armed;  /* the timer now bounds the wait for the peer to hang up */
     bool timer_fired;
-    bool unpin;          /* a reply that referenced a lent td completed */
+    bool unpin; /* a reply that referenced a lent td completed */
     bool dirty;
     bool in_rop, rop_again;
-    bool recv_wait;      /* depth 1: the next receive waits for replies to the lent td */
+    bool recv_wait; /* depth 1: the next receive waits for replies to the lent td */
     tdp_op *rop;
-    tdp_td *cur;         /* the td on_message is handling */
-    tdp_td **held;       /* handled tds replies still reference (released after them) */
+    tdp_td *cur;   /* the td on_message is handling */
+    tdp_td **held; /* handled tds replies still reference (released after them) */
     uint32_t nheld;
     tx_slot *tx;
     uint32_t ntx;
@@ -636,9 +636,8 @@ static void server_release(tdp_server *s)
     tdp__free(s);
 }
 
-tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port,
-                       const tdp_server_opts *opts, const tdp_server_handler *h, void *arg,
-                       tdp_server **out)
+tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const tdp_server_opts *opts,
+                       const tdp_server_handler *h, void *arg, tdp_server **out)
 {
     if (loop == NULL || out == NULL || (h != NULL && h->size == 0))
         return TDP_EINVAL;
