@@ -856,6 +856,88 @@ static void test_connect_cycles(void **state)
     tdp_schema_unref(s);
 }
 
+/* Several pipes at once between the same two loops (one UCX endpoint pair). */
+typedef struct multi {
+    tdp_loop *cl;
+    uint16_t port;
+    int idx;
+    tdp_err rc;
+    pthread_t th;
+} multi;
+
+static void *multi_client(void *arg)
+{
+    multi *m = arg;
+    tdp_pipe *p;
+    tdp_pipe_opts ob;
+    tdp_schema *s = bytes_schema(1000 + 37000 * m->idx); /* eager and rendezvous sizes */
+    tdp_td *td, *got;
+    m->rc = tdp_td_new(s, &td);
+    if (m->rc == TDP_OK)
+        m->rc = tdp_pipe_connect(m->cl, "127.0.0.1", m->port, mode_opts(NULL, &ob), &p);
+    for (uint64_t k = 1; k <= 40 && m->rc == TDP_OK; k++) {
+        fill(td, k * 100 + (uint64_t)m->idx);
+        m->rc = tdp_pipe_send(p, td, TMO);
+        if (m->rc == TDP_OK)
+            m->rc = tdp_pipe_recv(p, TMO, &got); /* the server echoes it */
+        if (m->rc == TDP_OK && !verify(got, k * 100 + (uint64_t)m->idx))
+            m->rc = TDP_EINTERNAL;
+    }
+    if (m->rc == TDP_OK)
+        m->rc = tdp_pipe_close(p, TMO);
+    tdp_pipe_free(p);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    return NULL;
+}
+
+static void *echo_server(void *arg)
+{
+    tdp_pipe *p = arg;
+    tdp_td *got;
+    tdp_err rc;
+    while ((rc = tdp_pipe_recv(p, TMO, &got)) == TDP_OK)
+        if (tdp_pipe_send(p, got, TMO) != TDP_OK)
+            break;
+    tdp_pipe_free(p);
+    return (void *)(intptr_t)(rc == TDP_ECLOSED ? 0 : 1);
+}
+
+static void test_many_pipes_two_loops(void **state)
+{
+    enum { N = 8 };
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe_opts ob;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, mode_opts(NULL, &ob), NULL, NULL, &l),
+                     TDP_OK);
+    multi m[N];
+    pthread_t srv[N];
+    for (int i = 0; i < N; i++) {
+        m[i] = (multi){.cl = cl, .port = tdp_listener_port(l), .idx = i};
+        assert_int_equal(pthread_create(&m[i].th, NULL, multi_client, &m[i]), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        tdp_pipe *p;
+        assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+        assert_int_equal(pthread_create(&srv[i], NULL, echo_server, p), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        void *bad;
+        pthread_join(m[i].th, NULL);
+        pthread_join(srv[i], &bad);
+        assert_int_equal(m[i].rc, TDP_OK);
+        assert_null(bad);
+    }
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
 /* A peer of another protocol version: the connect fails with TDP_EVERSION. */
 static void *future_server(void *arg)
 {
@@ -1098,6 +1180,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_version_mismatch),
         cmocka_unit_test(test_storage_reuse),
         cmocka_unit_test(test_connect_cycles),
+        cmocka_unit_test(test_many_pipes_two_loops),
         cmocka_unit_test(test_recv_device_override),
         cmocka_unit_test(test_gather),
         cmocka_unit_test(test_async_ops),

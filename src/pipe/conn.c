@@ -174,12 +174,9 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
         tdp__pipe_fail(p, TDP_EPROTO, "the peer chose another worker than this side would");
         return;
     }
-    ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .address = (const ucp_address_t *)(p->wi == TDP_WORKER_LOCAL ? h.local_addr : h.addr),
-        .err_mode = p->peer_mode_ucx ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
-    };
-    tdp_err rc = tdp__pipe_open_ep(p, &ep);
+    tdp_err rc = p->wi == TDP_WORKER_LOCAL
+                     ? tdp__pipe_open_ep(p, h.local_addr, h.local_addr_len)
+                     : tdp__pipe_open_ep(p, h.addr, h.addr_len);
     if (rc != TDP_OK)
         tdp__pipe_fail(p, rc, "cannot create the UCX endpoint");
 }

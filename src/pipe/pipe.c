@@ -254,20 +254,9 @@ static bool q_remove(tdp_op **head, tdp_op **tail, tdp_op *op)
 
 static void ep_close(tdp_pipe *p, bool force)
 {
-    if (p->ep == NULL)
-        return;
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-        /* UCX 1.13 refuses a forced close without its peer-failure mode */
-        .flags = force && p->peer_mode_ucx ? UCP_EP_CLOSE_FLAG_FORCE : 0,
-    };
-    void *r = ucp_ep_close_nbx(p->ep, &prm);
-    if (UCS_PTR_IS_ERR(r))
-        tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
-    else if (r != NULL)
-        tdp__reg_track_close(p->loop, r); /* finished before the worker goes */
-    p->ep = NULL;
-    tdp__loop_kick(p->loop);
+    (void)force; /* the endpoint is shared: it closes with its last pipe */
+    if (p->sep != NULL)
+        tdp__reg_ep_release(p);
 }
 
 /* Complete what can be completed after the pipe ended. */
@@ -374,22 +363,8 @@ void tdp__pipe_on_bye(tdp_pipe *p, const tdp_bye *bye)
 
 /* ---- connection ------------------------------------------------------------ */
 
-static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
+tdp_err tdp__pipe_open_ep(tdp_pipe *p, const void *addr, size_t alen)
 {
-    tdp_pipe *p = arg;
-    p->ep_failed = true;
-    tdp__pipe_fail(p, TDP_ECONNRESET, ucs_status_string(st));
-}
-
-
-tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params)
-{
-    ucp_ep_params_t prm = *params;
-    if (prm.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
-        prm.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        prm.err_handler.cb = ep_err_cb;
-        prm.err_handler.arg = p;
-    }
     /* sends in flight are bounded by the peer's credit; twice that covers a
      * credit that comes back before the local completion of its send */
     p->nticket = 2 * p->peer_depth + 1;
@@ -404,12 +379,9 @@ tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params)
     p->credit_ev = evtimer_new(tdp__loop_base(p->loop), credit_ev_cb, p);
     if (p->credit_ev == NULL)
         return TDP_ENOMEM;
-    ucs_status_t st = ucp_ep_create(tdp__loop_worker_n(p->loop, p->wi), &prm, &p->ep);
-    if (st != UCS_OK) {
-        tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
-        p->ep = NULL;
-        return TDP_EUCX;
-    }
+    tdp_err rc = tdp__reg_ep_acquire(p, addr, alen, p->peer_mode_ucx);
+    if (rc != TDP_OK)
+        return rc;
     p->state = PIPE_OPEN;
     if (p->timer != NULL)
         evtimer_del(p->timer);

@@ -127,7 +127,8 @@ struct tdp_pipe {
     /* UCX */
     int wi; /* which of the loop's workers: TDP_WORKER_ANY or TDP_WORKER_LOCAL */
     bool wi_seen; /* a frame arrived (on worker wi) before the peer's HELLO */
-    ucp_ep_h ep;
+    ucp_ep_h ep; /* borrowed from sep */
+    struct tdp__shared_ep *sep;
     bool ep_failed;
 
     /* send side */
@@ -221,6 +222,17 @@ const uint8_t *tdp__host_id(void);
  * request was abandoned: freed with the loop, after the worker is gone.
  */
 void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh, int wi);
+/*
+ * One UCX endpoint per remote worker, shared by every pipe between the same
+ * two workers: frames are routed by token, and UCX pairs the endpoints two
+ * workers create to each other in creation order, which two sides opening
+ * several pipes at once need not agree on. Reference-counted; a peer
+ * failure UCX reports ends every pipe on the endpoint.
+ */
+typedef struct tdp__shared_ep tdp__shared_ep;
+tdp_err tdp__reg_ep_acquire(tdp_pipe *p, const void *addr, size_t alen, bool peer_mode);
+void tdp__reg_ep_release(tdp_pipe *p);
+
 /* Keep an endpoint close request until UCX finishes it (or the loop goes). */
 void tdp__reg_track_close(tdp_loop *loop, void *req);
 /* Destroy a freed (inert) pipe on a later loop turn, or when the loop goes. */
@@ -246,7 +258,7 @@ tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct socka
 tdp_pipe *tdp__pipe_alloc(tdp_loop *loop, const tdp_pipe_opts *opts);
 void tdp__pipe_destroy(tdp_pipe *p);
 void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
-tdp_err tdp__pipe_open_ep(tdp_pipe *p, const ucp_ep_params_t *params);
+tdp_err tdp__pipe_open_ep(tdp_pipe *p, const void *addr, size_t alen);
 void tdp__pipe_check_close(tdp_pipe *p);
 void tdp__pipe_on_bye(tdp_pipe *p, const tdp_bye *bye);
 void tdp__pipe_on_socket_closed(tdp_pipe *p);

@@ -22,10 +22,24 @@ typedef struct grave {
     struct grave *next;
 } grave;
 
+struct tdp__shared_ep {
+    tdp_loop *loop;
+    int wi;
+    bool peer_mode;
+    bool failed;
+    uint32_t refs;
+    ucp_ep_h ep;
+    size_t alen;
+    uint8_t *addr;
+    struct tdp__shared_ep *next;
+};
+
 typedef struct pipe_reg {
     tdp_loop *loop;
     grave *graves;
     tdp_pipe *doomed; /* freed pipes whose memory waits for a later turn */
+    tdp__shared_ep *eps; /* live shared endpoints */
+    tdp__shared_ep *dead_eps; /* failed, still referenced by pipes */
     tdp__am_arg args[TDP_LOOP_WORKERS]; /* each worker's handler knows which it is */
     void **closing;   /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
@@ -114,6 +128,15 @@ static void reg_fini(void *ext)
             ucp_mem_unmap(tdp__loop_context_n(r->loop, g->wi), g->memh);
         tdp_td_unref(g->td);
         tdp__free(g);
+    }
+    tdp__shared_ep *lists[2] = {r->eps, r->dead_eps};
+    for (int k = 0; k < 2; k++) { /* pipes never freed: the workers took their eps */
+        while (lists[k] != NULL) {
+            tdp__shared_ep *e = lists[k];
+            lists[k] = e->next;
+            tdp__free(e->addr);
+            tdp__free(e);
+        }
     }
     tdp__free(r->tab);
     tdp__free(r);
@@ -293,4 +316,121 @@ void tdp__reg_defer_destroy(tdp_pipe *p)
     r->doomed = p;
     p->free_task = (tdp__task){.fn = destroy_task, .arg = p};
     tdp__loop_post_task(p->loop, &p->free_task);
+}
+
+/* ---- shared endpoints ------------------------------------------------------- */
+
+static void ep_unref(tdp__shared_ep *e);
+
+static void unlink_ep(tdp__shared_ep **list, tdp__shared_ep *e)
+{
+    for (tdp__shared_ep **pp = list; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == e) {
+            *pp = e->next;
+            return;
+        }
+    }
+}
+
+/* UCX says the peer behind this endpoint failed: every pipe on it ends. */
+static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    tdp__shared_ep *e = arg;
+    pipe_reg *r = tdp__loop_pipe_ext(e->loop);
+    if (e->failed)
+        return;
+    e->failed = true;
+    unlink_ep(&r->eps, e); /* new pipes to that peer get a fresh endpoint */
+    e->next = r->dead_eps;
+    r->dead_eps = e;
+    e->refs++; /* hold it while the pipes let go */
+    for (uint32_t i = 0; i < r->cap; i++) {
+        tdp_pipe *p = r->tab[i];
+        if (p != NULL && p->sep == e) {
+            p->ep_failed = true;
+            tdp__pipe_fail(p, TDP_ECONNRESET, ucs_status_string(st));
+        }
+    }
+    ep_unref(e);
+}
+
+tdp_err tdp__reg_ep_acquire(tdp_pipe *p, const void *addr, size_t alen, bool peer_mode)
+{
+    pipe_reg *r = reg_get(p->loop);
+    if (r == NULL)
+        return TDP_EUCX;
+    for (tdp__shared_ep *e = r->eps; e != NULL; e = e->next) {
+        if (e->wi == p->wi && e->peer_mode == peer_mode && e->alen == alen &&
+            memcmp(e->addr, addr, alen) == 0) {
+            e->refs++;
+            p->sep = e;
+            p->ep = e->ep;
+            return TDP_OK;
+        }
+    }
+    tdp__shared_ep *e = tdp__calloc(1, sizeof(*e));
+    if (e == NULL || (e->addr = tdp__malloc(alen)) == NULL) {
+        tdp__free(e);
+        return TDP_ENOMEM;
+    }
+    memcpy(e->addr, addr, alen);
+    e->alen = alen;
+    e->loop = p->loop;
+    e->wi = p->wi;
+    e->peer_mode = peer_mode;
+    ucp_ep_params_t prm = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = (const ucp_address_t *)e->addr,
+        .err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+    };
+    if (peer_mode) {
+        prm.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        prm.err_handler.cb = shared_ep_err;
+        prm.err_handler.arg = e;
+    }
+    ucs_status_t st = ucp_ep_create(tdp__loop_worker_n(p->loop, p->wi), &prm, &e->ep);
+    if (st != UCS_OK) {
+        tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
+        tdp__free(e->addr);
+        tdp__free(e);
+        return TDP_EUCX;
+    }
+    e->refs = 1;
+    e->next = r->eps;
+    r->eps = e;
+    p->sep = e;
+    p->ep = e->ep;
+    return TDP_OK;
+}
+
+void tdp__reg_ep_release(tdp_pipe *p)
+{
+    tdp__shared_ep *e = p->sep;
+    p->sep = NULL;
+    p->ep = NULL;
+    if (e != NULL)
+        ep_unref(e);
+}
+
+static void ep_unref(tdp__shared_ep *e)
+{
+    if (--e->refs > 0)
+        return;
+    pipe_reg *r = tdp__loop_pipe_ext(e->loop);
+    unlink_ep(e->failed ? &r->dead_eps : &r->eps, e);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+        /* in peer-failure mode a forced close releases everything at once
+         * (a flush close there keeps TCP sockets open); UCX 1.13 allows it
+         * only in that mode */
+        .flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0,
+    };
+    void *req = ucp_ep_close_nbx(e->ep, &prm);
+    if (UCS_PTR_IS_ERR(req))
+        tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(req)));
+    else if (req != NULL)
+        tdp__reg_track_close(e->loop, req); /* finished before the worker goes */
+    tdp__loop_kick(e->loop);
+    tdp__free(e->addr);
+    tdp__free(e);
 }
