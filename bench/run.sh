@@ -107,6 +107,10 @@ COMMON=(--sizes "$SIZES")
 
 echo "== bench/run.sh: UCX_TLS=${UCX_TLS:-default} UCX_NET_DEVICES=lo, sizes $SIZES," \
     "$RUNS run(s), $(nproc) CPUs, results in $OUT"
+if REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+    git -C "$ROOT" diff --quiet HEAD -- src include tools 2>/dev/null || REV="$REV + local changes"
+    echo "== tdpipe source: commit $REV"
+fi
 echo "== CPU idle before: $(cpu_idle)% (the figures assume an otherwise idle machine)"
 FAILED=()
 FILES=()

@@ -31,7 +31,11 @@ typedef struct tdp_loop_opts {
      * turn (bounded drain). 0 = default (64).
      */
     uint32_t max_progress;
-    /* Period of the safety timer that progresses UCX against a lost wakeup, ms. 0 = 100. */
+    /*
+     * Period of the safety timer that progresses UCX against a lost wakeup,
+     * ms. 0 = 10. UCX 1.13's shared-memory transports occasionally miss a
+     * wakeup; this bounds what one costs.
+     */
     uint32_t safety_timer_ms;
     /*
      * Busy-poll window, microseconds (0 = off, the default): after the last

@@ -28,7 +28,7 @@
 #include "log.h"
 
 #define DEFAULT_MAX_PROGRESS    64
-#define DEFAULT_SAFETY_TIMER_MS 100
+#define DEFAULT_SAFETY_TIMER_MS 10
 
 struct tdp_loop {
     struct event_base *base;
@@ -486,10 +486,14 @@ static void spin(tdp_loop *loop, volatile bool *done)
         if (event_base_loop(loop->base, EVLOOP_NONBLOCK) != 0)
             return;
         uint64_t now = mono_ns();
-        if (last == 0)
+        if (last == 0) {
             last = now;
-        else if (now - last > window)
-            return; /* idle for a whole window: sleep on the fd instead */
+        } else if (now - last > window) {
+            /* idle for a whole window: arm the workers and sleep on their fds */
+            loop->last_activity_ns = 0;
+            drain(loop);
+            return;
+        }
     }
 }
 
