@@ -537,8 +537,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         }
         case 'r':
             cfg->rounds = atoi(optarg);
-            if (cfg->rounds < 2) {
-                fprintf(stderr, "tdpipe bench: --rounds must be at least 2\n");
+            if (cfg->rounds < 3) { /* one warm-up message and two timed */
+                fprintf(stderr, "tdpipe bench: --rounds must be at least 3\n");
                 return TDP_EXIT_USAGE;
             }
             break;
