@@ -289,24 +289,8 @@ tdp_err tdp_listener_accept(tdp_listener *l, int64_t timeout_ms, tdp_pipe **out)
         pthread_mutex_lock(&l->mtx);
     } else {
         pthread_mutex_lock(&l->mtx);
-        while (!l->has_ready) {
-            if (deadline < 0) {
-                pthread_cond_wait(&l->cond, &l->mtx);
-                continue;
-            }
-            int64_t left = deadline - tdp__now_ms();
-            if (left <= 0)
-                break;
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_sec += left / 1000;
-            ts.tv_nsec += (left % 1000) * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&l->cond, &l->mtx, &ts);
-        }
+        while (!l->has_ready && tdp__cond_wait_until(&l->cond, &l->mtx, deadline))
+            ;
     }
     tdp_pipe *p = l->ready;
     if (p != NULL) {

@@ -1007,6 +1007,27 @@ void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op)
     op_submit(pipe, op);
 }
 
+bool tdp__cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mtx, int64_t deadline_ms)
+{
+    if (deadline_ms < 0) {
+        pthread_cond_wait(cond, mtx);
+        return true;
+    }
+    int64_t left = deadline_ms - tdp__now_ms();
+    if (left <= 0)
+        return false;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts); /* pthread_cond_timedwait's clock */
+    ts.tv_sec += left / 1000;
+    ts.tv_nsec += (left % 1000) * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(cond, mtx, &ts);
+    return true;
+}
+
 int64_t tdp__now_ms(void)
 {
     struct timespec ts;
@@ -1046,27 +1067,12 @@ tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms)
     bool canceled = false;
     pthread_mutex_lock(&p->mtx);
     while (!op->done || op->cancel_pending) {
-        if (deadline < 0 || canceled) {
-            pthread_cond_wait(&p->cond, &p->mtx);
-            continue;
-        }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t left = deadline - tdp__now_ms();
-        if (left <= 0) {
+        if (!tdp__cond_wait_until(&p->cond, &p->mtx, canceled ? -1 : deadline)) {
             canceled = true;
             op->cancel_pending = true;
             op->cancel_task = (tdp__task){.fn = op_cancel, .arg = op};
             tdp__loop_post_task(p->loop, &op->cancel_task);
-            continue;
         }
-        ts.tv_sec += left / 1000;
-        ts.tv_nsec += (left % 1000) * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&p->cond, &p->mtx, &ts);
     }
     pthread_mutex_unlock(&p->mtx);
     return op->result;

@@ -275,5 +275,11 @@ tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
 void tdp__listener_ready(tdp_listener *l, tdp_pipe *p);
 void tdp__listener_drop(tdp_listener *l, tdp_pipe *p);
 int64_t tdp__now_ms(void);
+/*
+ * Wait on cond (mtx held) until signalled or until deadline_ms on the
+ * tdp__now_ms clock (-1: no deadline). False, without waiting, once the
+ * deadline has passed; spurious wakeups return true: callers loop.
+ */
+bool tdp__cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mtx, int64_t deadline_ms);
 
 #endif

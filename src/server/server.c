@@ -755,24 +755,8 @@ tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms)
             tdp__loop_run_until(s->loop, &s->all_gone, left);
     } else {
         pthread_mutex_lock(&s->mtx);
-        while (!s->all_gone) {
-            if (deadline < 0) {
-                pthread_cond_wait(&s->cond, &s->mtx);
-                continue;
-            }
-            int64_t left = deadline - tdp__now_ms();
-            if (left <= 0)
-                break;
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_sec += left / 1000;
-            ts.tv_nsec += (left % 1000) * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&s->cond, &s->mtx, &ts);
-        }
+        while (!s->all_gone && tdp__cond_wait_until(&s->cond, &s->mtx, deadline))
+            ;
         pthread_mutex_unlock(&s->mtx);
     }
     force_req r = {.s = s};
