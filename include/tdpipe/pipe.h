@@ -164,7 +164,12 @@ TDP_API void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op);
 
 /* ---- blocking ------------------------------------------------------------ */
 
-/* Send and wait (timeout_ms -1: forever). One blocking send at a time per pipe. */
+/*
+ * Send and wait (timeout_ms -1: forever). One blocking send at a time per
+ * pipe. Returns within the timeout whatever the transport does: a send that
+ * times out after it was handed to UCX may still be delivered (the pipe
+ * keeps its own reference on td until UCX lets go of it).
+ */
 TDP_API tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms);
 
 /*

@@ -1039,8 +1039,19 @@ static void op_cancel(void *arg)
 {
     tdp_op *op = arg;
     tdp_pipe *p = op->pipe;
-    if (q_remove(&p->sendq, &p->sendq_tail, op) || q_remove(&p->recvq, &p->recvq_tail, op))
+    if (q_remove(&p->sendq, &p->sendq_tail, op) || q_remove(&p->recvq, &p->recvq_tail, op)) {
         op_complete(op, TDP_ETIMEDOUT);
+    } else if (op->pending && op->kind == OP_SEND) {
+        /* already with UCX: its ticket keeps the headers and the buffer's
+         * reference until UCX lets go; the caller gets the op back now */
+        for (uint32_t i = 0; i < p->nticket; i++) {
+            if (p->tickets[i].op == op) {
+                p->tickets[i].op = NULL;
+                op_complete(op, TDP_ETIMEDOUT);
+                break;
+            }
+        }
+    }
     pthread_mutex_lock(&p->mtx);
     op->cancel_pending = false; /* the waiter may return: this task is done with op */
     pthread_cond_broadcast(&p->cond);
@@ -1056,11 +1067,8 @@ static void op_cancel(void *arg)
 tdp_err tdp__wait_op(tdp_pipe *p, tdp_op *op, int64_t timeout_ms)
 {
     if (!tdp__loop_running(p->loop) || tdp_loop_on_thread(p->loop)) {
-        if (tdp__loop_run_until(p->loop, &op->done, timeout_ms) != TDP_OK && !op->done) {
-            op_cancel(op);
-            if (!op->done)
-                tdp__loop_run_until(p->loop, &op->done, -1);
-        }
+        if (tdp__loop_run_until(p->loop, &op->done, timeout_ms) != TDP_OK && !op->done)
+            op_cancel(op); /* completes it, whatever state it is in */
         return op->result;
     }
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
