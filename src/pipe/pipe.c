@@ -316,8 +316,9 @@ void tdp__pipe_on_socket_closed(tdp_pipe *p)
     if (p->state == PIPE_DEAD)
         return;
     if (p->peer_bye && p->rx_seq >= p->peer_last_seq) {
-        /* the peer said goodbye and everything it sent has arrived */
-        if (p->ready_count == 0)
+        /* the peer said goodbye and every frame it sent has arrived; the
+         * last payloads may still be landing: the end comes after them */
+        if (p->ready_count == 0 && p->ucx_recvs == 0)
             tdp__pipe_fail(p, TDP_ECLOSED, "peer closed");
         return;
     }
@@ -662,8 +663,8 @@ static void deliver(tdp_pipe *p)
     while (p->recvq != NULL) {
         tdp_err end = TDP_OK;
         if (p->ready_count == 0) {
-            if (p->peer_bye && p->rx_seq >= p->peer_last_seq)
-                end = TDP_ECLOSED;
+            if (p->peer_bye && p->rx_seq >= p->peer_last_seq && p->ucx_recvs == 0)
+                end = TDP_ECLOSED; /* every message announced in BYE was delivered */
             else if (p->state == PIPE_DEAD)
                 end = p->status == TDP_OK ? TDP_ECANCELED : p->status;
             else
