@@ -395,6 +395,24 @@ static void spin_task(void *arg)
         tdp__loop_post_task(s->loop, &s->task);
 }
 
+/* The busy-poll fast path keeps run_until's contract: deadline and done. */
+static void test_run_until_busy_poll(void **state)
+{
+    tdp_loop *loop;
+    tdp_loop_opts o = {.size = sizeof(o), .busy_poll_us = 200};
+    volatile bool done = false;
+    assert_int_equal(tdp_loop_new(&o, &loop), TDP_OK);
+    int64_t t0 = now_ms();
+    assert_int_equal(tdp__loop_run_until(loop, &done, 100), TDP_ETIMEDOUT);
+    int64_t dt = now_ms() - t0;
+    assert_true(dt >= 95 && dt < 5000);
+    assert_int_equal(tdp_loop_post(loop, set_done, (void *)&done), TDP_OK);
+    t0 = now_ms();
+    assert_int_equal(tdp__loop_run_until(loop, &done, 5000), TDP_OK);
+    assert_true(now_ms() - t0 < 1000);
+    tdp_loop_free(loop);
+}
+
 static void test_run_until(void **state)
 {
     uint64_t live = live_small();
@@ -689,7 +707,7 @@ int main(void)
         cmocka_unit_test(test_new_free),           cmocka_unit_test(test_misuse),
         cmocka_unit_test(test_free_drops_pending), cmocka_unit_test(test_stop_before_run),
         cmocka_unit_test(test_stop_race),          cmocka_unit_test(test_post_many),
-        cmocka_unit_test(test_post_from_loop),     cmocka_unit_test(test_run_until),
+        cmocka_unit_test(test_post_from_loop),     cmocka_unit_test(test_run_until), cmocka_unit_test(test_run_until_busy_poll),
         cmocka_unit_test(test_ucx_self),           cmocka_unit_test(test_ucx_two_loops),
     };
     /* TDP_TEST_FILTER=test_ucx* runs a subset while debugging */

@@ -470,13 +470,13 @@ static void deadline_cb(evutil_socket_t fd, short what, void *arg)
  * and posted tasks still run. Ends when done, at the deadline, or after the
  * busy-poll window passes with nothing to do.
  */
-static void spin(tdp_loop *loop, volatile bool *done)
+static void spin(tdp_loop *loop, volatile bool *done, uint64_t deadline_ns)
 {
     uint64_t window = (uint64_t)loop->busy_poll_us * 1000u;
     uint64_t last = mono_ns();
     unsigned n = 0;
 
-    while (!*done && !loop->deadline_hit) {
+    while (!*done) {
         if (progress_all(loop) != 0) {
             last = 0; /* refreshed below, on the next libevent turn */
             continue;
@@ -486,6 +486,8 @@ static void spin(tdp_loop *loop, volatile bool *done)
         if (event_base_loop(loop->base, EVLOOP_NONBLOCK) != 0)
             return;
         uint64_t now = mono_ns();
+        if (deadline_ns != 0 && now >= deadline_ns)
+            return; /* run_until's timer says so too, on its next turn */
         if (last == 0) {
             last = now;
         } else if (now - last > window) {
@@ -511,6 +513,21 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
     frame_push(&frame, loop);
     loop->until_done = done;
     loop->deadline_hit = false;
+    if (loop->busy_poll_us > 0) {
+        /* the fast path first: no timer, no libevent turn per iteration */
+        uint64_t t0 = mono_ns();
+        spin(loop, done, timeout_ms >= 0 ? t0 + (uint64_t)timeout_ms * 1000000u : 0);
+        if (*done)
+            goto out_release;
+        if (timeout_ms >= 0) { /* what is left of the deadline for the slow path */
+            int64_t spent = (int64_t)((mono_ns() - t0) / 1000000u);
+            if (spent >= timeout_ms) {
+                rc = TDP_ETIMEDOUT;
+                goto out_release;
+            }
+            timeout_ms -= spent;
+        }
+    }
     if (timeout_ms >= 0) {
         struct timeval tv = {.tv_sec = (time_t)(timeout_ms / 1000),
                              .tv_usec = (suseconds_t)((timeout_ms % 1000) * 1000)};
@@ -521,8 +538,6 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
         }
     }
     tdp__loop_kick(loop);
-    if (loop->busy_poll_us > 0)
-        spin(loop, done);
     /*
      * EVLOOP_ONCE sleeps until something happens and returns after running
      * what did; callbacks of ours that see *done break out early, the
