@@ -40,16 +40,25 @@ typedef struct tdp_op tdp_op;
 /* Wire protocol version this library speaks. */
 #define TDP_PROTOCOL_VERSION 1
 
-/* How a peer's death is detected; see docs/pipe.md. */
+/*
+ * How a peer's death is detected, and which of the loop's two UCX workers a
+ * pipe uses; both sides compute the same choice. See docs/pipe.md.
+ */
 typedef enum tdp_peer_mode {
     /*
-     * Same host: UCX without its peer-failure mode, so shared memory stays
-     * available; death is seen on the control socket. Other hosts: UCX's
-     * peer-failure mode. The default.
+     * The default. A peer on this host: the loop's shared-memory worker
+     * (posix/sysv) without UCX's peer-failure mode; death is seen on the
+     * control socket. Other peers: the general worker in UCX's
+     * peer-failure mode (and the socket).
      */
     TDP_PEER_AUTO = 0,
-    TDP_PEER_UCX = 1,    /* always UCX's peer-failure mode (no shared memory in UCX 1.13) */
-    TDP_PEER_SOCKET = 2, /* always the control socket only (fastest; see docs) */
+    TDP_PEER_UCX = 1,    /* always the general worker in UCX's peer-failure mode */
+    /*
+     * Always the general worker without UCX's peer-failure mode: fastest
+     * across hosts, but UCX 1.13 then keeps TCP endpoints' sockets open
+     * until the loop is freed — for short-lived tools, not servers.
+     */
+    TDP_PEER_SOCKET = 2,
 } tdp_peer_mode;
 
 /* Options; the struct can grow: set size = sizeof(tdp_pipe_opts). Zero = default. */
