@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "peers.h"
+#include "bench_method.h"
 
 uint64_t peers_now_ns(void)
 {
@@ -23,62 +24,43 @@ uint64_t peers_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* These four mirror lat_rounds, tp_count and their warm-ups in tools/cmd_bench.c. */
+/* The method is tdpipe bench's own (tools/bench_method.c): same rounds, warm-up, summaries. */
 int peers_lat_rounds(const peer_cfg *cfg, uint64_t bytes)
 {
-    if (cfg->rounds > 0)
-        return cfg->rounds;
-    uint64_t r = (1ull << 30) / bytes; /* about 1 GiB each way */
-    return (int)(r < 10 ? 10 : r > 2000 ? 2000 : r);
+    return tdp_bm_lat_rounds(cfg->rounds, bytes);
 }
 
 int peers_lat_warm(int rounds)
 {
-    return rounds / 10 + 2;
+    return tdp_bm_lat_warm(rounds);
 }
 
 int peers_tp_count(const peer_cfg *cfg, uint64_t bytes)
 {
-    if (cfg->rounds > 0)
-        return cfg->rounds;
-    uint64_t r = (2ull << 30) / bytes; /* about 2 GiB per repeat */
-    return (int)(r < 20 ? 20 : r > 20000 ? 20000 : r);
+    return tdp_bm_tp_count(cfg->rounds, bytes);
 }
 
 int peers_tp_warm(int count)
 {
-    return count / 10 + 1;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
+    return tdp_bm_tp_warm(count);
 }
 
 void peers_lat_summary(double *samples, int n, size_result *res)
 {
+    tdp_bm_lat l;
     if (n <= 0)
         return;
-    double sum = 0;
-    for (int i = 0; i < n; i++)
-        sum += samples[i];
-    qsort(samples, (size_t)n, sizeof(double), cmp_double);
-    res->lat_mean = sum / n;
-    res->lat_min = samples[0];
-    res->lat_p50 = samples[n / 2];
-    res->lat_p99 = samples[(int)((n - 1) * 0.99)];
-    res->lat_n = n;
+    tdp_bm_lat_summary(samples, n, &l);
+    res->lat_mean = l.mean;
+    res->lat_min = l.min;
+    res->lat_p50 = l.p50;
+    res->lat_p99 = l.p99;
+    res->lat_n = l.n;
 }
 
 void peers_tp_summary(size_result *res)
 {
-    double v[PEERS_REPEATS];
-    memcpy(v, res->tp_bps, sizeof(v));
-    qsort(v, PEERS_REPEATS, sizeof(double), cmp_double);
-    res->tp_min = v[0];
-    res->tp_median = v[PEERS_REPEATS / 2];
-    res->tp_max = v[PEERS_REPEATS - 1];
+    tdp_bm_spread(res->tp_bps, PEERS_REPEATS, &res->tp_min, &res->tp_median, &res->tp_max);
 }
 
 void peers_result_init(size_result *res, uint64_t bytes)
@@ -91,49 +73,6 @@ void peers_result_init(size_result *res, uint64_t bytes)
         res->tp_bps[i] = -1;
 }
 
-/* One size with its unit; the same units as tdpipe's --sizes. */
-static bool parse_size(const char *s, uint64_t *out)
-{
-    static const struct {
-        const char *unit;
-        double mult;
-    } units[] = {
-        {"", 1},
-        {"b", 1},
-        {"k", 1e3},
-        {"kb", 1e3},
-        {"m", 1e6},
-        {"mb", 1e6},
-        {"g", 1e9},
-        {"gb", 1e9},
-        {"t", 1e12},
-        {"tb", 1e12},
-        {"kib", 1024.0},
-        {"mib", 1048576.0},
-        {"gib", 1073741824.0},
-        {"tib", 1099511627776.0},
-    };
-    char *end;
-    errno = 0;
-    if (!isdigit((unsigned char)*s))
-        return false;
-    double v = strtod(s, &end);
-    if (errno != 0 || !isfinite(v))
-        return false;
-    while (*end == ' ')
-        end++;
-    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
-        if (strcasecmp(end, units[i].unit) == 0) {
-            double b = v * units[i].mult;
-            if (b != floor(b) || b > 1e18)
-                return false;
-            *out = (uint64_t)b;
-            return true;
-        }
-    }
-    return false;
-}
-
 bool peers_parse_sizes(const char *list, peer_cfg *cfg)
 {
     char *copy = strdup(list), *save = NULL;
@@ -142,7 +81,7 @@ bool peers_parse_sizes(const char *list, peer_cfg *cfg)
     for (char *tok = ok ? strtok_r(copy, ",", &save) : NULL; tok != NULL;
          tok = strtok_r(NULL, ",", &save)) {
         uint64_t v;
-        if (cfg->nsizes == PEERS_MAX_SIZES || !parse_size(tok, &v) || v < PEERS_MIN_SIZE ||
+        if (cfg->nsizes == PEERS_MAX_SIZES || !tdp_bm_parse_size(tok, &v) || v < PEERS_MIN_SIZE ||
             v > (64ull << 30)) {
             fprintf(stderr, "tdp_peers: bad size '%s' (%d B .. 64 GiB, at most %d sizes)\n", tok,
                     PEERS_MIN_SIZE, PEERS_MAX_SIZES);

@@ -1,5 +1,6 @@
 /* cli.c: helpers shared by the tdpipe subcommands (see cli.h). */
 #include "cli.h"
+#include "bench_method.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -79,75 +80,9 @@ bool tdp_cli_parse_timeout(const char *s, int64_t *ms)
     return true;
 }
 
-static bool size_unit(const char *u, uint64_t *mult)
-{
-    static const struct {
-        const char *name;
-        uint64_t mult;
-    } units[] = {
-        {"", 1},
-        {"b", 1},
-        {"k", 1000ull},
-        {"kb", 1000ull},
-        {"kib", 1ull << 10},
-        {"m", 1000000ull},
-        {"mb", 1000000ull},
-        {"mib", 1ull << 20},
-        {"g", 1000000000ull},
-        {"gb", 1000000000ull},
-        {"gib", 1ull << 30},
-        {"t", 1000000000000ull},
-        {"tb", 1000000000000ull},
-        {"tib", 1ull << 40},
-    };
-    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
-        if (strcasecmp(u, units[i].name) == 0) {
-            *mult = units[i].mult;
-            return true;
-        }
-    }
-    return false;
-}
-
 bool tdp_cli_parse_size(const char *s, uint64_t *out)
 {
-    /* Exact integer arithmetic: strtod would round large byte counts. */
-    typedef unsigned __int128 u128;
-    const u128 limit = UINT64_MAX;
-    u128 whole = 0, frac = 0, scale = 1;
-    const char *p = s;
-
-    if (s == NULL || !(isdigit((unsigned char)*p) || *p == '.'))
-        return false;
-    for (; isdigit((unsigned char)*p); p++) {
-        whole = whole * 10 + (u128)(*p - '0');
-        if (whole > limit)
-            return false;
-    }
-    if (*p == '.') {
-        p++;
-        if (!isdigit((unsigned char)*p) && p - 1 == s)
-            return false; /* "." alone */
-        for (int n = 0; isdigit((unsigned char)*p); p++, n++) {
-            if (n >= 18)
-                return false; /* more precision than any byte count needs */
-            frac = frac * 10 + (u128)(*p - '0');
-            scale *= 10;
-        }
-    }
-    while (*p == ' ')
-        p++;
-    uint64_t mult;
-    if (!size_unit(p, &mult))
-        return false;
-    u128 v = whole * mult;
-    if (v > limit || (frac * mult) % scale != 0)
-        return false; /* overflow, or not a whole number of bytes */
-    v += frac * mult / scale;
-    if (v > limit)
-        return false;
-    *out = (uint64_t)v;
-    return true;
+    return tdp_bm_parse_size(s, out);
 }
 
 /* Three significant digits in SI units; rounding may carry into the next unit. */

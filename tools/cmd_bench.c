@@ -31,6 +31,7 @@
 
 #include <tdpipe/tdpipe.h>
 
+#include "bench_method.h"
 #include "cli.h"
 
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
@@ -145,12 +146,6 @@ static int run_consumer(const bench_cfg *cfg)
 
 /* ---- the producer ------------------------------------------------------------- */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Send one message with header phase/idx and wait for the consumer's ack. */
 static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
 {
@@ -162,22 +157,6 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
     if (rc == TDP_OK)
         tdp_pipe_release(p, got);
     return rc;
-}
-
-static int lat_rounds(const bench_cfg *cfg, uint64_t bytes)
-{
-    if (cfg->rounds > 0)
-        return cfg->rounds;
-    uint64_t r = (1ull << 30) / bytes; /* about 1 GiB each way */
-    return (int)(r < 10 ? 10 : r > 2000 ? 2000 : r);
-}
-
-static int tp_count(const bench_cfg *cfg, uint64_t bytes)
-{
-    if (cfg->rounds > 0)
-        return cfg->rounds;
-    uint64_t r = (2ull << 30) / bytes; /* about 2 GiB per repeat */
-    return (int)(r < 20 ? 20 : r > 20000 ? 20000 : r);
 }
 
 static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, size_result *out)
@@ -205,7 +184,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
         goto out;
 
     /* latency: ping-pong, half the round trip */
-    int n = lat_rounds(cfg, bytes), warm = n / 10 + 2;
+    int n = tdp_bm_lat_rounds(cfg->rounds, bytes), warm = tdp_bm_lat_warm(n);
     double *lat = calloc((size_t)n, sizeof(double));
     if (lat == NULL) {
         rc = TDP_ENOMEM;
@@ -227,20 +206,18 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
             fprintf(stderr, "\r  %-9s latency   %5d/%d ", label, i + 1, warm + n);
     }
     if (rc == TDP_OK) {
-        double sum = 0;
-        for (int i = 0; i < n; i++)
-            sum += lat[i];
-        qsort(lat, (size_t)n, sizeof(double), cmp_double);
-        out->lat_mean = sum / n;
-        out->lat_min = lat[0];
-        out->lat_p50 = lat[n / 2];
-        out->lat_p99 = lat[(int)((n - 1) * 0.99)];
-        out->lat_n = n;
+        tdp_bm_lat l;
+        tdp_bm_lat_summary(lat, n, &l);
+        out->lat_mean = l.mean;
+        out->lat_min = l.min;
+        out->lat_p50 = l.p50;
+        out->lat_p99 = l.p99;
+        out->lat_n = l.n;
     }
     free(lat);
 
     /* throughput: back to back, timed on the receiver, repeated */
-    int count = tp_count(cfg, bytes), twarm = count / 10 + 1;
+    int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
         for (int i = 0; i < count && rc == TDP_OK; i++) {
             int64_t *h = hdr_of(td);
@@ -263,14 +240,8 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
             tdp_pipe_release(p, got);
         }
     }
-    if (rc == TDP_OK) {
-        double v[TP_REPEATS];
-        memcpy(v, out->tp_bps, sizeof(v));
-        qsort(v, TP_REPEATS, sizeof(double), cmp_double);
-        out->tp_min = v[0];
-        out->tp_median = v[TP_REPEATS / 2];
-        out->tp_max = v[TP_REPEATS - 1];
-    }
+    if (rc == TDP_OK)
+        tdp_bm_spread(out->tp_bps, TP_REPEATS, &out->tp_min, &out->tp_median, &out->tp_max);
     if (cfg->progress)
         fprintf(stderr, "\r%60s\r", "");
 out:
