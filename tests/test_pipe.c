@@ -25,7 +25,10 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
-#include "pipe/pipe_int.h"
+#include "pipe/op.h"
+#include "pipe/plane_ucx.h"
+#include "pipe/session.h"
+#include "pipe/ucx_workers.h"
 
 #define TMO 20000 /* ms: generous bound for any single wait in this suite */
 
@@ -206,12 +209,15 @@ static void test_handshake(void **state)
      * mode when both have it (same host), else UCX's peer-failure mode */
     const char *m = getenv("TDP_TEST_PEER_MODE");
     bool forced = m != NULL && strcmp(m, "ucx") == 0;
-    bool local = !forced && tdp__loop_worker_n(e.sl, TDP_WORKER_LOCAL) != NULL;
+    tdp__ucx *ucx = tdp__ucx_peek(e.sl);
+    bool local = !forced && ucx != NULL && ucx->nworkers > TDP_WORKER_LOCAL &&
+                 ucx->worker[TDP_WORKER_LOCAL] != NULL;
     print_message("same-host pipe on the %s worker\n", local ? "shared-memory" : "general");
-    assert_int_equal(e.cli->wi, local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
-    assert_int_equal(e.srv->wi, e.cli->wi);
-    assert_int_equal(e.cli->peer_mode_ucx, !local);
-    assert_int_equal(e.srv->peer_mode_ucx, !local);
+    tdp__link *cl = tdp__session_link(e.cli), *sl = tdp__session_link(e.srv);
+    assert_int_equal(tdp__ucx_link_worker(cl), local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
+    assert_int_equal(tdp__ucx_link_worker(sl), tdp__ucx_link_worker(cl));
+    assert_int_equal(tdp__ucx_link_peer_mode(cl), !local);
+    assert_int_equal(tdp__ucx_link_peer_mode(sl), !local);
     assert_non_null(strstr(tdp_pipe_peer(e.cli, buf, sizeof(buf)), "127.0.0.1:"));
     assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
     assert_null(tdp_pipe_recv_schema(e.srv));
@@ -608,11 +614,11 @@ static void rogue_task(void *arg)
         .cb.send = rogue_cb,
         .user_data = r,
     };
-    void *q = ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
+    void *q = ucp_am_send_nbx(tdp__ucx_link_ep(tdp__session_link(r->cli)), TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
                               &prm);
     if (q == NULL || UCS_PTR_IS_ERR(q))
         r->done = true;
-    tdp__loop_kick(r->cli->loop);
+    tdp__loop_kick(tdp__session_loop(r->cli));
 }
 
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len,

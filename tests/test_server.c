@@ -29,7 +29,10 @@
 
 #include <tdpipe/tdpipe.h>
 
-#include "pipe/pipe_int.h"
+#include "pipe/op.h"
+#include "pipe/plane_ucx.h"
+#include "pipe/session.h"
+#include "pipe/ucx_workers.h"
 
 #define TMO     20000 /* ms: generous bound for any single wait */
 #define MAX_IDS 1024
@@ -840,10 +843,10 @@ static void rogue_task(void *arg)
         .user_data = r,
     };
     void *q =
-        ucp_am_send_nbx(r->cli->ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
+        ucp_am_send_nbx(tdp__ucx_link_ep(tdp__session_link(r->cli)), TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
     if (q == NULL || UCS_PTR_IS_ERR(q))
         atomic_store(&r->done, true);
-    tdp__loop_kick(r->cli->loop);
+    tdp__loop_kick(tdp__session_loop(r->cli));
 }
 
 /* Send one raw active message from a client pipe to its server side. */
@@ -854,7 +857,7 @@ static void rogue_send(tdp_pipe *cli, const tdp_am_hdr *h, const void *payload, 
     tdp_wire_am_encode(r.hdr, h);
     if (corrupt_magic)
         r.hdr[0] ^= 0xff;
-    tdp__call_on_loop(cli->loop, rogue_task, &r);
+    tdp__call_on_loop(tdp__session_loop(cli), rogue_task, &r);
     assert_true(WAIT_FOR(atomic_load(&r.done), TMO));
 }
 

@@ -44,6 +44,21 @@ typedef struct tdp_op tdp_op;
  * How a peer's death is detected, and which of the loop's two UCX workers a
  * pipe uses; both sides compute the same choice. See docs/pipe.md.
  */
+/*
+ * Data planes: what carries the payload once the HELLO is done. Both sides
+ * list what they allow; the HELLO picks one both have (docs/planes.md).
+ */
+typedef enum tdp_plane {
+    TDP_PLANE_AUTO = 0, /* options: let the HELLO choose */
+    TDP_PLANE_UCX = 1,  /* UCX active messages, rendezvous into registered buffers; any peer */
+    TDP_PLANE_SHM = 2,  /* same host: a shared-memory slot pool owned by the sender; zero copy */
+} tdp_plane;
+
+/* "ucx", "shm" ("auto" for TDP_PLANE_AUTO); NULL for an unknown value. */
+TDP_API const char *tdp_plane_name(tdp_plane plane);
+/* TDP_OK and *out set for a known name (case-sensitive), else TDP_EINVAL. */
+TDP_API tdp_err tdp_plane_parse(const char *name, tdp_plane *out);
+
 typedef enum tdp_peer_mode {
     /*
      * The default. A peer on this host: the loop's shared-memory worker
@@ -90,6 +105,15 @@ typedef struct tdp_pipe_opts {
      * process that dies on a live host is seen at once (its socket closes).
      */
     int keepalive_idle_s, keepalive_intvl_s, keepalive_cnt;
+    /*
+     * Force one data plane, or let both sides' preferences choose
+     * (TDP_PLANE_AUTO, the default). When the peer does not allow it or
+     * cannot use it (shm across hosts), the HELLO fails with TDP_ENOTSUP
+     * on both sides.
+     */
+    tdp_plane plane;
+    /* Planes this side refuses: bit (1u << TDP_PLANE_x). */
+    uint32_t planes_forbidden;
 } tdp_pipe_opts;
 
 /* Fill *o with the defaults (size included). */
@@ -205,6 +229,45 @@ TDP_API void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td);
  * message. Pending local operations complete with TDP_ECANCELED.
  */
 TDP_API tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms);
+
+/*
+ * Start a clean close without waiting (any thread, also inside a callback
+ * of the pipe): as tdp_pipe_close, but the outcome comes through the end
+ * callback (tdp_pipe_set_end_cb) and tdp_pipe_status. After timeout_ms
+ * (-1: none) a close that has not finished ends with TDP_ETIMEDOUT.
+ */
+TDP_API void tdp_pipe_close_async(tdp_pipe *pipe, int64_t timeout_ms);
+
+/*
+ * End the pipe now with why (an error: the peer is told in BYE), without
+ * waiting. Pending operations complete with why. Any thread.
+ */
+TDP_API void tdp_pipe_abort(tdp_pipe *pipe, tdp_err why);
+
+/*
+ * Called once on the loop thread when the pipe has ended (status: TDP_OK
+ * for a clean close this side asked for, TDP_ECLOSED for the peer's clean
+ * end, else why it failed) and its control socket is closed: nothing of
+ * the pipe touches the network any more; tdp_pipe_free may be called from
+ * the callback. Set it from the connect/accept callback (loop thread) so
+ * no end is missed; an end that came before is reported at once.
+ */
+typedef void (*tdp_pipe_end_cb)(tdp_pipe *pipe, tdp_err status, void *arg);
+TDP_API void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg);
+
+/*
+ * Borrow a send buffer laid out for schema from the pipe's data plane: on
+ * the shm plane a slot of the shared pool, so that tdp_pipe_send of it
+ * copies nothing (the peer reads the same pages). Fill it, send it, then
+ * drop the reference (tdp_td_unref) — a loan not sent goes back when
+ * unreferenced. Other planes lend an ordinary buffer. Loop thread or any
+ * thread; TDP_EAGAIN when every slot is in use (retry after a send
+ * completes), TDP_EINVAL before the pipe is open.
+ */
+TDP_API tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out);
+
+/* The data plane the HELLO chose (TDP_PLANE_AUTO before it). */
+TDP_API tdp_plane tdp_pipe_plane(const tdp_pipe *pipe);
 
 /*
  * Abort (if not closed) and free. Pending operations complete with

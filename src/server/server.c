@@ -13,7 +13,9 @@
 #include <time.h>
 #include <tdpipe/server.h>
 
-#include "../pipe/pipe_int.h"
+#include "../core/loop_int.h"
+#include "../pipe/listener.h"
+#include "../pipe/op.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 
@@ -48,6 +50,8 @@ struct tdp_client {
     bool turned_away;   /* on_connect said no */
     bool reported;      /* on_close ran */
     bool close_started; /* pipe close requested */
+    bool aborted;       /* pipe ended by the server */
+    bool pipe_ended;    /* the pipe is over and its socket closed */
     bool linger_armed;  /* the timer now bounds the wait for the peer to hang up */
     bool timer_fired;
     bool unpin; /* a reply that referenced a lent td completed */
@@ -81,7 +85,6 @@ struct tdp_server {
     tdp_client *clients;
     uint32_t nclients; /* client objects alive: each holds a slot */
     tdp_client *dhead, *dtail;
-    tdp_pipe *orphans; /* accepted pipes no client could be made for, linked by lnext */
     uint64_t next_id;
     bool stopping, forcing;
     bool shut_done;
@@ -250,7 +253,7 @@ static void dirty_unlink(tdp_client *c)
 
 static void check_all_gone(tdp_server *s)
 {
-    if (!s->stopping || s->nclients != 0 || s->orphans != NULL)
+    if (!s->stopping || s->nclients != 0)
         return;
     pthread_mutex_lock(&s->mtx);
     s->all_gone = true;
@@ -277,7 +280,7 @@ static void client_free(tdp_client *c)
     if (c->next != NULL)
         c->next->prev = c->prev;
     s->nclients--;
-    c->pipe->sock_closed_cb = NULL;
+    tdp_pipe_set_end_cb(c->pipe, NULL, NULL);
     tdp_pipe_free(c->pipe);
     c->pipe = NULL;
     client_release(c);
@@ -313,18 +316,6 @@ static void client_end(tdp_client *c, tdp_err status)
     mark_dirty(c);
 }
 
-/* The close tdp_pipe_close starts, without waiting: BYE after the queued sends. */
-static void pipe_close_start(tdp_pipe *p)
-{
-    if (p->state == PIPE_DEAD)
-        return;
-    p->close_requested = true;
-    if (p->state == PIPE_CONNECTING || p->bev == NULL) {
-        tdp__pipe_fail(p, TDP_ECLOSED, "closed");
-        return;
-    }
-    tdp__pipe_check_close(p);
-}
 
 static bool pinned(const tdp_client *c, const tdp_td *td)
 {
@@ -365,10 +356,12 @@ static void client_step(tdp_client *c)
         if (!c->close_started) {
             c->close_started = true;
             timer_arm(c, s->linger_ms); /* a client that never takes its replies */
-            pipe_close_start(p);
-        } else if (c->timer_fired && p->state != PIPE_DEAD) {
+            tdp_pipe_close_async(p, -1);
+        } else if (c->timer_fired && !c->pipe_ended) {
             c->timer_fired = false;
-            tdp__pipe_fail(p, TDP_ETIMEDOUT, "replies not taken before the close deadline");
+            tdp_log_info("server: client %s: replies not taken before the close deadline",
+                         tdp_pipe_peer(p, (char[64]){0}, 64));
+            tdp_pipe_abort(p, TDP_ETIMEDOUT);
         }
         /* a pipe that ended meanwhile completed the receive: the client is ENDED */
     }
@@ -379,16 +372,16 @@ static void client_step(tdp_client *c)
         if (c->greeted && s->h.on_close != NULL)
             s->h.on_close(c, c->status, s->arg);
     }
-    if (p->state != PIPE_DEAD) {
+    if (!c->pipe_ended) {
         if (c->status == TDP_ECLOSED && !s->forcing) {
             if (!c->close_started) {
                 c->close_started = true;
-                pipe_close_start(p); /* answer the peer's BYE with ours */
+                tdp_pipe_close_async(p, -1); /* answer the peer's BYE with ours */
             }
-        } else {
+        } else if (!c->aborted) {
             tdp_err why = c->turned_away ? TDP_ELIMIT : c->status;
-            tdp__pipe_fail(p, why == TDP_ECLOSED ? TDP_ECANCELED : why,
-                           c->turned_away ? "turned away by on_connect" : "closed by the server");
+            c->aborted = true;
+            tdp_pipe_abort(p, why == TDP_ECLOSED ? TDP_ECANCELED : why);
         }
     }
     if (!c->linger_armed) {
@@ -396,19 +389,13 @@ static void client_step(tdp_client *c)
         timer_arm(c, s->linger_ms); /* the peer has this long to hang up */
     }
     /* free once the pipe is over and the peer hung up: it has read our last word */
-    if ((p->state == PIPE_DEAD && p->bev == NULL) || c->timer_fired || s->forcing)
+    if (c->pipe_ended || c->timer_fired || s->forcing)
         client_free(c);
 }
 
 static void work_cb(evutil_socket_t fd, short what, void *arg)
 {
     tdp_server *s = arg;
-    while (s->orphans != NULL) {
-        tdp_pipe *p = s->orphans;
-        s->orphans = p->lnext;
-        p->lnext = NULL;
-        tdp_pipe_free(p);
-    }
     tdp_client *c;
     while ((c = s->dhead) != NULL) {
         s->dhead = c->dnext;
@@ -506,8 +493,9 @@ tdp_err tdp_client_send(tdp_client *c, tdp_td *td)
         return TDP_EINVAL;
     if (c->state != CL_OPEN)
         return TDP_ECLOSED;
-    if (c->pipe->state == PIPE_DEAD)
-        return c->pipe->status == TDP_OK ? TDP_ECLOSED : c->pipe->status;
+    tdp_err ps = tdp_pipe_status(c->pipe);
+    if (ps != TDP_OK)
+        return ps;
     if (c->nfree == 0)
         return TDP_EAGAIN;
     tx_slot *t = &c->tx[c->txfree[--c->nfree]];
@@ -566,9 +554,12 @@ static void srv_handshake_failed(void *arg, tdp_err why)
     STAT_ADD(s, handshakes_failed, 1);
 }
 
-static void srv_sock_closed(tdp_pipe *p, void *arg)
+/* The pipe is over and its socket closed: nothing of it reaches the network any more. */
+static void srv_pipe_ended(tdp_pipe *p, tdp_err status, void *arg)
 {
-    mark_dirty(arg);
+    tdp_client *c = arg;
+    c->pipe_ended = true;
+    mark_dirty(c);
 }
 
 /* A handshake completed. Runs inside the pipe's HELLO handling: p must live on. */
@@ -580,10 +571,9 @@ static void srv_on_accept(tdp_pipe *p, tdp_err status, void *arg)
     tdp_client *c = client_new(s, p);
     if (c == NULL) {
         STAT_ADD(s, refused, 1);
-        tdp__pipe_fail(p, TDP_ENOMEM, "server: no memory for a client");
-        p->lnext = s->orphans; /* freed by the work event */
-        s->orphans = p;
-        event_active(s->work, EV_READ, 0);
+        tdp_log_warn("server: no memory for a client");
+        tdp_pipe_abort(p, TDP_ENOMEM);
+        tdp_pipe_free(p); /* safe inside its own callback: the memory goes later */
         return;
     }
     c->next = s->clients;
@@ -594,8 +584,7 @@ static void srv_on_accept(tdp_pipe *p, tdp_err status, void *arg)
     pthread_mutex_lock(&s->mtx);
     s->st.clients_now = s->nclients;
     pthread_mutex_unlock(&s->mtx);
-    p->sock_closed_cb = srv_sock_closed;
-    p->sock_closed_arg = c;
+    tdp_pipe_set_end_cb(p, srv_pipe_ended, c);
 
     c->greeted = true;
     tdp_err rc = s->h.on_connect != NULL ? s->h.on_connect(c, s->arg) : TDP_OK;
@@ -715,12 +704,6 @@ static void shutdown_force_task(void *arg)
     tdp_server *s = r->s;
     r->rc = TDP_OK;
     s->stopping = s->forcing = true;
-    while (s->orphans != NULL) {
-        tdp_pipe *p = s->orphans;
-        s->orphans = p->lnext;
-        p->lnext = NULL;
-        tdp_pipe_free(p);
-    }
     while (s->clients != NULL) {
         tdp_client *c = s->clients;
         if (c->state < CL_ENDED) {

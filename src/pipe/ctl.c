@@ -1,0 +1,384 @@
+/*
+ * ctl.c: the control channel — connect (each resolved address in turn),
+ * accept, HELLO and BYE framing, keepalive, and refusing sockets a
+ * listener will not serve. It reports to its owner through tdp__ctl_up.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <event2/buffer.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ctl.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+#include "../core/loop_int.h"
+
+static void read_cb(struct bufferevent *bev, void *arg);
+static void event_cb(struct bufferevent *bev, short what, void *arg);
+
+void tdp__ctl_init(tdp__ctl *c, tdp_loop *loop, const tdp__ctl_opts *o, const tdp__ctl_up *up,
+                   void *owner)
+{
+    memset(c, 0, sizeof(*c));
+    c->loop = loop;
+    c->opts = *o;
+    c->up = up;
+    c->owner = owner;
+    snprintf(c->peer_name, sizeof(c->peer_name), "?");
+}
+
+static void set_sockopts(tdp__ctl *c, evutil_socket_t fd)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &c->opts.keepalive_idle_s, sizeof(int));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &c->opts.keepalive_intvl_s, sizeof(int));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &c->opts.keepalive_cnt, sizeof(int));
+    /* unacknowledged data also ends the connection after the same time */
+    unsigned int ums = (unsigned int)(c->opts.keepalive_idle_s +
+                                      c->opts.keepalive_intvl_s * c->opts.keepalive_cnt) *
+                       1000u;
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ums, sizeof(ums));
+}
+
+static void name_peer(tdp__ctl *c, const struct sockaddr *sa)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *s4 = (const void *)sa;
+        inet_ntop(AF_INET, &s4->sin_addr, host, sizeof(host));
+        snprintf(c->peer_name, sizeof(c->peer_name), "%s:%u", host, ntohs(s4->sin_port));
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *s6 = (const void *)sa;
+        inet_ntop(AF_INET6, &s6->sin6_addr, host, sizeof(host));
+        snprintf(c->peer_name, sizeof(c->peer_name), "[%s]:%u", host, ntohs(s6->sin6_port));
+    }
+}
+
+static tdp_err dial_next(tdp__ctl *c)
+{
+    const struct sockaddr *sa = (const struct sockaddr *)&c->addrs[c->iaddr];
+    c->bev = bufferevent_socket_new(tdp__loop_base(c->loop), -1, BEV_OPT_CLOSE_ON_FREE);
+    if (c->bev == NULL)
+        return TDP_ENOMEM;
+    name_peer(c, sa);
+    bufferevent_setcb(c->bev, read_cb, NULL, event_cb, c);
+    if (bufferevent_socket_connect(c->bev, sa, (int)c->addrlens[c->iaddr]) != 0) {
+        int e = EVUTIL_SOCKET_ERROR();
+        tdp_log_debug("connect %s: %s", c->peer_name, strerror(e));
+        bufferevent_free(c->bev);
+        c->bev = NULL;
+        return e == ECONNREFUSED ? TDP_ECONNREFUSED : TDP_EADDR;
+    }
+    bufferevent_enable(c->bev, EV_READ);
+    return TDP_OK;
+}
+
+tdp_err tdp__ctl_dial(tdp__ctl *c, const struct sockaddr_storage *addrs, const socklen_t *lens,
+                      int n)
+{
+    if (n <= 0 || n > TDP_CTL_MAX_ADDRS)
+        return TDP_EINVAL;
+    memcpy(c->addrs, addrs, (size_t)n * sizeof(*addrs));
+    memcpy(c->addrlens, lens, (size_t)n * sizeof(*lens));
+    c->naddr = n;
+    c->iaddr = 0;
+    tdp_err rc;
+    while ((rc = dial_next(c)) != TDP_OK && c->iaddr + 1 < c->naddr)
+        c->iaddr++;
+    return rc;
+}
+
+tdp_err tdp__ctl_accept(tdp__ctl *c, evutil_socket_t fd, const struct sockaddr *sa)
+{
+    c->bev = bufferevent_socket_new(tdp__loop_base(c->loop), fd, BEV_OPT_CLOSE_ON_FREE);
+    if (c->bev == NULL) {
+        evutil_closesocket(fd);
+        return TDP_ENOMEM;
+    }
+    name_peer(c, sa);
+    set_sockopts(c, fd);
+    c->connected = true;
+    bufferevent_setcb(c->bev, read_cb, NULL, event_cb, c);
+    bufferevent_enable(c->bev, EV_READ);
+    return TDP_OK;
+}
+
+bool tdp__ctl_open(const tdp__ctl *c)
+{
+    return c->bev != NULL;
+}
+
+tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
+{
+    if (c->bev == NULL)
+        return TDP_ECONNRESET;
+    size_t n = tdp_wire_hello_size(h);
+    uint8_t *buf = tdp__malloc(n);
+    if (buf == NULL)
+        return TDP_ENOMEM;
+    tdp_wire_hello_encode(buf, h);
+    int r = bufferevent_write(c->bev, buf, n);
+    tdp__free(buf);
+    return r == 0 ? TDP_OK : TDP_ENOMEM;
+}
+
+/* End the channel and tell the owner (once). */
+static void fail(tdp__ctl *c, tdp_err why)
+{
+    tdp__ctl_close(c);
+    c->up->closed(c->owner, why);
+}
+
+/*
+ * Handle every whole frame in the input. An up-call may close the channel
+ * (the owner stays alive until a later loop turn): stop reading then.
+ */
+static void read_frames(tdp__ctl *c, struct evbuffer *in)
+{
+    while (c->bev != NULL) {
+        uint8_t hb[TDP_CTL_HDR_LEN];
+        tdp_ctl_hdr hdr;
+        if (evbuffer_copyout(in, hb, sizeof(hb)) < (ev_ssize_t)sizeof(hb))
+            return;
+        tdp_err rc = tdp_wire_ctl_hdr_decode(hb, &hdr);
+        if (rc == TDP_EVERSION) {
+            tdp_log_warn("peer %s speaks protocol %u, this library %u", c->peer_name,
+                         hdr.version, TDP_PROTOCOL_VERSION);
+            fail(c, TDP_EVERSION);
+            return;
+        }
+        if (rc != TDP_OK) {
+            tdp_log_info("peer %s: malformed control frame (not a tdpipe peer?)", c->peer_name);
+            fail(c, TDP_EPROTO);
+            return;
+        }
+        size_t total = TDP_CTL_HDR_LEN + hdr.length;
+        if (evbuffer_get_length(in) < total)
+            return;
+        const uint8_t *f = evbuffer_pullup(in, (ev_ssize_t)total);
+        if (f == NULL) {
+            fail(c, TDP_ENOMEM);
+            return;
+        }
+        if (hdr.type == TDP_CTL_HELLO) {
+            tdp_hello h;
+            if (c->hello_seen || tdp_wire_hello_decode(f + TDP_CTL_HDR_LEN, hdr.length, &h) != TDP_OK) {
+                tdp_log_info("peer %s: malformed or repeated HELLO", c->peer_name);
+                fail(c, TDP_EPROTO);
+                return;
+            }
+            c->hello_seen = true;
+            c->up->hello(c->owner, &h);
+        } else {
+            tdp_bye bye;
+            if (tdp_wire_bye_decode(f + TDP_CTL_HDR_LEN, hdr.length, &bye) != TDP_OK) {
+                tdp_log_info("peer %s: malformed BYE", c->peer_name);
+                fail(c, TDP_EPROTO);
+                return;
+            }
+            c->up->bye(c->owner, &bye);
+        }
+        if (c->bev == NULL)
+            return;
+        evbuffer_drain(in, total);
+    }
+}
+
+static void read_cb(struct bufferevent *bev, void *arg)
+{
+    read_frames(arg, bufferevent_get_input(bev));
+}
+
+static void event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    tdp__ctl *c = arg;
+    if (what & BEV_EVENT_CONNECTED) {
+        c->connected = true;
+        set_sockopts(c, bufferevent_getfd(bev));
+        c->up->connected(c->owner);
+        return;
+    }
+    if (!(what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)))
+        return;
+    int e = EVUTIL_SOCKET_ERROR();
+    if (!c->connected) {
+        bufferevent_free(c->bev);
+        c->bev = NULL;
+        /* e.g. localhost: ::1 refused, try 127.0.0.1 */
+        while (c->iaddr + 1 < c->naddr) {
+            c->iaddr++;
+            if (dial_next(c) == TDP_OK)
+                return;
+        }
+        c->up->closed(c->owner, e == ECONNREFUSED ? TDP_ECONNREFUSED : TDP_EADDR);
+        return;
+    }
+    fail(c, TDP_ECONNRESET);
+}
+
+static void bye_written_cb(struct bufferevent *bev, void *arg)
+{
+    tdp__ctl *c = arg;
+    bufferevent_setcb(bev, read_cb, NULL, event_cb, c);
+    c->up->bye_flushed(c->owner);
+}
+
+void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
+{
+    uint8_t buf[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    if (c->bev == NULL || c->bye_sent)
+        return;
+    tdp_wire_bye_encode(buf, b);
+    c->bye_sent = true;
+    bufferevent_setcb(c->bev, read_cb, bye_written_cb, event_cb, c);
+    bufferevent_write(c->bev, buf, sizeof(buf));
+}
+
+void tdp__ctl_close(tdp__ctl *c)
+{
+    if (c->bev == NULL)
+        return;
+    /* a BYE still queued goes out now: freeing would drop it */
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    size_t n = evbuffer_get_length(out);
+    if (n > 0 && n <= 256 && bufferevent_getfd(c->bev) >= 0) {
+        const void *b = evbuffer_pullup(out, (ev_ssize_t)n);
+        /* MSG_NOSIGNAL: a peer already gone must not SIGPIPE the application */
+        if (b != NULL)
+            (void)!send(bufferevent_getfd(c->bev), b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    bufferevent_free(c->bev); /* libevent allows this inside the bev's own callback */
+    c->bev = NULL;
+}
+
+/* ---- refusing --------------------------------------------------------------- */
+
+/*
+ * A socket the listener will not serve gets BYE with the reason instead of
+ * HELLO, so the connecting side fails with that reason rather than a bare
+ * reset. The socket stays open until the peer hangs up: closing with the
+ * peer's HELLO unread would send a RST, which can destroy the BYE before
+ * the peer reads it.
+ */
+#define TDP_MAX_REFUSALS 256u /* more at once are closed without a word */
+
+struct tdp__refusal {
+    tdp__refusals *rs;
+    struct bufferevent *bev;
+    struct event *timer;
+    struct tdp__refusal *next;
+};
+
+static void refusal_free(struct tdp__refusal *r)
+{
+    for (struct tdp__refusal **pp = &r->rs->head; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    }
+    r->rs->n--;
+    if (r->bev != NULL)
+        bufferevent_free(r->bev);
+    if (r->timer != NULL)
+        event_free(r->timer);
+    tdp__free(r);
+}
+
+static void refusal_read_cb(struct bufferevent *bev, void *arg)
+{
+    struct evbuffer *in = bufferevent_get_input(bev);
+    evbuffer_drain(in, evbuffer_get_length(in)); /* its HELLO: not read */
+}
+
+static void refusal_event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR))
+        refusal_free(arg);
+}
+
+static void refusal_written_cb(struct bufferevent *bev, void *arg)
+{
+    /* the BYE is out: say nothing more, wait for the peer to hang up */
+    shutdown(bufferevent_getfd(bev), SHUT_WR);
+    bufferevent_setcb(bev, refusal_read_cb, NULL, refusal_event_cb, arg);
+}
+
+static void refusal_timeout_cb(evutil_socket_t fd, short what, void *arg)
+{
+    refusal_free(arg);
+}
+
+void tdp__ctl_refuse(tdp__refusals *rs, tdp_loop *loop, evutil_socket_t fd, tdp_err reason,
+                     int64_t ms)
+{
+    struct tdp__refusal *r = NULL;
+    if (rs->n < TDP_MAX_REFUSALS)
+        r = tdp__calloc(1, sizeof(*r));
+    if (r == NULL) {
+        evutil_closesocket(fd);
+        return;
+    }
+    r->rs = rs;
+    r->next = rs->head;
+    rs->head = r;
+    rs->n++;
+    r->bev = bufferevent_socket_new(tdp__loop_base(loop), fd, BEV_OPT_CLOSE_ON_FREE);
+    r->timer = evtimer_new(tdp__loop_base(loop), refusal_timeout_cb, r);
+    if (r->bev == NULL || r->timer == NULL) {
+        if (r->bev == NULL)
+            evutil_closesocket(fd);
+        refusal_free(r);
+        return;
+    }
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(r->timer, &tv);
+    uint8_t buf[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    tdp_bye b = {.last_seq = 0, .reason = reason};
+    tdp_wire_bye_encode(buf, &b);
+    bufferevent_setcb(r->bev, refusal_read_cb, refusal_written_cb, refusal_event_cb, r);
+    bufferevent_enable(r->bev, EV_READ);
+    if (bufferevent_write(r->bev, buf, sizeof(buf)) != 0)
+        refusal_free(r);
+}
+
+void tdp__ctl_refusals_free(tdp__refusals *rs)
+{
+    while (rs->head != NULL)
+        refusal_free(rs->head);
+}
+
+/* ---- resolving ------------------------------------------------------------ */
+
+tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
+                     socklen_t *outlen, int max, int *count)
+{
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC,
+        .ai_socktype = SOCK_STREAM,
+        .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0),
+    }, *res = NULL;
+    char ps[8];
+    snprintf(ps, sizeof(ps), "%u", port);
+    int r = getaddrinfo(host && host[0] ? host : NULL, ps, &hints, &res);
+    if (r != 0) {
+        tdp_log_debug("getaddrinfo(%s): %s", host ? host : "", gai_strerror(r));
+        return TDP_EADDR;
+    }
+    int n = 0;
+    for (struct addrinfo *ai = res; ai != NULL && n < max; ai = ai->ai_next) {
+        if (ai->ai_addrlen > sizeof(*out))
+            continue;
+        memcpy(&out[n], ai->ai_addr, ai->ai_addrlen);
+        outlen[n++] = ai->ai_addrlen;
+    }
+    freeaddrinfo(res);
+    *count = n;
+    return n > 0 ? TDP_OK : TDP_EADDR;
+}

@@ -1,0 +1,85 @@
+/*
+ * ctl.h (internal): a pipe's control channel — the TCP socket that
+ * carries HELLO and BYE and whose closing is how a dead peer is seen (TCP
+ * keepalive covers a peer host that vanishes). It knows nothing of pipes:
+ * it reports to its owner through tdp__ctl_up, on the loop thread.
+ */
+#ifndef TDP_PIPE_CTL_H
+#define TDP_PIPE_CTL_H
+
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <stdbool.h>
+#include <sys/socket.h>
+#include <tdpipe/loop.h>
+
+#include "wire.h"
+
+#define TDP_CTL_MAX_ADDRS 4
+
+typedef struct tdp__ctl_up {
+    /* dial: the socket is connected; the owner sends its HELLO */
+    void (*connected)(void *owner);
+    /* the peer's HELLO (decoded, checked; its records valid during the call) */
+    void (*hello)(void *owner, const tdp_hello *h);
+    void (*bye)(void *owner, const tdp_bye *b);
+    /*
+     * The channel ended: TDP_ECONNREFUSED / TDP_EADDR (dial failed),
+     * TDP_ECONNRESET (the peer closed or vanished), TDP_EPROTO (garbage),
+     * TDP_EVERSION (another protocol version). The socket is closed.
+     */
+    void (*closed)(void *owner, tdp_err why);
+    /* our BYE has left this process */
+    void (*bye_flushed)(void *owner);
+} tdp__ctl_up;
+
+typedef struct tdp__ctl_opts {
+    int keepalive_idle_s, keepalive_intvl_s, keepalive_cnt;
+} tdp__ctl_opts;
+
+/* Embedded in its owner; fields are the channel's own. */
+typedef struct tdp__ctl {
+    tdp_loop *loop;
+    struct bufferevent *bev;
+    const tdp__ctl_up *up;
+    void *owner;
+    tdp__ctl_opts opts;
+    char peer_name[64];
+    bool hello_seen, bye_sent, connected;
+    struct sockaddr_storage addrs[TDP_CTL_MAX_ADDRS]; /* dial: tried in turn */
+    socklen_t addrlens[TDP_CTL_MAX_ADDRS];
+    int naddr, iaddr;
+} tdp__ctl;
+
+void tdp__ctl_init(tdp__ctl *c, tdp_loop *loop, const tdp__ctl_opts *o, const tdp__ctl_up *up,
+                   void *owner);
+/* Connect to addrs in turn (up->connected, or up->closed after the last). */
+tdp_err tdp__ctl_dial(tdp__ctl *c, const struct sockaddr_storage *addrs, const socklen_t *lens,
+                      int n);
+/* An accepted socket (takes fd, also on failure). */
+tdp_err tdp__ctl_accept(tdp__ctl *c, evutil_socket_t fd, const struct sockaddr *sa);
+/* Queue a HELLO. */
+tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h);
+/* Queue BYE once; up->bye_flushed when it has left. */
+void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b);
+bool tdp__ctl_open(const tdp__ctl *c);
+/* Close now (a queued BYE is pushed out first). Safe inside an up-call. */
+void tdp__ctl_close(tdp__ctl *c);
+
+/*
+ * Sockets a listener turns away: BYE(reason) instead of HELLO, then closed
+ * once the peer hangs up or after ms. Takes fd.
+ */
+typedef struct tdp__refusals {
+    struct tdp__refusal *head;
+    uint32_t n;
+} tdp__refusals;
+void tdp__ctl_refuse(tdp__refusals *rs, tdp_loop *loop, evutil_socket_t fd, tdp_err reason,
+                     int64_t ms);
+void tdp__ctl_refusals_free(tdp__refusals *rs);
+
+/* getaddrinfo into out[0..max); *count written. */
+tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
+                     socklen_t *outlen, int max, int *count);
+
+#endif

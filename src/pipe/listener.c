@@ -1,0 +1,280 @@
+/* listener.c: tdp_listener — accept, admission, handshaking pipes, the ready queue. */
+#include <errno.h>
+#include <event2/listener.h>
+#include <netinet/in.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "listener.h"
+#include "op.h"
+#include "session.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+
+#define REFUSAL_MS 2000 /* at most this long, or the handshake deadline */
+
+/* A pipe handshaking or ready to be claimed. */
+typedef struct pend {
+    tdp_listener *l;
+    tdp_pipe *p;
+    struct pend *prev, *next;
+} pend;
+
+struct tdp_listener {
+    tdp_loop *loop;
+    tdp_pipe_opts opts;
+    tdp_schema_limits limits;
+    struct evconnlistener *evl;
+    uint16_t port;
+    tdp_pipe_cb on_accept;
+    void *arg;
+    pend *pending; /* handshaking */
+    uint32_t npending;
+    tdp__listener_hooks hooks;
+    tdp__refusals refusals;
+    pend *ready, *ready_tail; /* under mtx */
+    volatile bool has_ready;
+    pthread_mutex_t mtx;
+    pthread_cond_t cond;
+};
+
+static void unlink_pending(tdp_listener *l, pend *e)
+{
+    if (e->prev != NULL)
+        e->prev->next = e->next;
+    else
+        l->pending = e->next;
+    if (e->next != NULL)
+        e->next->prev = e->prev;
+    e->prev = e->next = NULL;
+    l->npending--;
+}
+
+/* The handshake of e->p ended. */
+static void on_ready(tdp_pipe *p, tdp_err status, void *arg)
+{
+    pend *e = arg;
+    tdp_listener *l = e->l;
+    unlink_pending(l, e);
+    if (p == NULL) {
+        tdp_log_debug("a handshake failed: %s", tdp_strerror(status));
+        if (l->hooks.handshake_failed != NULL)
+            l->hooks.handshake_failed(l->hooks.arg, status);
+        tdp__free(e);
+        return;
+    }
+    if (l->on_accept != NULL) {
+        tdp__free(e);
+        l->on_accept(p, TDP_OK, l->arg);
+        return;
+    }
+    pthread_mutex_lock(&l->mtx);
+    if (l->ready_tail != NULL)
+        l->ready_tail->next = e;
+    else
+        l->ready = e;
+    l->ready_tail = e;
+    l->has_ready = true;
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mtx);
+}
+
+static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct sockaddr *sa,
+                      int salen, void *arg)
+{
+    tdp_listener *l = arg;
+    /* a server at its limit turns the socket away before any handshake */
+    if (l->hooks.admit != NULL && !l->hooks.admit(l->hooks.arg, l->npending)) {
+        int64_t ms = l->opts.connect_timeout_ms < REFUSAL_MS ? l->opts.connect_timeout_ms
+                                                             : REFUSAL_MS;
+        tdp__ctl_refuse(&l->refusals, l->loop, fd, TDP_ELIMIT, ms);
+        return;
+    }
+    tdp_err rc;
+    pend *e = tdp__calloc(1, sizeof(*e));
+    tdp_pipe *p = e != NULL ? tdp__session_new(l->loop, &l->opts, &l->limits, &rc) : NULL;
+    if (p == NULL) {
+        tdp__free(e);
+        evutil_closesocket(fd);
+        return;
+    }
+    e->l = l;
+    e->p = p;
+    e->next = l->pending;
+    if (l->pending != NULL)
+        l->pending->prev = e;
+    l->pending = e;
+    l->npending++;
+    rc = tdp__session_accept(p, fd, sa, on_ready, e);
+    if (rc != TDP_OK) { /* nothing was called back */
+        unlink_pending(l, e);
+        tdp__free(e);
+        tdp__session_destroy(p);
+    }
+}
+
+static void accept_error_cb(struct evconnlistener *evl, void *arg)
+{
+    int e = EVUTIL_SOCKET_ERROR();
+    tdp_log_warn("accept: %s", strerror(e));
+}
+
+typedef struct listen_req {
+    tdp_listener *l;
+    struct sockaddr_storage sa;
+    socklen_t salen;
+    bool wildcard;
+    tdp_err rc;
+} listen_req;
+
+static void listen_task(void *arg)
+{
+    listen_req *r = arg;
+    tdp_listener *l = r->l;
+    int fd = socket(r->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        r->rc = TDP_EADDR;
+        return;
+    }
+    int one = 1, zero = 0;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (r->sa.ss_family == AF_INET6 && r->wildcard)
+        setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)); /* v4 too */
+    if (bind(fd, (struct sockaddr *)&r->sa, r->salen) != 0 || listen(fd, 128) != 0) {
+        tdp_log_debug("bind/listen: %s", strerror(errno));
+        close(fd);
+        r->rc = TDP_EADDR;
+        return;
+    }
+    struct sockaddr_storage got;
+    socklen_t gl = sizeof(got);
+    getsockname(fd, (struct sockaddr *)&got, &gl);
+    l->port = ntohs(got.ss_family == AF_INET ? ((struct sockaddr_in *)&got)->sin_port
+                                             : ((struct sockaddr_in6 *)&got)->sin6_port);
+    l->evl = evconnlistener_new(tdp__loop_base(l->loop), accept_cb, l,
+                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC, -1, fd);
+    if (l->evl == NULL) {
+        close(fd);
+        r->rc = TDP_ENOMEM;
+        return;
+    }
+    evconnlistener_set_error_cb(l->evl, accept_error_cb);
+    r->rc = TDP_OK;
+}
+
+tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
+                         const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                         tdp_listener **out)
+{
+    return tdp__listener_new(loop, bind_host, port, opts, on_accept, arg, NULL, out);
+}
+
+tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
+                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                          const tdp__listener_hooks *hooks, tdp_listener **out)
+{
+    if (loop == NULL || out == NULL)
+        return TDP_EINVAL;
+    listen_req r = {.rc = TDP_EINTERNAL};
+    bool wildcard = bind_host == NULL || bind_host[0] == '\0';
+    if (wildcard) {
+        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&r.sa;
+        s6->sin6_family = AF_INET6;
+        s6->sin6_addr = in6addr_any;
+        s6->sin6_port = htons(port);
+        r.salen = sizeof(*s6);
+    } else {
+        int n;
+        tdp_err rc = tdp__resolve(bind_host, port, true, &r.sa, &r.salen, 1, &n);
+        if (rc != TDP_OK)
+            return rc;
+    }
+    r.wildcard = wildcard;
+    tdp_listener *l = tdp__calloc(1, sizeof(*l));
+    if (l == NULL)
+        return TDP_ENOMEM;
+    l->loop = loop;
+    tdp__opts_resolve(opts, &l->opts, &l->limits);
+    l->on_accept = on_accept;
+    l->arg = arg;
+    if (hooks != NULL)
+        l->hooks = *hooks; /* set before the socket listens: no accept misses them */
+    pthread_mutex_init(&l->mtx, NULL);
+    pthread_cond_init(&l->cond, NULL);
+    r.l = l;
+    tdp__call_on_loop(loop, listen_task, &r);
+    if (r.rc != TDP_OK) {
+        pthread_mutex_destroy(&l->mtx);
+        pthread_cond_destroy(&l->cond);
+        tdp__free(l);
+        return r.rc;
+    }
+    *out = l;
+    return TDP_OK;
+}
+
+uint16_t tdp_listener_port(const tdp_listener *l)
+{
+    return l ? l->port : 0;
+}
+
+tdp_err tdp_listener_accept(tdp_listener *l, int64_t timeout_ms, tdp_pipe **out)
+{
+    if (l == NULL || out == NULL || l->on_accept != NULL ||
+        (tdp__loop_running(l->loop) && tdp_loop_on_thread(l->loop)))
+        return TDP_EINVAL;
+    int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
+    if (!tdp__loop_running(l->loop)) {
+        if (!l->has_ready && tdp__loop_run_until(l->loop, &l->has_ready, timeout_ms) != TDP_OK)
+            return TDP_ETIMEDOUT;
+        pthread_mutex_lock(&l->mtx);
+    } else {
+        pthread_mutex_lock(&l->mtx);
+        while (!l->has_ready && tdp__cond_wait_until(&l->cond, &l->mtx, deadline))
+            ;
+    }
+    pend *e = l->ready;
+    if (e != NULL) {
+        l->ready = e->next;
+        if (l->ready == NULL) {
+            l->ready_tail = NULL;
+            l->has_ready = false;
+        }
+    }
+    pthread_mutex_unlock(&l->mtx);
+    if (e == NULL)
+        return TDP_ETIMEDOUT;
+    *out = e->p;
+    tdp__free(e);
+    return TDP_OK;
+}
+
+static void listener_free_task(void *arg)
+{
+    tdp_listener *l = arg;
+    if (l->evl != NULL)
+        evconnlistener_free(l->evl);
+    tdp__ctl_refusals_free(&l->refusals);
+    while (l->pending != NULL) {
+        pend *e = l->pending;
+        unlink_pending(l, e);
+        tdp__session_destroy(e->p);
+        tdp__free(e);
+    }
+    while (l->ready != NULL) {
+        pend *e = l->ready;
+        l->ready = e->next;
+        tdp_pipe_free(e->p);
+        tdp__free(e);
+    }
+}
+
+void tdp_listener_free(tdp_listener *l)
+{
+    if (l == NULL)
+        return;
+    tdp__call_on_loop(l->loop, listener_free_task, l);
+    pthread_mutex_destroy(&l->mtx);
+    pthread_cond_destroy(&l->cond);
+    tdp__free(l);
+}

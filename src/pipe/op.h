@@ -1,0 +1,87 @@
+/*
+ * op.h (internal): tdp_op — one send or receive at a time, reusable; how
+ * it hops to the loop thread, completes, and how blocking calls wait for
+ * it. It knows nothing of pipes: the session hands it the functions that
+ * start and take back an operation.
+ *
+ * Threading: state is atomic. The loop thread writes result, td and seq,
+ * then publishes with a release store of state = DONE; readers on any
+ * thread load state with acquire before reading them (tdp_op_result,
+ * tdp_op_td, tdp_op_seq).
+ */
+#ifndef TDP_PIPE_OP_H
+#define TDP_PIPE_OP_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <tdpipe/pipe.h>
+
+#include "../core/loop_int.h"
+
+enum op_kind { OP_NONE, OP_SEND, OP_RECV };
+enum op_state { OP_IDLE = 0, OP_PENDING = 1, OP_DONE = 2 };
+
+/* Where blocking callers sleep (one per pipe). */
+typedef struct tdp__waiter {
+    pthread_mutex_t mtx;
+    pthread_cond_t cond;
+} tdp__waiter;
+
+struct tdp_op {
+    tdp_op_cb cb;
+    void *arg;
+    tdp__task task; /* hop to the loop thread without allocating */
+    enum op_kind kind;
+    void *owner; /* the pipe */
+    tdp_td *td;
+    tdp_err result;
+    uint64_t seq;
+    _Atomic int state; /* enum op_state */
+    bool waited;       /* counted once in credit_waits */
+    struct tdp_op *next;
+    /* blocking wrappers: completion wakes the waiter instead of calling cb */
+    tdp__waiter *waiter;
+    volatile bool done; /* under waiter->mtx for sleepers; same-thread for run_until */
+    tdp__task cancel_task;
+    bool cancel_pending; /* under waiter->mtx */
+    void (*take_back)(tdp_op *op); /* session: remove from its queues (loop thread) */
+};
+
+void tdp__waiter_init(tdp__waiter *w);
+void tdp__waiter_fini(tdp__waiter *w);
+
+bool tdp__op_pending(const tdp_op *op);
+/*
+ * Mark op pending and run start(op) on the loop thread: inline when this
+ * is the loop thread or nobody runs the loop, else as a posted task.
+ */
+void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start);
+/* Loop thread: finish op with rc (drops a send's td reference) and tell its owner. */
+void tdp__op_complete(tdp_op *op, tdp_err rc);
+/*
+ * Wait for a blocking op: on another thread's loop, sleep on its waiter;
+ * on a loop nobody runs, run it here. A deadline takes the op back
+ * (op->take_back) and completes it with TDP_ETIMEDOUT.
+ */
+tdp_err tdp__op_wait(tdp_loop *loop, tdp_op *op, int64_t timeout_ms);
+
+/* Intrusive FIFO of ops. */
+typedef struct tdp__opq {
+    tdp_op *head, *tail;
+} tdp__opq;
+void tdp__opq_push(tdp__opq *q, tdp_op *op);
+tdp_op *tdp__opq_pop(tdp__opq *q);
+bool tdp__opq_remove(tdp__opq *q, tdp_op *op);
+
+/* Run fn(arg) on the loop thread and wait (inline on the loop thread or an idle loop). */
+void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg);
+int64_t tdp__now_ms(void);
+/*
+ * Wait on cond (mtx held) until signalled or until deadline_ms on the
+ * tdp__now_ms clock (-1: no deadline). False, without waiting, once the
+ * deadline has passed; spurious wakeups return true: callers loop.
+ */
+bool tdp__cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mtx, int64_t deadline_ms);
+
+#endif

@@ -1,0 +1,125 @@
+/*
+ * plane.h (internal): a data plane — what carries a pipe's frames (SCHEMA,
+ * DATA, CREDIT) and payloads once the control channel has done the HELLO.
+ *
+ * A plane is a const table of operations (struct tdp__plane_ops) and a
+ * per-pipe object, its link. The pipe's state machine (session.c) owns the
+ * rules — schema once then data, sequence numbers, credits, lending, clean
+ * end vs failure — and calls the plane only through the table; the plane
+ * reports back only through the tdp__plane_up callbacks it was given, and
+ * never includes the session's internals. docs/planes.md is the guide.
+ *
+ * Lifetime of a link: link_new (when the pipe is made, so that frames a
+ * fast peer sends before this side has read its HELLO have a home), then
+ * link_start (after HELLO, with the peer's records), then link_close (the
+ * session is done with it: no up-call is made after it returns). A closed
+ * link frees itself once the transport has let go of every buffer it
+ * holds (sends and receives in flight), which may be later than the
+ * session's own end; the plane's per-loop state frees what is left when
+ * the loop goes.
+ *
+ * Everything runs on the loop thread.
+ */
+#ifndef TDP_PIPE_PLANE_H
+#define TDP_PIPE_PLANE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <tdpipe/loop.h>
+#include <tdpipe/pipe.h>
+
+#include "../schema/td_int.h"
+#include "wire.h"
+
+typedef struct tdp__link tdp__link;
+
+/* A frame as the session sees it, whatever carried it. */
+typedef struct tdp__frame {
+    uint8_t type;    /* TDP_AM_SCHEMA / TDP_AM_DATA */
+    uint64_t seq;
+    uint64_t hash;   /* schema hash */
+    uint64_t length; /* payload bytes (schema JSON or data) */
+    uint64_t arg;    /* SCHEMA: total bytes of the layout */
+} tdp__frame;
+
+/* What a plane tells the session; owner is the session's pipe. */
+typedef struct tdp__plane_up {
+    /* A SCHEMA frame: json is valid during the call only. */
+    void (*schema)(void *owner, tdp__link *l, const tdp__frame *f, const void *json, size_t len);
+    /*
+     * A DATA frame announced; desc is the plane's handle for it, valid
+     * during the call. The session checks it and either calls
+     * ops->recv(link, desc, slot) or fails the pipe.
+     */
+    void (*data)(void *owner, tdp__link *l, const tdp__frame *f, void *desc);
+    /* The peer's running count of released buffers. */
+    void (*credit)(void *owner, tdp__link *l, uint64_t total);
+    /* A receive that ops->recv left in progress ended (TDP_OK: slot holds the message). */
+    void (*landed)(void *owner, tdp__link *l, uint32_t slot, tdp_err st);
+    /* A send finished: its buffer may be reused (TDP_OK: the transport has the bytes). */
+    void (*sent)(void *owner, tdp__link *l, void *cookie, tdp_err st);
+    /* The link failed (the transport saw the peer die); the session ends. */
+    void (*failed)(void *owner, tdp__link *l, tdp_err st, const char *why);
+} tdp__plane_up;
+
+/* What a plane learns at link_start. */
+typedef struct tdp__link_peer {
+    const tdp_hello *hello; /* the peer's (records valid during the call) */
+    bool same_host;
+    uint32_t peer_depth; /* buffers the peer holds: most sends in flight */
+    tdp_peer_mode mode;  /* this side's option */
+} tdp__link_peer;
+
+/* A send: the session has checked credit and order. */
+typedef struct tdp__tx {
+    tdp_td *td;
+    uint64_t seq;
+    const tdp_schema *schema; /* non-NULL: send this schema first */
+    uint64_t credit;          /* this side's released count, ridden along if the plane can */
+    void *cookie;             /* given back in up->sent */
+} tdp__tx;
+
+typedef struct tdp__plane_ops {
+    const char *name;
+    uint8_t id; /* TDP_PLANE_* */
+    /*
+     * Records this side's HELLO carries for the plane (token, addresses,
+     * names). TDP_OK with nothing added is fine.
+     */
+    tdp_err (*hello_fill)(tdp__link *l, tdp_hello *h);
+    /*
+     * Can this plane serve a pipe to this peer? Must give the same answer
+     * on both sides (it sees the peer's HELLO and same_host only).
+     */
+    bool (*usable)(const tdp_hello *peer, bool same_host);
+
+    tdp_err (*link_new)(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out);
+    tdp_err (*link_start)(tdp__link *l, const tdp__link_peer *peer);
+    void (*link_close)(tdp__link *l);
+    /* True while the transport still holds send or receive buffers. */
+    bool (*link_busy)(const tdp__link *l);
+
+    /* Send (schema if asked, then data). Completion through up->sent. */
+    tdp_err (*send)(tdp__link *l, const tdp__tx *tx);
+    /* Tell the peer how many buffers this side released (NULL: releases say it). */
+    tdp_err (*credit)(tdp__link *l, uint64_t total);
+    /* A new receive layout was accepted: prepare storage for slots 0..depth-1. */
+    tdp_err (*rx_schema)(tdp__link *l, tdp_schema *sc, uint32_t depth);
+    /*
+     * Receive the announced DATA into slot: *td is the message's view.
+     * TDP_OK: landed now; TDP_EAGAIN: up->landed follows; else failed.
+     */
+    tdp_err (*recv)(tdp__link *l, void *desc, uint32_t slot, tdp_td **td);
+    /* The message in slot was released by the application. */
+    void (*release)(tdp__link *l, uint32_t slot);
+    /* Lend a send buffer from the plane's own pool (NULL: no loans). */
+    tdp_err (*loan)(tdp__link *l, tdp_schema *sc, tdp_td **out);
+} tdp__plane_ops;
+
+extern const tdp__plane_ops tdp__plane_ucx;
+
+/* Planes this build has, in this library's order of preference. */
+const tdp__plane_ops *tdp__plane_by_id(uint8_t id);
+const tdp__plane_ops *tdp__plane_by_name(const char *name);
+
+#endif

@@ -1,0 +1,1027 @@
+/*
+ * plane_ucx.c: the ucx data plane — SCHEMA, DATA and CREDIT as UCX active
+ * messages; DATA payloads by rendezvous straight into receive buffers
+ * registered once with ucp_mem_map. Works with any peer.
+ *
+ * Per loop (TDP__EXT_PIPE): the table that maps the token in every
+ * incoming frame to its link, the AM handler of each worker, the workers'
+ * addresses, and one UCX endpoint per remote worker shared by every link
+ * between the same two workers (UCX pairs the endpoints two workers create
+ * to each other in creation order, which two sides opening several pipes
+ * at once need not agree on).
+ *
+ * A closed link lives on while UCX holds any of its buffers (a send or a
+ * rendezvous receive in flight) and is freed when the last request
+ * completes; in peer-failure mode closing the endpoint completes them at
+ * once. What UCX never gives back is freed after the workers are gone.
+ */
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "plane_ucx.h"
+#include "session.h"
+#include "ucx_workers.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+#include "../core/reap.h"
+
+typedef struct ucx_ext ucx_ext;
+
+/* One endpoint per remote worker, shared by the links to it. */
+typedef struct shared_ep {
+    ucx_ext *x;
+    int wi;
+    bool peer_mode;
+    bool failed;
+    uint32_t refs;
+    ucp_ep_h ep;
+    size_t alen;
+    uint8_t *addr;
+    struct shared_ep *next;
+} shared_ep;
+
+/* A send UCX may hold: the headers live here until both requests finish. */
+typedef struct ticket {
+    struct tdp__link *l;
+    void *cookie;
+    tdp_td *td;
+    int inflight;
+    tdp_err status;
+    void *req[2];
+    struct ticket *next_free;
+    uint8_t schema_hdr[TDP_AM_HDR_LEN];
+    uint8_t data_hdr[TDP_AM_HDR_LEN];
+} ticket;
+
+/* Receive storage shared by the tds that wrap it; freed with the last one. */
+typedef struct rx_store {
+    _Atomic uint32_t refs;
+    void *buf;
+    uint64_t cap;
+    tdp_mem_type mt;
+} rx_store;
+
+typedef struct rx_buf {
+    struct tdp__link *l;
+    rx_store *store;
+    ucp_mem_h memh;
+    tdp_td *td; /* wraps store for the schema it was built for */
+    void *req;  /* rendezvous receive in flight */
+    bool lent;  /* given to the session, not yet released */
+} rx_buf;
+
+struct tdp__link {
+    ucx_ext *x;
+    void *owner;
+    const tdp__plane_up *up;
+    uint64_t token, peer_token;
+    uint32_t reg_index;
+    int wi;       /* TDP_WORKER_ANY or TDP_WORKER_LOCAL */
+    bool wi_seen; /* a frame pinned the worker before link_start */
+    bool started, closed;
+    bool peer_mode;
+    shared_ep *sep;
+    tdp__reap reap;
+    struct tdp__link *next, *prev; /* every link of the loop, for teardown */
+
+    ticket *tickets;
+    uint32_t nticket;
+    ticket *free_tickets;
+    uint32_t reqs; /* UCX requests in flight (sends, credit, receives) */
+
+    void *credit_req;
+    uint64_t credit_want, credit_flying;
+    uint8_t credit_hdr[TDP_AM_HDR_LEN];
+
+    tdp_schema *rx_schema;
+    rx_buf rx[TDP_MAX_DEPTH];
+};
+
+struct ucx_ext {
+    tdp_loop *loop;
+    tdp__ucx *ucx;
+    struct tdp__link *links;
+    struct tdp__link **tab; /* token low half -> link */
+    uint32_t cap;
+    shared_ep *eps, *dead_eps;
+    void **closing; /* endpoint closes still in progress */
+    uint32_t nclosing, capclosing;
+    struct am_arg {
+        ucx_ext *x;
+        int wi;
+    } args[TDP_LOOP_WORKERS];
+    ucp_address_t *addr[TDP_LOOP_WORKERS];
+    size_t addr_len[TDP_LOOP_WORKERS];
+};
+
+static void link_maybe_free(struct tdp__link *l);
+
+/* ---- per-loop state ------------------------------------------------------------ */
+
+static void purge_closing(ucx_ext *x)
+{
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < x->nclosing; i++) {
+        if (ucp_request_check_status(x->closing[i]) != UCS_INPROGRESS)
+            ucp_request_free(x->closing[i]);
+        else
+            x->closing[k++] = x->closing[i];
+    }
+    x->nclosing = k;
+}
+
+static void track_close(ucx_ext *x, void *req)
+{
+    purge_closing(x);
+    if (x->nclosing == x->capclosing) {
+        uint32_t cap = x->capclosing ? x->capclosing * 2 : 16;
+        void **c = tdp__realloc(x->closing, cap * sizeof(*c));
+        if (c == NULL) {
+            ucp_request_free(req); /* cannot wait for it: let UCX finish alone */
+            return;
+        }
+        x->closing = c;
+        x->capclosing = cap;
+    }
+    x->closing[x->nclosing++] = req;
+}
+
+static void rx_buf_drop(struct tdp__link *l, rx_buf *b);
+
+/*
+ * Before the workers go: let endpoint closes finish (destroying a worker
+ * with a close in progress can crash UCX 1.13), then abandon what UCX
+ * still holds: the requests are freed (their callbacks never run) and the
+ * buffers wait for fini, after the workers.
+ */
+static void ext_pre_fini(void *ext)
+{
+    ucx_ext *x = ext;
+    int64_t end = tdp__now_ms() + 1000;
+    for (;;) {
+        purge_closing(x);
+        if (x->nclosing == 0 || tdp__now_ms() > end)
+            break;
+        for (int i = 0; i < x->ucx->nworkers; i++)
+            ucp_worker_progress(x->ucx->worker[i]);
+    }
+    if (x->nclosing > 0)
+        tdp_log_warn("%u endpoint close(s) still in progress as the loop goes", x->nclosing);
+    for (uint32_t i = 0; i < x->nclosing; i++)
+        ucp_request_free(x->closing[i]);
+    x->nclosing = 0;
+    for (struct tdp__link *l = x->links; l != NULL; l = l->next) {
+        for (uint32_t i = 0; i < l->nticket; i++) {
+            for (int k = 0; k < 2; k++) {
+                if (l->tickets[i].req[k] != NULL)
+                    ucp_request_free(l->tickets[i].req[k]);
+                l->tickets[i].req[k] = NULL;
+            }
+        }
+        for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+            if (l->rx[i].req != NULL)
+                ucp_request_free(l->rx[i].req);
+            l->rx[i].req = NULL;
+        }
+        if (l->credit_req != NULL)
+            ucp_request_free(l->credit_req);
+        l->credit_req = NULL;
+        l->reqs = 0;
+    }
+    for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
+        if (x->addr[i] != NULL)
+            ucp_worker_release_address(x->ucx->worker[i], x->addr[i]);
+        x->addr[i] = NULL;
+    }
+}
+
+static void link_destroy(struct tdp__link *l);
+
+/* After the workers are gone: nothing can touch the buffers any more. */
+static void ext_fini(void *ext)
+{
+    ucx_ext *x = ext;
+    while (x->links != NULL)
+        link_destroy(x->links);
+    shared_ep *lists[2] = {x->eps, x->dead_eps};
+    for (int k = 0; k < 2; k++) { /* links never closed: the workers took their eps */
+        while (lists[k] != NULL) {
+            shared_ep *e = lists[k];
+            lists[k] = e->next;
+            tdp__free(e->addr);
+            tdp__free(e);
+        }
+    }
+    tdp__free(x->closing);
+    tdp__free(x->tab);
+    tdp__free(x);
+}
+
+static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
+                          size_t length, const ucp_am_recv_param_t *param);
+
+static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
+{
+    ucx_ext *x = tdp__loop_ext(loop, TDP__EXT_PIPE);
+    if (x != NULL) {
+        *out = x;
+        return TDP_OK;
+    }
+    tdp__ucx *ucx;
+    tdp_err rc = tdp__ucx_get(loop, &ucx);
+    if (rc != TDP_OK)
+        return rc;
+    x = tdp__calloc(1, sizeof(*x));
+    if (x == NULL)
+        return TDP_ENOMEM;
+    x->loop = loop;
+    x->ucx = ucx;
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = TDP_AM_ID,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = am_cb,
+    };
+    for (int i = 0; i < ucx->nworkers; i++) {
+        x->args[i].x = x;
+        x->args[i].wi = i;
+        hp.arg = &x->args[i];
+        ucs_status_t st = ucp_worker_set_am_recv_handler(ucx->worker[i], &hp);
+        if (st != UCS_OK) {
+            tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
+            tdp__free(x);
+            return TDP_EUCX;
+        }
+    }
+    tdp__loop_set_ext(loop, TDP__EXT_PIPE, x, ext_pre_fini, ext_fini);
+    *out = x;
+    return TDP_OK;
+}
+
+static tdp_err worker_address(ucx_ext *x, int wi, const void **addr, size_t *len)
+{
+    if (wi >= x->ucx->nworkers || x->ucx->worker[wi] == NULL) {
+        *addr = NULL; /* no such worker: an empty address */
+        *len = 0;
+        return TDP_OK;
+    }
+    if (x->addr[wi] == NULL) {
+        ucs_status_t st = ucp_worker_get_address(x->ucx->worker[wi], &x->addr[wi],
+                                                 &x->addr_len[wi]);
+        if (st != UCS_OK) {
+            tdp_log_error("ucp_worker_get_address: %s", ucs_status_string(st));
+            return TDP_EUCX;
+        }
+    }
+    *addr = x->addr[wi];
+    *len = x->addr_len[wi];
+    return TDP_OK;
+}
+
+static uint64_t random64(void)
+{
+    uint64_t v;
+    if (getrandom(&v, sizeof(v), 0) != (ssize_t)sizeof(v)) {
+        static _Atomic uint64_t ctr;
+        v = XXH3_64bits_withSeed(&v, sizeof(v), (uint64_t)getpid() ^ atomic_fetch_add(&ctr, 1));
+    }
+    return v;
+}
+
+static tdp_err tab_add(ucx_ext *x, struct tdp__link *l)
+{
+    uint32_t i;
+    for (i = 0; i < x->cap; i++)
+        if (x->tab[i] == NULL)
+            break;
+    if (i == x->cap) {
+        uint32_t cap = x->cap ? x->cap * 2 : 16;
+        struct tdp__link **t = tdp__realloc(x->tab, cap * sizeof(*t));
+        if (t == NULL)
+            return TDP_ENOMEM;
+        memset(t + x->cap, 0, (cap - x->cap) * sizeof(*t));
+        x->tab = t;
+        x->cap = cap;
+    }
+    x->tab[i] = l;
+    l->reg_index = i;
+    /* high half random: a stale or forged token names no live link */
+    l->token = (random64() & 0xffffffff00000000ull) | i;
+    return TDP_OK;
+}
+
+static void tab_remove(struct tdp__link *l)
+{
+    ucx_ext *x = l->x;
+    if (l->reg_index < x->cap && x->tab[l->reg_index] == l)
+        x->tab[l->reg_index] = NULL;
+}
+
+static struct tdp__link *tab_lookup(ucx_ext *x, uint64_t token)
+{
+    uint32_t i = (uint32_t)token;
+    if (i >= x->cap || x->tab[i] == NULL || x->tab[i]->token != token)
+        return NULL;
+    return x->tab[i];
+}
+
+/* ---- shared endpoints ------------------------------------------------------- */
+
+static void unlink_ep(shared_ep **list, shared_ep *e)
+{
+    for (shared_ep **pp = list; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == e) {
+            *pp = e->next;
+            return;
+        }
+    }
+}
+
+static void ep_unref(shared_ep *e);
+
+/* UCX says the peer behind this endpoint failed: every link on it fails. */
+static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    shared_ep *e = arg;
+    ucx_ext *x = e->x;
+    if (e->failed)
+        return;
+    e->failed = true;
+    unlink_ep(&x->eps, e); /* new links to that peer get a fresh endpoint */
+    e->next = x->dead_eps;
+    x->dead_eps = e;
+    e->refs++; /* hold it while the links let go */
+    for (uint32_t i = 0; i < x->cap; i++) {
+        struct tdp__link *l = x->tab[i];
+        if (l != NULL && l->sep == e && !l->closed)
+            l->up->failed(l->owner, l, TDP_ECONNRESET, ucs_status_string(st));
+    }
+    ep_unref(e);
+}
+
+static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
+{
+    ucx_ext *x = l->x;
+    for (shared_ep *e = x->eps; e != NULL; e = e->next) {
+        if (e->wi == l->wi && e->peer_mode == l->peer_mode && e->alen == alen &&
+            memcmp(e->addr, addr, alen) == 0) {
+            e->refs++;
+            l->sep = e;
+            return TDP_OK;
+        }
+    }
+    shared_ep *e = tdp__calloc(1, sizeof(*e));
+    if (e == NULL || (e->addr = tdp__malloc(alen)) == NULL) {
+        tdp__free(e);
+        return TDP_ENOMEM;
+    }
+    memcpy(e->addr, addr, alen);
+    e->alen = alen;
+    e->x = x;
+    e->wi = l->wi;
+    e->peer_mode = l->peer_mode;
+    ucp_ep_params_t prm = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = (const ucp_address_t *)e->addr,
+        .err_mode = l->peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+    };
+    if (l->peer_mode) {
+        prm.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        prm.err_handler.cb = shared_ep_err;
+        prm.err_handler.arg = e;
+    }
+    ucs_status_t st = ucp_ep_create(x->ucx->worker[l->wi], &prm, &e->ep);
+    if (st != UCS_OK) {
+        tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
+        tdp__free(e->addr);
+        tdp__free(e);
+        return TDP_EUCX;
+    }
+    e->refs = 1;
+    e->next = x->eps;
+    x->eps = e;
+    l->sep = e;
+    return TDP_OK;
+}
+
+static void ep_unref(shared_ep *e)
+{
+    if (--e->refs > 0)
+        return;
+    ucx_ext *x = e->x;
+    unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+        /* in peer-failure mode a forced close releases everything at once
+         * (a flush close there keeps TCP sockets open); UCX 1.13 allows it
+         * only in that mode */
+        .flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0,
+    };
+    void *req = ucp_ep_close_nbx(e->ep, &prm);
+    if (UCS_PTR_IS_ERR(req))
+        tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(req)));
+    else if (req != NULL)
+        track_close(x, req); /* finished before the worker goes */
+    tdp__loop_kick(x->loop);
+    tdp__free(e->addr);
+    tdp__free(e);
+}
+
+/* ---- receive storage ------------------------------------------------------------ */
+
+static void store_unref(void *buf, void *arg)
+{
+    rx_store *st = arg;
+    if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
+        tdp_mem_free(st->mt, st->buf);
+        tdp__free(st);
+    }
+}
+
+static void rx_buf_drop(struct tdp__link *l, rx_buf *b)
+{
+    if (b->memh != NULL) {
+        ucp_mem_unmap(l->x->ucx->context[l->wi], b->memh);
+        b->memh = NULL;
+    }
+    tdp_td_unref(b->td); /* the store goes with the last td that wraps it */
+    b->td = NULL;
+    b->store = NULL;
+}
+
+/* Make b hold a td of the current receive schema. */
+static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
+{
+    tdp_schema *sc = l->rx_schema;
+    tdp_device dev = tdp_schema_device(sc);
+    tdp_mem_type mt = dev.type == TDP_DEVICE_CUDA ? TDP_MEM_CUDA : TDP_MEM_HOST;
+    uint64_t need = tdp_schema_total_bytes(sc);
+    tdp_err rc;
+
+    if (b->td != NULL && b->td->schema == sc)
+        return TDP_OK;
+    if (b->store != NULL && b->store->cap >= need && b->store->mt == mt &&
+        tdp_device_equal(b->td->device, dev)) {
+        /* reuse the storage (and its registration) under the new layout */
+        tdp_td *td;
+        atomic_fetch_add(&b->store->refs, 1);
+        rc = tdp_td_wrap(sc, b->store->buf, b->store->cap, dev, store_unref, b->store, &td);
+        if (rc != TDP_OK) {
+            store_unref(NULL, b->store);
+            return rc;
+        }
+        tdp_td_unref(b->td);
+        b->td = td;
+        return TDP_OK;
+    }
+    rx_buf_drop(l, b);
+    rx_store *st = tdp__calloc(1, sizeof(*st));
+    if (st == NULL)
+        return TDP_ENOMEM;
+    if ((rc = tdp_mem_alloc(mt, dev.index, need, 0, &st->buf)) != TDP_OK) {
+        tdp__free(st);
+        return rc;
+    }
+    st->cap = need;
+    st->mt = mt;
+    atomic_init(&st->refs, 1);
+    if ((rc = tdp_td_wrap(sc, st->buf, need, dev, store_unref, st, &b->td)) != TDP_OK) {
+        store_unref(NULL, st);
+        return rc;
+    }
+    b->store = st;
+    if (need > 0) {
+        /* registered once: every rendezvous lands here without a lookup */
+        ucp_mem_map_params_t mp = {
+            .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+            .address = st->buf,
+            .length = need,
+        };
+        if (mt == TDP_MEM_CUDA) {
+            mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+            mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+        }
+        ucs_status_t us = ucp_mem_map(l->x->ucx->context[l->wi], &mp, &b->memh);
+        if (us != UCS_OK) {
+            tdp_log_debug("ucp_mem_map: %s (receiving without a handle)", ucs_status_string(us));
+            b->memh = NULL;
+        }
+    }
+    return TDP_OK;
+}
+
+static tdp_err u_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
+{
+    if (l->rx_schema != sc) {
+        tdp_schema_unref(l->rx_schema);
+        l->rx_schema = tdp_schema_ref(sc);
+    }
+    /* buffers holding an older message are rebuilt when it is released */
+    for (uint32_t i = 0; i < depth && i < TDP_MAX_DEPTH; i++) {
+        rx_buf *b = &l->rx[i];
+        if (b->lent || b->req != NULL)
+            continue;
+        tdp_err rc = rx_buf_build(l, b);
+        if (rc != TDP_OK)
+            return rc;
+    }
+    return TDP_OK;
+}
+
+static void recv_cb(void *req, ucs_status_t st, size_t length, void *user)
+{
+    rx_buf *b = user;
+    struct tdp__link *l = b->l;
+    ucp_request_free(req);
+    b->req = NULL;
+    l->reqs--;
+    tdp_err rc = st == UCS_OK && length == b->td->nbytes ? TDP_OK : TDP_ECONNRESET;
+    if (!l->closed)
+        l->up->landed(l->owner, l, (uint32_t)(b - l->rx), rc);
+    link_maybe_free(l);
+}
+
+typedef struct am_desc {
+    void *data;
+    size_t length;
+    const ucp_am_recv_param_t *param;
+} am_desc;
+
+static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
+{
+    am_desc *d = desc;
+    if (slot >= TDP_MAX_DEPTH || l->rx_schema == NULL)
+        return TDP_EINVAL;
+    rx_buf *b = &l->rx[slot];
+    if (b->req != NULL || b->lent)
+        return TDP_EPROTO;
+    tdp_err rc = rx_buf_build(l, b);
+    if (rc != TDP_OK)
+        return rc;
+    if (d->length != b->td->nbytes)
+        return TDP_EMSGSIZE;
+    b->lent = true;
+    *td = b->td;
+    if (!(d->param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        if (d->length > 0)
+            memcpy(b->td->data, d->data, d->length);
+        return TDP_OK;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .cb.recv_am = recv_cb,
+        .user_data = b,
+    };
+    if (b->memh != NULL) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        prm.memh = b->memh;
+    }
+    if (b->store->mt == TDP_MEM_CUDA) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        prm.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
+    void *r = ucp_am_recv_data_nbx(l->x->ucx->worker[l->wi], d->data, b->td->data, d->length,
+                                   &prm);
+    if (r == NULL)
+        return TDP_OK;
+    if (UCS_PTR_IS_ERR(r)) {
+        b->lent = false;
+        return TDP_ECONNRESET;
+    }
+    b->req = r;
+    l->reqs++;
+    return TDP_EAGAIN;
+}
+
+static void u_release(tdp__link *l, uint32_t slot)
+{
+    if (slot < TDP_MAX_DEPTH)
+        l->rx[slot].lent = false;
+}
+
+/* ---- incoming frames ------------------------------------------------------------ */
+
+static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
+                          size_t length, const ucp_am_recv_param_t *param)
+{
+    const struct am_arg *aa = arg;
+    ucx_ext *x = aa->x;
+    tdp_am_hdr h;
+    tdp_err rc = tdp_wire_am_decode(header, header_length, &h);
+
+    if (rc != TDP_OK) {
+        /* the token sits at a fixed place: end the link it names, if any */
+        if (header != NULL && header_length == TDP_AM_HDR_LEN) {
+            uint64_t tok = 0;
+            for (int i = 7; i >= 0; i--)
+                tok = (tok << 8) | ((const uint8_t *)header)[8 + i];
+            struct tdp__link *l = tab_lookup(x, tok);
+            if (l != NULL && !l->closed)
+                l->up->failed(l->owner, l, rc, "malformed frame header");
+        }
+        tdp_log_debug("dropping malformed active message (%zu-byte header)", header_length);
+        return UCS_OK; /* UCX drops the data (and answers a rendezvous) */
+    }
+    struct tdp__link *l = tab_lookup(x, h.token);
+    if (l == NULL || l->closed)
+        return UCS_OK;
+    if (!l->started && !l->wi_seen) {
+        /* the peer has our HELLO and chose a worker before we read its own:
+         * its choice is the one ours will be; link_start checks that */
+        l->wi = aa->wi;
+        l->wi_seen = true;
+    } else if (aa->wi != l->wi) {
+        l->up->failed(l->owner, l, TDP_EPROTO, "frame on the wrong worker");
+        return UCS_OK;
+    }
+    tdp__frame f = {.type = h.type, .seq = h.seq, .hash = h.hash, .length = h.length,
+                    .arg = h.arg};
+    switch (h.type) {
+    case TDP_AM_CREDIT:
+        l->up->credit(l->owner, l, h.arg);
+        break;
+    case TDP_AM_SCHEMA:
+        if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || length != h.length) {
+            l->up->failed(l->owner, l, TDP_EPROTO, "schema frame by rendezvous or cut short");
+            break;
+        }
+        l->up->schema(l->owner, l, &f, data, length);
+        break;
+    case TDP_AM_DATA: {
+        if (length != h.length) {
+            l->up->failed(l->owner, l, TDP_EMSGSIZE, "data length differs from its frame");
+            break;
+        }
+        /* the credit the peer owes rides on its data */
+        l->up->credit(l->owner, l, h.arg);
+        if (l->closed)
+            break;
+        am_desc d = {data, length, param};
+        l->up->data(l->owner, l, &f, &d);
+        break;
+    }
+    }
+    return UCS_OK;
+}
+
+/* ---- sending ------------------------------------------------------------------ */
+
+static void ticket_done(ticket *t, ucs_status_t st)
+{
+    struct tdp__link *l = t->l;
+    if (st != UCS_OK && t->status == TDP_OK)
+        /* cancelled while the link is up: the receiver declined a rendezvous
+         * that came after its side ended (just after its BYE): the stream ended */
+        t->status = st == UCS_ERR_CANCELED ? TDP_ECLOSED : TDP_ECONNRESET;
+    if (--t->inflight > 0)
+        return;
+    void *cookie = t->cookie;
+    tdp_err status = t->status;
+    tdp_td_unref(t->td);
+    t->td = NULL;
+    t->cookie = NULL;
+    t->next_free = l->free_tickets;
+    l->free_tickets = t;
+    if (!l->closed)
+        l->up->sent(l->owner, l, cookie, status);
+    link_maybe_free(l);
+}
+
+static void send_cb(void *req, ucs_status_t st, void *user)
+{
+    ticket *t = user;
+    for (int i = 0; i < 2; i++)
+        if (t->req[i] == req)
+            t->req[i] = NULL;
+    ucp_request_free(req);
+    t->l->reqs--;
+    ticket_done(t, st);
+}
+
+/* Post one AM for a ticket; counts it in flight unless it finished at once. */
+static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void *buf, size_t len,
+                       uint32_t flags, ucs_memory_type_t mt)
+{
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = send_cb,
+        .user_data = t,
+        .flags = flags,
+    };
+    if (mt != UCS_MEMORY_TYPE_HOST) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        prm.memory_type = mt;
+    }
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, TDP_AM_HDR_LEN, buf, len, &prm);
+    if (r == NULL)
+        return TDP_OK;
+    if (UCS_PTR_IS_ERR(r)) {
+        tdp_log_debug("ucp_am_send_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
+        return TDP_ECONNRESET;
+    }
+    t->req[t->req[0] == NULL ? 0 : 1] = r;
+    t->inflight++;
+    l->reqs++;
+    return TDP_OK;
+}
+
+static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
+{
+    ticket *t = l->free_tickets;
+    if (t == NULL || l->sep == NULL)
+        return TDP_EINTERNAL; /* the session bounds sends by its own tickets */
+    l->free_tickets = t->next_free;
+    tdp_td *td = tx->td;
+    ucs_memory_type_t mt =
+        td->device.type == TDP_DEVICE_CUDA ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    tdp_err rc = TDP_OK;
+    t->cookie = tx->cookie;
+    t->td = tdp_td_ref(td);
+    t->status = TDP_OK;
+    t->inflight = 1; /* held until both posts are made */
+    if (tx->schema != NULL) {
+        size_t jl;
+        const char *json = tdp_schema_json(tx->schema, &jl);
+        tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
+                        .token = l->peer_token,
+                        .seq = tx->seq,
+                        .hash = tdp_schema_hash(tx->schema),
+                        .length = jl,
+                        .arg = tdp_schema_total_bytes(tx->schema)};
+        tdp_wire_am_encode(t->schema_hdr, &h);
+        /* eager: the schema is whole in the receiver's callback, before its data */
+        rc = am_post(l, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST);
+    }
+    if (rc == TDP_OK) {
+        tdp_am_hdr h = {.type = TDP_AM_DATA,
+                        .token = l->peer_token,
+                        .seq = tx->seq,
+                        .hash = tdp_schema_hash(td->schema),
+                        .length = td->nbytes,
+                        .arg = tx->credit};
+        tdp_wire_am_encode(t->data_hdr, &h);
+        rc = am_post(l, t, t->data_hdr, td->data, td->nbytes, 0, mt);
+    }
+    tdp__loop_kick(l->x->loop);
+    if (rc != TDP_OK && t->inflight == 1) {
+        /* nothing posted: hand the ticket back without telling the session */
+        tdp_td_unref(t->td);
+        t->td = NULL;
+        t->cookie = NULL;
+        t->next_free = l->free_tickets;
+        l->free_tickets = t;
+        return rc;
+    }
+    if (rc != TDP_OK)
+        t->status = rc;
+    ticket_done(t, UCS_OK); /* drop the hold: completes now if UCX finished both */
+    return TDP_OK;
+}
+
+static void credit_cb(void *req, ucs_status_t st, void *user);
+
+static void credit_post(struct tdp__link *l)
+{
+    if (l->credit_req != NULL || l->sep == NULL || l->closed)
+        return;
+    /* cumulative count: one frame in flight at a time says everything */
+    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = l->peer_token, .arg = l->credit_want};
+    tdp_wire_am_encode(l->credit_hdr, &h);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = credit_cb,
+        .user_data = l,
+        .flags = UCP_AM_SEND_FLAG_EAGER,
+    };
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, l->credit_hdr, TDP_AM_HDR_LEN, NULL, 0,
+                              &prm);
+    tdp__loop_kick(l->x->loop);
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        if (UCS_PTR_IS_ERR(r) && !l->closed)
+            l->up->failed(l->owner, l, TDP_ECONNRESET, "cannot send credit");
+        return;
+    }
+    l->credit_flying = h.arg;
+    l->credit_req = r;
+    l->reqs++;
+}
+
+static void credit_cb(void *req, ucs_status_t st, void *user)
+{
+    struct tdp__link *l = user;
+    ucp_request_free(req);
+    l->credit_req = NULL;
+    l->reqs--;
+    if (l->credit_want != l->credit_flying)
+        credit_post(l); /* released more while this one flew */
+    link_maybe_free(l);
+}
+
+static tdp_err u_credit(tdp__link *l, uint64_t total)
+{
+    l->credit_want = total;
+    credit_post(l);
+    return TDP_OK;
+}
+
+/* ---- links ----------------------------------------------------------------------- */
+
+static tdp_err u_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out)
+{
+    ucx_ext *x;
+    tdp_err rc = ext_get(loop, &x);
+    if (rc != TDP_OK)
+        return rc;
+    struct tdp__link *l = tdp__calloc(1, sizeof(*l));
+    if (l == NULL)
+        return TDP_ENOMEM;
+    l->x = x;
+    l->owner = owner;
+    l->up = up;
+    l->wi = TDP_WORKER_ANY;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        l->rx[i].l = l;
+    if ((rc = tab_add(x, l)) != TDP_OK) {
+        tdp__free(l);
+        return rc;
+    }
+    l->next = x->links;
+    if (x->links != NULL)
+        x->links->prev = l;
+    x->links = l;
+    *out = l;
+    return TDP_OK;
+}
+
+static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
+{
+    const void *addr, *laddr;
+    size_t alen, llen;
+    tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
+    if (rc == TDP_OK)
+        rc = worker_address(l->x, TDP_WORKER_LOCAL, &laddr, &llen);
+    if (rc != TDP_OK)
+        return rc;
+    h->token = l->token;
+    h->addr = addr;
+    h->addr_len = (uint32_t)alen;
+    h->local_addr = laddr;
+    h->local_addr_len = (uint32_t)llen;
+    return TDP_OK;
+}
+
+static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
+{
+    const tdp_hello *h = peer->hello;
+    if (h->addr_len == 0)
+        return TDP_EPROTO;
+    l->peer_token = h->token;
+    /*
+     * Which worker, and whether UCX watches for peer failure. Both sides
+     * compute the same answer from both HELLOs: a peer on this host, when
+     * both have a shared-memory worker, gets that worker without UCX's
+     * peer-failure mode (shared memory stays usable; the control socket
+     * sees the peer die); any other peer gets the general worker with UCX's
+     * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
+     * worker with / without it.
+     */
+    bool local = peer->same_host && h->local_addr_len > 0 &&
+                 l->x->ucx->nworkers > TDP_WORKER_LOCAL &&
+                 l->x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
+    int seen = l->wi;
+    l->wi = TDP_WORKER_ANY;
+    if (h->peer_mode == TDP_PEER_UCX || peer->mode == TDP_PEER_UCX) {
+        l->peer_mode = true;
+    } else if (h->peer_mode == TDP_PEER_SOCKET || peer->mode == TDP_PEER_SOCKET) {
+        l->peer_mode = false;
+    } else if (local) {
+        l->peer_mode = false;
+        l->wi = TDP_WORKER_LOCAL;
+    } else {
+        l->peer_mode = true;
+    }
+    if (l->wi_seen && seen != l->wi) {
+        tdp_log_warn("the peer chose another UCX worker than this side would");
+        return TDP_EPROTO;
+    }
+    l->nticket = 2 * peer->peer_depth + 1;
+    l->tickets = tdp__alloc_array(l->nticket, sizeof(*l->tickets));
+    if (l->tickets == NULL)
+        return TDP_ENOMEM;
+    memset(l->tickets, 0, l->nticket * sizeof(*l->tickets));
+    for (uint32_t i = 0; i < l->nticket; i++) {
+        l->tickets[i].l = l;
+        l->tickets[i].next_free = i + 1 < l->nticket ? &l->tickets[i + 1] : NULL;
+    }
+    l->free_tickets = l->tickets;
+    /* a receive schema that came before the HELLO was prepared on the default worker */
+    if (l->rx_schema != NULL && seen != l->wi) {
+        for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+            if (!l->rx[i].lent && l->rx[i].req == NULL)
+                rx_buf_drop(l, &l->rx[i]);
+    }
+    tdp_err rc = l->wi == TDP_WORKER_LOCAL ? ep_acquire(l, h->local_addr, h->local_addr_len)
+                                           : ep_acquire(l, h->addr, h->addr_len);
+    if (rc != TDP_OK)
+        return rc;
+    l->started = true;
+    return TDP_OK;
+}
+
+static bool u_link_busy(const tdp__link *l)
+{
+    return l->reqs > 0;
+}
+
+static void link_destroy(struct tdp__link *l)
+{
+    ucx_ext *x = l->x;
+    tab_remove(l);
+    if (l->prev != NULL)
+        l->prev->next = l->next;
+    else
+        x->links = l->next;
+    if (l->next != NULL)
+        l->next->prev = l->prev;
+    if (l->sep != NULL)
+        ep_unref(l->sep);
+    l->sep = NULL;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        rx_buf_drop(l, &l->rx[i]);
+    for (uint32_t i = 0; i < l->nticket; i++)
+        tdp_td_unref(l->tickets[i].td); /* only sends UCX never gave back */
+    tdp__free(l->tickets);
+    tdp_schema_unref(l->rx_schema);
+    tdp__free(l);
+}
+
+static void link_reap(void *arg)
+{
+    link_destroy(arg);
+}
+
+/* A closed link goes once UCX has let go of everything it holds. */
+static void link_maybe_free(struct tdp__link *l)
+{
+    if (!l->closed || l->reqs > 0 || l->reap.queued)
+        return;
+    tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
+}
+
+static void u_link_close(tdp__link *l)
+{
+    if (l->closed)
+        return;
+    l->closed = true;
+    tab_remove(l); /* no frame finds it any more */
+    /* the last link on an endpoint closes it: in peer-failure mode that
+     * completes (with an error) what UCX still holds for this link */
+    if (l->sep != NULL) {
+        shared_ep *e = l->sep;
+        l->sep = NULL;
+        ep_unref(e);
+    }
+    link_maybe_free(l);
+}
+
+static tdp_err u_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
+{
+    return tdp_td_new(sc, out);
+}
+
+const tdp__plane_ops tdp__plane_ucx = {
+    .name = "ucx",
+    .id = TDP_PLANE_UCX,
+    .hello_fill = u_hello_fill,
+    .usable = NULL,
+    .link_new = u_link_new,
+    .link_start = u_link_start,
+    .link_close = u_link_close,
+    .link_busy = u_link_busy,
+    .send = u_send,
+    .credit = u_credit,
+    .rx_schema = u_rx_schema,
+    .recv = u_recv,
+    .release = u_release,
+    .loan = u_loan,
+};
+
+ucp_ep_h tdp__ucx_link_ep(const tdp__link *l)
+{
+    return l != NULL && l->sep != NULL ? l->sep->ep : NULL;
+}
+
+int tdp__ucx_link_worker(const tdp__link *l)
+{
+    return l != NULL ? l->wi : -1;
+}
+
+bool tdp__ucx_link_peer_mode(const tdp__link *l)
+{
+    return l != NULL && l->peer_mode;
+}

@@ -1,0 +1,13 @@
+/* plane_ucx.h (internal): what tests may ask of a ucx link. */
+#ifndef TDP_PIPE_PLANE_UCX_H
+#define TDP_PIPE_PLANE_UCX_H
+
+#include <ucp/api/ucp.h>
+
+#include "plane.h"
+
+ucp_ep_h tdp__ucx_link_ep(const tdp__link *l);
+int tdp__ucx_link_worker(const tdp__link *l);
+bool tdp__ucx_link_peer_mode(const tdp__link *l);
+
+#endif

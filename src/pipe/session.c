@@ -1,0 +1,1469 @@
+/*
+ * session.c: the pipe's state machine — HELLO outcome and plane choice,
+ * schema once then data, sequence numbers, credits, the receive ring and
+ * lending, clean end vs failure, teardown. It calls the control channel
+ * (ctl.h) and the chosen data plane (plane.h, through its ops table) and
+ * hears from them through callbacks; it makes no transport call itself.
+ *
+ * Everything runs on the loop thread except the public entry points, which
+ * hop to it (ops through op.c, the rest through tdp__call_on_loop).
+ */
+#include <inttypes.h>
+#include <string.h>
+#include <time.h>
+
+#include "session.h"
+#include "op.h"
+#include "plane.h"
+#include "host.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+#include "../core/reap.h"
+#include "../schema/schema_int.h"
+
+#define MAX_PLANES 4
+
+enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
+
+typedef struct rx_slot {
+    enum slot_state state;
+    tdp_td *td; /* the message's view while READY or LENT */
+    uint64_t seq;
+    tdp_pipe *pipe;
+} rx_slot;
+
+/* A send the plane holds; the op goes back early if the pipe fails or times out. */
+typedef struct tx_ticket {
+    tdp_op *op;
+    struct tx_ticket *next_free;
+    bool busy;
+} tx_ticket;
+
+enum pipe_state {
+    PIPE_CONNECTING, /* socket connecting or HELLO not yet exchanged */
+    PIPE_OPEN,
+    PIPE_DEAD, /* ended: failed, or closed cleanly */
+};
+
+struct tdp_pipe {
+    tdp_loop *loop;
+    tdp_pipe_opts opts;
+    tdp_schema_limits limits;
+    enum pipe_state state;
+    tdp_err status; /* why it ended */
+    tdp__ctl ctl;
+    struct event *timer; /* connect deadline, then linger or close deadline */
+    bool same_host;
+    tdp_pipe_cb ready_cb;
+    void *ready_arg;
+
+    /* planes: a link per candidate until the HELLO picks one */
+    const tdp__plane_ops *cand[MAX_PLANES];
+    tdp__link *links[MAX_PLANES];
+    int ncand;
+    const tdp__plane_ops *plane;
+    tdp__link *link;
+    bool link_failed; /* the plane saw the peer go; the socket decides how it ended */
+
+    /* ending */
+    bool close_requested, bye_flushed, told_end;
+    tdp_pipe_end_cb end_cb;
+    void *end_arg;
+    bool freed;
+    tdp__reap reap;
+
+    /* send side */
+    tdp__opq sendq; /* waiting for credit, a ticket or the HELLO */
+    uint64_t send_seq;
+    uint64_t peer_credit; /* cumulative buffers the peer released */
+    uint32_t peer_depth;
+    tdp_schema *sent_schema;
+    tx_ticket *tickets;
+    uint32_t nticket, tx_inflight;
+    tx_ticket *free_tickets;
+    tdp_td *gather_td; /* tdp_pipe_send_gather's reused buffer */
+
+    /* receive side */
+    uint32_t depth;
+    rx_slot slots[TDP_MAX_DEPTH];
+    uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
+    uint32_t ready_head, ready_count;
+    int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
+    tdp__opq recvq;
+    tdp_schema *rx_schema;
+    uint64_t rx_hash, rx_seq;
+    uint64_t released, credit_sent;
+    struct event *credit_ev; /* deferred credit: end of the loop turn */
+    uint32_t rx_inflight;
+    bool peer_bye;
+    uint64_t peer_last_seq;
+
+    /* releases from other threads, under w.mtx */
+    tdp_td *rel[2 * TDP_MAX_DEPTH];
+    uint32_t nrel;
+    bool rel_posted;
+    tdp__task rel_task;
+
+    /* blocking wrappers */
+    tdp__waiter w;
+    tdp_op *sync_send, *sync_recv;
+
+    tdp_pipe_stats stats;
+};
+
+static void send_kick(tdp_pipe *p);
+static void deliver(tdp_pipe *p);
+static void send_credit(tdp_pipe *p);
+static void check_close(tdp_pipe *p);
+static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
+static void credit_ev_cb(evutil_socket_t fd, short what, void *arg);
+
+/* ---- options -------------------------------------------------------------- */
+
+void tdp_pipe_opts_default(tdp_pipe_opts *o)
+{
+    if (o == NULL)
+        return;
+    *o = (tdp_pipe_opts){
+        .size = sizeof(*o),
+        .recv_depth = 1,
+        .connect_timeout_ms = 10000,
+        .linger_ms = 5000,
+        .peer_mode = TDP_PEER_AUTO,
+        .keepalive_idle_s = 1,
+        .keepalive_intvl_s = 1,
+        .keepalive_cnt = 3,
+        .plane = TDP_PLANE_AUTO,
+    };
+}
+
+void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_limits *lim)
+{
+    tdp_pipe_opts_default(out);
+    tdp__limits_resolve(NULL, lim);
+    if (in == NULL)
+        return;
+    size_t n = in->size < sizeof(*in) ? in->size : sizeof(*in);
+#define TAKE(f)                                                                                    \
+    if (offsetof(tdp_pipe_opts, f) + sizeof(in->f) <= n && in->f)                                  \
+        out->f = in->f;
+    TAKE(recv_depth)
+    TAKE(recv_device_set)
+    TAKE(connect_timeout_ms)
+    TAKE(linger_ms)
+    TAKE(peer_mode)
+    TAKE(keepalive_idle_s)
+    TAKE(keepalive_intvl_s)
+    TAKE(keepalive_cnt)
+    TAKE(plane)
+    TAKE(planes_forbidden)
+#undef TAKE
+    if (out->recv_device_set)
+        out->recv_device = in->recv_device;
+    if (offsetof(tdp_pipe_opts, limits) + sizeof(in->limits) <= n && in->limits != NULL)
+        tdp__limits_resolve(in->limits, lim);
+    out->limits = NULL; /* copied into *lim */
+    if (out->recv_depth > TDP_MAX_DEPTH)
+        out->recv_depth = TDP_MAX_DEPTH;
+}
+
+const char *tdp_plane_name(tdp_plane plane)
+{
+    switch (plane) {
+    case TDP_PLANE_AUTO:
+        return "auto";
+    case TDP_PLANE_UCX:
+        return "ucx";
+    case TDP_PLANE_SHM:
+        return "shm";
+    }
+    return NULL;
+}
+
+tdp_err tdp_plane_parse(const char *name, tdp_plane *out)
+{
+    static const tdp_plane all[] = {TDP_PLANE_AUTO, TDP_PLANE_UCX, TDP_PLANE_SHM};
+    if (name == NULL || out == NULL)
+        return TDP_EINVAL;
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        if (strcmp(name, tdp_plane_name(all[i])) == 0) {
+            *out = all[i];
+            return TDP_OK;
+        }
+    }
+    return TDP_EINVAL;
+}
+
+/* ---- ops ------------------------------------------------------------------- */
+
+static void fail_ops_sent(tdp_pipe *p, tdp_err rc)
+{
+    /* sends the plane still holds: the op goes back now, the plane keeps the buffer */
+    for (uint32_t i = 0; i < p->nticket; i++) {
+        tx_ticket *t = &p->tickets[i];
+        if (t->busy && t->op != NULL) {
+            tdp_op *op = t->op;
+            t->op = NULL;
+            tdp__op_complete(op, rc);
+        }
+    }
+}
+
+/* Complete what can be completed after the pipe ended. */
+static void drain_ops(tdp_pipe *p)
+{
+    tdp_op *op;
+    tdp_err rc = p->status == TDP_OK || p->status == TDP_ECLOSED ? TDP_ECANCELED : p->status;
+    while ((op = tdp__opq_pop(&p->sendq)) != NULL)
+        tdp__op_complete(op, rc);
+    fail_ops_sent(p, rc);
+    deliver(p);
+}
+
+/* ---- ending -------------------------------------------------------------- */
+
+static void close_link(tdp_pipe *p)
+{
+    for (int i = 0; i < p->ncand; i++) {
+        if (p->links[i] != NULL) {
+            p->cand[i]->link_close(p->links[i]);
+            p->links[i] = NULL;
+        }
+    }
+    p->link = NULL;
+}
+
+static void timer_del(tdp_pipe *p)
+{
+    if (p->timer != NULL)
+        evtimer_del(p->timer);
+}
+
+/* Tell the application once the pipe has ended and its socket is closed. */
+static void maybe_tell_end(tdp_pipe *p)
+{
+    if (p->told_end || p->state != PIPE_DEAD || tdp__ctl_open(&p->ctl) || p->end_cb == NULL ||
+        p->freed)
+        return;
+    p->told_end = true;
+    tdp_err st = p->status == TDP_ECLOSED && p->close_requested && !p->peer_bye ? TDP_OK
+                                                                                 : p->status;
+    p->end_cb(p, st, p->end_arg);
+}
+
+static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
+{
+    if (p->state == PIPE_DEAD)
+        return;
+    bool was_connecting = p->state == PIPE_CONNECTING;
+    p->state = PIPE_DEAD;
+    p->status = err;
+    if (err != TDP_ECLOSED && err != TDP_ECANCELED)
+        tdp_log_info("pipe %s: %s (%s)", p->ctl.peer_name, why, tdp_strerror(err));
+    /* tell a live peer why, when it was its fault or ours; a dead one won't read */
+    if (err != TDP_ECONNRESET && err != TDP_ETIMEDOUT && !p->ctl.bye_sent) {
+        tdp_bye b = {.last_seq = p->send_seq, .reason = err == TDP_ECLOSED ? TDP_ECANCELED : err};
+        tdp__ctl_send_bye(&p->ctl, &b);
+    }
+    close_link(p);
+    timer_del(p);
+    if (was_connecting) {
+        tdp__ctl_close(&p->ctl);
+        if (p->ready_cb != NULL) {
+            tdp_pipe_cb cb = p->ready_cb;
+            p->ready_cb = NULL;
+            p->freed = true; /* nobody else has it: it goes on a later turn */
+            cb(NULL, err, p->ready_arg);
+            tdp__session_destroy(p);
+        }
+        return;
+    }
+    drain_ops(p);
+    maybe_tell_end(p);
+}
+
+static void linger_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_pipe *p = arg;
+    if (p->state == PIPE_CONNECTING) {
+        pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
+    } else if (p->state == PIPE_OPEN && p->peer_bye && p->rx_seq < p->peer_last_seq) {
+        pipe_fail(p, TDP_ECONNRESET, "messages announced in BYE never arrived");
+    } else if (p->state == PIPE_OPEN && p->link_failed) {
+        pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
+    } else if (p->state == PIPE_OPEN && p->close_requested) {
+        pipe_fail(p, TDP_ETIMEDOUT, "close deadline passed");
+    }
+}
+
+static void arm_timer(tdp_pipe *p, int64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    if (p->timer != NULL)
+        evtimer_add(p->timer, &tv);
+}
+
+/* Has everything the peer announced been delivered or lent? */
+static bool peer_done(const tdp_pipe *p)
+{
+    return p->peer_bye && p->rx_seq >= p->peer_last_seq && p->rx_inflight == 0;
+}
+
+static void end_if_peer_done(tdp_pipe *p)
+{
+    if (p->state == PIPE_OPEN && peer_done(p) && p->ready_count == 0 &&
+        (!tdp__ctl_open(&p->ctl) || p->link_failed))
+        pipe_fail(p, TDP_ECLOSED, "peer closed");
+}
+
+/* ---- control channel events ------------------------------------------------ */
+
+static void on_ctl_closed(void *owner, tdp_err why)
+{
+    tdp_pipe *p = owner;
+    if (p->state == PIPE_CONNECTING) {
+        pipe_fail(p, why, why == TDP_ECONNRESET ? "closed during the handshake"
+                                                : "cannot connect");
+        return;
+    }
+    if (p->state == PIPE_DEAD) {
+        maybe_tell_end(p);
+        return;
+    }
+    if (p->peer_bye && p->rx_seq >= p->peer_last_seq) {
+        /* the peer said goodbye and every frame it sent has arrived; the
+         * last payloads may still be landing: the end comes after them */
+        end_if_peer_done(p);
+        return;
+    }
+    if (why == TDP_EPROTO || why == TDP_EVERSION)
+        pipe_fail(p, why, "garbage on the control socket");
+    else
+        pipe_fail(p, TDP_ECONNRESET, p->peer_bye ? "peer left before its last message arrived"
+                                                 : "peer vanished (control socket closed)");
+}
+
+static void on_ctl_bye(void *owner, const tdp_bye *bye)
+{
+    tdp_pipe *p = owner;
+    if (p->state == PIPE_DEAD)
+        return;
+    if (bye->reason != TDP_OK) {
+        tdp_err e = bye->reason == TDP_ELIMIT || bye->reason == TDP_EVERSION ||
+                            bye->reason == TDP_ENOTSUP
+                        ? bye->reason
+                        : TDP_ECONNRESET;
+        pipe_fail(p, e, "peer ended the pipe with an error");
+        return;
+    }
+    if (p->state == PIPE_CONNECTING || p->peer_bye || bye->last_seq < p->rx_seq) {
+        pipe_fail(p, TDP_EPROTO, "inconsistent BYE");
+        return;
+    }
+    p->peer_bye = true;
+    p->peer_last_seq = bye->last_seq;
+    /* the peer reads no more: sends waiting for it can never go */
+    tdp_op *op;
+    while ((op = tdp__opq_pop(&p->sendq)) != NULL)
+        tdp__op_complete(op, TDP_ECLOSED);
+    if (p->rx_seq < p->peer_last_seq)
+        arm_timer(p, p->opts.linger_ms);
+    deliver(p);
+    end_if_peer_done(p);
+}
+
+static void on_ctl_bye_flushed(void *owner)
+{
+    tdp_pipe *p = owner;
+    p->bye_flushed = true;
+    check_close(p);
+}
+
+static void send_hello(tdp_pipe *p)
+{
+    uint8_t ids[MAX_PLANES];
+    tdp_hello h = {
+        .recv_depth = p->depth,
+        .peer_mode = (uint32_t)p->opts.peer_mode,
+        .caps = TDP_CAP_MEM_HOST | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
+        .max_msg_bytes = p->limits.max_total_bytes,
+    };
+    for (int i = 0; i < p->ncand; i++) {
+        ids[i] = p->cand[i]->id;
+        tdp_err rc = p->cand[i]->hello_fill(p->links[i], &h);
+        if (rc != TDP_OK) {
+            pipe_fail(p, rc, "cannot describe a data plane");
+            return;
+        }
+    }
+    h.planes = ids;
+    h.nplanes = (uint32_t)p->ncand;
+    tdp__host_id(h.host_id);
+    tdp_err rc = tdp__ctl_send_hello(&p->ctl, &h);
+    if (rc != TDP_OK)
+        pipe_fail(p, rc, "cannot send HELLO");
+}
+
+static void on_ctl_connected(void *owner)
+{
+    send_hello(owner);
+}
+
+static int link_index(const tdp_pipe *p, const tdp__link *l)
+{
+    for (int i = 0; i < p->ncand; i++)
+        if (p->links[i] == l)
+            return i;
+    return -1;
+}
+
+static void become_open(tdp_pipe *p)
+{
+    p->state = PIPE_OPEN;
+    timer_del(p);
+    tdp_log_debug("pipe %s open: plane=%s same_host=%d depth=%u/%u", p->ctl.peer_name,
+                  p->plane->name, p->same_host, p->depth, p->peer_depth);
+    tdp_pipe_cb cb = p->ready_cb;
+    p->ready_cb = NULL;
+    if (cb != NULL)
+        cb(p, TDP_OK, p->ready_arg);
+    if (p->state != PIPE_OPEN)
+        return;
+    send_credit(p); /* releases that happened before the link existed */
+    send_kick(p);
+}
+
+static void on_ctl_hello(void *owner, const tdp_hello *h)
+{
+    tdp_pipe *p = owner;
+    if (p->state != PIPE_CONNECTING)
+        return;
+    uint8_t host[TDP_HOST_ID_LEN];
+    tdp__host_id(host);
+    p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0;
+    p->peer_depth = h->recv_depth;
+
+    /* both sides compute the same choice: the same lists, the same filter */
+    uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANE_IDS];
+    size_t nm = 0, nt = 0;
+    for (int i = 0; i < p->ncand; i++)
+        if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, p->same_host))
+            mine[nm++] = p->cand[i]->id;
+    for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANE_IDS; i++) {
+        const tdp__plane_ops *o = tdp__plane_by_id(h->planes[i]);
+        if (o != NULL && o->usable != NULL && !o->usable(h, p->same_host))
+            continue;
+        theirs[nt++] = h->planes[i];
+    }
+    int id = tdp_wire_plane_choose(mine, nm, theirs, nt);
+    int ci = -1;
+    for (int i = 0; i < p->ncand; i++)
+        if (p->cand[i]->id == id)
+            ci = i;
+    if (ci < 0) {
+        pipe_fail(p, TDP_ENOTSUP, "no data plane both sides allow");
+        return;
+    }
+    for (int i = 0; i < p->ncand; i++) {
+        if (i != ci && p->links[i] != NULL) {
+            p->cand[i]->link_close(p->links[i]);
+            p->links[i] = NULL;
+        }
+    }
+    p->plane = p->cand[ci];
+    p->link = p->links[ci];
+
+    /* sends in flight are bounded by the peer's credit; twice that covers a
+     * credit that comes back before the local completion of its send */
+    p->nticket = 2 * p->peer_depth + 1;
+    p->tickets = tdp__alloc_array(p->nticket, sizeof(*p->tickets));
+    if (p->tickets == NULL) {
+        pipe_fail(p, TDP_ENOMEM, "no memory for send tickets");
+        return;
+    }
+    memset(p->tickets, 0, p->nticket * sizeof(*p->tickets));
+    for (uint32_t i = 0; i < p->nticket; i++)
+        p->tickets[i].next_free = i + 1 < p->nticket ? &p->tickets[i + 1] : NULL;
+    p->free_tickets = p->tickets;
+    tdp__link_peer lp = {
+        .hello = h,
+        .same_host = p->same_host,
+        .peer_depth = p->peer_depth,
+        .mode = p->opts.peer_mode,
+    };
+    tdp_err rc = p->plane->link_start(p->link, &lp);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "cannot start the data plane");
+        return;
+    }
+    become_open(p);
+}
+
+static const tdp__ctl_up ctl_up = {
+    .connected = on_ctl_connected,
+    .hello = on_ctl_hello,
+    .bye = on_ctl_bye,
+    .closed = on_ctl_closed,
+    .bye_flushed = on_ctl_bye_flushed,
+};
+
+/* ---- plane events ----------------------------------------------------------- */
+
+static void proto_fail(tdp_pipe *p, tdp_err err, const char *why)
+{
+    tdp_log_warn("pipe %s: %s: disconnecting", p->ctl.peer_name, why);
+    pipe_fail(p, err, why);
+}
+
+/*
+ * The plane a frame came by: the chosen one, or — a fast peer that has our
+ * HELLO may send before we have read its own — a candidate, which must
+ * then be the one the HELLO picks.
+ */
+static const tdp__plane_ops *frame_plane(tdp_pipe *p, tdp__link *l)
+{
+    if (p->state == PIPE_DEAD)
+        return NULL;
+    if (p->link != NULL)
+        return l == p->link ? p->plane : NULL;
+    int i = link_index(p, l);
+    return i >= 0 ? p->cand[i] : NULL;
+}
+
+static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
+{
+    tdp_pipe *p = owner;
+    if (frame_plane(p, l) == NULL || p->link_failed)
+        return;
+    if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0) {
+        pipe_fail(p, st, why);
+        return;
+    }
+    /*
+     * The data plane saw the peer go. A peer that closed cleanly tears its
+     * side down right after its BYE, which may not have been read yet: the
+     * control socket decides (BYE, then EOF: a clean end; EOF alone or
+     * silence until the linger deadline: a failure).
+     */
+    p->link_failed = true;
+    tdp_log_debug("pipe %s: data plane ended (%s); the control socket decides",
+                  p->ctl.peer_name, why);
+    fail_ops_sent(p, TDP_ECONNRESET);
+    tdp_op *op;
+    while ((op = tdp__opq_pop(&p->sendq)) != NULL)
+        tdp__op_complete(op, TDP_ECONNRESET);
+    arm_timer(p, p->opts.linger_ms);
+    end_if_peer_done(p);
+}
+
+static bool take_credit(tdp_pipe *p, uint64_t total)
+{
+    if (total < p->peer_credit || total > p->send_seq) {
+        proto_fail(p, TDP_EPROTO, "credit beyond what was sent");
+        return false;
+    }
+    if (total > p->peer_credit) {
+        p->peer_credit = total;
+        send_kick(p);
+    }
+    return true;
+}
+
+static void up_credit(void *owner, tdp__link *l, uint64_t total)
+{
+    tdp_pipe *p = owner;
+    if (frame_plane(p, l) != NULL)
+        take_credit(p, total);
+}
+
+static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void *json,
+                      size_t length)
+{
+    tdp_pipe *p = owner;
+    const tdp__plane_ops *ops = frame_plane(p, l);
+    char why[256];
+    tdp_schema *sc = NULL;
+
+    if (ops == NULL)
+        return;
+    if (f->seq != p->rx_seq + 1 || length != f->length) {
+        proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
+        return;
+    }
+    if (f->length > p->limits.max_json_bytes || f->arg > p->limits.max_total_bytes) {
+        proto_fail(p, TDP_EMSGSIZE, "schema over this side's limits");
+        return;
+    }
+    tdp_err rc = tdp_schema_decode(json, length, &p->limits, &sc, why, sizeof(why));
+    if (rc != TDP_OK) {
+        tdp_log_warn("pipe %s: rejected schema: %s", p->ctl.peer_name, why);
+        pipe_fail(p, rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_ESCHEMA, why);
+        return;
+    }
+    if (tdp_schema_hash(sc) != f->hash || tdp_schema_total_bytes(sc) != f->arg) {
+        tdp_schema_unref(sc);
+        proto_fail(p, TDP_ESCHEMA, "schema hash or size does not match its frame");
+        return;
+    }
+    if (p->opts.recv_device_set &&
+        !tdp_device_equal(p->opts.recv_device, tdp_schema_device(sc))) {
+        tdp_schema *local;
+        rc = tdp_schema_with_device(sc, p->opts.recv_device, &local);
+        tdp_schema_unref(sc);
+        if (rc != TDP_OK) {
+            pipe_fail(p, rc, "cannot place the schema on the receive device");
+            return;
+        }
+        sc = local;
+    }
+    tdp_schema_unref(p->rx_schema);
+    p->rx_schema = sc;
+    p->rx_hash = f->hash;
+    p->stats.schemas_recv++;
+    if ((rc = ops->rx_schema(l, sc, p->depth)) != TDP_OK)
+        pipe_fail(p, rc, "cannot prepare receive storage");
+}
+
+static void slot_ready(tdp_pipe *p, rx_slot *s)
+{
+    s->state = SLOT_READY;
+    p->ready[(p->ready_head + p->ready_count) % TDP_MAX_DEPTH] = (uint32_t)(s - p->slots);
+    p->ready_count++;
+    p->stats.msgs_recv++;
+    p->stats.bytes_recv += s->td->nbytes;
+    if (peer_done(p))
+        timer_del(p);
+    deliver(p);
+}
+
+static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
+{
+    tdp_pipe *p = owner;
+    const tdp__plane_ops *ops = frame_plane(p, l);
+    if (ops == NULL)
+        return;
+    if (p->rx_schema == NULL || f->hash != p->rx_hash) {
+        proto_fail(p, TDP_EMISMATCH, "data frame for a schema this side does not hold");
+        return;
+    }
+    if (f->seq != p->rx_seq + 1) {
+        proto_fail(p, TDP_EPROTO, "data frame out of sequence");
+        return;
+    }
+    if (f->length != tdp_schema_total_bytes(p->rx_schema)) {
+        proto_fail(p, TDP_EMSGSIZE, "data length differs from the schema's size");
+        return;
+    }
+    rx_slot *s = NULL;
+    for (uint32_t i = 0; i < p->depth; i++) {
+        if (p->slots[i].state == SLOT_FREE) {
+            s = &p->slots[i];
+            break;
+        }
+    }
+    if (s == NULL) {
+        proto_fail(p, TDP_EPROTO, "data frame beyond the credit granted");
+        return;
+    }
+    p->rx_seq = f->seq;
+    s->seq = f->seq;
+    s->state = SLOT_FILLING;
+    tdp_err rc = ops->recv(l, desc, (uint32_t)(s - p->slots), &s->td);
+    if (rc == TDP_OK) {
+        slot_ready(p, s);
+    } else if (rc == TDP_EAGAIN) {
+        p->rx_inflight++;
+    } else {
+        s->state = SLOT_FREE;
+        pipe_fail(p, rc == TDP_EPROTO || rc == TDP_EMSGSIZE ? rc : TDP_ECONNRESET,
+                  "cannot receive data");
+    }
+}
+
+static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
+{
+    tdp_pipe *p = owner;
+    if (slot >= TDP_MAX_DEPTH || p->slots[slot].state != SLOT_FILLING)
+        return;
+    rx_slot *s = &p->slots[slot];
+    p->rx_inflight--;
+    if (frame_plane(p, l) == NULL) {
+        s->state = SLOT_FREE;
+        deliver(p);
+        return;
+    }
+    if (st != TDP_OK) {
+        /* never hand out a partly filled buffer */
+        s->state = SLOT_FREE;
+        pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
+        return;
+    }
+    slot_ready(p, s);
+    end_if_peer_done(p);
+}
+
+static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
+{
+    tdp_pipe *p = owner;
+    tx_ticket *t = cookie;
+    tdp_op *op = t->op;
+    t->op = NULL;
+    t->busy = false;
+    t->next_free = p->free_tickets;
+    p->free_tickets = t;
+    p->tx_inflight--;
+    if (op != NULL) {
+        if (st != TDP_OK && p->status != TDP_OK)
+            st = p->status; /* say why the pipe ended, not how the transport noticed */
+        tdp__op_complete(op, st);
+    }
+    if (p->state != PIPE_OPEN)
+        return;
+    send_kick(p); /* a ticket came back: a send may have waited for one */
+    check_close(p);
+}
+
+static const tdp__plane_up plane_up = {
+    .schema = up_schema,
+    .data = up_data,
+    .credit = up_credit,
+    .landed = up_landed,
+    .sent = up_sent,
+    .failed = up_failed,
+};
+
+/* ---- sending --------------------------------------------------------------- */
+
+static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
+{
+    tdp_schema *sc = op->td->schema;
+    bool new_schema = p->sent_schema != sc && !tdp_schema_equal(p->sent_schema, sc);
+    if (p->sent_schema != sc) {
+        /* remember this object: the next send compares pointers only */
+        tdp_schema_unref(p->sent_schema);
+        p->sent_schema = tdp_schema_ref(sc);
+    }
+    t->op = op;
+    t->busy = true;
+    op->seq = p->send_seq + 1;
+    tdp__tx tx = {
+        .td = op->td,
+        .seq = op->seq,
+        .schema = new_schema ? sc : NULL,
+        .credit = p->released, /* the credit this side owes rides along for free */
+        .cookie = t,
+    };
+    p->send_seq = op->seq;
+    p->tx_inflight++;
+    if (p->plane->credit != NULL && p->released > p->credit_sent)
+        p->credit_sent = p->released;
+    if (new_schema)
+        p->stats.schemas_sent++;
+    p->stats.msgs_sent++;
+    p->stats.bytes_sent += op->td->nbytes;
+    tdp_err rc = p->plane->send(p->link, &tx);
+    if (rc != TDP_OK) {
+        /* the plane took nothing: the ticket and the op come back now */
+        p->stats.msgs_sent--;
+        p->stats.bytes_sent -= op->td->nbytes;
+        up_sent(p, p->link, t, rc);
+        pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
+                  "send failed");
+    }
+}
+
+static void send_kick(tdp_pipe *p)
+{
+    while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
+        if (p->send_seq - p->peer_credit >= p->peer_depth || p->free_tickets == NULL) {
+            if (!p->sendq.head->waited) { /* count each waiting send once */
+                p->sendq.head->waited = true;
+                p->stats.credit_waits++;
+            }
+            return;
+        }
+        tdp_op *op = tdp__opq_pop(&p->sendq);
+        tx_ticket *t = p->free_tickets;
+        p->free_tickets = t->next_free;
+        post_send(p, op, t);
+    }
+}
+
+static void send_start(void *arg)
+{
+    tdp_op *op = arg;
+    tdp_pipe *p = op->owner;
+    if (p->state == PIPE_DEAD || p->close_requested || p->peer_bye || p->link_failed) {
+        tdp__op_complete(op, p->peer_bye                              ? TDP_ECLOSED
+                             : p->link_failed                         ? TDP_ECONNRESET
+                             : p->status != TDP_OK && !p->close_requested ? p->status
+                                                                          : TDP_ECANCELED);
+        return;
+    }
+    op->waited = false;
+    tdp__opq_push(&p->sendq, op);
+    send_kick(p);
+}
+
+/* ---- credits and releases -------------------------------------------------- */
+
+static void send_credit(tdp_pipe *p)
+{
+    if (p->state != PIPE_OPEN || p->plane->credit == NULL || p->released == p->credit_sent ||
+        p->link_failed)
+        return;
+    p->credit_sent = p->released;
+    if (p->plane->credit(p->link, p->released) != TDP_OK)
+        up_failed(p, p->link, TDP_ECONNRESET, "cannot send credit");
+}
+
+static void credit_ev_cb(evutil_socket_t fd, short what, void *arg)
+{
+    send_credit(arg);
+}
+
+/*
+ * A released buffer is a credit for the peer. defer_credit: the caller is
+ * about to run the loop (a receive is starting), so let the credit wait for
+ * the end of this turn — a DATA frame sent meanwhile carries it for free.
+ */
+static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
+{
+    if (s->state != SLOT_LENT)
+        return;
+    s->state = SLOT_FREE;
+    if (p->lent1 == (int32_t)(s - p->slots))
+        p->lent1 = -1;
+    if (p->link != NULL)
+        p->plane->release(p->link, (uint32_t)(s - p->slots));
+    if (p->state != PIPE_OPEN)
+        return;
+    p->released++;
+    if (defer_credit && p->credit_ev != NULL) {
+        static const struct timeval zero = {0, 0};
+        event_add(p->credit_ev, &zero);
+        return;
+    }
+    send_credit(p);
+}
+
+/* ---- receiving -------------------------------------------------------------- */
+
+static void deliver(tdp_pipe *p)
+{
+    while (p->recvq.head != NULL) {
+        tdp_err end = TDP_OK;
+        if (p->ready_count == 0) {
+            if (peer_done(p))
+                end = TDP_ECLOSED; /* every message announced in BYE was delivered */
+            else if (p->state == PIPE_DEAD)
+                end = p->status == TDP_OK ? TDP_ECANCELED : p->status;
+            else
+                return;
+            tdp__op_complete(tdp__opq_pop(&p->recvq), end);
+            continue;
+        }
+        uint32_t si = p->ready[p->ready_head];
+        p->ready_head = (p->ready_head + 1) % TDP_MAX_DEPTH;
+        p->ready_count--;
+        rx_slot *s = &p->slots[si];
+        s->state = SLOT_LENT;
+        if (p->depth == 1)
+            p->lent1 = (int32_t)si;
+        tdp_op *op = tdp__opq_pop(&p->recvq);
+        op->td = s->td;
+        op->seq = s->seq;
+        tdp__op_complete(op, TDP_OK);
+    }
+    end_if_peer_done(p);
+}
+
+static void recv_start(void *arg)
+{
+    tdp_op *op = arg;
+    tdp_pipe *p = op->owner;
+    if (p->depth == 1 && p->lent1 >= 0)
+        slot_release(p, &p->slots[p->lent1], true); /* depth 1: the next receive overwrites */
+    tdp__opq_push(&p->recvq, op);
+    deliver(p);
+}
+
+/* ---- entry points ------------------------------------------------------------- */
+
+/* A timed-out op: take it back from wherever it is (loop thread). */
+static void take_back(tdp_op *op)
+{
+    tdp_pipe *p = op->owner;
+    if (tdp__opq_remove(&p->sendq, op) || tdp__opq_remove(&p->recvq, op)) {
+        tdp__op_complete(op, TDP_ETIMEDOUT);
+        return;
+    }
+    /* already with the plane: it keeps the buffer until the transport lets go */
+    for (uint32_t i = 0; i < p->nticket; i++) {
+        if (p->tickets[i].op == op) {
+            p->tickets[i].op = NULL;
+            tdp__op_complete(op, TDP_ETIMEDOUT);
+            return;
+        }
+    }
+}
+
+static bool reject_busy(tdp_op *op, const char *what)
+{
+    if (!tdp__op_pending(op))
+        return false;
+    /* completing it here would corrupt the operation in flight */
+    tdp_log_error("%s: op %p is still pending; ignored", what, (void *)op);
+    return true;
+}
+
+void tdp_pipe_send_async(tdp_pipe *pipe, tdp_td *td, tdp_op *op)
+{
+    if (op == NULL || reject_busy(op, "tdp_pipe_send_async"))
+        return;
+    op->kind = OP_SEND;
+    op->owner = pipe;
+    op->take_back = take_back;
+    if (pipe == NULL || td == NULL) {
+        op->td = NULL;
+        tdp__op_complete(op, TDP_EINVAL);
+        return;
+    }
+    op->td = tdp_td_ref(td);
+    tdp__op_submit(pipe->loop, op, send_start);
+}
+
+void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op)
+{
+    if (op == NULL || reject_busy(op, "tdp_pipe_recv_async"))
+        return;
+    op->kind = OP_RECV;
+    op->td = NULL;
+    op->owner = pipe;
+    op->take_back = take_back;
+    if (pipe == NULL) {
+        tdp__op_complete(op, TDP_EINVAL);
+        return;
+    }
+    tdp__op_submit(pipe->loop, op, recv_start);
+}
+
+static bool blocking_ok(tdp_pipe *p)
+{
+    /* a blocking call inside a loop callback would wait for itself */
+    return !(tdp__loop_running(p->loop) && tdp_loop_on_thread(p->loop));
+}
+
+tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms)
+{
+    if (pipe == NULL || td == NULL || !blocking_ok(pipe) || tdp__op_pending(pipe->sync_send))
+        return TDP_EINVAL;
+    tdp_op *op = pipe->sync_send;
+    op->kind = OP_SEND;
+    op->td = tdp_td_ref(td);
+    tdp__op_submit(pipe->loop, op, send_start);
+    return tdp__op_wait(pipe->loop, op, timeout_ms);
+}
+
+tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out)
+{
+    if (pipe == NULL || out == NULL || !blocking_ok(pipe) || tdp__op_pending(pipe->sync_recv))
+        return TDP_EINVAL;
+    tdp_op *op = pipe->sync_recv;
+    op->kind = OP_RECV;
+    op->td = NULL;
+    tdp__op_submit(pipe->loop, op, recv_start);
+    tdp_err rc = tdp__op_wait(pipe->loop, op, timeout_ms);
+    if (rc == TDP_OK)
+        *out = op->td;
+    return rc;
+}
+
+tdp_err tdp_pipe_send_gather(tdp_pipe *pipe, tdp_schema *schema, const void *const *ptrs,
+                             int64_t timeout_ms)
+{
+    if (pipe == NULL || schema == NULL || (ptrs == NULL && tdp_schema_num_tensors(schema) > 0) ||
+        tdp_schema_device(schema).type != TDP_DEVICE_CPU)
+        return TDP_EINVAL;
+    /* the send buffer is rebuilt only when the schema changes */
+    if (pipe->gather_td == NULL || pipe->gather_td->schema != schema) {
+        tdp_td *td;
+        tdp_err rc = tdp_td_new(schema, &td);
+        if (rc != TDP_OK)
+            return rc;
+        tdp_td_unref(pipe->gather_td);
+        pipe->gather_td = td;
+    }
+    for (uint32_t i = 0; i < tdp_schema_num_tensors(schema); i++) {
+        tdp_leaf l;
+        tdp_td_leaf_at(pipe->gather_td, i, &l);
+        if (l.nbytes > 0)
+            memcpy(l.data, ptrs[i], l.nbytes);
+    }
+    return tdp_pipe_send(pipe, pipe->gather_td, timeout_ms);
+}
+
+/* Releases made on other threads, handed to the loop thread (under w.mtx). */
+static void release_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    tdp_td *batch[2 * TDP_MAX_DEPTH];
+    pthread_mutex_lock(&p->w.mtx);
+    uint32_t n = p->nrel;
+    memcpy(batch, p->rel, n * sizeof(batch[0]));
+    p->nrel = 0;
+    p->rel_posted = false;
+    pthread_mutex_unlock(&p->w.mtx);
+    for (uint32_t k = 0; k < n; k++) {
+        for (uint32_t i = 0; i < p->depth; i++) {
+            if (p->slots[i].td == batch[k] && p->slots[i].state == SLOT_LENT) {
+                slot_release(p, &p->slots[i], false);
+                break;
+            }
+        }
+    }
+}
+
+void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td)
+{
+    if (pipe == NULL || td == NULL)
+        return;
+    if (tdp_loop_on_thread(pipe->loop) || !tdp__loop_running(pipe->loop)) {
+        for (uint32_t i = 0; i < pipe->depth; i++) {
+            if (pipe->slots[i].td == td && pipe->slots[i].state == SLOT_LENT) {
+                slot_release(pipe, &pipe->slots[i], false);
+                return;
+            }
+        }
+        return;
+    }
+    /* another thread: the slots belong to the loop thread; queue it there */
+    pthread_mutex_lock(&pipe->w.mtx);
+    bool dup = false;
+    for (uint32_t i = 0; i < pipe->nrel; i++)
+        dup |= pipe->rel[i] == td;
+    if (!dup && pipe->nrel < 2 * TDP_MAX_DEPTH)
+        pipe->rel[pipe->nrel++] = td;
+    bool post = !pipe->rel_posted;
+    pipe->rel_posted = true;
+    pthread_mutex_unlock(&pipe->w.mtx);
+    if (post)
+        tdp__loop_post_task(pipe->loop, &pipe->rel_task); /* fn and arg set once, at creation */
+}
+
+/* ---- closing ------------------------------------------------------------------ */
+
+static void check_close(tdp_pipe *p)
+{
+    if (!p->close_requested || p->state != PIPE_OPEN)
+        return;
+    if (!p->ctl.bye_sent) {
+        if (p->sendq.head != NULL || p->tx_inflight > 0)
+            return; /* BYE names the last seq: everything before it must be gone */
+        tdp_bye b = {.last_seq = p->send_seq, .reason = TDP_OK};
+        tdp__ctl_send_bye(&p->ctl, &b);
+        return;
+    }
+    if (p->bye_flushed)
+        pipe_fail(p, TDP_ECLOSED, "closed");
+}
+
+typedef struct close_req {
+    tdp_pipe *p;
+    int64_t timeout_ms;
+} close_req;
+
+static void close_start(tdp_pipe *p, int64_t timeout_ms)
+{
+    if (p->state == PIPE_DEAD || p->close_requested)
+        return;
+    p->close_requested = true;
+    if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl)) {
+        pipe_fail(p, TDP_ECLOSED, "closed");
+        return;
+    }
+    if (timeout_ms >= 0)
+        arm_timer(p, timeout_ms);
+    check_close(p);
+}
+
+static void close_task(void *arg)
+{
+    close_req *r = arg;
+    close_start(r->p, r->timeout_ms);
+}
+
+static void state_task(void *arg)
+{
+    tdp_pipe *p = ((void **)arg)[0];
+    tdp_err *st = ((void **)arg)[1];
+    if (p->state != PIPE_DEAD)
+        *st = TDP_EAGAIN;
+    else
+        *st = p->status == TDP_ECLOSED && p->close_requested && !p->peer_bye ? TDP_OK : p->status;
+}
+
+static tdp_err state_now(tdp_pipe *p)
+{
+    tdp_err st;
+    void *args[2] = {p, &st};
+    tdp__call_on_loop(p->loop, state_task, args);
+    return st;
+}
+
+tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms)
+{
+    if (pipe == NULL || !blocking_ok(pipe))
+        return TDP_EINVAL;
+    int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
+    close_req r = {pipe, -1};
+    tdp__call_on_loop(pipe->loop, close_task, &r);
+    tdp_err st;
+    if (!tdp__loop_running(pipe->loop)) {
+        volatile bool never = false;
+        while ((st = state_now(pipe)) == TDP_EAGAIN) {
+            int64_t left = deadline < 0 ? 20 : deadline - tdp__now_ms();
+            if (left <= 0)
+                break;
+            tdp__loop_run_until(pipe->loop, &never, left < 20 ? left : 20);
+        }
+    } else {
+        /* close is rare: check on the loop thread every millisecond */
+        while ((st = state_now(pipe)) == TDP_EAGAIN && (deadline < 0 || tdp__now_ms() < deadline)) {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    if (st == TDP_EAGAIN)
+        st = TDP_ETIMEDOUT;
+    return st == TDP_ECLOSED ? TDP_OK : st;
+}
+
+typedef struct async_req {
+    tdp__task task;
+    tdp_pipe *p;
+    int64_t arg;
+} async_req;
+
+static void close_async_task(void *arg)
+{
+    async_req *r = arg;
+    close_start(r->p, r->arg);
+    tdp__free(r);
+}
+
+static void abort_task(void *arg)
+{
+    async_req *r = arg;
+    pipe_fail(r->p, (tdp_err)r->arg, "aborted");
+    tdp__free(r);
+}
+
+static void post_async(tdp_pipe *p, tdp_loop_fn fn, int64_t arg)
+{
+    if (tdp_loop_on_thread(p->loop) || !tdp__loop_running(p->loop)) {
+        async_req r = {.p = p, .arg = arg};
+        async_req *heap = tdp__malloc(sizeof(*heap));
+        if (heap == NULL) { /* run it now rather than drop it */
+            if (fn == close_async_task)
+                close_start(p, arg);
+            else
+                pipe_fail(p, (tdp_err)arg, "aborted");
+            return;
+        }
+        *heap = r;
+        fn(heap);
+        return;
+    }
+    async_req *r = tdp__malloc(sizeof(*r));
+    if (r == NULL) {
+        tdp_log_error("no memory to hand a close to the loop thread");
+        return;
+    }
+    *r = (async_req){.task = {.fn = fn}, .p = p, .arg = arg};
+    r->task.arg = r;
+    tdp__loop_post_task(p->loop, &r->task);
+}
+
+void tdp_pipe_close_async(tdp_pipe *pipe, int64_t timeout_ms)
+{
+    if (pipe != NULL)
+        post_async(pipe, close_async_task, timeout_ms);
+}
+
+void tdp_pipe_abort(tdp_pipe *pipe, tdp_err why)
+{
+    if (pipe != NULL)
+        post_async(pipe, abort_task, why == TDP_OK ? TDP_ECANCELED : why);
+}
+
+static void set_end_task(void *arg)
+{
+    void **a = arg;
+    tdp_pipe *p = a[0];
+    p->end_cb = (tdp_pipe_end_cb)(uintptr_t)a[1];
+    p->end_arg = a[2];
+    maybe_tell_end(p);
+}
+
+void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg)
+{
+    if (pipe == NULL)
+        return;
+    void *a[3] = {pipe, (void *)(uintptr_t)cb, arg};
+    tdp__call_on_loop(pipe->loop, set_end_task, a);
+}
+
+/* ---- loans ---------------------------------------------------------------------- */
+
+typedef struct loan_req {
+    tdp_pipe *p;
+    tdp_schema *sc;
+    tdp_td **out;
+    tdp_err rc;
+} loan_req;
+
+static void loan_task(void *arg)
+{
+    loan_req *r = arg;
+    tdp_pipe *p = r->p;
+    if (p->state != PIPE_OPEN || p->link_failed) {
+        r->rc = p->state == PIPE_CONNECTING ? TDP_EINVAL
+                : p->status != TDP_OK       ? p->status
+                                            : TDP_ECONNRESET;
+        return;
+    }
+    if (p->plane->loan == NULL) {
+        r->rc = tdp_td_new(r->sc, r->out);
+        return;
+    }
+    r->rc = p->plane->loan(p->link, r->sc, r->out);
+}
+
+tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out)
+{
+    if (pipe == NULL || schema == NULL || out == NULL)
+        return TDP_EINVAL;
+    loan_req r = {pipe, schema, out, TDP_EINTERNAL};
+    tdp__call_on_loop(pipe->loop, loan_task, &r);
+    return r.rc;
+}
+
+/* ---- creating and freeing ---------------------------------------------------------- */
+
+tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
+                           const tdp_schema_limits *lim, tdp_err *err)
+{
+    tdp_pipe *p = tdp__calloc(1, sizeof(*p));
+    *err = TDP_ENOMEM;
+    if (p == NULL)
+        return NULL;
+    p->loop = loop;
+    p->opts = *opts;
+    p->limits = *lim;
+    p->depth = p->opts.recv_depth;
+    p->lent1 = -1;
+    p->status = TDP_OK;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        p->slots[i].pipe = p;
+    p->rel_task = (tdp__task){.fn = release_task, .arg = p};
+    tdp__waiter_init(&p->w);
+    tdp__ctl_opts co = {p->opts.keepalive_idle_s, p->opts.keepalive_intvl_s,
+                        p->opts.keepalive_cnt};
+    tdp__ctl_init(&p->ctl, loop, &co, &ctl_up, p);
+    p->timer = evtimer_new(tdp__loop_base(loop), linger_cb, p);
+    p->credit_ev = evtimer_new(tdp__loop_base(loop), credit_ev_cb, p);
+    if (p->timer == NULL || p->credit_ev == NULL ||
+        tdp_op_new(NULL, NULL, &p->sync_send) != TDP_OK ||
+        tdp_op_new(NULL, NULL, &p->sync_recv) != TDP_OK)
+        goto err_free;
+    p->sync_send->waiter = p->sync_recv->waiter = &p->w;
+    p->sync_send->owner = p->sync_recv->owner = p;
+    p->sync_send->take_back = p->sync_recv->take_back = take_back;
+
+    /* the candidate planes, in this side's order of preference */
+    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX};
+    for (size_t i = 0; i < sizeof(order); i++) {
+        const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
+        if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
+            (p->opts.planes_forbidden & (1u << order[i])))
+            continue;
+        tdp_err rc = o->link_new(loop, p, &plane_up, &p->links[p->ncand]);
+        if (rc != TDP_OK) {
+            tdp_log_debug("plane %s unavailable: %s", o->name, tdp_strerror(rc));
+            *err = rc;
+            continue;
+        }
+        p->cand[p->ncand++] = o;
+    }
+    if (p->ncand == 0) {
+        if (*err == TDP_ENOMEM)
+            *err = TDP_ENOTSUP;
+        goto err_free;
+    }
+    *err = TDP_OK;
+    return p;
+
+err_free:
+    tdp__session_destroy(p);
+    return NULL;
+}
+
+static void ready_deadline(tdp_pipe *p)
+{
+    arm_timer(p, p->opts.connect_timeout_ms);
+}
+
+tdp_err tdp__session_dial(tdp_pipe *p, const struct sockaddr_storage *addrs,
+                          const socklen_t *lens, int n, tdp_pipe_cb ready, void *arg)
+{
+    tdp_err rc = tdp__ctl_dial(&p->ctl, addrs, lens, n);
+    if (rc != TDP_OK)
+        return rc;
+    p->ready_cb = ready;
+    p->ready_arg = arg;
+    ready_deadline(p);
+    return TDP_OK;
+}
+
+tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa,
+                            tdp_pipe_cb ready, void *arg)
+{
+    tdp_err rc = tdp__ctl_accept(&p->ctl, fd, sa);
+    if (rc != TDP_OK)
+        return rc;
+    p->ready_cb = ready;
+    p->ready_arg = arg;
+    ready_deadline(p);
+    send_hello(p); /* a failure here is reported through ready */
+    return TDP_OK;
+}
+
+const char *tdp__session_peer(const tdp_pipe *p)
+{
+    return p->ctl.peer_name;
+}
+
+static void destroy_now(void *arg)
+{
+    tdp_pipe *p = arg;
+    tdp__ctl_close(&p->ctl);
+    close_link(p);
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        p->slots[i].td = NULL; /* views the plane owned; it has let them go */
+    tdp_schema_unref(p->rx_schema);
+    tdp_schema_unref(p->sent_schema);
+    tdp_td_unref(p->gather_td);
+    tdp__free(p->tickets);
+    if (p->timer != NULL)
+        event_free(p->timer);
+    if (p->credit_ev != NULL)
+        event_free(p->credit_ev);
+    tdp__free(p->sync_send);
+    tdp__free(p->sync_recv);
+    tdp__waiter_fini(&p->w);
+    tdp__free(p);
+}
+
+void tdp__session_destroy(tdp_pipe *p)
+{
+    /* inert from now on: no callback reaches it; memory goes on a later turn
+     * (we may be inside one of its own callbacks) */
+    p->freed = true;
+    p->ready_cb = NULL;
+    p->end_cb = NULL;
+    tdp__ctl_close(&p->ctl);
+    close_link(p);
+    if (p->timer != NULL)
+        evtimer_del(p->timer);
+    if (p->credit_ev != NULL)
+        event_del(p->credit_ev);
+    tdp__reap_later(p->loop, &p->reap, destroy_now, p);
+}
+
+static void free_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    if (p->state != PIPE_DEAD)
+        pipe_fail(p, TDP_ECANCELED, "freed");
+    if (p->status == TDP_OK)
+        p->status = TDP_ECANCELED;
+    /* complete every op the user still has pending */
+    p->end_cb = NULL;
+    drain_ops(p);
+    tdp_op *op;
+    while ((op = tdp__opq_pop(&p->recvq)) != NULL)
+        tdp__op_complete(op, TDP_ECANCELED);
+    tdp__session_destroy(p);
+}
+
+void tdp_pipe_free(tdp_pipe *pipe)
+{
+    if (pipe != NULL)
+        tdp__call_on_loop(pipe->loop, free_task, pipe);
+}
+
+/* ---- queries ------------------------------------------------------------------ */
+
+static void stats_task(void *arg)
+{
+    void **a = arg;
+    *(tdp_pipe_stats *)a[1] = ((tdp_pipe *)a[0])->stats;
+}
+
+void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out)
+{
+    if (pipe == NULL || out == NULL)
+        return;
+    void *a[2] = {(void *)pipe, out};
+    tdp__call_on_loop(pipe->loop, stats_task, a);
+}
+
+static void status_task(void *arg)
+{
+    void **a = arg;
+    *(tdp_err *)a[1] = ((tdp_pipe *)a[0])->status;
+}
+
+tdp_err tdp_pipe_status(const tdp_pipe *pipe)
+{
+    if (pipe == NULL)
+        return TDP_EINVAL;
+    void *a[2] = {(void *)pipe, NULL};
+    tdp_err st = TDP_OK;
+    a[1] = &st;
+    tdp__call_on_loop(pipe->loop, status_task, a);
+    return st;
+}
+
+tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe)
+{
+    return pipe ? pipe->rx_schema : NULL;
+}
+
+const char *tdp_pipe_peer(const tdp_pipe *pipe, char *buf, size_t len)
+{
+    if (buf != NULL && len > 0)
+        snprintf(buf, len, "%s", pipe ? pipe->ctl.peer_name : "?");
+    return buf;
+}
+
+bool tdp_pipe_same_host(const tdp_pipe *pipe)
+{
+    return pipe && pipe->same_host;
+}
+
+tdp_plane tdp_pipe_plane(const tdp_pipe *pipe)
+{
+    return pipe && pipe->plane ? (tdp_plane)pipe->plane->id : TDP_PLANE_AUTO;
+}
+
+struct tdp__link *tdp__session_link(const tdp_pipe *p)
+{
+    return p->link;
+}
+
+tdp_loop *tdp__session_loop(const tdp_pipe *p)
+{
+    return p->loop;
+}

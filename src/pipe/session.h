@@ -1,0 +1,41 @@
+/*
+ * session.h (internal): how the dialer and the listener make pipes. The
+ * pipe itself (struct tdp_pipe, the state machine) is private to
+ * session.c.
+ */
+#ifndef TDP_PIPE_SESSION_H
+#define TDP_PIPE_SESSION_H
+
+#include <sys/socket.h>
+#include <tdpipe/pipe.h>
+
+#include "ctl.h"
+
+#define TDP_MAX_DEPTH 64u
+
+/* Defaults applied, limits copied into *lim (out->limits = NULL). */
+void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_limits *lim);
+
+/* A new pipe, not yet connected. NULL: no memory or no transport (*err says). */
+tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
+                           const tdp_schema_limits *lim, tdp_err *err);
+/*
+ * Start the handshake. ready(pipe, TDP_OK, arg) when the HELLO exchange is
+ * done (the pipe is the callee's); ready(NULL, err, arg) when it failed
+ * (the pipe is gone). Never before this returns. On an error return,
+ * nothing is called and the pipe must be freed with tdp__session_destroy.
+ */
+tdp_err tdp__session_dial(tdp_pipe *p, const struct sockaddr_storage *addrs,
+                          const socklen_t *lens, int n, tdp_pipe_cb ready, void *arg);
+/* As dial, for an accepted socket (takes fd, also on failure). */
+tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa,
+                            tdp_pipe_cb ready, void *arg);
+/* Free a pipe that never started, or drop a handshaking one without a ready call. */
+void tdp__session_destroy(tdp_pipe *p);
+const char *tdp__session_peer(const tdp_pipe *p);
+
+/* For tests: the chosen plane's link and its loop (NULL before the HELLO). */
+struct tdp__link *tdp__session_link(const tdp_pipe *p);
+tdp_loop *tdp__session_loop(const tdp_pipe *p);
+
+#endif
