@@ -11,6 +11,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include "pipe_int.h"
@@ -61,19 +62,25 @@ static tdp_err send_hello(tdp_pipe *p)
         rc = tdp__reg_worker_address(p->loop, TDP_WORKER_LOCAL, &laddr, &llen);
     if (rc != TDP_OK)
         return rc;
+    static const uint8_t planes[] = {TDP_PLANE_UCX};
     tdp_hello h = {
         .recv_depth = p->depth,
         .peer_mode = (uint32_t)p->opts.peer_mode,
-        .caps = TDP_CAP_MEM_HOST | TDP_CAP_PLANE_UCX | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
+        .caps = TDP_CAP_MEM_HOST | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
         .max_msg_bytes = p->limits.max_total_bytes,
         .token = p->token,
+        .planes = planes,
+        .nplanes = sizeof(planes),
         .addr_len = (uint32_t)alen,
         .addr = addr,
         .local_addr_len = (uint32_t)llen,
-        .local_addr = laddr,
+        .local_addr = llen > 0 ? laddr : NULL,
     };
     memcpy(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN);
+    (void)!getrandom(h.nonce, sizeof(h.nonce), 0); /* on failure zeros: nothing checks it yet */
     size_t n = tdp_wire_hello_size(&h);
+    if (n == 0)
+        return TDP_EINTERNAL;
     uint8_t *buf = tdp__malloc(n);
     if (buf == NULL)
         return TDP_ENOMEM;
@@ -136,13 +143,25 @@ tdp_err tdp__conn_accepted(tdp_pipe *p, evutil_socket_t fd, const struct sockadd
 static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
 {
     tdp_hello h;
-    if (p->hello_recv || tdp_wire_hello_decode(payload, len, &h) != TDP_OK) {
+    static const uint8_t ucx[] = {TDP_PLANE_UCX};
+    tdp_err drc = p->hello_recv ? TDP_EPROTO : tdp_wire_hello_decode(payload, len, &h);
+    if (drc == TDP_EVERSION) {
+        tdp__pipe_fail(p, TDP_EVERSION, "the peer's HELLO needs an extension this side lacks");
+        return;
+    }
+    if (drc != TDP_OK || h.addr == NULL ||
+        tdp_wire_plane_choose(ucx, 1, h.planes, h.nplanes, TDP_PLANE_BIT(TDP_PLANE_UCX)) == 0) {
         tdp__pipe_fail(p, TDP_EPROTO, "malformed or repeated HELLO");
         return;
     }
     p->hello_recv = true;
     p->peer_hello = h;
-    p->peer_hello.addr = NULL; /* points into the socket buffer: used below only */
+    /* these point into the socket buffer: used below only */
+    p->peer_hello.planes = NULL;
+    p->peer_hello.addr = NULL;
+    p->peer_hello.local_addr = NULL;
+    p->peer_hello.shm.key = NULL;
+    p->peer_hello.shm.name = NULL;
     p->peer_token = h.token;
     p->peer_depth = h.recv_depth;
     p->same_host = memcmp(h.host_id, tdp__host_id(), TDP_HOST_ID_LEN) == 0;
