@@ -146,7 +146,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h);
  * truncated, overrunning or with non-zero padding, a known record repeated
  * or malformed, more than TDP_HX_MAX_RECORDS records. TDP_EVERSION when
  * well-formed but carrying a critical record of a type this side does not
- * know (h->unknown_critical names it). *h is undefined on failure.
+ * know (h->unknown_critical names it; the rest of *h is not to be used on
+ * any failure).
  */
 tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h);
 
