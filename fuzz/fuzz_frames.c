@@ -1,9 +1,12 @@
 /*
  * fuzz_frames: the frame decoders a peer reaches before anything else —
- * control header, HELLO, BYE and the active-message header. Every decode
- * must either fail cleanly or produce fields inside their documented bounds,
- * and an accepted frame must re-encode to the same bytes.
+ * control header, HELLO with its extension records, BYE and the
+ * active-message header. Every decode must either fail cleanly or produce
+ * fields inside their documented bounds, an accepted frame must re-encode
+ * to something that decodes to the same fields, and plane negotiation on a
+ * decoded plane list must agree whichever side computes it.
  */
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,36 +14,139 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static bool inside(const void *p, size_t n, const uint8_t *buf, size_t len)
 {
-    if (size >= TDP_CTL_HDR_LEN) {
-        tdp_ctl_hdr h;
-        if (tdp_wire_ctl_hdr_decode(data, &h) == TDP_OK) {
-            const uint8_t *pl = data + TDP_CTL_HDR_LEN;
-            size_t avail = size - TDP_CTL_HDR_LEN;
-            size_t n = h.length < avail ? h.length : avail;
-            if (h.type == TDP_CTL_HELLO) {
-                tdp_hello hello;
-                if (tdp_wire_hello_decode(pl, n, &hello) == TDP_OK) {
-                    if (hello.addr_len == 0 || hello.addr_len > TDP_MAX_UCX_ADDR ||
-                        hello.recv_depth == 0 || hello.recv_depth > 64 ||
-                        (const uint8_t *)hello.addr + hello.addr_len > pl + n)
-                        abort();
-                    uint8_t *re = malloc(tdp_wire_hello_size(&hello));
-                    if (re == NULL)
-                        return 0;
-                    tdp_wire_hello_encode(re, &hello);
-                    if (memcmp(re + TDP_CTL_HDR_LEN, pl, n) != 0)
-                        abort();
-                    free(re);
-                }
-            } else if (h.type == TDP_CTL_BYE) {
-                tdp_bye bye;
-                if (tdp_wire_bye_decode(pl, n, &bye) == TDP_OK && bye.reason > 0)
+    const uint8_t *q = p;
+    return q >= buf && n <= len && (size_t)(q - buf) <= len - n;
+}
+
+static bool same_bytes(const void *a, uint32_t na, const void *b, uint32_t nb)
+{
+    if ((a == NULL) != (b == NULL) || na != nb)
+        return false;
+    return a == NULL || memcmp(a, b, na) == 0;
+}
+
+/* What a decoded HELLO promises, whatever the input was. */
+static void check_hello(const tdp_hello *h, const uint8_t *pl, size_t n)
+{
+    if (h->recv_depth == 0 || h->recv_depth > 64 || h->unknown_critical != 0)
+        abort();
+    if (h->planes != NULL) {
+        if (h->nplanes == 0 || h->nplanes > TDP_MAX_PLANES || !inside(h->planes, h->nplanes, pl, n))
+            abort();
+        for (uint32_t i = 0; i < h->nplanes; i++)
+            for (uint32_t j = 0; j < i; j++)
+                if (h->planes[i] == 0 || h->planes[i] == h->planes[j])
                     abort();
-            }
+    }
+    if (h->addr != NULL && (h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR ||
+                            !inside(h->addr, h->addr_len, pl, n)))
+        abort();
+    if (h->local_addr != NULL && (h->local_addr_len == 0 || h->local_addr_len > TDP_MAX_UCX_ADDR ||
+                                  !inside(h->local_addr, h->local_addr_len, pl, n)))
+        abort();
+    if (h->shm.key != NULL && (h->shm.name_len == 0 || h->shm.name_len > TDP_SHM_NAME_MAX ||
+                               !inside(h->shm.key, TDP_SHM_KEY_LEN, pl, n) ||
+                               !inside(h->shm.name, h->shm.name_len, pl, n)))
+        abort();
+}
+
+/* Encode what was decoded, decode it again: the same HELLO comes back. */
+static void check_reencode(const tdp_hello *h)
+{
+    size_t sz = tdp_wire_hello_size(h);
+    if (sz < TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN)
+        abort();
+    uint8_t *re = malloc(sz);
+    if (re == NULL)
+        return;
+    tdp_ctl_hdr rh;
+    tdp_hello h2;
+    if (tdp_wire_hello_encode(re, h) != TDP_OK || tdp_wire_ctl_hdr_decode(re, &rh) != TDP_OK ||
+        rh.type != TDP_CTL_HELLO || rh.length != sz - TDP_CTL_HDR_LEN ||
+        tdp_wire_hello_decode(re + TDP_CTL_HDR_LEN, rh.length, &h2) != TDP_OK)
+        abort();
+    if (h2.recv_depth != h->recv_depth || h2.peer_mode != h->peer_mode || h2.caps != h->caps ||
+        h2.max_msg_bytes != h->max_msg_bytes || h2.token != h->token || h2.flags != h->flags ||
+        memcmp(h2.host_id, h->host_id, TDP_HOST_ID_LEN) != 0 ||
+        memcmp(h2.nonce, h->nonce, TDP_HELLO_NONCE_LEN) != 0 ||
+        !same_bytes(h2.planes, h2.nplanes, h->planes, h->nplanes) ||
+        !same_bytes(h2.addr, h2.addr_len, h->addr, h->addr_len) ||
+        !same_bytes(h2.local_addr, h2.local_addr_len, h->local_addr, h->local_addr_len) ||
+        !same_bytes(h2.shm.key, h2.shm.key ? TDP_SHM_KEY_LEN : 0, h->shm.key,
+                    h->shm.key ? TDP_SHM_KEY_LEN : 0) ||
+        !same_bytes(h2.shm.name, h2.shm.name_len, h->shm.name, h->shm.name_len) || h2.nskipped != 0)
+        abort();
+    free(re);
+}
+
+/* Negotiation against a few local lists: symmetric, and a common id or 0. */
+static void check_planes(const uint8_t *p, uint32_t np)
+{
+    static const uint8_t locals[][4] = {{1, 2, 3, 4}, {4, 3, 2, 1}, {2, 1, 0, 0}, {1, 0, 0, 0}};
+    static const size_t nlocals[] = {4, 4, 2, 1};
+    static const uint64_t masks[] = {~UINT64_C(0), TDP_PLANE_BIT(TDP_PLANE_UCX),
+                                     TDP_PLANE_BIT(TDP_PLANE_UCX) | TDP_PLANE_BIT(TDP_PLANE_SHM)};
+    for (size_t l = 0; l < sizeof(nlocals) / sizeof(nlocals[0]); l++) {
+        for (size_t m = 0; m < sizeof(masks) / sizeof(masks[0]); m++) {
+            int x = tdp_wire_plane_choose(locals[l], nlocals[l], p, np, masks[m]);
+            int y = tdp_wire_plane_choose(p, np, locals[l], nlocals[l], masks[m]);
+            if (x != y || x < 0 || x >= 64)
+                abort();
+            if (x != 0 && ((masks[m] & TDP_PLANE_BIT(x)) == 0 || memchr(p, x, np) == NULL ||
+                           memchr(locals[l], x, nlocals[l]) == NULL))
+                abort();
         }
     }
+    /* with itself, a list's first usable id wins */
+    int self = tdp_wire_plane_choose(p, np, p, np, ~UINT64_C(0));
+    for (uint32_t i = 0; i < np; i++) {
+        if (p[i] < 64) {
+            if (self != p[i])
+                abort();
+            return;
+        }
+    }
+    if (self != 0)
+        abort();
+}
+
+static void fuzz_ctl(const uint8_t *data, size_t size)
+{
+    tdp_ctl_hdr h;
+    if (tdp_wire_ctl_hdr_decode(data, &h) != TDP_OK)
+        return;
+    const uint8_t *pl = data + TDP_CTL_HDR_LEN;
+    size_t avail = size - TDP_CTL_HDR_LEN;
+    size_t n = h.length < avail ? h.length : avail;
+    if (h.type == TDP_CTL_HELLO) {
+        if (h.length < TDP_HELLO_FIXED_LEN || h.length > TDP_HELLO_MAX_LEN)
+            abort();
+        tdp_hello hello;
+        tdp_err rc = tdp_wire_hello_decode(pl, n, &hello);
+        if (rc == TDP_OK) {
+            check_hello(&hello, pl, n);
+            check_reencode(&hello);
+            if (hello.planes != NULL)
+                check_planes(hello.planes, hello.nplanes);
+        } else if (rc == TDP_EVERSION) {
+            if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_SHM)
+                abort();
+        } else if (rc != TDP_EPROTO) {
+            abort();
+        }
+    } else if (h.type == TDP_CTL_BYE) {
+        tdp_bye bye;
+        if (tdp_wire_bye_decode(pl, n, &bye) == TDP_OK && bye.reason > 0)
+            abort();
+    }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size >= TDP_CTL_HDR_LEN)
+        fuzz_ctl(data, size);
     tdp_am_hdr am;
     if (tdp_wire_am_decode(data, size, &am) == TDP_OK) {
         uint8_t re[TDP_AM_HDR_LEN];

@@ -150,7 +150,7 @@ test_usage() {
 
     run version 10 "$TDPIPE" version
     expect_rc version 0
-    expect_in version out "protocol: 1"
+    expect_in version out "protocol: 2"
     expect_in version out "ucx:"
     expect_in version out "cuda:"
     run verbose 10 "$TDPIPE" -vv version

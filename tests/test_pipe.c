@@ -953,7 +953,7 @@ static void *future_server(void *arg)
         return NULL;
     uint8_t hdr[TDP_CTL_HDR_LEN];
     tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_HELLO, TDP_HELLO_FIXED_LEN + 8);
-    hdr[4] = 2; /* version 2 */
+    hdr[4] = TDP_PROTOCOL_VERSION + 1; /* a later version */
     uint8_t payload[TDP_HELLO_FIXED_LEN + 8] = {0};
     if (write(fd, hdr, sizeof(hdr)) == (ssize_t)sizeof(hdr))
         (void)!write(fd, payload, sizeof(payload));

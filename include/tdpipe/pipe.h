@@ -38,7 +38,7 @@ typedef struct tdp_listener tdp_listener;
 typedef struct tdp_op tdp_op;
 
 /* Wire protocol version this library speaks. */
-#define TDP_PROTOCOL_VERSION 1
+#define TDP_PROTOCOL_VERSION 2
 
 /*
  * How a peer's death is detected, and which of the loop's two UCX workers a

@@ -119,10 +119,16 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
     if (c->bev == NULL)
         return TDP_ECONNRESET;
     size_t n = tdp_wire_hello_size(h);
+    if (n == 0)
+        return TDP_EINVAL;
     uint8_t *buf = tdp__malloc(n);
     if (buf == NULL)
         return TDP_ENOMEM;
-    tdp_wire_hello_encode(buf, h);
+    tdp_err rc = tdp_wire_hello_encode(buf, h);
+    if (rc != TDP_OK) {
+        tdp__free(buf);
+        return rc;
+    }
     int r = bufferevent_write(c->bev, buf, n);
     tdp__free(buf);
     return r == 0 ? TDP_OK : TDP_ENOMEM;
@@ -168,9 +174,13 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
         }
         if (hdr.type == TDP_CTL_HELLO) {
             tdp_hello h;
-            if (c->hello_seen || tdp_wire_hello_decode(f + TDP_CTL_HDR_LEN, hdr.length, &h) != TDP_OK) {
-                tdp_log_info("peer %s: malformed or repeated HELLO", c->peer_name);
-                fail(c, TDP_EPROTO);
+            rc = c->hello_seen ? TDP_EPROTO
+                               : tdp_wire_hello_decode(f + TDP_CTL_HDR_LEN, hdr.length, &h);
+            if (rc != TDP_OK) {
+                tdp_log_info("peer %s: %s", c->peer_name,
+                             rc == TDP_EVERSION ? "its HELLO needs an extension this side lacks"
+                                                : "malformed or repeated HELLO");
+                fail(c, rc == TDP_EVERSION ? TDP_EVERSION : TDP_EPROTO);
                 return;
             }
             c->hello_seen = true;

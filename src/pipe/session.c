@@ -9,6 +9,7 @@
  * hop to it (ops through op.c, the rest through tdp__call_on_loop).
  */
 #include <inttypes.h>
+#include <sys/random.h>
 #include <string.h>
 #include <time.h>
 
@@ -398,6 +399,8 @@ static void send_hello(tdp_pipe *p)
     }
     h.planes = ids;
     h.nplanes = (uint32_t)p->ncand;
+    if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce))
+        memset(h.nonce, 0, sizeof(h.nonce)); /* unused yet: room for a challenge */
     tdp__host_id(h.host_id);
     tdp_err rc = tdp__ctl_send_hello(&p->ctl, &h);
     if (rc != TDP_OK)
@@ -444,18 +447,18 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->peer_depth = h->recv_depth;
 
     /* both sides compute the same choice: the same lists, the same filter */
-    uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANE_IDS];
+    uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANES];
     size_t nm = 0, nt = 0;
     for (int i = 0; i < p->ncand; i++)
         if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, p->same_host))
             mine[nm++] = p->cand[i]->id;
-    for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANE_IDS; i++) {
+    for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANES; i++) {
         const tdp__plane_ops *o = tdp__plane_by_id(h->planes[i]);
         if (o != NULL && o->usable != NULL && !o->usable(h, p->same_host))
             continue;
         theirs[nt++] = h->planes[i];
     }
-    int id = tdp_wire_plane_choose(mine, nm, theirs, nt);
+    int id = tdp_wire_plane_choose(mine, nm, theirs, nt, ~UINT64_C(0));
     int ci = -1;
     for (int i = 0; i < p->ncand; i++)
         if (p->cand[i]->id == id)

@@ -3,6 +3,7 @@
 
 #include <endian.h>
 
+#include <stdbool.h>
 #include <string.h>
 #include <tdpipe/pipe.h>
 
@@ -62,8 +63,7 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
         return TDP_EVERSION;
     switch (hdr->type) {
     case TDP_CTL_HELLO:
-        if (hdr->length < TDP_HELLO_FIXED_LEN ||
-            hdr->length > TDP_HELLO_FIXED_LEN + 2 * TDP_MAX_UCX_ADDR)
+        if (hdr->length < TDP_HELLO_FIXED_LEN || hdr->length > TDP_HELLO_MAX_LEN)
             return TDP_EPROTO;
         return TDP_OK;
     case TDP_CTL_BYE:
@@ -73,20 +73,101 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
     }
 }
 
-size_t tdp_wire_hello_size(const tdp_hello *h)
+/*
+ * HELLO payload: recv_depth u32 | peer_mode u32 | caps u64 | max_msg u64 |
+ * token u64 | host_id[16] | flags u64 | nonce[16], then records, each
+ * type u16 | flags u16 | length u32 | value, zero-padded to 8 bytes.
+ */
+
+/* Record span after its header: the value rounded up to the alignment. */
+static uint64_t hx_span(uint64_t vlen)
 {
-    return TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN + h->addr_len + h->local_addr_len;
+    return (vlen + (TDP_HX_ALIGN - 1)) & ~(uint64_t)(TDP_HX_ALIGN - 1);
+}
+
+/* 1..TDP_MAX_PLANES ids, none 0, none repeated. */
+static bool planes_ok(const uint8_t *ids, size_t n)
+{
+    uint8_t seen[256 / 8] = {0};
+    if (n == 0 || n > TDP_MAX_PLANES)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t id = ids[i];
+        if (id == 0 || (seen[id / 8] & (1u << (id % 8))) != 0)
+            return false;
+        seen[id / 8] |= (uint8_t)(1u << (id % 8));
+    }
+    return true;
+}
+
+static bool fixed_ok(uint32_t recv_depth, uint32_t peer_mode)
+{
+    return recv_depth >= 1 && recv_depth <= 64 && peer_mode <= TDP_PEER_SOCKET;
 }
 
 /*
- * HELLO payload: recv_depth u32 | peer_mode u32 | caps u64 | max_msg u64 |
- * token u64 | host_id[16] | addr_len u32 | local_addr_len u32 | reserved u64
- * (0) | addr bytes | local addr bytes.
+ * The payload length h encodes to, after checking every field against the
+ * bounds the decoder enforces, so that what is encoded always decodes.
  */
-void tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
+static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
 {
-    tdp_wire_ctl_hdr_encode(out, TDP_CTL_HELLO,
-                            TDP_HELLO_FIXED_LEN + h->addr_len + h->local_addr_len);
+    uint64_t n = TDP_HELLO_FIXED_LEN;
+    if (!fixed_ok(h->recv_depth, h->peer_mode))
+        return TDP_EINVAL;
+    if (h->planes != NULL) {
+        if (!planes_ok(h->planes, h->nplanes))
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(h->nplanes);
+    }
+    if (h->addr != NULL) {
+        if (h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(h->addr_len);
+    }
+    if (h->local_addr != NULL) {
+        if (h->local_addr_len == 0 || h->local_addr_len > TDP_MAX_UCX_ADDR)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(h->local_addr_len);
+    }
+    if (h->shm.key != NULL) {
+        if (h->shm.name == NULL || h->shm.name_len == 0 || h->shm.name_len > TDP_SHM_NAME_MAX)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
+    }
+    if (n > TDP_HELLO_MAX_LEN)
+        return TDP_EINVAL;
+    *out = n;
+    return TDP_OK;
+}
+
+size_t tdp_wire_hello_size(const tdp_hello *h)
+{
+    uint64_t n;
+    if (hello_payload_len(h, &n) != TDP_OK)
+        return 0;
+    return TDP_CTL_HDR_LEN + (size_t)n;
+}
+
+/* Write a record's header and padding; returns where its value goes. */
+static uint8_t *hx_put(uint8_t **pp, uint16_t type, uint32_t vlen)
+{
+    uint8_t *p = *pp;
+    uint64_t span = hx_span(vlen);
+    put16(p, type);
+    put16(p + 2, 0);
+    put32(p + 4, vlen);
+    memset(p + TDP_HX_HDR_LEN + vlen, 0, (size_t)(span - vlen));
+    *pp = p + TDP_HX_HDR_LEN + span;
+    return p + TDP_HX_HDR_LEN;
+}
+
+tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
+{
+    uint64_t len;
+    tdp_err rc = hello_payload_len(h, &len);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_wire_ctl_hdr_encode(out, TDP_CTL_HELLO, (uint32_t)len);
     uint8_t *p = out + TDP_CTL_HDR_LEN;
     put32(p, h->recv_depth);
     put32(p + 4, h->peer_mode);
@@ -94,17 +175,79 @@ void tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     put64(p + 16, h->max_msg_bytes);
     put64(p + 24, h->token);
     memcpy(p + 32, h->host_id, TDP_HOST_ID_LEN);
-    put32(p + 48, h->addr_len);
-    put32(p + 52, h->local_addr_len);
-    put64(p + 56, 0);
-    memcpy(p + TDP_HELLO_FIXED_LEN, h->addr, h->addr_len);
-    if (h->local_addr_len > 0)
-        memcpy(p + TDP_HELLO_FIXED_LEN + h->addr_len, h->local_addr, h->local_addr_len);
+    put64(p + 48, h->flags);
+    memcpy(p + 56, h->nonce, TDP_HELLO_NONCE_LEN);
+    p += TDP_HELLO_FIXED_LEN;
+    /* in type order; a receiver accepts any order */
+    if (h->planes != NULL)
+        memcpy(hx_put(&p, TDP_HX_PLANES, h->nplanes), h->planes, h->nplanes);
+    if (h->addr != NULL)
+        memcpy(hx_put(&p, TDP_HX_UCX_ADDR, h->addr_len), h->addr, h->addr_len);
+    if (h->local_addr != NULL)
+        memcpy(hx_put(&p, TDP_HX_UCX_LOCAL_ADDR, h->local_addr_len), h->local_addr,
+               h->local_addr_len);
+    if (h->shm.key != NULL) {
+        uint8_t *v = hx_put(&p, TDP_HX_SHM, TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
+        memcpy(v, h->shm.key, TDP_SHM_KEY_LEN);
+        put16(v + TDP_SHM_KEY_LEN, h->shm.name_len);
+        memcpy(v + TDP_SHM_KEY_LEN + 2, h->shm.name, h->shm.name_len);
+    }
+    return TDP_OK;
+}
+
+/* One record's value, checked; a known type seen twice is malformed. */
+static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint8_t *v,
+                         uint32_t vlen)
+{
+    switch (type) {
+    case TDP_HX_PLANES:
+        if (h->planes != NULL || !planes_ok(v, vlen))
+            return TDP_EPROTO;
+        h->planes = v;
+        h->nplanes = vlen;
+        return TDP_OK;
+    case TDP_HX_UCX_ADDR:
+        if (h->addr != NULL || vlen == 0 || vlen > TDP_MAX_UCX_ADDR)
+            return TDP_EPROTO;
+        h->addr = v;
+        h->addr_len = vlen;
+        return TDP_OK;
+    case TDP_HX_UCX_LOCAL_ADDR:
+        if (h->local_addr != NULL || vlen == 0 || vlen > TDP_MAX_UCX_ADDR)
+            return TDP_EPROTO;
+        h->local_addr = v;
+        h->local_addr_len = vlen;
+        return TDP_OK;
+    case TDP_HX_SHM: {
+        if (h->shm.key != NULL || vlen < TDP_SHM_KEY_LEN + 2u)
+            return TDP_EPROTO;
+        uint16_t name_len = get16(v + TDP_SHM_KEY_LEN);
+        if (name_len == 0 || name_len > TDP_SHM_NAME_MAX || vlen != TDP_SHM_KEY_LEN + 2u + name_len)
+            return TDP_EPROTO;
+        h->shm.key = v;
+        h->shm.name = (const char *)v + TDP_SHM_KEY_LEN + 2;
+        h->shm.name_len = name_len;
+        return TDP_OK;
+    }
+    case 0:
+        return TDP_EPROTO;
+    default:
+        /*
+         * Not ours. A critical one is remembered, not returned: the rest is
+         * still checked, so a malformed HELLO is EPROTO whatever it carries.
+         */
+        if ((flags & TDP_HX_CRITICAL) == 0)
+            h->nskipped++;
+        else if (h->unknown_critical == 0)
+            h->unknown_critical = type;
+        return TDP_OK;
+    }
 }
 
 tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
 {
-    if (len < TDP_HELLO_FIXED_LEN)
+    memset(h, 0, sizeof(*h));
+    if (len < TDP_HELLO_FIXED_LEN || len > TDP_HELLO_MAX_LEN)
         return TDP_EPROTO;
     h->recv_depth = get32(in);
     h->peer_mode = get32(in + 4);
@@ -112,19 +255,66 @@ tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
     h->max_msg_bytes = get64(in + 16);
     h->token = get64(in + 24);
     memcpy(h->host_id, in + 32, TDP_HOST_ID_LEN);
-    h->addr_len = get32(in + 48);
-    h->local_addr_len = get32(in + 52);
-    if (get64(in + 56) != 0)
+    h->flags = get64(in + 48);
+    memcpy(h->nonce, in + 56, TDP_HELLO_NONCE_LEN);
+    if (!fixed_ok(h->recv_depth, h->peer_mode))
         return TDP_EPROTO;
-    if (h->recv_depth == 0 || h->recv_depth > 64 || h->peer_mode > TDP_PEER_SOCKET ||
-        h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR ||
-        h->local_addr_len > TDP_MAX_UCX_ADDR ||
-        (uint64_t)h->addr_len + h->local_addr_len != len - TDP_HELLO_FIXED_LEN ||
-        (h->caps & TDP_CAP_PLANE_UCX) == 0)
-        return TDP_EPROTO;
-    h->addr = in + TDP_HELLO_FIXED_LEN;
-    h->local_addr = h->local_addr_len > 0 ? in + TDP_HELLO_FIXED_LEN + h->addr_len : NULL;
-    return TDP_OK;
+
+    size_t off = TDP_HELLO_FIXED_LEN;
+    unsigned nrec = 0;
+    while (off < len) {
+        size_t rem = len - off;
+        if (rem < TDP_HX_HDR_LEN || ++nrec > TDP_HX_MAX_RECORDS)
+            return TDP_EPROTO;
+        const uint8_t *r = in + off;
+        uint16_t type = get16(r);
+        uint16_t flags = get16(r + 2);
+        uint32_t vlen = get32(r + 4);
+        uint64_t span = hx_span(vlen);
+        if (span > rem - TDP_HX_HDR_LEN)
+            return TDP_EPROTO;
+        const uint8_t *v = r + TDP_HX_HDR_LEN;
+        for (uint64_t i = vlen; i < span; i++)
+            if (v[i] != 0)
+                return TDP_EPROTO;
+        tdp_err rc = hx_decode(h, type, flags, v, vlen);
+        if (rc != TDP_OK)
+            return rc;
+        off += TDP_HX_HDR_LEN + (size_t)span;
+    }
+    return h->unknown_critical != 0 ? TDP_EVERSION : TDP_OK;
+}
+
+/* First position of id in l, or n when absent. */
+static size_t rank_of(const uint8_t *l, size_t n, uint8_t id)
+{
+    size_t i = 0;
+    while (i < n && l[i] != id)
+        i++;
+    return i;
+}
+
+int tdp_wire_plane_choose(const uint8_t *a, size_t na, const uint8_t *b, size_t nb,
+                          uint64_t allowed)
+{
+    int best = 0;
+    size_t best_sum = SIZE_MAX;
+    for (size_t i = 0; i < na; i++) {
+        uint8_t id = a[i];
+        /* a repeated id in a: its later places have larger sums, never chosen */
+        if (id == 0 || id >= 64 || (allowed & TDP_PLANE_BIT(id)) == 0)
+            continue;
+        size_t j = rank_of(b, nb, id);
+        if (j == nb)
+            continue;
+        /* ranks are below the list sizes, which are object sizes: no wrap */
+        size_t sum = i + j;
+        if (sum < best_sum || (sum == best_sum && id < best)) {
+            best = id;
+            best_sum = sum;
+        }
+    }
+    return best;
 }
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b)

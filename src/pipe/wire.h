@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <tdpipe/err.h>
+#include <tdpipe/pipe.h>
 
 /* ---- control socket ------------------------------------------------------ */
 
@@ -28,10 +29,9 @@ enum tdp_ctl_type {
     TDP_CTL_BYE = 2,
 };
 
-/* Capability bits of HELLO. */
-#define TDP_CAP_MEM_HOST  (1u << 0)
-#define TDP_CAP_MEM_CUDA  (1u << 1)
-#define TDP_CAP_PLANE_UCX (1u << 8)
+/* Capability bits of HELLO; unknown bits are ignored. */
+#define TDP_CAP_MEM_HOST (1u << 0)
+#define TDP_CAP_MEM_CUDA (1u << 1)
 
 typedef struct tdp_ctl_hdr {
     uint32_t magic;
@@ -40,19 +40,79 @@ typedef struct tdp_ctl_hdr {
     uint32_t length; /* payload bytes after the header */
 } tdp_ctl_hdr;
 
-#define TDP_HELLO_FIXED_LEN 64u
+/*
+ * HELLO (protocol 2): a fixed part, then extension records. A record is
+ * {type u16, flags u16, length u32} and `length` value bytes, zero-padded
+ * so the next record starts 8-aligned. A record flagged TDP_HX_CRITICAL
+ * that the receiver does not know makes it refuse the HELLO
+ * (TDP_EVERSION); other unknown records are skipped. docs/wire-format.md
+ * has the bytes and the rules for adding records.
+ */
+#define TDP_HELLO_FIXED_LEN 72u
+#define TDP_HELLO_NONCE_LEN 16u
+/* Both UCX addresses at their largest, and room for the other records. */
+#define TDP_HELLO_MAX_LEN (2u * TDP_MAX_UCX_ADDR + 4096u)
 
+#define TDP_HX_HDR_LEN     8u
+#define TDP_HX_ALIGN       8u
+#define TDP_HX_MAX_RECORDS 64u
+#define TDP_HX_CRITICAL    (1u << 0) /* record flag; the other bits are ignored */
+
+/* Extension record types. 0 is never a record type. */
+enum tdp_hx_type {
+    TDP_HX_PLANES = 1,         /* plane ids, the sender's preference first */
+    TDP_HX_UCX_ADDR = 2,       /* worker address for any peer */
+    TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
+    TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
+};
+
+/*
+ * Data plane ids, one byte each in TDP_HX_PLANES. 0 is "none" (never on
+ * the wire); ids are below 64 so a uint64_t mask can name any set.
+ */
+/*
+ * Plane ids on the wire are tdp_plane values (include/tdpipe/pipe.h), one
+ * byte each in TDP_HX_PLANES; 0 is "none" (never on the wire); ids are
+ * below 64 so a uint64_t mask can name any set. Reserved for planes to come:
+ */
+#define TDP_PLANE_CUDA_IPC    3
+#define TDP_PLANE_CUDA_STAGED 4
+#define TDP_PLANE_BIT(id) (UINT64_C(1) << (id))
+#define TDP_MAX_PLANES    16u
+
+#define TDP_SHM_KEY_LEN  16u
+#define TDP_SHM_NAME_MAX 107u /* sun_path less the abstract namespace's leading NUL */
+
+/*
+ * A HELLO, both ways. Records are optional: a NULL pointer means absent,
+ * and only present records are encoded. Decoded pointers point into the
+ * decoder's input and live as long as it does.
+ */
 typedef struct tdp_hello {
-    uint32_t recv_depth;    /* credits this side grants */
+    uint32_t recv_depth;    /* credits this side grants, 1..64 */
     uint32_t peer_mode;     /* tdp_peer_mode requested */
     uint64_t caps;          /* TDP_CAP_* */
     uint64_t max_msg_bytes; /* largest buffer this side accepts */
     uint64_t token;         /* put in every AM frame sent to this side */
     uint8_t host_id[TDP_HOST_ID_LEN];
-    uint32_t addr_len; /* UCX address of the worker for any peer */
-    const void *addr;
-    uint32_t local_addr_len; /* of the shared-memory worker for same-host peers; 0: none */
-    const void *local_addr;
+    uint64_t flags;                     /* none defined yet: sent as 0, unknown bits ignored */
+    uint8_t nonce[TDP_HELLO_NONCE_LEN]; /* random per HELLO */
+
+    const uint8_t *planes; /* TDP_HX_PLANES: nplanes (1..16) distinct ids, 0 excluded */
+    uint32_t nplanes;
+    const void *addr; /* TDP_HX_UCX_ADDR: 1..TDP_MAX_UCX_ADDR bytes */
+    uint32_t addr_len;
+    const void *local_addr; /* TDP_HX_UCX_LOCAL_ADDR: 1..TDP_MAX_UCX_ADDR bytes */
+    uint32_t local_addr_len;
+    struct {
+        const uint8_t *key; /* TDP_SHM_KEY_LEN bytes; NULL: no TDP_HX_SHM record */
+        const char *name;   /* abstract socket name, not NUL-terminated */
+        uint16_t name_len;  /* 1..TDP_SHM_NAME_MAX */
+    } shm;
+
+    /* Set by the decoder, ignored by the encoder. */
+    uint32_t nskipped;         /* unknown non-critical records skipped */
+    uint16_t unknown_critical; /* with TDP_EVERSION: the unknown critical type */
 } tdp_hello;
 
 #define TDP_BYE_LEN 16u
@@ -71,11 +131,39 @@ void tdp_wire_ctl_hdr_encode(uint8_t out[TDP_CTL_HDR_LEN], uint16_t type, uint32
  */
 tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *hdr);
 
-/* Bytes needed to encode h (header included). */
+/*
+ * Bytes needed to encode h, header included; 0 when h cannot be encoded
+ * (a field out of the bounds the decoder enforces).
+ */
 size_t tdp_wire_hello_size(const tdp_hello *h);
-void tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h);
-/* Decode a HELLO payload of `len` bytes; h->addr points into `in`. */
+/*
+ * Write h (header included) into out, which holds tdp_wire_hello_size(h)
+ * bytes. TDP_EINVAL, and nothing written, when h cannot be encoded: what
+ * is encoded always decodes.
+ */
+tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h);
+/*
+ * Decode a HELLO payload of `len` bytes into *h; record pointers point into
+ * `in`. TDP_EPROTO when malformed: a fixed field out of bounds, a record
+ * truncated, overrunning or with non-zero padding, a known record repeated
+ * or malformed, more than TDP_HX_MAX_RECORDS records. TDP_EVERSION when
+ * well-formed but carrying a critical record of a type this side does not
+ * know (h->unknown_critical names it; the rest of *h is not to be used on
+ * any failure).
+ */
 tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h);
+
+/*
+ * The data plane two peers use, from their TDP_HX_PLANES lists: among the
+ * ids in both lists and in `allowed` (TDP_PLANE_BIT mask), the one with the
+ * smallest sum of its positions in a and b; a tie goes to the smaller id.
+ * Symmetric: swapping a and b gives the same answer, so both sides agree
+ * as long as they pass the same `allowed` (computed from what both know,
+ * e.g. same host or not). A repeated id counts at its first position; ids
+ * of 64 and above are never chosen. 0 when nothing is common.
+ */
+int tdp_wire_plane_choose(const uint8_t *a, size_t na, const uint8_t *b, size_t nb,
+                          uint64_t allowed);
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b);
 tdp_err tdp_wire_bye_decode(const uint8_t *in, size_t len, tdp_bye *b);

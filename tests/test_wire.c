@@ -1,0 +1,911 @@
+/*
+ * test_wire: the control frames' codec — HELLO with its extension records,
+ * plane negotiation, and the headers that must not change (control header,
+ * BYE, AM header).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <tdpipe/pipe.h>
+
+#include "pipe/wire.h"
+
+#define N(a) (sizeof(a) / sizeof((a)[0]))
+
+/* ---- building HELLO payloads by hand ------------------------------------------ */
+
+/* Big enough for both UCX addresses at their largest and then some. */
+#define BUF_CAP (TDP_HELLO_MAX_LEN + 1024u)
+
+typedef struct buf {
+    uint8_t *b;
+    size_t n;
+    size_t bounds[TDP_HX_MAX_RECORDS + 8]; /* payload length after each record */
+    size_t nbounds;
+} buf;
+
+static void le(uint8_t *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void buf_init(buf *b)
+{
+    b->b = calloc(1, BUF_CAP);
+    assert_non_null(b->b);
+    b->n = 0;
+    b->nbounds = 0;
+}
+
+static void buf_free(buf *b)
+{
+    free(b->b);
+}
+
+static void put_fixed(buf *b, uint32_t depth, uint32_t mode, uint64_t flags)
+{
+    uint8_t *p = b->b;
+    le(p, depth, 4);
+    le(p + 4, mode, 4);
+    le(p + 8, 3, 8);                /* caps */
+    le(p + 16, 1u << 30, 8);        /* max_msg_bytes */
+    le(p + 24, 0x1234567890ull, 8); /* token */
+    memset(p + 32, 'H', TDP_HOST_ID_LEN);
+    le(p + 48, flags, 8);
+    for (int i = 0; i < 16; i++)
+        p[56 + i] = (uint8_t)(0xa0 + i);
+    b->n = TDP_HELLO_FIXED_LEN;
+}
+
+/* A record with `vlen` in its header and `have` value bytes copied from v. */
+static void put_rec_raw(buf *b, uint16_t type, uint16_t flags, uint32_t vlen, const void *v,
+                        size_t have, size_t pad)
+{
+    assert_true(b->n + TDP_HX_HDR_LEN + have + pad <= BUF_CAP);
+    le(b->b + b->n, type, 2);
+    le(b->b + b->n + 2, flags, 2);
+    le(b->b + b->n + 4, vlen, 4);
+    b->n += TDP_HX_HDR_LEN;
+    if (have > 0)
+        memcpy(b->b + b->n, v, have);
+    b->n += have;
+    memset(b->b + b->n, 0, pad);
+    b->n += pad;
+    b->bounds[b->nbounds++] = b->n;
+}
+
+static void put_rec(buf *b, uint16_t type, uint16_t flags, const void *v, size_t len)
+{
+    put_rec_raw(b, type, flags, (uint32_t)len, v, len, (8 - len % 8) % 8);
+}
+
+static tdp_err dec(const buf *b, tdp_hello *h)
+{
+    return tdp_wire_hello_decode(b->b, b->n, h);
+}
+
+typedef struct rec {
+    uint16_t type;
+    const void *v;
+    size_t n;
+} rec;
+
+static const uint8_t addr_bytes[] = "a UCX worker address, 37 bytes long..";
+static const uint8_t laddr_bytes[] = "shm worker addr";
+static const uint8_t shm_key[TDP_SHM_KEY_LEN] = {1, 2,  3,  4,  5,  6,  7,  8,
+                                                 9, 10, 11, 12, 13, 14, 15, 16};
+static const char shm_name[] = "tdpipe-1234-shm";
+static const uint8_t planes3[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP_PLANE_CUDA_IPC};
+
+/* The SHM record value for shm_key and a name. */
+static size_t shm_value(uint8_t *v, const char *name, size_t name_len)
+{
+    memcpy(v, shm_key, TDP_SHM_KEY_LEN);
+    le(v + TDP_SHM_KEY_LEN, name_len, 2);
+    memcpy(v + TDP_SHM_KEY_LEN + 2, name, name_len);
+    return TDP_SHM_KEY_LEN + 2 + name_len;
+}
+
+static tdp_hello base_hello(void)
+{
+    tdp_hello h = {
+        .recv_depth = 4,
+        .peer_mode = TDP_PEER_SOCKET,
+        .caps = TDP_CAP_MEM_HOST | TDP_CAP_MEM_CUDA,
+        .max_msg_bytes = 1ull << 40,
+        .token = 0xfeedface12345678ull,
+        .flags = 0,
+    };
+    memset(h.host_id, 0x5a, sizeof(h.host_id));
+    for (int i = 0; i < TDP_HELLO_NONCE_LEN; i++)
+        h.nonce[i] = (uint8_t)(i * 7 + 1);
+    return h;
+}
+
+static void assert_bytes(const void *got, uint32_t ngot, const void *want, uint32_t nwant)
+{
+    if (want == NULL) {
+        assert_null(got);
+        return;
+    }
+    assert_non_null(got);
+    assert_int_equal(ngot, nwant);
+    assert_memory_equal(got, want, nwant);
+}
+
+/* Encode h, check the header, decode the payload and compare every field. */
+static void round_trip(const tdp_hello *h)
+{
+    size_t sz = tdp_wire_hello_size(h);
+    assert_true(sz >= TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN);
+    assert_int_equal(sz % 8, 0);
+    uint8_t *out = malloc(sz);
+    assert_non_null(out);
+    assert_int_equal(tdp_wire_hello_encode(out, h), TDP_OK);
+    tdp_ctl_hdr hdr;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(out, &hdr), TDP_OK);
+    assert_int_equal(hdr.type, TDP_CTL_HELLO);
+    assert_int_equal(hdr.version, TDP_PROTOCOL_VERSION);
+    assert_int_equal(hdr.length, sz - TDP_CTL_HDR_LEN);
+    tdp_hello g;
+    memset(&g, 0xee, sizeof(g)); /* the decoder must clear what is absent */
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, hdr.length, &g), TDP_OK);
+    assert_int_equal(g.recv_depth, h->recv_depth);
+    assert_int_equal(g.peer_mode, h->peer_mode);
+    assert_int_equal(g.caps, h->caps);
+    assert_int_equal(g.max_msg_bytes, h->max_msg_bytes);
+    assert_int_equal(g.token, h->token);
+    assert_int_equal(g.flags, h->flags);
+    assert_memory_equal(g.host_id, h->host_id, TDP_HOST_ID_LEN);
+    assert_memory_equal(g.nonce, h->nonce, TDP_HELLO_NONCE_LEN);
+    assert_bytes(g.planes, g.nplanes, h->planes, h->nplanes);
+    assert_bytes(g.addr, g.addr_len, h->addr, h->addr_len);
+    assert_bytes(g.local_addr, g.local_addr_len, h->local_addr, h->local_addr_len);
+    assert_bytes(g.shm.key, TDP_SHM_KEY_LEN, h->shm.key, TDP_SHM_KEY_LEN);
+    if (h->shm.key != NULL)
+        assert_bytes(g.shm.name, g.shm.name_len, h->shm.name, h->shm.name_len);
+    else
+        assert_null(g.shm.name);
+    assert_int_equal(g.nskipped, 0);
+    assert_int_equal(g.unknown_critical, 0);
+    /* decoded pointers point into the input */
+    const uint8_t *lo = out + TDP_CTL_HDR_LEN, *hi = out + sz;
+    if (g.addr != NULL)
+        assert_true((const uint8_t *)g.addr >= lo && (const uint8_t *)g.addr + g.addr_len <= hi);
+    if (g.planes != NULL)
+        assert_true(g.planes >= lo && g.planes + g.nplanes <= hi);
+    free(out);
+}
+
+/* ---- round trips ------------------------------------------------------------ */
+
+static void test_round_trip_each_record(void **state)
+{
+    (void)state;
+    tdp_hello h = base_hello();
+    round_trip(&h); /* no record at all */
+
+    for (int which = 0; which < 16; which++) { /* every subset of the four records */
+        h = base_hello();
+        if (which & 1) {
+            h.planes = planes3;
+            h.nplanes = sizeof(planes3);
+        }
+        if (which & 2) {
+            h.addr = addr_bytes;
+            h.addr_len = sizeof(addr_bytes);
+        }
+        if (which & 4) {
+            h.local_addr = laddr_bytes;
+            h.local_addr_len = sizeof(laddr_bytes);
+        }
+        if (which & 8) {
+            h.shm.key = shm_key;
+            h.shm.name = shm_name;
+            h.shm.name_len = (uint16_t)strlen(shm_name);
+        }
+        round_trip(&h);
+    }
+}
+
+static void test_round_trip_bounds(void **state)
+{
+    (void)state;
+    uint8_t *big = malloc(TDP_MAX_UCX_ADDR);
+    assert_non_null(big);
+    for (size_t i = 0; i < TDP_MAX_UCX_ADDR; i++)
+        big[i] = (uint8_t)(i * 31 + 7);
+    char name[TDP_SHM_NAME_MAX];
+    memset(name, 'n', sizeof(name));
+    name[0] = '\0'; /* any bytes: the abstract namespace has no terminator */
+    uint8_t p16[TDP_MAX_PLANES];
+    for (size_t i = 0; i < N(p16); i++)
+        p16[i] = (uint8_t)(255 - i); /* ids this side does not know are fine */
+
+    tdp_hello h = base_hello();
+    h.recv_depth = 64;
+    h.peer_mode = TDP_PEER_AUTO;
+    h.flags = ~0ull; /* unknown flag bits travel and are ignored */
+    h.caps = ~0ull;
+    h.planes = p16;
+    h.nplanes = TDP_MAX_PLANES;
+    h.addr = big;
+    h.addr_len = TDP_MAX_UCX_ADDR;
+    h.local_addr = big;
+    h.local_addr_len = TDP_MAX_UCX_ADDR;
+    h.shm.key = shm_key;
+    h.shm.name = name;
+    h.shm.name_len = TDP_SHM_NAME_MAX;
+    assert_true(tdp_wire_hello_size(&h) - TDP_CTL_HDR_LEN <= TDP_HELLO_MAX_LEN);
+    round_trip(&h);
+
+    /* value lengths around the padding: 1..17 bytes */
+    for (uint32_t n = 1; n <= 17; n++) {
+        h = base_hello();
+        h.addr = big;
+        h.addr_len = n;
+        h.recv_depth = 1;
+        round_trip(&h);
+    }
+    free(big);
+}
+
+static void test_encode_refuses_what_would_not_decode(void **state)
+{
+    (void)state;
+    static const uint8_t zero_id[] = {TDP_PLANE_UCX, 0};
+    static const uint8_t dup[] = {TDP_PLANE_UCX, TDP_PLANE_SHM, TDP_PLANE_UCX};
+    uint8_t p17[TDP_MAX_PLANES + 1];
+    for (size_t i = 0; i < N(p17); i++)
+        p17[i] = (uint8_t)(i + 1);
+    uint8_t out[512];
+
+    tdp_hello cases[12];
+    for (size_t i = 0; i < N(cases); i++)
+        cases[i] = base_hello();
+    cases[0].recv_depth = 0;
+    cases[1].recv_depth = 65;
+    cases[2].peer_mode = TDP_PEER_SOCKET + 1;
+    cases[3].planes = p17;
+    cases[3].nplanes = 0;
+    cases[4].planes = p17;
+    cases[4].nplanes = N(p17);
+    cases[5].planes = zero_id;
+    cases[5].nplanes = N(zero_id);
+    cases[6].planes = dup;
+    cases[6].nplanes = N(dup);
+    cases[7].addr = addr_bytes;
+    cases[7].addr_len = 0;
+    cases[8].local_addr = addr_bytes;
+    cases[8].local_addr_len = TDP_MAX_UCX_ADDR + 1;
+    cases[9].shm.key = shm_key; /* no name */
+    cases[10].shm.key = shm_key;
+    cases[10].shm.name = shm_name;
+    cases[10].shm.name_len = TDP_SHM_NAME_MAX + 1;
+    cases[11].shm.key = shm_key;
+    cases[11].shm.name = shm_name;
+    cases[11].shm.name_len = 0;
+    for (size_t i = 0; i < N(cases); i++) {
+        memset(out, 0x77, sizeof(out));
+        assert_int_equal(tdp_wire_hello_size(&cases[i]), 0);
+        assert_int_equal(tdp_wire_hello_encode(out, &cases[i]), TDP_EINVAL);
+        assert_int_equal(out[0], 0x77); /* nothing written */
+    }
+}
+
+/* The bytes at their documented offsets (docs/wire-format.md). */
+static void test_hello_layout(void **state)
+{
+    (void)state;
+    tdp_hello h = base_hello();
+    static const uint8_t pl[] = {TDP_PLANE_UCX};
+    static const uint8_t a[3] = {0xaa, 0xbb, 0xcc};
+    h.planes = pl;
+    h.nplanes = 1;
+    h.addr = a;
+    h.addr_len = 3;
+    h.shm.key = shm_key;
+    h.shm.name = "ab";
+    h.shm.name_len = 2;
+    uint8_t out[256];
+    size_t sz = tdp_wire_hello_size(&h);
+    /* fixed 72, PLANES 8+8, UCX_ADDR 8+8, SHM 8+24 (16+2+2 = 20 padded) */
+    assert_int_equal(sz, TDP_CTL_HDR_LEN + 72 + 16 + 16 + 32);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    const uint8_t *p = out + TDP_CTL_HDR_LEN;
+    static const uint8_t fixed_head[] = {
+        4,    0,    0,    0,                            /* recv_depth */
+        2,    0,    0,    0,                            /* peer_mode */
+        3,    0,    0,    0,    0,    0,    0,    0,    /* caps */
+        0,    0,    0,    0,    0,    1,    0,    0,    /* max_msg_bytes 2^40 */
+        0x78, 0x56, 0x34, 0x12, 0xce, 0xfa, 0xed, 0xfe, /* token */
+    };
+    assert_memory_equal(p, fixed_head, sizeof(fixed_head));
+    assert_memory_equal(p + 32, h.host_id, 16);
+    static const uint8_t zero8[8] = {0};
+    assert_memory_equal(p + 48, zero8, 8); /* flags */
+    assert_memory_equal(p + 56, h.nonce, 16);
+    static const uint8_t recs[] = {
+        1, 0, 0, 0, 1,  0, 0, 0, 1,    0,    0,    0, 0, 0, 0, 0, /* PLANES {UCX} */
+        2, 0, 0, 0, 3,  0, 0, 0, 0xaa, 0xbb, 0xcc, 0, 0, 0, 0, 0, /* UCX_ADDR */
+        4, 0, 0, 0, 20, 0, 0, 0,                                  /* SHM header */
+    };
+    assert_memory_equal(p + 72, recs, sizeof(recs));
+    assert_memory_equal(p + 72 + sizeof(recs), shm_key, 16);
+    static const uint8_t shm_tail[] = {2, 0, 'a', 'b', 0, 0, 0, 0};
+    assert_memory_equal(p + 72 + sizeof(recs) + 16, shm_tail, sizeof(shm_tail));
+}
+
+/* ---- extension records --------------------------------------------------------- */
+
+static void test_unknown_noncritical_skipped(void **state)
+{
+    (void)state;
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, 0x7001, 0, "future", 6);
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    put_rec(&b, 0x7001, 0xfffe, NULL, 0); /* again, empty, unknown flag bits */
+    put_rec(&b, 0xffff, 0, "12345678", 8);
+    tdp_hello h;
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    assert_int_equal(h.nskipped, 3);
+    assert_int_equal(h.unknown_critical, 0);
+    assert_bytes(h.addr, h.addr_len, addr_bytes, sizeof(addr_bytes));
+    assert_null(h.planes);
+    assert_null(h.local_addr);
+    assert_null(h.shm.key);
+    buf_free(&b);
+}
+
+static void test_unknown_critical_refused(void **state)
+{
+    (void)state;
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    put_rec(&b, 0x0100, TDP_HX_CRITICAL, "must understand", 15);
+    put_rec(&b, 0x0101, TDP_HX_CRITICAL | 0x8000, NULL, 0);
+    tdp_hello h;
+    assert_int_equal(dec(&b, &h), TDP_EVERSION);
+    assert_int_equal(h.unknown_critical, 0x0100); /* the first one */
+
+    /* the rest is still checked: malformed wins over unknown */
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    assert_int_equal(dec(&b, &h), TDP_EPROTO);
+
+    /* a known record flagged critical is simply understood */
+    buf_free(&b);
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_PLANES, TDP_HX_CRITICAL, planes3, sizeof(planes3));
+    put_rec(&b, TDP_HX_UCX_ADDR, TDP_HX_CRITICAL, addr_bytes, sizeof(addr_bytes));
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    assert_bytes(h.planes, h.nplanes, planes3, sizeof(planes3));
+    buf_free(&b);
+}
+
+static void test_records_any_order(void **state)
+{
+    (void)state;
+    buf b;
+    buf_init(&b);
+    uint8_t v[64];
+    size_t vl = shm_value(v, shm_name, strlen(shm_name));
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_SHM, 0, v, vl);
+    put_rec(&b, TDP_HX_UCX_LOCAL_ADDR, 0, laddr_bytes, sizeof(laddr_bytes));
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    put_rec(&b, TDP_HX_PLANES, 0, planes3, sizeof(planes3));
+    tdp_hello h;
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    assert_bytes(h.planes, h.nplanes, planes3, sizeof(planes3));
+    assert_bytes(h.addr, h.addr_len, addr_bytes, sizeof(addr_bytes));
+    assert_bytes(h.local_addr, h.local_addr_len, laddr_bytes, sizeof(laddr_bytes));
+    assert_memory_equal(h.shm.key, shm_key, TDP_SHM_KEY_LEN);
+    assert_bytes(h.shm.name, h.shm.name_len, shm_name, (uint32_t)strlen(shm_name));
+    buf_free(&b);
+}
+
+static void test_duplicate_known_record(void **state)
+{
+    (void)state;
+    uint8_t v[64];
+    size_t vl = shm_value(v, shm_name, strlen(shm_name));
+    const rec recs[] = {
+        {TDP_HX_PLANES, planes3, sizeof(planes3)},
+        {TDP_HX_UCX_ADDR, addr_bytes, sizeof(addr_bytes)},
+        {TDP_HX_UCX_LOCAL_ADDR, laddr_bytes, sizeof(laddr_bytes)},
+        {TDP_HX_SHM, v, vl},
+    };
+    for (size_t i = 0; i < N(recs); i++) {
+        buf b;
+        buf_init(&b);
+        tdp_hello h;
+        put_fixed(&b, 2, 0, 0);
+        put_rec(&b, recs[i].type, 0, recs[i].v, recs[i].n);
+        assert_int_equal(dec(&b, &h), TDP_OK);
+        put_rec(&b, 0x6000, 0, "x", 1); /* not adjacent */
+        put_rec(&b, recs[i].type, 0, recs[i].v, recs[i].n);
+        assert_int_equal(dec(&b, &h), TDP_EPROTO);
+        buf_free(&b);
+    }
+}
+
+/*
+ * Every prefix of a valid HELLO: a prefix that ends on a record boundary is
+ * a valid HELLO with fewer records, anything else is malformed.
+ */
+static void test_truncated_every_prefix(void **state)
+{
+    (void)state;
+    buf b;
+    buf_init(&b);
+    uint8_t v[64];
+    size_t vl = shm_value(v, shm_name, strlen(shm_name));
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_PLANES, 0, planes3, sizeof(planes3));
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    put_rec(&b, 0x4242, 0, "skip me", 7);
+    put_rec(&b, TDP_HX_UCX_LOCAL_ADDR, 0, laddr_bytes, sizeof(laddr_bytes));
+    put_rec(&b, TDP_HX_SHM, 0, v, vl);
+    put_rec(&b, 0x4243, 0, NULL, 0);
+    for (size_t k = 0; k <= b.n; k++) {
+        tdp_hello h;
+        tdp_err rc = tdp_wire_hello_decode(b.b, k, &h);
+        bool boundary = k == TDP_HELLO_FIXED_LEN;
+        size_t nrec = 0;
+        for (size_t i = 0; i < b.nbounds; i++) {
+            if (b.bounds[i] == k) {
+                boundary = true;
+                nrec = i + 1;
+            }
+        }
+        if (!boundary) {
+            assert_int_equal(rc, TDP_EPROTO);
+            continue;
+        }
+        assert_int_equal(rc, TDP_OK);
+        assert_int_equal(h.planes != NULL, nrec >= 1);
+        assert_int_equal(h.addr != NULL, nrec >= 2);
+        assert_int_equal(h.nskipped, (nrec >= 3) + (nrec >= 6));
+        assert_int_equal(h.local_addr != NULL, nrec >= 4);
+        assert_int_equal(h.shm.key != NULL, nrec >= 5);
+    }
+    buf_free(&b);
+}
+
+/* Record lengths that run past the payload, including ones that wrap. */
+static void test_record_length_overflow(void **state)
+{
+    (void)state;
+    static const uint32_t lens[] = {
+        0xffffffffu, 0xfffffff9u,       0xfffffff8u,
+        0x80000000u, TDP_HELLO_MAX_LEN, 17, /* one more than what follows */
+    };
+    for (size_t i = 0; i < N(lens); i++) {
+        for (int known = 0; known < 2; known++) {
+            buf b;
+            buf_init(&b);
+            put_fixed(&b, 2, 0, 0);
+            put_rec_raw(&b, known ? TDP_HX_UCX_ADDR : 0x5555, 0, lens[i], "0123456789abcdef", 16,
+                        0);
+            tdp_hello h;
+            assert_int_equal(dec(&b, &h), TDP_EPROTO);
+            buf_free(&b);
+        }
+    }
+    /* value fits but its padding does not */
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec_raw(&b, 0x5555, 0, 5, "abcde", 5, 2);
+    tdp_hello h;
+    assert_int_equal(dec(&b, &h), TDP_EPROTO);
+    b.b[b.n++] = 0;
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    /* a trailing partial record header */
+    for (int extra = 1; extra < (int)TDP_HX_HDR_LEN; extra++) {
+        memset(b.b + b.n, 0, (size_t)extra);
+        assert_int_equal(tdp_wire_hello_decode(b.b, b.n + (size_t)extra, &h), TDP_EPROTO);
+    }
+    buf_free(&b);
+}
+
+static void test_padding(void **state)
+{
+    (void)state;
+    for (size_t len = 0; len <= 16; len++) {
+        uint8_t v[16];
+        memset(v, 0x11, sizeof(v));
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        put_rec(&b, 0x5000, 0, v, len);
+        size_t pad = (8 - len % 8) % 8;
+        assert_int_equal(b.n % 8, 0);
+        tdp_hello h;
+        assert_int_equal(dec(&b, &h), TDP_OK);
+        /* every padding byte must be zero */
+        for (size_t i = 0; i < pad; i++) {
+            b.b[b.n - 1 - i] = 0x01;
+            assert_int_equal(dec(&b, &h), TDP_EPROTO);
+            b.b[b.n - 1 - i] = 0;
+        }
+        /* an unpadded record is malformed, unless no padding was due */
+        if (pad > 0)
+            assert_int_equal(tdp_wire_hello_decode(b.b, b.n - pad, &h), TDP_EPROTO);
+        buf_free(&b);
+    }
+}
+
+static void test_record_count_limit(void **state)
+{
+    (void)state;
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_UCX_ADDR, 0, addr_bytes, sizeof(addr_bytes));
+    for (unsigned i = 1; i < TDP_HX_MAX_RECORDS; i++)
+        put_rec(&b, (uint16_t)(0x1000 + i), 0, NULL, 0);
+    tdp_hello h;
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    assert_int_equal(h.nskipped, TDP_HX_MAX_RECORDS - 1);
+    put_rec(&b, 0x2000, 0, NULL, 0); /* the 65th */
+    assert_int_equal(dec(&b, &h), TDP_EPROTO);
+    buf_free(&b);
+}
+
+static void test_malformed_known_records(void **state)
+{
+    (void)state;
+    uint8_t v[256];
+    uint8_t big[TDP_MAX_UCX_ADDR + 1];
+    memset(big, 0x42, sizeof(big));
+    rec bad[16];
+    size_t nb = 0;
+    static const uint8_t p_zero[] = {1, 0};
+    static const uint8_t p_dup[] = {1, 2, 3, 2};
+    uint8_t p17[17];
+    for (int i = 0; i < 17; i++)
+        p17[i] = (uint8_t)(i + 1);
+    bad[nb++] = (rec){TDP_HX_PLANES, NULL, 0};
+    bad[nb++] = (rec){TDP_HX_PLANES, p17, 17};
+    bad[nb++] = (rec){TDP_HX_PLANES, p_zero, sizeof(p_zero)};
+    bad[nb++] = (rec){TDP_HX_PLANES, p_dup, sizeof(p_dup)};
+    bad[nb++] = (rec){TDP_HX_UCX_ADDR, NULL, 0};
+    bad[nb++] = (rec){TDP_HX_UCX_ADDR, big, sizeof(big)};
+    bad[nb++] = (rec){TDP_HX_UCX_LOCAL_ADDR, NULL, 0};
+    bad[nb++] = (rec){TDP_HX_UCX_LOCAL_ADDR, big, sizeof(big)};
+    bad[nb++] = (rec){0, "type zero", 9};
+    for (size_t i = 0; i < nb; i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        put_rec(&b, bad[i].type, 0, bad[i].v, bad[i].n);
+        tdp_hello h;
+        assert_int_equal(dec(&b, &h), TDP_EPROTO);
+        buf_free(&b);
+    }
+
+    /* SHM: name length 0 and 108, length fields that disagree, too short */
+    char name[TDP_SHM_NAME_MAX + 1];
+    memset(name, 's', sizeof(name));
+    struct {
+        size_t name_len;
+        long vlen_delta;
+        tdp_err want;
+    } shm[] = {
+        {1, 0, TDP_OK},       {TDP_SHM_NAME_MAX, 0, TDP_OK},
+        {0, 0, TDP_EPROTO},   {TDP_SHM_NAME_MAX + 1, 0, TDP_EPROTO},
+        {5, 1, TDP_EPROTO},   /* a byte more than the name */
+        {5, -1, TDP_EPROTO},  /* a byte less */
+        {5, -6, TDP_EPROTO},  /* no name */
+        {5, -7, TDP_EPROTO},  /* not even name_len */
+        {5, -23, TDP_EPROTO}, /* empty */
+    };
+    for (size_t i = 0; i < N(shm); i++) {
+        size_t vl = shm_value(v, name, shm[i].name_len);
+        vl = (size_t)((long)vl + shm[i].vlen_delta);
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        put_rec(&b, TDP_HX_SHM, 0, v, vl);
+        tdp_hello h;
+        assert_int_equal(dec(&b, &h), shm[i].want);
+        buf_free(&b);
+    }
+}
+
+static void test_fixed_part(void **state)
+{
+    (void)state;
+    struct {
+        uint32_t depth, mode;
+        uint64_t flags;
+        tdp_err want;
+    } cases[] = {
+        {1, TDP_PEER_AUTO, 0, TDP_OK},
+        {64, TDP_PEER_SOCKET, 0, TDP_OK},
+        {8, TDP_PEER_UCX, ~0ull, TDP_OK}, /* unknown flag bits ignored */
+        {0, 0, 0, TDP_EPROTO},
+        {65, 0, 0, TDP_EPROTO},
+        {1, TDP_PEER_SOCKET + 1, 0, TDP_EPROTO},
+    };
+    for (size_t i = 0; i < N(cases); i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, cases[i].depth, cases[i].mode, cases[i].flags);
+        tdp_hello h;
+        assert_int_equal(dec(&b, &h), cases[i].want);
+        if (cases[i].want == TDP_OK)
+            assert_int_equal(h.flags, cases[i].flags);
+        /* shorter than the fixed part */
+        for (size_t k = 0; k < TDP_HELLO_FIXED_LEN; k++)
+            assert_int_equal(tdp_wire_hello_decode(b.b, k, &h), TDP_EPROTO);
+        buf_free(&b);
+    }
+
+    /* the length cap holds even for records this side would skip */
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    size_t fill = TDP_HELLO_MAX_LEN - TDP_HELLO_FIXED_LEN - TDP_HX_HDR_LEN;
+    put_rec_raw(&b, 0x5151, 0, (uint32_t)fill, NULL, 0, fill);
+    tdp_hello h;
+    assert_int_equal(b.n, TDP_HELLO_MAX_LEN);
+    assert_int_equal(dec(&b, &h), TDP_OK);
+    b.n += 8;
+    le(b.b + TDP_HELLO_FIXED_LEN + 4, fill + 8, 4);
+    assert_int_equal(dec(&b, &h), TDP_EPROTO);
+    buf_free(&b);
+}
+
+/* ---- negotiation ----------------------------------------------------------------- */
+
+/* The rule written out the slow way, for comparison. */
+static int choose_ref(const uint8_t *a, size_t na, const uint8_t *b, size_t nb, uint64_t allowed)
+{
+    int best = 0;
+    size_t best_sum = SIZE_MAX;
+    for (int id = 1; id < 64; id++) {
+        if ((allowed & TDP_PLANE_BIT(id)) == 0)
+            continue;
+        const uint8_t *pa = memchr(a, id, na), *pb = memchr(b, id, nb);
+        if (na == 0 || nb == 0 || pa == NULL || pb == NULL)
+            continue;
+        size_t sum = (size_t)(pa - a) + (size_t)(pb - b);
+        if (sum < best_sum) { /* ids ascend: the first at a sum is the smallest */
+            best = id;
+            best_sum = sum;
+        }
+    }
+    return best;
+}
+
+/* Every list of distinct ids from 1..5 (and 70, unknown) up to 4 long. */
+#define MAXL 4
+typedef struct lists {
+    uint8_t l[2000][MAXL];
+    size_t n[2000];
+    size_t count;
+} lists;
+
+static void gen(lists *ls, uint8_t *cur, size_t len)
+{
+    memcpy(ls->l[ls->count], cur, len);
+    ls->n[ls->count++] = len;
+    if (len == MAXL)
+        return;
+    static const uint8_t ids[] = {1, 2, 3, 4, 5, 70};
+    for (size_t i = 0; i < N(ids); i++) {
+        if (memchr(cur, ids[i], len) != NULL)
+            continue;
+        cur[len] = ids[i];
+        gen(ls, cur, len + 1);
+    }
+}
+
+static void test_choose_symmetric_exhaustive(void **state)
+{
+    (void)state;
+    lists *ls = calloc(1, sizeof(*ls));
+    assert_non_null(ls);
+    uint8_t cur[MAXL];
+    gen(ls, cur, 0);
+    assert_int_equal(ls->count, 1 + 6 + 30 + 120 + 360);
+    static const uint64_t masks[] = {
+        ~0ull,
+        TDP_PLANE_BIT(TDP_PLANE_UCX),
+        TDP_PLANE_BIT(2) | TDP_PLANE_BIT(4) | TDP_PLANE_BIT(5),
+        0,
+    };
+    unsigned none = 0;
+    for (size_t i = 0; i < ls->count; i++) {
+        for (size_t j = 0; j < ls->count; j++) {
+            for (size_t m = 0; m < N(masks); m++) {
+                int x = tdp_wire_plane_choose(ls->l[i], ls->n[i], ls->l[j], ls->n[j], masks[m]);
+                int y = tdp_wire_plane_choose(ls->l[j], ls->n[j], ls->l[i], ls->n[i], masks[m]);
+                if (x != y || x != choose_ref(ls->l[i], ls->n[i], ls->l[j], ls->n[j], masks[m]))
+                    fail_msg("lists %zu/%zu mask %zu: %d, %d", i, j, m, x, y);
+                if (x == 0) {
+                    none++;
+                    continue;
+                }
+                assert_non_null(memchr(ls->l[i], x, ls->n[i]));
+                assert_non_null(memchr(ls->l[j], x, ls->n[j]));
+            }
+        }
+    }
+    assert_true(none > 0);
+    free(ls);
+}
+
+static void test_choose_examples(void **state)
+{
+    (void)state;
+    const uint64_t all = ~0ull;
+    static const uint8_t ucx[] = {TDP_PLANE_UCX};
+    static const uint8_t shm_ucx[] = {TDP_PLANE_SHM, TDP_PLANE_UCX};
+    static const uint8_t ucx_shm[] = {TDP_PLANE_UCX, TDP_PLANE_SHM};
+    static const uint8_t ipc_shm_ucx[] = {TDP_PLANE_CUDA_IPC, TDP_PLANE_SHM, TDP_PLANE_UCX};
+    static const uint8_t staged[] = {TDP_PLANE_CUDA_STAGED};
+    static const uint8_t unknown[] = {200, 63, TDP_PLANE_UCX};
+
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, ucx, 1, all), TDP_PLANE_UCX);
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, shm_ucx, 2, all), TDP_PLANE_SHM);
+    /* opposite preferences: a tie on the rank sum, the smaller id wins */
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, ucx_shm, 2, all), TDP_PLANE_UCX);
+    /* SHM 1 + 1 ties UCX 2 + 0: UCX, the smaller id; CUDA_IPC is not common */
+    assert_int_equal(tdp_wire_plane_choose(ipc_shm_ucx, 3, ucx_shm, 2, all), TDP_PLANE_UCX);
+    assert_int_equal(tdp_wire_plane_choose(ipc_shm_ucx, 3, shm_ucx, 2, all), TDP_PLANE_SHM);
+    /* allowed rules a plane out for both */
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, shm_ucx, 2, ~TDP_PLANE_BIT(TDP_PLANE_SHM)),
+                     TDP_PLANE_UCX);
+    /* nothing in common */
+    assert_int_equal(tdp_wire_plane_choose(staged, 1, shm_ucx, 2, all), 0);
+    assert_int_equal(tdp_wire_plane_choose(NULL, 0, shm_ucx, 2, all), 0);
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, NULL, 0, all), 0);
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, shm_ucx, 2, 0), 0);
+    /* a repeated id counts where it first appears, from either side */
+    static const uint8_t rep[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP_PLANE_SHM};
+    assert_int_equal(tdp_wire_plane_choose(rep, 3, ucx_shm, 2, all), TDP_PLANE_UCX);
+    assert_int_equal(tdp_wire_plane_choose(ucx_shm, 2, rep, 3, all), TDP_PLANE_UCX);
+    assert_int_equal(tdp_wire_plane_choose(rep, 3, shm_ucx, 2, all), TDP_PLANE_SHM);
+    assert_int_equal(tdp_wire_plane_choose(shm_ucx, 2, rep, 3, all), TDP_PLANE_SHM);
+    /* ids of 64 and above never win, even shared; 63 can */
+    assert_int_equal(tdp_wire_plane_choose(unknown, 3, unknown, 3, all), 63);
+    assert_int_equal(tdp_wire_plane_choose(unknown, 3, unknown, 3, ~TDP_PLANE_BIT(63)),
+                     TDP_PLANE_UCX);
+}
+
+/* ---- headers ----------------------------------------------------------------- */
+
+/* How a protocol-1 peer reads a control header: its decoder, as it was. */
+static tdp_err v1_ctl_hdr_check(const uint8_t in[TDP_CTL_HDR_LEN])
+{
+    uint32_t magic =
+        (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
+    uint16_t version = (uint16_t)(in[4] | in[5] << 8);
+    if (magic != TDP_CTL_MAGIC || in[12] != 0 || in[13] != 0 || in[14] != 0 || in[15] != 0)
+        return TDP_EPROTO;
+    return version != 1 ? TDP_EVERSION : TDP_OK;
+}
+
+static void test_version_mismatch_both_ways(void **state)
+{
+    (void)state;
+    assert_int_equal(TDP_PROTOCOL_VERSION, 2);
+    /* a protocol-1 HELLO header (from fuzz/corpus/frames/hello_v1) */
+    static const uint8_t v1[TDP_CTL_HDR_LEN] = {0x54, 0x44, 0x50, 0x43, 1, 0, 1, 0,
+                                                0x68, 0,    0,    0,    0, 0, 0, 0};
+    tdp_ctl_hdr h;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(v1, &h), TDP_EVERSION);
+    assert_int_equal(h.version, 1);
+    assert_int_equal(h.type, TDP_CTL_HELLO);
+
+    /* and a protocol-1 peer reading ours sees a version mismatch, not garbage */
+    tdp_hello hello = base_hello();
+    hello.addr = addr_bytes;
+    hello.addr_len = sizeof(addr_bytes);
+    uint8_t out[256];
+    assert_true(tdp_wire_hello_size(&hello) <= sizeof(out));
+    assert_int_equal(tdp_wire_hello_encode(out, &hello), TDP_OK);
+    assert_int_equal(v1_ctl_hdr_check(out), TDP_EVERSION);
+    uint8_t bye[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    tdp_wire_bye_encode(bye, &(tdp_bye){.last_seq = 0, .reason = TDP_EVERSION});
+    assert_int_equal(v1_ctl_hdr_check(bye), TDP_EVERSION);
+
+    /* later versions too */
+    uint8_t v3[TDP_CTL_HDR_LEN];
+    memcpy(v3, out, sizeof(v3));
+    v3[4] = 3;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(v3, &h), TDP_EVERSION);
+}
+
+static void test_ctl_hdr_bounds(void **state)
+{
+    (void)state;
+    uint8_t hb[TDP_CTL_HDR_LEN];
+    tdp_ctl_hdr h;
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_HELLO, TDP_HELLO_FIXED_LEN);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_OK);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_HELLO, TDP_HELLO_MAX_LEN);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_OK);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_HELLO, TDP_HELLO_FIXED_LEN - 1);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_HELLO, TDP_HELLO_MAX_LEN + 1);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
+    tdp_wire_ctl_hdr_encode(hb, 3, 16);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_BYE, TDP_BYE_LEN);
+    hb[13] = 1; /* reserved */
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
+}
+
+/* BYE and the AM header keep their layout; only the version byte moved on. */
+static void test_bye_and_am_unchanged(void **state)
+{
+    (void)state;
+    uint8_t bye[TDP_CTL_HDR_LEN + TDP_BYE_LEN];
+    tdp_wire_bye_encode(bye, &(tdp_bye){.last_seq = 10, .reason = TDP_ELIMIT});
+    static const uint8_t want_bye[] = {
+        0x54, 0x44, 0x50, 0x43, 2, 0, 2, 0, 16,   0,    0,    0,    0, 0, 0, 0,
+        10,   0,    0,    0,    0, 0, 0, 0, 0xed, 0xff, 0xff, 0xff, 0, 0, 0, 0,
+    };
+    assert_memory_equal(bye, want_bye, sizeof(want_bye));
+    tdp_bye b;
+    assert_int_equal(tdp_wire_bye_decode(bye + TDP_CTL_HDR_LEN, TDP_BYE_LEN, &b), TDP_OK);
+    assert_int_equal(b.last_seq, 10);
+    assert_int_equal(b.reason, TDP_ELIMIT);
+
+    tdp_am_hdr am = {
+        .type = TDP_AM_DATA, .token = 5, .seq = 1, .hash = 7, .length = 1024, .arg = 3};
+    uint8_t ab[TDP_AM_HDR_LEN];
+    tdp_wire_am_encode(ab, &am);
+    static const uint8_t want_am[TDP_AM_HDR_LEN] = {
+        0x54, 0x54, 0x44, 0x50, 2, 2, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+        7,    0,    0,    0,    0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0,
+    };
+    assert_memory_equal(ab, want_am, sizeof(want_am));
+    tdp_am_hdr g;
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g), TDP_OK);
+    assert_int_equal(g.length, 1024);
+    ab[4] = 1; /* a protocol-1 AM frame */
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g), TDP_EVERSION);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_round_trip_each_record),
+        cmocka_unit_test(test_round_trip_bounds),
+        cmocka_unit_test(test_encode_refuses_what_would_not_decode),
+        cmocka_unit_test(test_hello_layout),
+        cmocka_unit_test(test_unknown_noncritical_skipped),
+        cmocka_unit_test(test_unknown_critical_refused),
+        cmocka_unit_test(test_records_any_order),
+        cmocka_unit_test(test_duplicate_known_record),
+        cmocka_unit_test(test_truncated_every_prefix),
+        cmocka_unit_test(test_record_length_overflow),
+        cmocka_unit_test(test_padding),
+        cmocka_unit_test(test_record_count_limit),
+        cmocka_unit_test(test_malformed_known_records),
+        cmocka_unit_test(test_fixed_part),
+        cmocka_unit_test(test_choose_symmetric_exhaustive),
+        cmocka_unit_test(test_choose_examples),
+        cmocka_unit_test(test_version_mismatch_both_ways),
+        cmocka_unit_test(test_ctl_hdr_bounds),
+        cmocka_unit_test(test_bye_and_am_unchanged),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
