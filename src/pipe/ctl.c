@@ -137,6 +137,11 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
 /* End the channel and tell the owner (once). */
 static void fail(tdp__ctl *c, tdp_err why)
 {
+    if (why == TDP_EPROTO || why == TDP_EVERSION) {
+        /* tell the peer why; tdp__ctl_close pushes it out */
+        tdp_bye b = {.last_seq = 0, .reason = why};
+        tdp__ctl_send_bye(c, &b);
+    }
     tdp__ctl_close(c);
     c->up->closed(c->owner, why);
 }
