@@ -156,7 +156,7 @@ static void on_hello(tdp_pipe *p, const uint8_t *payload, size_t len)
      * worker with / without it.
      */
     bool local = p->same_host && h.local_addr_len > 0 &&
-                 tdp__loop_worker_n(p->loop, TDP_WORKER_LOCAL) != NULL;
+                 tdp__ucx_peek(p->loop)->worker[TDP_WORKER_LOCAL] != NULL;
     int seen = p->wi;
     p->wi = TDP_WORKER_ANY;
     if (h.peer_mode == TDP_PEER_UCX || p->opts.peer_mode == TDP_PEER_UCX) {

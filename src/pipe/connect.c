@@ -26,6 +26,13 @@ static void connect_task(void *arg)
 {
     connect_req *r = arg;
     r->opts.limits = &r->limits;
+    tdp__ucx *ucx; /* made with the loop's first pipe: say so if UCX fails */
+    tdp_err urc = tdp__ucx_get(r->loop, &ucx);
+    if (urc != TDP_OK) {
+        r->cb(NULL, urc, r->arg);
+        tdp__free(r);
+        return;
+    }
     tdp_pipe *p = tdp__pipe_alloc(r->loop, &r->opts);
     if (p == NULL) {
         r->cb(NULL, TDP_ENOMEM, r->arg);
@@ -190,6 +197,10 @@ static void listen_task(void *arg)
 {
     listen_req *r = arg;
     tdp_listener *l = r->l;
+    /* the workers every accepted pipe needs: a failing UCX fails the listener, not each accept */
+    tdp__ucx *ucx;
+    if ((r->rc = tdp__ucx_get(l->loop, &ucx)) != TDP_OK)
+        return;
     int fd = socket(r->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         r->rc = TDP_EADDR;

@@ -81,7 +81,7 @@ static void store_unref(void *buf, void *arg)
 static void slot_drop(tdp_pipe *p, rx_slot *s)
 {
     if (s->memh != NULL) {
-        ucp_mem_unmap(tdp__loop_context_n(p->loop, p->wi), s->memh);
+        ucp_mem_unmap(tdp__ucx_peek(p->loop)->context[p->wi], s->memh);
         s->memh = NULL;
     }
     tdp_td_unref(s->td); /* the store goes with the last td that wraps it */
@@ -141,7 +141,7 @@ static tdp_err slot_build(tdp_pipe *p, rx_slot *s)
             mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
             mp.memory_type = UCS_MEMORY_TYPE_CUDA;
         }
-        ucs_status_t us = ucp_mem_map(tdp__loop_context_n(p->loop, p->wi), &mp, &s->memh);
+        ucs_status_t us = ucp_mem_map(tdp__ucx_peek(p->loop)->context[p->wi], &mp, &s->memh);
         if (us != UCS_OK) {
             tdp_log_debug("ucp_mem_map: %s (receiving without a handle)", ucs_status_string(us));
             s->memh = NULL;
@@ -845,7 +845,7 @@ static void on_data(tdp_pipe *p, const tdp_am_hdr *h, void *data, size_t length,
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = UCS_MEMORY_TYPE_CUDA;
     }
-    void *r = ucp_am_recv_data_nbx(tdp__loop_worker_n(p->loop, p->wi), data, s->td->data, length,
+    void *r = ucp_am_recv_data_nbx(tdp__ucx_peek(p->loop)->worker[p->wi], data, s->td->data, length,
                                    &prm);
     if (r == NULL) {
         slot_ready(p, s);

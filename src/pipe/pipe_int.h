@@ -11,6 +11,7 @@
 #include <tdpipe/pipe.h>
 
 #include "../core/loop_int.h"
+#include "ucx_workers.h"
 #include "../schema/td_int.h"
 #include "wire.h"
 

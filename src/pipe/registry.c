@@ -36,6 +36,7 @@ struct tdp__shared_ep {
 
 typedef struct pipe_reg {
     tdp_loop *loop;
+    tdp__ucx *ucx; /* the loop's workers: made before this, freed after */
     grave *graves;
     tdp_pipe *doomed; /* freed pipes whose memory waits for a later turn */
     tdp__shared_ep *eps; /* live shared endpoints */
@@ -64,7 +65,7 @@ static void purge_closing(pipe_reg *r)
 
 void tdp__reg_track_close(tdp_loop *loop, void *req)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    pipe_reg *r = tdp__loop_ext(loop, TDP__EXT_PIPE);
     purge_closing(r);
     if (r->nclosing == r->capclosing) {
         uint32_t cap = r->capclosing ? r->capclosing * 2 : 16;
@@ -95,8 +96,8 @@ static void reg_pre_fini(void *ext)
         clock_gettime(CLOCK_MONOTONIC, &ts);
         if (r->nclosing == 0 || (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 > end)
             break;
-        for (int i = 0; i < tdp__loop_nworkers(r->loop); i++)
-            ucp_worker_progress(tdp__loop_worker_n(r->loop, i));
+        for (int i = 0; i < r->ucx->nworkers; i++)
+            ucp_worker_progress(r->ucx->worker[i]);
     }
     if (r->nclosing > 0)
         tdp_log_warn("%u endpoint close(s) still in progress as the loop goes", r->nclosing);
@@ -107,12 +108,13 @@ static void reg_pre_fini(void *ext)
     r->closing = NULL;
     for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
         if (r->addr[i] != NULL)
-            ucp_worker_release_address(tdp__loop_worker_n(r->loop, i), r->addr[i]);
+            ucp_worker_release_address(r->ucx->worker[i], r->addr[i]);
         r->addr[i] = NULL;
     }
 }
 
-/* After the worker is gone: nothing can touch the buried buffers any more. */
+/* After the workers are gone (the contexts still stand): nothing can touch
+ * the buried buffers any more. */
 static void reg_fini(void *ext)
 {
     pipe_reg *r = ext;
@@ -125,7 +127,7 @@ static void reg_fini(void *ext)
         grave *g = r->graves;
         r->graves = g->next;
         if (g->memh != NULL)
-            ucp_mem_unmap(tdp__loop_context_n(r->loop, g->wi), g->memh);
+            ucp_mem_unmap(r->ucx->context[g->wi], g->memh);
         tdp_td_unref(g->td);
         tdp__free(g);
     }
@@ -144,7 +146,7 @@ static void reg_fini(void *ext)
 
 void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh, int wi)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    pipe_reg *r = tdp__loop_ext(loop, TDP__EXT_PIPE);
     grave *g = r ? tdp__calloc(1, sizeof(*g)) : NULL;
     if (g == NULL) {
         /* cannot keep it safely: leaking beats a write into freed memory */
@@ -158,15 +160,20 @@ void tdp__reg_bury(tdp_loop *loop, tdp_td *td, ucp_mem_h memh, int wi)
     r->graves = g;
 }
 
+/* The loop's registry, made (with the loop's UCX workers) on first use. */
 static pipe_reg *reg_get(tdp_loop *loop)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    pipe_reg *r = tdp__loop_ext(loop, TDP__EXT_PIPE);
     if (r != NULL)
         return r;
+    tdp__ucx *ucx;
+    if (tdp__ucx_get(loop, &ucx) != TDP_OK)
+        return NULL;
     r = tdp__calloc(1, sizeof(*r));
     if (r == NULL)
         return NULL;
     r->loop = loop;
+    r->ucx = ucx;
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -174,17 +181,17 @@ static pipe_reg *reg_get(tdp_loop *loop)
         .flags = UCP_AM_FLAG_WHOLE_MSG,
         .cb = tdp__pipe_am_cb,
     };
-    for (int i = 0; i < tdp__loop_nworkers(loop); i++) {
+    for (int i = 0; i < ucx->nworkers; i++) {
         r->args[i] = (tdp__am_arg){.loop = loop, .wi = i};
         hp.arg = &r->args[i];
-        ucs_status_t st = ucp_worker_set_am_recv_handler(tdp__loop_worker_n(loop, i), &hp);
+        ucs_status_t st = ucp_worker_set_am_recv_handler(ucx->worker[i], &hp);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
             tdp__free(r);
             return NULL;
         }
     }
-    tdp__loop_set_pipe_ext(loop, r, reg_pre_fini, reg_fini);
+    tdp__loop_set_ext(loop, TDP__EXT_PIPE, r, reg_pre_fini, reg_fini);
     return r;
 }
 
@@ -225,14 +232,14 @@ tdp_err tdp__reg_add(tdp_pipe *p)
 
 void tdp__reg_remove(tdp_pipe *p)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
+    pipe_reg *r = tdp__loop_ext(p->loop, TDP__EXT_PIPE);
     if (r != NULL && p->reg_index < r->cap && r->tab[p->reg_index] == p)
         r->tab[p->reg_index] = NULL;
 }
 
 tdp_pipe *tdp__reg_lookup(tdp_loop *loop, uint64_t token)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(loop);
+    pipe_reg *r = tdp__loop_ext(loop, TDP__EXT_PIPE);
     uint32_t i = (uint32_t)token;
     if (r == NULL || i >= r->cap || r->tab[i] == NULL || r->tab[i]->token != token)
         return NULL;
@@ -244,14 +251,14 @@ tdp_err tdp__reg_worker_address(tdp_loop *loop, int wi, const void **addr, size_
     pipe_reg *r = reg_get(loop);
     if (r == NULL)
         return TDP_EUCX;
-    if (tdp__loop_worker_n(loop, wi) == NULL) {
+    if (r->ucx->worker[wi] == NULL) {
         *addr = NULL; /* no such worker: an empty address */
         *len = 0;
         return TDP_OK;
     }
     if (r->addr[wi] == NULL) {
-        ucs_status_t st = ucp_worker_get_address(tdp__loop_worker_n(loop, wi), &r->addr[wi],
-                                                 &r->addr_len[wi]);
+        ucs_status_t st =
+            ucp_worker_get_address(r->ucx->worker[wi], &r->addr[wi], &r->addr_len[wi]);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_get_address: %s", ucs_status_string(st));
             return TDP_EUCX;
@@ -297,7 +304,7 @@ const uint8_t *tdp__host_id(void)
 static void destroy_task(void *arg)
 {
     tdp_pipe *p = arg;
-    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
+    pipe_reg *r = tdp__loop_ext(p->loop, TDP__EXT_PIPE);
     for (tdp_pipe **pp = &r->doomed; *pp != NULL; pp = &(*pp)->doomed_next) {
         if (*pp == p) {
             *pp = p->doomed_next;
@@ -309,7 +316,7 @@ static void destroy_task(void *arg)
 
 void tdp__reg_defer_destroy(tdp_pipe *p)
 {
-    pipe_reg *r = tdp__loop_pipe_ext(p->loop);
+    pipe_reg *r = tdp__loop_ext(p->loop, TDP__EXT_PIPE);
     tdp__reg_remove(p); /* no frame may find it any more */
     tdp__conn_close(p); /* nor its socket: libevent allows this inside its callback */
     p->doomed_next = r->doomed;
@@ -336,7 +343,7 @@ static void unlink_ep(tdp__shared_ep **list, tdp__shared_ep *e)
 static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
 {
     tdp__shared_ep *e = arg;
-    pipe_reg *r = tdp__loop_pipe_ext(e->loop);
+    pipe_reg *r = tdp__loop_ext(e->loop, TDP__EXT_PIPE);
     if (e->failed)
         return;
     e->failed = true;
@@ -388,7 +395,7 @@ tdp_err tdp__reg_ep_acquire(tdp_pipe *p, const void *addr, size_t alen, bool pee
         prm.err_handler.cb = shared_ep_err;
         prm.err_handler.arg = e;
     }
-    ucs_status_t st = ucp_ep_create(tdp__loop_worker_n(p->loop, p->wi), &prm, &e->ep);
+    ucs_status_t st = ucp_ep_create(tdp__ucx_peek(p->loop)->worker[p->wi], &prm, &e->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
         tdp__free(e->addr);
@@ -416,7 +423,7 @@ static void ep_unref(tdp__shared_ep *e)
 {
     if (--e->refs > 0)
         return;
-    pipe_reg *r = tdp__loop_pipe_ext(e->loop);
+    pipe_reg *r = tdp__loop_ext(e->loop, TDP__EXT_PIPE);
     unlink_ep(e->failed ? &r->dead_eps : &r->eps, e);
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
