@@ -1,8 +1,10 @@
 /*
  * test_loop.c: the event loop: lifetime, stop races, cross-thread tasks,
- * run_until, and UCX wakeups through the worker event fd (loopback inside
- * this process only). Every test proves the library's small allocations
- * balance once the loop is freed.
+ * run_until, progress sources (fake ones over an eventfd: wakeups, arm,
+ * kicks, busy-poll, removal inside callbacks, extension teardown order) and
+ * UCX wakeups through the pipe layer's worker sources (loopback inside this
+ * process only). Every test proves the library's small allocations balance
+ * once the loop is freed.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,12 +17,16 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
+#include <tdpipe/log.h>
 #include <tdpipe/mem.h>
 
 #include "core/loop_int.h"
+#include "pipe/ucx_workers.h"
 
 /* ---- helpers ------------------------------------------------------------- */
 
@@ -109,8 +115,17 @@ static void test_new_free(void **state)
     assert_false(tdp_loop_on_thread(loop));
     assert_false(tdp__loop_running(loop));
     assert_non_null(tdp__loop_base(loop));
-    assert_non_null(tdp__loop_context(loop));
-    assert_non_null(tdp__loop_worker(loop));
+    /* no UCX until a layer asks for it; then made once, on an idle loop too */
+    assert_null(tdp__ucx_peek(loop));
+    tdp__ucx *u = NULL, *u2 = NULL;
+    assert_int_equal(tdp__ucx_get(loop, &u), TDP_OK);
+    assert_non_null(u);
+    assert_non_null(u->context[TDP_WORKER_ANY]);
+    assert_non_null(u->worker[TDP_WORKER_ANY]);
+    assert_true(u->nworkers >= 1 && u->nworkers <= TDP_LOOP_WORKERS);
+    assert_int_equal(tdp__ucx_get(loop, &u2), TDP_OK);
+    assert_ptr_equal(u, u2);
+    assert_ptr_equal(tdp__ucx_peek(loop), u);
     tdp_loop_free(loop);
 
     /* a short opts struct (an older caller) takes only the fields it has */
@@ -464,12 +479,401 @@ static void test_run_until(void **state)
     assert_int_equal(live_small(), live);
 }
 
+/* ---- progress sources ------------------------------------------------------- */
+
+/*
+ * A fake source: an eventfd (or no fd) standing in for a UCP worker. Counters
+ * the test thread reads while a loop thread runs are atomic; the trace is
+ * read only after the loop that wrote it stopped.
+ */
+typedef struct fake_src {
+    tdp_loop *loop;
+    int fd; /* eventfd, or -1 */
+    tdp__source *src;
+    atomic_int progressed, handled, armed;
+    int busy_left;   /* arm answers busy this many more times */
+    int arm_rc;      /* and then this */
+    int active_left; /* progress reports this many more events of its own */
+    bool remove_self;
+    struct fake_src *remove_other; /* removed by this one's first progress */
+    struct fake_src *add_new;      /* added by this one's first progress */
+    char trace[64];                /* P progress, B busy arm, A armed, E arm error */
+    int ntrace;
+} fake_src;
+
+static void trace(fake_src *f, char c)
+{
+    if (f->ntrace < (int)sizeof(f->trace) - 1)
+        f->trace[f->ntrace++] = c;
+}
+
+static unsigned fake_progress(void *arg);
+static int fake_arm(void *arg);
+static const tdp__source_ops fake_ops = {.progress = fake_progress, .arm = fake_arm};
+
+static unsigned fake_progress(void *arg)
+{
+    fake_src *f = arg;
+    unsigned n = 0;
+    uint64_t v;
+
+    atomic_fetch_add(&f->progressed, 1);
+    trace(f, 'P');
+    if (f->fd >= 0 && read(f->fd, &v, sizeof(v)) == (ssize_t)sizeof(v)) {
+        atomic_fetch_add(&f->handled, (int)v);
+        n += (unsigned)v;
+    }
+    if (f->active_left > 0) {
+        f->active_left--;
+        n++;
+    }
+    if (f->remove_other != NULL) {
+        tdp__loop_source_remove(f->loop, f->remove_other->src);
+        f->remove_other->src = NULL;
+        f->remove_other = NULL;
+    }
+    if (f->add_new != NULL) {
+        fake_src *g = f->add_new;
+        f->add_new = NULL;
+        if (tdp__loop_source_add(f->loop, g->fd, &fake_ops, g, &g->src) != TDP_OK)
+            g->src = NULL;
+    }
+    if (f->remove_self) {
+        f->remove_self = false;
+        tdp__loop_source_remove(f->loop, f->src);
+        f->src = NULL;
+    }
+    return n;
+}
+
+static int fake_arm(void *arg)
+{
+    fake_src *f = arg;
+
+    atomic_fetch_add(&f->armed, 1);
+    if (f->busy_left > 0) {
+        f->busy_left--;
+        trace(f, 'B');
+        return 1;
+    }
+    trace(f, f->arm_rc == 0 ? 'A' : 'E');
+    return f->arm_rc;
+}
+
+static void fake_init(fake_src *f, tdp_loop *loop, bool with_fd)
+{
+    memset(f, 0, sizeof(*f));
+    f->loop = loop;
+    f->fd = -1;
+    if (with_fd) {
+        f->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        assert_true(f->fd >= 0);
+    }
+}
+
+static void fake_add(fake_src *f)
+{
+    assert_int_equal(tdp__loop_source_add(f->loop, f->fd, &fake_ops, f, &f->src), TDP_OK);
+    assert_non_null(f->src);
+}
+
+static void fake_close(fake_src *f)
+{
+    if (f->fd >= 0)
+        close(f->fd);
+    f->fd = -1;
+}
+
+static void fake_signal(fake_src *f, uint64_t v)
+{
+    assert_int_equal(write(f->fd, &v, sizeof(v)), (ssize_t)sizeof(v));
+}
+
+static void fake_remove_task(void *arg)
+{
+    fake_src *f = arg;
+    tdp__loop_source_remove(f->loop, f->src);
+    f->src = NULL;
+}
+
+static void kick_task(void *arg)
+{
+    tdp__loop_kick(arg);
+}
+
+static tdp_loop *new_loop_opts(uint32_t safety_ms, uint32_t busy_poll_us)
+{
+    tdp_loop_opts o = {
+        .size = sizeof(o), .safety_timer_ms = safety_ms, .busy_poll_us = busy_poll_us};
+    tdp_loop *loop = NULL;
+    assert_int_equal(tdp_loop_new(&o, &loop), TDP_OK);
+    return loop;
+}
+
+#define HOUR_MS (3600 * 1000)
+
+/* A readable fd wakes a sleeping loop; an idle source is not polled. */
+static void test_source_fd(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS); /* no safety timer to hide a missed wakeup */
+    fake_src f;
+
+    fake_init(&f, loop, true);
+    fake_add(&f); /* on an idle loop */
+    assert_int_equal(tdp__loop_source_add(loop, -1, NULL, &f, &f.src), TDP_EINVAL);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_true(wait_for(&f.armed, 1, 5000)); /* armed on the first turn */
+    sleep_ms(20);
+    int p0 = atomic_load(&f.progressed);
+    sleep_ms(100);
+    assert_int_equal(atomic_load(&f.progressed), p0); /* asleep, not polling */
+
+    fake_signal(&f, 3);
+    assert_true(wait_for(&f.handled, 3, 5000));
+    fake_signal(&f, 2);
+    assert_true(wait_for(&f.handled, 5, 5000));
+    assert_true(atomic_load(&f.progressed) > p0);
+
+    call_on_loop(loop, fake_remove_task, &f);
+    p0 = atomic_load(&f.progressed);
+    fake_signal(&f, 1); /* no longer watched */
+    sleep_ms(50);
+    assert_int_equal(atomic_load(&f.progressed), p0);
+    assert_int_equal(atomic_load(&f.handled), 5);
+    tdp_loop_free(loop);
+    fake_close(&f);
+    assert_int_equal(live_small(), live);
+}
+
+/* A busy arm makes the loop progress again before it sleeps. */
+static void test_source_arm_busy(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS);
+    volatile bool never = false;
+    fake_src f;
+
+    fake_init(&f, loop, false);
+    f.busy_left = 3;
+    fake_add(&f);
+    assert_int_equal(tdp__loop_run_until(loop, &never, 100), TDP_ETIMEDOUT);
+    /* one drain: progress, busy, progress, ..., armed; then nothing woke the loop */
+    assert_string_equal(f.trace, "PBPBPBPA");
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
+static atomic_int arm_errors;
+
+static void count_arm_errors(tdp_log_level level, const char *file, int line, const char *msg,
+                             void *arg)
+{
+    if (level == TDP_LOG_ERROR && strstr(msg, "arm") != NULL)
+        atomic_fetch_add(&arm_errors, 1);
+}
+
+/* An arm error is logged once; the safety timer keeps progressing the source. */
+static void test_source_arm_error(void **state)
+{
+    uint64_t live = live_small();
+    tdp_log_level saved = tdp_log_get_level();
+    tdp_loop *loop = new_loop(10);
+    volatile bool never = false;
+    fake_src bad, good;
+
+    atomic_store(&arm_errors, 0);
+    tdp_log_set_handler(count_arm_errors, NULL);
+    tdp_log_set_level(TDP_LOG_ERROR);
+    fake_init(&good, loop, false);
+    fake_init(&bad, loop, false);
+    bad.arm_rc = -5;
+    fake_add(&good);
+    fake_add(&bad); /* walked first: its error must not keep good from being armed */
+    assert_int_equal(tdp__loop_run_until(loop, &never, 200), TDP_ETIMEDOUT);
+    tdp_log_set_handler(NULL, NULL);
+    tdp_log_set_level(saved);
+    print_message("arm error: %d progress calls, %d arms in 200 ms\n", atomic_load(&bad.progressed),
+                  atomic_load(&bad.armed));
+    assert_true(atomic_load(&bad.progressed) >= 4); /* the 10 ms safety timer */
+    assert_true(atomic_load(&bad.armed) >= 4);
+    assert_int_equal(atomic_load(&good.armed), atomic_load(&bad.armed));
+    assert_int_equal(atomic_load(&arm_errors), 1);
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
+/* Without an fd a source moves on kicks (and safety timer, busy-poll) only. */
+static void test_source_no_fd(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS);
+    fake_src f;
+
+    fake_init(&f, loop, false);
+    fake_add(&f);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_true(wait_for(&f.progressed, 1, 5000));
+    sleep_ms(20);
+    int p0 = atomic_load(&f.progressed);
+    sleep_ms(50);
+    assert_int_equal(atomic_load(&f.progressed), p0);
+    call_on_loop(loop, kick_task, loop);
+    assert_true(wait_for(&f.progressed, p0 + 1, 5000));
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
+/* The busy-poll window progresses an fd-less source, on both paths. */
+static void test_source_busy_poll(void **state)
+{
+    uint64_t live = live_small();
+    volatile bool never = false;
+    fake_src f;
+
+    /* run_until's spin: the window outlasts the call */
+    tdp_loop *loop = new_loop_opts(HOUR_MS, 100 * 1000);
+    fake_init(&f, loop, false);
+    f.active_left = 1;
+    fake_add(&f);
+    assert_int_equal(tdp__loop_run_until(loop, &never, 30), TDP_ETIMEDOUT);
+    print_message("busy-poll spin: %d progress calls in 30 ms\n", atomic_load(&f.progressed));
+    assert_true(atomic_load(&f.progressed) > 100);
+    tdp_loop_free(loop);
+
+    /* a loop thread: the again timer, until the window after the last activity ends */
+    loop = new_loop_opts(HOUR_MS, 30 * 1000);
+    fake_init(&f, loop, false);
+    f.active_left = 1;
+    fake_add(&f);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    sleep_ms(200);
+    int p1 = atomic_load(&f.progressed);
+    print_message("busy-poll loop: %d progress calls\n", p1);
+    assert_true(p1 > 20);
+    sleep_ms(100);
+    assert_int_equal(atomic_load(&f.progressed), p1); /* asleep after the window */
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
+/* Removing (itself, an earlier or a later source) and adding inside progress. */
+static void test_source_remove_in_progress(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS);
+    volatile bool never = false;
+    fake_src s1, s2, s3, s4, s5;
+
+    fake_init(&s1, loop, true);
+    fake_init(&s2, loop, true);
+    fake_init(&s3, loop, false);
+    fake_init(&s4, loop, true);
+    fake_init(&s5, loop, false);
+    fake_add(&s4);
+    fake_add(&s3);
+    fake_add(&s2);
+    fake_add(&s1); /* walked s1, s2, s3, s4 */
+    s1.remove_self = true;
+    s2.remove_other = &s4; /* not walked yet */
+    s3.remove_other = &s2; /* walked already */
+    s3.add_new = &s5;
+    /* all fds readable: their events are active when the first drain frees them */
+    fake_signal(&s1, 1);
+    fake_signal(&s2, 1);
+    fake_signal(&s4, 1);
+    assert_int_equal(tdp__loop_run_until(loop, &never, 50), TDP_ETIMEDOUT);
+    assert_null(s1.src);
+    assert_null(s2.src);
+    assert_null(s4.src);
+    assert_non_null(s3.src);
+    assert_non_null(s5.src);
+    assert_int_equal(atomic_load(&s1.progressed), 1);
+    assert_int_equal(atomic_load(&s2.progressed), 1);
+    assert_int_equal(atomic_load(&s4.progressed), 0);
+    assert_true(atomic_load(&s3.progressed) >= 1);
+    assert_true(atomic_load(&s5.progressed) >= 1); /* the add kicked the loop */
+    assert_int_equal(atomic_load(&s1.armed) + atomic_load(&s2.armed), 0);
+
+    /* removed fds no longer wake anything; the live ones still move on a kick */
+    int p3 = atomic_load(&s3.progressed), p5 = atomic_load(&s5.progressed);
+    fake_signal(&s1, 1);
+    fake_signal(&s2, 1);
+    fake_signal(&s4, 1);
+    tdp__loop_kick(loop);
+    assert_int_equal(tdp__loop_run_until(loop, &never, 50), TDP_ETIMEDOUT);
+    assert_int_equal(atomic_load(&s1.progressed), 1);
+    assert_int_equal(atomic_load(&s2.progressed), 1);
+    assert_int_equal(atomic_load(&s4.progressed), 0);
+    assert_true(atomic_load(&s3.progressed) > p3);
+    assert_true(atomic_load(&s5.progressed) > p5);
+
+    /* a source removing the only other one, then itself, in the same call */
+    s3.remove_other = &s5;
+    s3.remove_self = true;
+    tdp__loop_kick(loop);
+    assert_int_equal(tdp__loop_run_until(loop, &never, 50), TDP_ETIMEDOUT);
+    assert_null(s3.src);
+    assert_null(s5.src);
+    tdp__loop_source_remove(loop, NULL); /* no-op */
+
+    /* one left registered at free is dropped with the loop */
+    fake_src s6;
+    fake_init(&s6, loop, true);
+    fake_add(&s6);
+    tdp_loop_free(loop);
+    fake_close(&s1);
+    fake_close(&s2);
+    fake_close(&s4);
+    fake_close(&s6);
+    assert_int_equal(live_small(), live);
+}
+
+/* tdp_loop_free: every pre_fini, then every fini, each round highest key first. */
+static char ext_order[32];
+
+static void ext_note(const char *what)
+{
+    strncat(ext_order, what, sizeof(ext_order) - strlen(ext_order) - 1);
+}
+
+static void pre_fini_n(void *ext)
+{
+    char s[3] = {'p', (char)('0' + *(int *)ext), 0};
+    ext_note(s);
+}
+
+static void fini_n(void *ext)
+{
+    char s[3] = {'f', (char)('0' + *(int *)ext), 0};
+    ext_note(s);
+}
+
+static void test_ext_order(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(0);
+    static int keys[TDP__EXT_COUNT] = {TDP__EXT_UCX, TDP__EXT_PIPE, TDP__EXT_SHM};
+
+    ext_order[0] = '\0';
+    assert_null(tdp__loop_ext(loop, TDP__EXT_PIPE));
+    assert_null(tdp__loop_ext(loop, -1));
+    assert_null(tdp__loop_ext(loop, TDP__EXT_COUNT));
+    tdp__loop_set_ext(loop, TDP__EXT_PIPE, &keys[1], pre_fini_n, fini_n);
+    tdp__loop_set_ext(loop, TDP__EXT_UCX, &keys[0], pre_fini_n, fini_n);
+    tdp__loop_set_ext(loop, TDP__EXT_SHM, &keys[2], NULL, fini_n);
+    assert_ptr_equal(tdp__loop_ext(loop, TDP__EXT_UCX), &keys[0]);
+    assert_ptr_equal(tdp__loop_ext(loop, TDP__EXT_SHM), &keys[2]);
+    tdp_loop_free(loop);
+    assert_string_equal(ext_order, "p1p0f2f1f0");
+    assert_int_equal(live_small(), live);
+}
+
 /* ---- UCX wakeups ------------------------------------------------------------ */
 
 #define AM_ID    7
 #define N_MSGS   1000
 #define PER_TASK 10
-#define HOUR_MS  (3600 * 1000)
 
 typedef struct am_test {
     tdp_loop *tx, *rx; /* the same loop for the self test */
@@ -506,7 +910,12 @@ static ucs_status_t am_recv(void *arg, const void *header, size_t header_length,
 static void rx_setup(void *arg)
 {
     am_test *a = arg;
-    ucp_worker_h w = tdp__loop_worker(a->rx);
+    tdp__ucx *u;
+    if (tdp__ucx_get(a->rx, &u) != TDP_OK) {
+        a->status = UCS_ERR_NO_RESOURCE;
+        return;
+    }
+    ucp_worker_h w = u->worker[TDP_WORKER_ANY];
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                       UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -522,7 +931,7 @@ static void rx_setup(void *arg)
 static void rx_release_addr(void *arg)
 {
     am_test *a = arg;
-    ucp_worker_release_address(tdp__loop_worker(a->rx), a->addr);
+    ucp_worker_release_address(tdp__ucx_peek(a->rx)->worker[TDP_WORKER_ANY], a->addr);
     a->addr = NULL;
 }
 
@@ -545,7 +954,12 @@ static void tx_connect(void *arg)
         ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
         ep.err_handler = (ucp_err_handler_t){.cb = ep_error, .arg = a};
     }
-    a->status = ucp_ep_create(tdp__loop_worker(a->tx), &ep, &a->ep);
+    tdp__ucx *u;
+    if (tdp__ucx_get(a->tx, &u) != TDP_OK) {
+        a->status = UCS_ERR_NO_RESOURCE;
+        return;
+    }
+    a->status = ucp_ep_create(u->worker[TDP_WORKER_ANY], &ep, &a->ep);
     tdp__loop_kick(a->tx); /* wireup may have queued work */
 }
 
@@ -582,7 +996,7 @@ static void send_task(void *arg)
 static void tx_close(void *arg)
 {
     am_test *a = arg;
-    ucp_worker_h w = tdp__loop_worker(a->tx);
+    ucp_worker_h w = tdp__ucx_peek(a->tx)->worker[TDP_WORKER_ANY];
     ucp_request_param_t rp = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
         .flags = a->peer ? UCP_EP_CLOSE_FLAG_FORCE : 0, /* else flush: the peer is alive */
@@ -704,11 +1118,24 @@ static void test_ucx_two_loops(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_new_free),           cmocka_unit_test(test_misuse),
-        cmocka_unit_test(test_free_drops_pending), cmocka_unit_test(test_stop_before_run),
-        cmocka_unit_test(test_stop_race),          cmocka_unit_test(test_post_many),
-        cmocka_unit_test(test_post_from_loop),     cmocka_unit_test(test_run_until), cmocka_unit_test(test_run_until_busy_poll),
-        cmocka_unit_test(test_ucx_self),           cmocka_unit_test(test_ucx_two_loops),
+        cmocka_unit_test(test_new_free),
+        cmocka_unit_test(test_misuse),
+        cmocka_unit_test(test_free_drops_pending),
+        cmocka_unit_test(test_stop_before_run),
+        cmocka_unit_test(test_stop_race),
+        cmocka_unit_test(test_post_many),
+        cmocka_unit_test(test_post_from_loop),
+        cmocka_unit_test(test_run_until),
+        cmocka_unit_test(test_run_until_busy_poll),
+        cmocka_unit_test(test_source_fd),
+        cmocka_unit_test(test_source_arm_busy),
+        cmocka_unit_test(test_source_arm_error),
+        cmocka_unit_test(test_source_no_fd),
+        cmocka_unit_test(test_source_busy_poll),
+        cmocka_unit_test(test_source_remove_in_progress),
+        cmocka_unit_test(test_ext_order),
+        cmocka_unit_test(test_ucx_self),
+        cmocka_unit_test(test_ucx_two_loops),
     };
     /* TDP_TEST_FILTER=test_ucx* runs a subset while debugging */
     if (getenv("TDP_TEST_FILTER") != NULL)

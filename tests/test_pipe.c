@@ -1159,6 +1159,33 @@ static void test_single_thread(void **state)
     tdp_schema_unref(s);
 }
 
+/* UCX failing is a pipe's or listener's error, not the loop's; a later call retries. */
+static void test_ucx_unavailable(void **state)
+{
+    const char *tls = getenv("UCX_TLS");
+    char *saved = tls != NULL ? strdup(tls) : NULL;
+    tdp_loop *loop = NULL;
+    tdp_listener *l = NULL;
+    tdp_pipe *p = NULL;
+
+    setenv("UCX_TLS", "nosuchtransport", 1); /* UCX reads it when a context is made */
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_EUCX);
+    assert_null(l);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 9, NULL, &p), TDP_EUCX);
+    assert_null(p);
+    assert_null(tdp__ucx_peek(loop));
+    if (saved != NULL)
+        setenv("UCX_TLS", saved, 1);
+    else
+        unsetenv("UCX_TLS");
+    free(saved);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    assert_non_null(tdp__ucx_peek(loop));
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
@@ -1191,6 +1218,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_gather),
         cmocka_unit_test(test_async_ops),
         cmocka_unit_test(test_single_thread),
+        cmocka_unit_test(test_ucx_unavailable),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

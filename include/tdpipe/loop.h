@@ -1,8 +1,10 @@
 /*
  * loop.h: the event loop every pipe and server runs on.
  *
- * A tdp_loop owns one libevent event_base and one UCP context + worker
- * (active messages, wakeup). All library callbacks run on the loop's thread.
+ * A tdp_loop owns one libevent event_base and drives what the pipes on it
+ * add: UCX workers (created on the loop with its first pipe or listener and
+ * freed with the loop), sockets, timers. All library callbacks run on the
+ * loop's thread.
  * The loop runs either on the caller's thread (tdp_loop_run) or on a thread
  * of its own (tdp_loop_start_thread); other threads hand it work with
  * tdp_loop_post, which is safe from any thread.
@@ -27,20 +29,21 @@ typedef struct tdp_loop tdp_loop;
 typedef struct tdp_loop_opts {
     size_t size;
     /*
-     * Most events handled per UCX wakeup before other libevent events get a
-     * turn (bounded drain). 0 = default (64).
+     * Most progress calls per wakeup of the transports (UCX workers and the
+     * like) before other events (sockets, timers, tasks) get a turn: a
+     * bounded drain. 0 = default (64).
      */
     uint32_t max_progress;
     /*
-     * Period of the safety timer that progresses UCX against a lost wakeup,
-     * ms. 0 = 10. UCX 1.13's shared-memory transports occasionally miss a
-     * wakeup; this bounds what one costs.
+     * Period of the safety timer that progresses the transports against a
+     * lost wakeup, ms. 0 = 10. UCX 1.13's shared-memory transports
+     * occasionally miss a wakeup; this bounds what one costs.
      */
     uint32_t safety_timer_ms;
     /*
      * Busy-poll window, microseconds (0 = off, the default): after the last
-     * UCX activity the loop keeps progressing the worker for this long
-     * instead of sleeping on its event fd. Lower latency for ping-pong
+     * transport activity the loop keeps progressing the transports for this
+     * long instead of sleeping on their event fds. Lower latency for ping-pong
      * traffic at the price of a busy core — the progress mode UCX's own
      * ucx_perftest uses.
      */
@@ -48,9 +51,11 @@ typedef struct tdp_loop_opts {
 } tdp_loop_opts;
 
 /*
- * Create a loop: event_base, UCP context (features: active messages,
- * wakeup; UCX reads its usual UCX_* environment, e.g. UCX_TLS) and worker.
- * opts may be NULL. *out is written only on success. TDP_EUCX if UCX fails.
+ * Create a loop (an event_base and its timers). opts may be NULL. *out is
+ * written only on success. UCX is not touched here: the first pipe or
+ * listener on the loop creates its UCP contexts and workers (UCX reads its
+ * usual UCX_* environment, e.g. UCX_TLS), and that call fails with TDP_EUCX
+ * if UCX does.
  */
 TDP_API tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out);
 

@@ -145,6 +145,8 @@ TDP_API tdp_err tdp_pipe_connect(tdp_loop *loop, const char *host, uint16_t port
  * 0 picks a free port, see tdp_listener_port). Each connection that
  * completes its HELLO is handed to on_accept (if not NULL) or queued for
  * tdp_listener_accept. Handshake failures are logged and dropped.
+ * TDP_EUCX when the loop's UCX workers (made with its first pipe or
+ * listener) cannot be created.
  */
 TDP_API tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
                                  const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,

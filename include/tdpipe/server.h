@@ -97,8 +97,9 @@ TDP_API void tdp_server_opts_default(tdp_server_opts *o);
  * free one, see tdp_server_port) and serve. `h` and `opts` are copied; `arg`
  * is passed to every callback. *out is written only on success. Errors:
  * TDP_EINVAL (no loop or out, h->size 0), TDP_EADDR (cannot resolve or
- * bind), TDP_ENOMEM. Clients may connect at once: callbacks can start on
- * the loop thread before this returns.
+ * bind), TDP_EUCX (the loop's UCX workers cannot be created), TDP_ENOMEM.
+ * Clients may connect at once: callbacks can start on the loop thread
+ * before this returns.
  */
 TDP_API tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port,
                                const tdp_server_opts *opts, const tdp_server_handler *h, void *arg,

@@ -1,11 +1,12 @@
 /*
- * loop.c: one libevent event_base driving one UCP worker, plus a task queue
+ * loop.c: one libevent event_base driving progress sources (a UCP worker, a
+ * shared-memory ring: whatever the layers above add), plus a task queue
  * other threads use to hand work to the loop thread.
  *
- * How the worker is driven: its event fd is a level-triggered EV_READ event;
- * every wakeup drains the worker (bounded) and re-arms it. Anything that
- * must progress "soon" (a bounded drain that had more work, a kick after a
- * send, a task posted from the loop thread) is a zero-timeout timer rather
+ * How sources are driven: each one's event fd is a level-triggered EV_READ
+ * event; every wakeup drains all sources (bounded) and re-arms them. Anything
+ * that must progress "soon" (a bounded drain that had more work, a kick after
+ * a send, a task posted from the loop thread) is a zero-timeout timer rather
  * than event_active: libevent runs an event activated from a callback in the
  * same pass over the active queue, so a drain that keeps rescheduling itself
  * would never let the loop poll fds or fire timers (the safety timer and the
@@ -30,27 +31,40 @@
 #define DEFAULT_MAX_PROGRESS    64
 #define DEFAULT_SAFETY_TIMER_MS 10
 
+struct tdp__source {
+    const tdp__source_ops *ops;
+    void *arg;
+    struct event *ev; /* its fd readable; NULL without an fd */
+    bool dead;        /* removed during a walk: unlinked when the walk ends */
+    bool arm_error_logged;
+    struct tdp__source *next;
+};
+
+typedef struct ext_slot {
+    void *ext;
+    void (*pre_fini)(void *ext);
+    void (*fini)(void *ext);
+} ext_slot;
+
 struct tdp_loop {
     struct event_base *base;
-    struct event *ev_efd[TDP_LOOP_WORKERS]; /* a worker's event fd readable */
-    struct event *ev_again;    /* zero-timeout timer: progress the worker again */
+    struct event *ev_again;    /* zero-timeout timer: progress the sources again */
     struct event *ev_safety;   /* slow persistent timer against a lost wakeup */
     struct event *ev_tasks;    /* drain the task queue */
     struct event *ev_stop;     /* turns a stop request into a loopbreak on the loop thread */
     struct event *ev_deadline; /* run_until's deadline */
 
     /*
-     * Worker 0 uses the transports UCX_TLS allows, for any peer; worker 1
-     * (NULL when unavailable) only shared memory, for peers on this host.
+     * Loop thread only. walking counts the walks over the list in progress:
+     * a source removed meanwhile (from inside a progress or arm callback) is
+     * only marked dead and unlinked when the last walk ends, so no walk
+     * steps onto freed memory.
      */
-    ucp_context_h context[TDP_LOOP_WORKERS];
-    ucp_worker_h worker[TDP_LOOP_WORKERS];
-    int nworkers;
+    tdp__source *sources;
+    unsigned walking;
+    bool has_dead;
 
-    /* the pipe layer's per-loop state (see tdp__loop_set_pipe_ext) */
-    void *pipe_ext;
-    void (*pipe_pre_fini)(void *ext);
-    void (*pipe_fini)(void *ext);
+    ext_slot ext[TDP__EXT_COUNT]; /* see tdp__loop_set_ext */
 
     uint32_t max_progress;
     uint32_t safety_timer_ms;
@@ -59,7 +73,6 @@ struct tdp_loop {
 
     /* Loop thread only (or whoever drives the loop while nobody else does). */
     bool again_pending;
-    bool arm_error_logged;
     bool deadline_hit;
     volatile bool *until_done; /* run_until's flag while it runs, else NULL */
 
@@ -109,7 +122,7 @@ static void threads_init(void)
     threads_rc = evthread_use_pthreads();
 }
 
-/* ---- the worker ------------------------------------------------------------ */
+/* ---- sources ----------------------------------------------------------------- */
 
 static void schedule_again(tdp_loop *loop)
 {
@@ -121,12 +134,6 @@ static void schedule_again(tdp_loop *loop)
         loop->again_pending = true;
 }
 
-/*
- * Progress the worker, then arm it so its fd wakes us. The whole drain costs
- * at most max_progress progress calls; past that the rest waits for the
- * again timer so other events get a turn. UCS_ERR_BUSY from arm means
- * events arrived since the last progress: progress them before sleeping.
- */
 static uint64_t mono_ns(void)
 {
     struct timespec ts;
@@ -134,25 +141,74 @@ static uint64_t mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Unlink and free the sources removed while a walk was in progress. */
+static void sweep(tdp_loop *loop)
+{
+    tdp__source **pp = &loop->sources;
+
+    while (*pp != NULL) {
+        tdp__source *s = *pp;
+        if (s->dead) {
+            *pp = s->next;
+            tdp__free(s);
+        } else {
+            pp = &s->next;
+        }
+    }
+    loop->has_dead = false;
+}
+
+static void walk_end(tdp_loop *loop)
+{
+    if (--loop->walking == 0 && loop->has_dead)
+        sweep(loop);
+}
+
 static unsigned progress_all(tdp_loop *loop)
 {
     unsigned n = 0;
-    for (int i = 0; i < loop->nworkers; i++)
-        n += ucp_worker_progress(loop->worker[i]);
+
+    loop->walking++;
+    for (tdp__source *s = loop->sources; s != NULL; s = s->next)
+        if (!s->dead)
+            n += s->ops->progress(s->arg);
+    walk_end(loop);
     return n;
 }
 
-/* Arm every worker; BUSY as soon as one has events waiting. */
-static ucs_status_t arm_all(tdp_loop *loop)
+/*
+ * Arm every source; 1 (busy) as soon as one has events waiting. A source
+ * that fails to arm is logged once and left to the safety timer: retrying
+ * now would spin, and the other sources still get armed.
+ */
+static int arm_all(tdp_loop *loop)
 {
-    for (int i = 0; i < loop->nworkers; i++) {
-        ucs_status_t st = ucp_worker_arm(loop->worker[i]);
-        if (st != UCS_OK)
-            return st;
+    int rc = 0;
+
+    loop->walking++;
+    for (tdp__source *s = loop->sources; s != NULL; s = s->next) {
+        if (s->dead || s->ops->arm == NULL)
+            continue;
+        int r = s->ops->arm(s->arg);
+        if (r > 0) {
+            rc = 1;
+            break;
+        }
+        if (r < 0 && !s->arm_error_logged) {
+            tdp_log_error("a loop source failed to arm (%d); the safety timer progresses it", r);
+            s->arm_error_logged = true;
+        }
     }
-    return UCS_OK;
+    walk_end(loop);
+    return rc;
 }
 
+/*
+ * Progress the sources, then arm them so their fds wake us. The whole drain
+ * costs at most max_progress rounds of progress calls; past that the rest
+ * waits for the again timer so other events get a turn. A busy arm means
+ * events arrived since the last progress: progress them before sleeping.
+ */
 static void drain(tdp_loop *loop)
 {
     uint32_t budget = loop->max_progress;
@@ -180,16 +236,8 @@ static void drain(tdp_loop *loop)
                 break;
             }
         }
-        ucs_status_t st = arm_all(loop);
-        if (st == UCS_OK)
+        if (arm_all(loop) == 0)
             break;
-        if (st != UCS_ERR_BUSY) {
-            /* the safety timer keeps the worker going; a retry now would spin */
-            if (!loop->arm_error_logged)
-                tdp_log_error("ucp_worker_arm: %s", ucs_status_string(st));
-            loop->arm_error_logged = true;
-            break;
-        }
     }
     if (loop->until_done != NULL && *loop->until_done)
         event_base_loopbreak(loop->base);
@@ -216,6 +264,69 @@ static void safety_cb(evutil_socket_t fd, short what, void *arg)
 void tdp__loop_kick(tdp_loop *loop)
 {
     schedule_again(loop);
+}
+
+tdp_err tdp__loop_source_add(tdp_loop *loop, int fd, const tdp__source_ops *ops, void *arg,
+                             tdp__source **out)
+{
+    if (loop == NULL || ops == NULL || ops->progress == NULL || out == NULL)
+        return TDP_EINVAL;
+    tdp__source *s = tdp__calloc(1, sizeof(*s));
+    if (s == NULL)
+        return TDP_ENOMEM;
+    s->ops = ops;
+    s->arg = arg;
+    if (fd >= 0) {
+        s->ev = event_new(loop->base, fd, EV_READ | EV_PERSIST, efd_cb, loop);
+        if (s->ev == NULL || event_add(s->ev, NULL) != 0) {
+            tdp_log_error("cannot watch a loop source's fd %d", fd);
+            if (s->ev != NULL)
+                event_free(s->ev);
+            tdp__free(s);
+            return TDP_ENOMEM;
+        }
+    }
+    /* at the head: a walk in progress does not visit it, the kick below does */
+    s->next = loop->sources;
+    loop->sources = s;
+    /* its fd wakes the loop only once armed: progress and arm it before sleeping */
+    schedule_again(loop);
+    *out = s;
+    return TDP_OK;
+}
+
+void tdp__loop_source_remove(tdp_loop *loop, tdp__source *s)
+{
+    if (loop == NULL || s == NULL)
+        return;
+    /* at once, even inside its own callback: the caller may close the fd next */
+    if (s->ev != NULL)
+        event_free(s->ev);
+    s->ev = NULL;
+    if (loop->walking > 0) {
+        s->dead = true;
+        loop->has_dead = true;
+        return;
+    }
+    for (tdp__source **pp = &loop->sources; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    }
+    tdp__free(s);
+}
+
+/* Forget every source (loop free): their owners' fini already let them go. */
+static void sources_drop(tdp_loop *loop)
+{
+    while (loop->sources != NULL) {
+        tdp__source *s = loop->sources;
+        loop->sources = s->next;
+        if (s->ev != NULL)
+            event_free(s->ev);
+        tdp__free(s);
+    }
 }
 
 /* ---- tasks ----------------------------------------------------------------- */
@@ -387,7 +498,7 @@ static tdp_err run_loop(tdp_loop *loop)
     tdp_err rc = TDP_OK;
 
     frame_push(&frame, loop);
-    tdp__loop_kick(loop); /* the worker must be armed before its fd can wake us */
+    tdp__loop_kick(loop); /* sources must be armed before their fds can wake us */
     for (;;) {
         pthread_mutex_lock(&loop->lock);
         bool stop = loop->stop_requested;
@@ -464,7 +575,7 @@ static void deadline_cb(evutil_socket_t fd, short what, void *arg)
 }
 
 /*
- * Busy-poll fast path of run_until: progress the worker directly, without
+ * Busy-poll fast path of run_until: progress the sources directly, without
  * a trip through libevent per iteration (an epoll_wait and a timer each),
  * and give libevent a non-blocking turn every few spins so sockets, timers
  * and posted tasks still run. Ends when done, at the deadline, or after the
@@ -491,7 +602,7 @@ static void spin(tdp_loop *loop, volatile bool *done, uint64_t deadline_ns)
         if (last == 0) {
             last = now;
         } else if (now - last > window) {
-            /* idle for a whole window: arm the workers and sleep on their fds */
+            /* idle for a whole window: arm the sources and sleep on their fds */
             loop->last_activity_ns = 0;
             drain(loop);
             return;
@@ -572,12 +683,6 @@ bool tdp__loop_running(const tdp_loop *loop)
 
 /* ---- create and free ------------------------------------------------------- */
 
-static tdp_err ucx_fail(const char *what, ucs_status_t st)
-{
-    tdp_log_error("%s: %s", what, ucs_status_string(st));
-    return TDP_EUCX;
-}
-
 static void opts_resolve(const tdp_loop_opts *in, tdp_loop *loop)
 {
     loop->max_progress = DEFAULT_MAX_PROGRESS;
@@ -594,102 +699,9 @@ static void opts_resolve(const tdp_loop_opts *in, tdp_loop *loop)
 #undef TAKE
 }
 
-/*
- * The shared-memory transports of UCX_TLS for the same-host worker, or NULL
- * when the user's list leaves none. cma is never among them: it reads a
- * peer's memory with process_vm_readv, and in UCX 1.13 a peer that dies
- * during such a read is a fatal error in the reading process whenever the
- * endpoint has no peer-failure mode (which same-host endpoints cannot have:
- * UCX's shared-memory transports do not support it).
- */
-static char *local_tls(const char *user)
-{
-    static const char all[] = "posix,sysv";
-    if (user == NULL || user[0] == '\0' || strcmp(user, "all") == 0 || user[0] == '^')
-        return tdp__strdup(all); /* an exclusion list keeps these, unless it names them */
-    char *out = tdp__calloc(1, sizeof(all));
-    char *copy = tdp__strdup(user), *save = NULL;
-    if (out == NULL || copy == NULL) {
-        tdp__free(out);
-        tdp__free(copy);
-        return NULL;
-    }
-    bool posix = false, sysv = false, self = false;
-    for (char *t = strtok_r(copy, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
-        posix |= !strcmp(t, "shm") || !strcmp(t, "posix") || !strcmp(t, "sm");
-        sysv |= !strcmp(t, "shm") || !strcmp(t, "sysv") || !strcmp(t, "sm");
-        self |= !strcmp(t, "self");
-    }
-    tdp__free(copy);
-    if (!posix && !sysv) {
-        tdp__free(out);
-        return NULL;
-    }
-    (void)self; /* never "self": a worker's rendezvous to itself leaves requests behind
-                 * that crash ucp_worker_destroy in UCX 1.13 */
-    snprintf(out, sizeof(all), "%s%s%s", posix ? "posix" : "", posix && sysv ? "," : "",
-             sysv ? "sysv" : "");
-    return out;
-}
-
-static tdp_err worker_init(tdp_loop *loop, int i, const char *tls)
-{
-    ucp_config_t *config;
-    ucs_status_t st;
-
-    /* NULL env prefix: UCX_* variables (UCX_TLS, ...) apply as usual */
-    st = ucp_config_read(NULL, NULL, &config);
-    if (st != UCS_OK)
-        return ucx_fail("ucp_config_read", st);
-    if (tls != NULL && (st = ucp_config_modify(config, "TLS", tls)) != UCS_OK) {
-        ucp_config_release(config);
-        return ucx_fail("ucp_config_modify(TLS)", st);
-    }
-    ucp_params_t params = {
-        .field_mask = UCP_PARAM_FIELD_FEATURES,
-        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
-    };
-    st = ucp_init(&params, config, &loop->context[i]);
-    ucp_config_release(config);
-    if (st != UCS_OK) {
-        loop->context[i] = NULL;
-        return ucx_fail("ucp_init", st);
-    }
-    ucp_worker_params_t wparams = {
-        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-        .thread_mode = UCS_THREAD_MODE_SINGLE,
-    };
-    st = ucp_worker_create(loop->context[i], &wparams, &loop->worker[i]);
-    if (st != UCS_OK) {
-        loop->worker[i] = NULL;
-        return ucx_fail("ucp_worker_create", st);
-    }
-    loop->nworkers = i + 1;
-    return TDP_OK;
-}
-
-static tdp_err ucx_init(tdp_loop *loop)
-{
-    tdp_err rc = worker_init(loop, 0, NULL);
-    if (rc != TDP_OK)
-        return rc;
-    char *tls = local_tls(getenv("UCX_TLS"));
-    if (tls != NULL) {
-        /* without it, same-host pipes use worker 0 in peer-failure mode */
-        if (worker_init(loop, 1, tls) != TDP_OK)
-            tdp_log_info("no same-host shared-memory worker (%s); peers on this host use TCP",
-                         tls);
-        else
-            tdp_log_debug("same-host worker transports: %s", tls);
-        tdp__free(tls);
-    }
-    return TDP_OK;
-}
-
 static void events_free(tdp_loop *loop)
 {
-    struct event **evs[] = {&loop->ev_efd[0], &loop->ev_efd[1], &loop->ev_again,
-                            &loop->ev_safety, &loop->ev_tasks,  &loop->ev_stop,
+    struct event **evs[] = {&loop->ev_again, &loop->ev_safety, &loop->ev_tasks, &loop->ev_stop,
                             &loop->ev_deadline};
 
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++) {
@@ -702,17 +714,7 @@ static void events_free(tdp_loop *loop)
 static tdp_err events_init(tdp_loop *loop)
 {
     struct event_base *b = loop->base;
-    ucs_status_t st;
-    int efd;
 
-    for (int i = 0; i < loop->nworkers; i++) {
-        st = ucp_worker_get_efd(loop->worker[i], &efd);
-        if (st != UCS_OK)
-            return ucx_fail("ucp_worker_get_efd", st);
-        loop->ev_efd[i] = event_new(b, efd, EV_READ | EV_PERSIST, efd_cb, loop);
-        if (loop->ev_efd[i] == NULL || event_add(loop->ev_efd[i], NULL) != 0)
-            return TDP_ENOMEM;
-    }
     loop->ev_again = evtimer_new(b, again_cb, loop);
     loop->ev_safety = event_new(b, -1, EV_PERSIST, safety_cb, loop);
     loop->ev_tasks = event_new(b, -1, 0, tasks_cb, loop);
@@ -725,7 +727,7 @@ static tdp_err events_init(tdp_loop *loop)
     struct timeval safety = {.tv_sec = loop->safety_timer_ms / 1000,
                              .tv_usec = (suseconds_t)(loop->safety_timer_ms % 1000) * 1000};
     if (event_add(loop->ev_safety, &safety) != 0) {
-        tdp_log_error("event_add failed for the worker events");
+        tdp_log_error("event_add failed for the safety timer");
         return TDP_EINTERNAL;
     }
     return TDP_OK;
@@ -770,26 +772,15 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
         rc = TDP_ENOMEM;
         goto err_destroy_idle;
     }
-    rc = ucx_init(loop);
-    if (rc != TDP_OK)
-        goto err_cleanup_ucx; /* ucx_init leaves what it did not make NULL */
     rc = events_init(loop);
     if (rc != TDP_OK)
         goto err_free_events;
-    tdp__loop_kick(loop); /* arm the worker on the first turn, whoever runs it */
 
     *out = loop;
     return TDP_OK;
 
 err_free_events:
     events_free(loop);
-err_cleanup_ucx:
-    for (int i = TDP_LOOP_WORKERS - 1; i >= 0; i--) {
-        if (loop->worker[i] != NULL)
-            ucp_worker_destroy(loop->worker[i]);
-        if (loop->context[i] != NULL)
-            ucp_cleanup(loop->context[i]);
-    }
     event_base_free(loop->base);
 err_destroy_idle:
     pthread_cond_destroy(&loop->idle);
@@ -822,19 +813,29 @@ void tdp_loop_free(tdp_loop *loop)
     /* a tdp_loop_run or run_until on another thread: the stop ends the first */
     while (atomic_load(&loop->busy))
         pthread_cond_wait(&loop->idle, &loop->lock);
+    /* before the finis: queued intrusive tasks live in objects a fini frees */
     free_pending(loop);
     pthread_mutex_unlock(&loop->lock);
 
-    /* events first: the efd event must leave epoll before the worker closes the fd */
+    /*
+     * Higher layers first, in two rounds: every pre_fini while all state
+     * below still stands (the UCX layer's destroys its workers, after the
+     * pipe layer's has let endpoint closes finish), then every fini (the
+     * pipe layer unmaps memory before the UCX layer cleans its contexts up).
+     * The base and its events stay until the end: a fini may still free
+     * events of its own.
+     */
+    for (int k = TDP__EXT_COUNT - 1; k >= 0; k--)
+        if (loop->ext[k].pre_fini != NULL)
+            loop->ext[k].pre_fini(loop->ext[k].ext);
+    pthread_mutex_lock(&loop->lock);
+    free_pending(loop); /* what the pre_finis posted: their owners stand until the finis */
+    pthread_mutex_unlock(&loop->lock);
+    for (int k = TDP__EXT_COUNT - 1; k >= 0; k--)
+        if (loop->ext[k].fini != NULL)
+            loop->ext[k].fini(loop->ext[k].ext);
+    sources_drop(loop);
     events_free(loop);
-    if (loop->pipe_pre_fini != NULL)
-        loop->pipe_pre_fini(loop->pipe_ext);
-    for (int i = 0; i < loop->nworkers; i++)
-        ucp_worker_destroy(loop->worker[i]);
-    if (loop->pipe_fini != NULL)
-        loop->pipe_fini(loop->pipe_ext); /* memory of requests the workers took with them */
-    for (int i = 0; i < loop->nworkers; i++)
-        ucp_cleanup(loop->context[i]);
     event_base_free(loop->base);
     pthread_cond_destroy(&loop->idle);
     pthread_mutex_destroy(&loop->lock);
@@ -846,40 +847,19 @@ struct event_base *tdp__loop_base(tdp_loop *loop)
     return loop->base;
 }
 
-ucp_context_h tdp__loop_context(tdp_loop *loop)
+void *tdp__loop_ext(tdp_loop *loop, int key)
 {
-    return loop->context[0];
+    if (key < 0 || key >= TDP__EXT_COUNT)
+        return NULL;
+    return loop->ext[key].ext;
 }
 
-ucp_worker_h tdp__loop_worker(tdp_loop *loop)
+void tdp__loop_set_ext(tdp_loop *loop, int key, void *ext, void (*pre_fini)(void *ext),
+                       void (*fini)(void *ext))
 {
-    return loop->worker[0];
-}
-
-int tdp__loop_nworkers(tdp_loop *loop)
-{
-    return loop->nworkers;
-}
-
-ucp_worker_h tdp__loop_worker_n(tdp_loop *loop, int i)
-{
-    return i < loop->nworkers ? loop->worker[i] : NULL;
-}
-
-ucp_context_h tdp__loop_context_n(tdp_loop *loop, int i)
-{
-    return i < loop->nworkers ? loop->context[i] : NULL;
-}
-
-void *tdp__loop_pipe_ext(tdp_loop *loop)
-{
-    return loop->pipe_ext;
-}
-
-void tdp__loop_set_pipe_ext(tdp_loop *loop, void *ext, void (*pre_fini)(void *ext),
-                            void (*fini)(void *ext))
-{
-    loop->pipe_ext = ext;
-    loop->pipe_pre_fini = pre_fini;
-    loop->pipe_fini = fini;
+    if (key < 0 || key >= TDP__EXT_COUNT) {
+        tdp_log_error("tdp__loop_set_ext: no slot %d", key);
+        return;
+    }
+    loop->ext[key] = (ext_slot){.ext = ext, .pre_fini = pre_fini, .fini = fini};
 }

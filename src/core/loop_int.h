@@ -3,7 +3,6 @@
 #define TDP_CORE_LOOP_INT_H
 
 #include <event2/event.h>
-#include <ucp/api/ucp.h>
 #include <tdpipe/loop.h>
 
 /*
@@ -22,24 +21,43 @@ void tdp__loop_post_task(tdp_loop *loop, tdp__task *t);
 struct event_base *tdp__loop_base(tdp_loop *loop);
 
 /*
- * A loop has up to two UCP workers, each with its own context: worker 0
- * (TDP_WORKER_ANY) uses the transports UCX_TLS allows and serves any peer;
- * worker 1 (TDP_WORKER_LOCAL), when it exists, uses only UCX's
- * shared-memory transports (never cma) and serves peers on this host
- * without UCX's peer-failure mode. tdp__loop_worker/context name worker 0.
+ * Progress sources: something the loop must progress when its fd says so
+ * (a UCP worker, a shared-memory ring), shaped after UCT's iface (event fd,
+ * arm, progress). Every wakeup of any source drains all of them: progress
+ * until idle or max_progress calls, then arm each before sleeping.
  */
-#define TDP_LOOP_WORKERS 2
-#define TDP_WORKER_ANY   0
-#define TDP_WORKER_LOCAL 1
-ucp_context_h tdp__loop_context(tdp_loop *loop);
-ucp_worker_h tdp__loop_worker(tdp_loop *loop);
-int tdp__loop_nworkers(tdp_loop *loop);
-ucp_worker_h tdp__loop_worker_n(tdp_loop *loop, int i); /* NULL if absent */
-ucp_context_h tdp__loop_context_n(tdp_loop *loop, int i);
+typedef struct tdp__source tdp__source;
+typedef struct tdp__source_ops {
+    /* Handle what is pending; returns how many events it handled (0: idle). */
+    unsigned (*progress)(void *arg);
+    /*
+     * Before the loop sleeps: 0 = armed (the fd will wake the loop), 1 = busy
+     * (events arrived: progress again first), <0 = error (logged once; the
+     * safety timer covers). NULL = always armed.
+     */
+    int (*arm)(void *arg);
+} tdp__source_ops;
 
 /*
- * Call after UCP calls made outside the worker fd callback (e.g. a send
- * posted from a timer or a task): makes the loop progress the worker before
+ * Add a source. fd: readable when the source needs progress (-1: none; such
+ * a source is progressed only by the safety timer, kicks and the busy-poll
+ * window). ops is not copied (a static const table). The loop does not own
+ * fd: remove the source before closing it. From the loop thread, or while
+ * nobody runs the loop. *out is written only on success; TDP_ENOMEM.
+ */
+tdp_err tdp__loop_source_add(tdp_loop *loop, int fd, const tdp__source_ops *ops, void *arg,
+                             tdp__source **out);
+
+/*
+ * Remove a source: its callbacks never run again and its fd leaves the loop
+ * before this returns. Loop thread (or an idle loop); safe from inside any
+ * source's progress callback, its own included. NULL is a no-op.
+ */
+void tdp__loop_source_remove(tdp_loop *loop, tdp__source *s);
+
+/*
+ * Call after work on a source done outside its progress (e.g. a UCP send
+ * posted from a timer or a task): makes the loop progress all sources before
  * it sleeps again, so completions are not left waiting for a wakeup that
  * already happened.
  */
@@ -57,12 +75,18 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
 bool tdp__loop_running(const tdp_loop *loop);
 
 /*
- * One slot of per-loop state for the pipe layer. pre_fini runs in
- * tdp_loop_free before the UCP worker is destroyed, fini after it (and
- * before the UCP context is cleaned up). Set at most once per loop.
+ * Per-loop extension slots for the layers above (each sets its own, at most
+ * once per loop, from the loop thread or an idle loop). tdp_loop_free, once
+ * nothing runs the loop, calls every pre_fini in descending key order, then
+ * every fini in descending key order: a higher key may use a lower one's
+ * state in both its pre_fini and its fini (the pipe layer's pre_fini runs
+ * while the UCX workers exist, its fini before their contexts go). Tasks queued
+ * before or posted by a pre_fini are dropped unrun between the rounds; a
+ * fini must not post. Sources still registered after the finis are dropped.
  */
-void *tdp__loop_pipe_ext(tdp_loop *loop);
-void tdp__loop_set_pipe_ext(tdp_loop *loop, void *ext, void (*pre_fini)(void *ext),
-                            void (*fini)(void *ext));
+enum { TDP__EXT_UCX = 0, TDP__EXT_PIPE = 1, TDP__EXT_SHM = 2, TDP__EXT_REAP = 3, TDP__EXT_COUNT };
+void *tdp__loop_ext(tdp_loop *loop, int key); /* NULL if never set */
+void tdp__loop_set_ext(tdp_loop *loop, int key, void *ext, void (*pre_fini)(void *ext),
+                       void (*fini)(void *ext));
 
 #endif

@@ -8,6 +8,7 @@
 #include "listener.h"
 #include "op.h"
 #include "session.h"
+#include "ucx_workers.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 
@@ -131,6 +132,10 @@ static void listen_task(void *arg)
 {
     listen_req *r = arg;
     tdp_listener *l = r->l;
+    tdp__ucx *ucx;
+    /* the ucx plane serves every peer: a listener without it would accept nobody */
+    if ((r->rc = tdp__ucx_get(l->loop, &ucx)) != TDP_OK)
+        return;
     int fd = socket(r->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         r->rc = TDP_EADDR;

@@ -203,8 +203,10 @@ static void link_destroy(struct tdp__link *l);
 static void ext_fini(void *ext)
 {
     ucx_ext *x = ext;
-    while (x->links != NULL)
+    while (x->links != NULL) {
+        x->links->sep = NULL; /* its endpoint went with the worker */
         link_destroy(x->links);
+    }
     shared_ep *lists[2] = {x->eps, x->dead_eps};
     for (int k = 0; k < 2; k++) { /* links never closed: the workers took their eps */
         while (lists[k] != NULL) {

@@ -1,0 +1,222 @@
+/*
+ * ucx_workers.c: the pipe layer's UCP contexts and workers, one set per
+ * loop, each worker a progress source of the loop (event fd, arm,
+ * progress), made on first use and freed with the loop.
+ */
+#include "ucx_workers.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/alloc.h"
+#include "../core/log.h"
+
+typedef struct ucx_worker_src {
+    ucp_worker_h worker;
+    bool arm_error_logged;
+} ucx_worker_src;
+
+typedef struct ucx_state {
+    tdp__ucx pub; /* what tdp__ucx_get hands out */
+    tdp_loop *loop;
+    tdp__source *src[TDP_LOOP_WORKERS];
+    ucx_worker_src ws[TDP_LOOP_WORKERS];
+} ucx_state;
+
+static tdp_err ucx_fail(const char *what, ucs_status_t st)
+{
+    tdp_log_error("%s: %s", what, ucs_status_string(st));
+    return TDP_EUCX;
+}
+
+/* ---- the workers as loop sources ---------------------------------------------- */
+
+static unsigned worker_progress(void *arg)
+{
+    ucx_worker_src *w = arg;
+    return ucp_worker_progress(w->worker);
+}
+
+static int worker_arm(void *arg)
+{
+    ucx_worker_src *w = arg;
+    ucs_status_t st = ucp_worker_arm(w->worker);
+
+    if (st == UCS_OK)
+        return 0;
+    if (st == UCS_ERR_BUSY)
+        return 1;             /* events arrived since the last progress */
+    if (!w->arm_error_logged) /* the loop logs the failure; this says which */
+        tdp_log_debug("ucp_worker_arm: %s", ucs_status_string(st));
+    w->arm_error_logged = true;
+    return st < 0 ? (int)st : -1;
+}
+
+static const tdp__source_ops worker_ops = {
+    .progress = worker_progress,
+    .arm = worker_arm,
+};
+
+/* ---- creating ------------------------------------------------------------------ */
+
+/*
+ * The shared-memory transports of UCX_TLS for the same-host worker, or NULL
+ * when the user's list leaves none. cma is never among them: it reads a
+ * peer's memory with process_vm_readv, and in UCX 1.13 a peer that dies
+ * during such a read is a fatal error in the reading process whenever the
+ * endpoint has no peer-failure mode (which same-host endpoints cannot have:
+ * UCX's shared-memory transports do not support it).
+ */
+static char *local_tls(const char *user)
+{
+    static const char all[] = "posix,sysv";
+    if (user == NULL || user[0] == '\0' || strcmp(user, "all") == 0 || user[0] == '^')
+        return tdp__strdup(all); /* an exclusion list keeps these, unless it names them */
+    char *out = tdp__calloc(1, sizeof(all));
+    char *copy = tdp__strdup(user), *save = NULL;
+    if (out == NULL || copy == NULL) {
+        tdp__free(out);
+        tdp__free(copy);
+        return NULL;
+    }
+    bool posix = false, sysv = false, self = false;
+    for (char *t = strtok_r(copy, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        posix |= !strcmp(t, "shm") || !strcmp(t, "posix") || !strcmp(t, "sm");
+        sysv |= !strcmp(t, "shm") || !strcmp(t, "sysv") || !strcmp(t, "sm");
+        self |= !strcmp(t, "self");
+    }
+    tdp__free(copy);
+    if (!posix && !sysv) {
+        tdp__free(out);
+        return NULL;
+    }
+    (void)self; /* never "self": a worker's rendezvous to itself leaves requests behind
+                 * that crash ucp_worker_destroy in UCX 1.13 */
+    snprintf(out, sizeof(all), "%s%s%s", posix ? "posix" : "", posix && sysv ? "," : "",
+             sysv ? "sysv" : "");
+    return out;
+}
+
+/* Context, worker and loop source number i; on failure nothing of i is left. */
+static tdp_err worker_init(ucx_state *u, int i, const char *tls)
+{
+    ucp_config_t *config;
+    ucs_status_t st;
+    tdp_err rc;
+    int efd;
+
+    /* NULL env prefix: UCX_* variables (UCX_TLS, ...) apply as usual */
+    st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK)
+        return ucx_fail("ucp_config_read", st);
+    if (tls != NULL && (st = ucp_config_modify(config, "TLS", tls)) != UCS_OK) {
+        ucp_config_release(config);
+        return ucx_fail("ucp_config_modify(TLS)", st);
+    }
+    ucp_params_t params = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES,
+        .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+    };
+    st = ucp_init(&params, config, &u->pub.context[i]);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        u->pub.context[i] = NULL;
+        return ucx_fail("ucp_init", st);
+    }
+    ucp_worker_params_t wparams = {
+        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        .thread_mode = UCS_THREAD_MODE_SINGLE,
+    };
+    st = ucp_worker_create(u->pub.context[i], &wparams, &u->pub.worker[i]);
+    if (st != UCS_OK) {
+        u->pub.worker[i] = NULL;
+        rc = ucx_fail("ucp_worker_create", st);
+        goto err_cleanup_context;
+    }
+    st = ucp_worker_get_efd(u->pub.worker[i], &efd);
+    if (st != UCS_OK) {
+        rc = ucx_fail("ucp_worker_get_efd", st);
+        goto err_destroy_worker;
+    }
+    u->ws[i] = (ucx_worker_src){.worker = u->pub.worker[i]};
+    rc = tdp__loop_source_add(u->loop, efd, &worker_ops, &u->ws[i], &u->src[i]);
+    if (rc != TDP_OK)
+        goto err_destroy_worker;
+    u->pub.nworkers = i + 1;
+    return TDP_OK;
+
+err_destroy_worker:
+    ucp_worker_destroy(u->pub.worker[i]);
+    u->pub.worker[i] = NULL;
+err_cleanup_context:
+    ucp_cleanup(u->pub.context[i]);
+    u->pub.context[i] = NULL;
+    return rc;
+}
+
+/* Loop free, first round (after the pipe layer's): the workers go. */
+static void ucx_pre_fini(void *ext)
+{
+    ucx_state *u = ext;
+
+    for (int i = u->pub.nworkers - 1; i >= 0; i--) {
+        /* the source first: its fd must leave epoll before the worker closes it */
+        tdp__loop_source_remove(u->loop, u->src[i]);
+        u->src[i] = NULL;
+        ucp_worker_destroy(u->pub.worker[i]);
+        u->pub.worker[i] = NULL;
+    }
+    u->pub.nworkers = 0;
+}
+
+/* Loop free, last: the contexts, after the pipe layer unmapped its memory. */
+static void ucx_fini(void *ext)
+{
+    ucx_state *u = ext;
+
+    for (int i = TDP_LOOP_WORKERS - 1; i >= 0; i--)
+        if (u->pub.context[i] != NULL)
+            ucp_cleanup(u->pub.context[i]);
+    tdp__free(u);
+}
+
+tdp_err tdp__ucx_get(tdp_loop *loop, tdp__ucx **out)
+{
+    ucx_state *u = tdp__loop_ext(loop, TDP__EXT_UCX);
+    tdp_err rc;
+
+    if (u != NULL) {
+        *out = &u->pub;
+        return TDP_OK;
+    }
+    u = tdp__calloc(1, sizeof(*u));
+    if (u == NULL)
+        return TDP_ENOMEM;
+    u->loop = loop;
+    rc = worker_init(u, TDP_WORKER_ANY, NULL);
+    if (rc != TDP_OK)
+        goto err_free;
+    char *tls = local_tls(getenv("UCX_TLS"));
+    if (tls != NULL) {
+        /* without it, same-host pipes use worker 0 in peer-failure mode */
+        if (worker_init(u, TDP_WORKER_LOCAL, tls) != TDP_OK)
+            tdp_log_info("no same-host shared-memory worker (%s); peers on this host use TCP", tls);
+        else
+            tdp_log_debug("same-host worker transports: %s", tls);
+        tdp__free(tls);
+    }
+    tdp__loop_set_ext(loop, TDP__EXT_UCX, u, ucx_pre_fini, ucx_fini);
+    *out = &u->pub;
+    return TDP_OK;
+
+err_free:
+    tdp__free(u);
+    return rc;
+}
+
+tdp__ucx *tdp__ucx_peek(tdp_loop *loop)
+{
+    ucx_state *u = tdp__loop_ext(loop, TDP__EXT_UCX);
+    return u != NULL ? &u->pub : NULL;
+}
