@@ -646,7 +646,7 @@ static void hostile_case(int kind, tdp_err expect)
                           "\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},\"leaves\":{\"x\":"
                           "[\"torch.float32\",[4294967296,4294967296,2],0,0,0]}},"
                           "\"total_bytes\":64,\"version\":1}";
-    tdp_am_hdr h = {.token = e.cli->peer_token, .seq = 1};
+    tdp_am_hdr h = {.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)), .seq = 1};
     switch (kind) {
     case 0: /* garbage header */
         h.type = TDP_AM_DATA;
@@ -666,7 +666,7 @@ static void hostile_case(int kind, tdp_err expect)
         break;
     case 3: /* credit for messages never sent */
         h.type = TDP_AM_CREDIT;
-        h.token = e.cli->peer_token;
+        h.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli));
         h.arg = 1000;
         h.seq = 0;
         rogue_send(&e, &h, NULL, 0, false);
@@ -706,7 +706,7 @@ static void test_forged_credit(void **state)
     /* the credit goes to the server pipe's send side: its sends fail */
     env e;
     env_up(&e, NULL, NULL);
-    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = e.cli->peer_token, .arg = 1000};
+    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)), .arg = 1000};
     rogue_send(&e, &h, NULL, 0, false);
     tdp_td *got;
     assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_EPROTO);

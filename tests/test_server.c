@@ -880,7 +880,7 @@ static void test_hostile_clients(void **state)
         assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &bad[k]), TDP_OK);
         /* once the server has taken it (else it is a failed handshake instead) */
         assert_true(WAIT_FOR(stats(&e).clients_total == (uint64_t)k + 2, TMO));
-        tdp_am_hdr h = {.token = bad[k]->peer_token, .seq = 1};
+        tdp_am_hdr h = {.token = tdp__ucx_link_peer_token(tdp__session_link(bad[k])), .seq = 1};
         if (k == 0) { /* garbage header */
             h.type = TDP_AM_DATA;
             rogue_send(bad[k], &h, "junk", 4, true);

@@ -21,6 +21,7 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
+#include "op.h"
 #include "session.h"
 #include "ucx_workers.h"
 #include "../core/alloc.h"
@@ -1026,4 +1027,9 @@ int tdp__ucx_link_worker(const tdp__link *l)
 bool tdp__ucx_link_peer_mode(const tdp__link *l)
 {
     return l != NULL && l->peer_mode;
+}
+
+uint64_t tdp__ucx_link_peer_token(const tdp__link *l)
+{
+    return l != NULL ? l->peer_token : 0;
 }

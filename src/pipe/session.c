@@ -538,6 +538,10 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
     tdp_pipe *p = owner;
     if (frame_plane(p, l) == NULL || p->link_failed)
         return;
+    if (st != TDP_ECONNRESET) { /* the peer sent something invalid */
+        proto_fail(p, st, why);
+        return;
+    }
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0) {
         pipe_fail(p, st, why);
         return;

@@ -16,6 +16,7 @@
 #include "../core/loop_int.h"
 #include "../pipe/listener.h"
 #include "../pipe/op.h"
+#include "../pipe/session.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 
