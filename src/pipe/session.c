@@ -542,8 +542,10 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
         proto_fail(p, st, why);
         return;
     }
-    if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0) {
-        pipe_fail(p, st, why);
+    /* a transfer in flight was lost, or nothing is left to say how it ended */
+    if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0 ||
+        p->tx_inflight > 0 || p->sendq.head != NULL) {
+        pipe_fail(p, p->peer_bye ? TDP_ECLOSED : st, why);
         return;
     }
     /*
