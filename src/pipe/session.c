@@ -1170,28 +1170,17 @@ static void abort_task(void *arg)
 
 static void post_async(tdp_pipe *p, tdp_loop_fn fn, int64_t arg)
 {
-    if (tdp_loop_on_thread(p->loop) || !tdp__loop_running(p->loop)) {
-        async_req r = {.p = p, .arg = arg};
-        async_req *heap = tdp__malloc(sizeof(*heap));
-        if (heap == NULL) { /* run it now rather than drop it */
-            if (fn == close_async_task)
-                close_start(p, arg);
-            else
-                pipe_fail(p, (tdp_err)arg, "aborted");
-            return;
-        }
-        *heap = r;
-        fn(heap);
-        return;
-    }
     async_req *r = tdp__malloc(sizeof(*r));
     if (r == NULL) {
-        tdp_log_error("no memory to hand a close to the loop thread");
+        tdp_log_error("no memory to hand a close or abort to the loop thread");
         return;
     }
     *r = (async_req){.task = {.fn = fn}, .p = p, .arg = arg};
     r->task.arg = r;
-    tdp__loop_post_task(p->loop, &r->task);
+    if (tdp_loop_on_thread(p->loop) || !tdp__loop_running(p->loop))
+        fn(r); /* frees r */
+    else
+        tdp__loop_post_task(p->loop, &r->task);
 }
 
 void tdp_pipe_close_async(tdp_pipe *pipe, int64_t timeout_ms)
