@@ -26,6 +26,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
+#include "pipe/plane_shm.h"
 #include "pipe/plane_ucx.h"
 #include "pipe/session.h"
 #include "pipe/ucx_workers.h"
@@ -112,7 +113,19 @@ static bool verify(const tdp_td *td, uint64_t seq)
     return true;
 }
 
-/* TDP_TEST_PEER_MODE=ucx runs the suite with UCX's peer-failure mode. */
+/*
+ * TDP_TEST_PEER_MODE=ucx runs the suite with UCX's peer-failure mode;
+ * TDP_TEST_PLANE=NAME forces a data plane (else both sides choose).
+ */
+static tdp_plane test_plane(void)
+{
+    const char *n = getenv("TDP_TEST_PLANE");
+    tdp_plane pl = TDP_PLANE_AUTO;
+    if (n != NULL)
+        assert_int_equal(tdp_plane_parse(n, &pl), TDP_OK);
+    return pl;
+}
+
 static const tdp_pipe_opts *mode_opts(const tdp_pipe_opts *o, tdp_pipe_opts *buf)
 {
     const char *m = getenv("TDP_TEST_PEER_MODE");
@@ -122,6 +135,8 @@ static const tdp_pipe_opts *mode_opts(const tdp_pipe_opts *o, tdp_pipe_opts *buf
         tdp_pipe_opts_default(buf);
     if (m != NULL && strcmp(m, "ucx") == 0)
         buf->peer_mode = TDP_PEER_UCX;
+    if (buf->plane == TDP_PLANE_AUTO)
+        buf->plane = test_plane();
     return buf;
 }
 
@@ -205,6 +220,15 @@ static void test_handshake(void **state)
     env_up(&e, NULL, NULL);
     assert_true(tdp_pipe_same_host(e.cli));
     assert_true(tdp_pipe_same_host(e.srv));
+    /* both sides chose the same plane: the one forced, else shm on one host */
+    tdp_plane want = test_plane() != TDP_PLANE_AUTO ? test_plane() : TDP_PLANE_SHM;
+    assert_int_equal(tdp_pipe_plane(e.cli), want);
+    assert_int_equal(tdp_pipe_plane(e.srv), want);
+    print_message("plane %s\n", tdp_plane_name(want));
+    if (want != TDP_PLANE_UCX) {
+        env_down(&e);
+        return;
+    }
     /* both sides agree: the shared-memory worker without UCX's peer-failure
      * mode when both have it (same host), else UCX's peer-failure mode */
     const char *m = getenv("TDP_TEST_PEER_MODE");
@@ -633,11 +657,53 @@ static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t 
         usleep(1000);
 }
 
+/* The same attacks, made by a hostile same-host sender on the shm plane. */
+typedef struct shm_rogue {
+    tdp__link *l;
+    tdp__shm_desc d;
+    const char *json;
+    uint64_t total;
+    bool release;
+    tdp_err rc;
+} shm_rogue;
+
+static void shm_rogue_task(void *arg)
+{
+    shm_rogue *r = arg;
+    r->rc = r->release ? tdp__shm_rogue_release(r->l, &r->d)
+                       : tdp__shm_rogue_data(r->l, &r->d, r->json,
+                                             r->json ? strlen(r->json) : 0, r->d.seq, r->total);
+}
+
+static void shm_rogue_send(env *e, int kind, const char *hostile)
+{
+    shm_rogue r = {.l = tdp__session_link(e->cli)};
+    r.d.seq = 1;
+    switch (kind) {
+    case 0: /* a descriptor of no known type */
+        r.d.type = 77;
+        break;
+    case 1: /* hostile schema, then its data */
+        r.d.type = tdp__shm_desc_word(TDP__SHM_DESC_DATA, 1);
+        r.json = hostile;
+        r.total = 64;
+        break;
+    case 2: /* data with no schema */
+        r.d.type = tdp__shm_desc_word(TDP__SHM_DESC_DATA, 1);
+        r.d.hash = 42;
+        r.d.arg = 4096;
+        break;
+    }
+    tdp__call_on_loop(e->cl, shm_rogue_task, &r);
+    assert_int_equal(r.rc, TDP_OK);
+}
+
 static void hostile_case(int kind, tdp_err expect)
 {
     env e, good;
     env_up(&e, NULL, NULL);
     env_up(&good, NULL, NULL);
+    bool shm = tdp_pipe_plane(e.cli) == TDP_PLANE_SHM;
     tdp_schema *s = bytes_schema(4096);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
@@ -646,8 +712,12 @@ static void hostile_case(int kind, tdp_err expect)
                           "\"TensorDict\",\"cls_metadata\":{\"batch_size\":[]},\"leaves\":{\"x\":"
                           "[\"torch.float32\",[4294967296,4294967296,2],0,0,0]}},"
                           "\"total_bytes\":64,\"version\":1}";
-    tdp_am_hdr h = {.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)), .seq = 1};
-    switch (kind) {
+    tdp_am_hdr h = {.seq = 1};
+    if (shm)
+        shm_rogue_send(&e, kind, hostile);
+    else
+        h.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli));
+    switch (shm ? -1 : kind) {
     case 0: /* garbage header */
         h.type = TDP_AM_DATA;
         rogue_send(&e, &h, "junk", 4, true);
@@ -706,9 +776,28 @@ static void test_forged_credit(void **state)
     /* the credit goes to the server pipe's send side: its sends fail */
     env e;
     env_up(&e, NULL, NULL);
+    tdp_td *got;
+    if (tdp_pipe_plane(e.cli) == TDP_PLANE_SHM) {
+        /* a release of a slot never lent: the server has one message out */
+        tdp_schema *s = bytes_schema(64);
+        tdp_td *td;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        assert_int_equal(tdp_pipe_send(e.srv, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(e.cli, TMO, &got), TDP_OK);
+        shm_rogue r = {.l = tdp__session_link(e.cli), .release = true};
+        r.d.type = tdp__shm_desc_word(TDP__SHM_DESC_RELEASE, 1);
+        r.d.slot = 3; /* slot 0 is the one out */
+        tdp__call_on_loop(e.cl, shm_rogue_task, &r);
+        assert_int_equal(r.rc, TDP_OK);
+        /* the server's pipe fails: a receive there says why */
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_EPROTO);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+        env_down(&e);
+        return;
+    }
     tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)), .arg = 1000};
     rogue_send(&e, &h, NULL, 0, false);
-    tdp_td *got;
     assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_EPROTO);
     env_down(&e);
 }
@@ -1159,6 +1248,143 @@ static void test_single_thread(void **state)
     tdp_schema_unref(s);
 }
 
+/*
+ * Loans: on the shm plane a loaned buffer is a slot of the sender's pool and
+ * the receiver's view lies in the same pages (nothing copied either way);
+ * a plain send is copied once into a slot; a schema change grows the pool
+ * while an older loan is out, and that loan can still be sent (copied). On
+ * other planes a loan is an ordinary buffer and everything still arrives.
+ */
+typedef struct pool_q {
+    tdp__link *l;
+    const void *p;
+    bool in;
+} pool_q;
+
+static void pool_q_task(void *arg)
+{
+    pool_q *q = arg;
+    q->in = tdp__shm_view_in_pool(q->l, q->p);
+}
+
+static bool in_pool(tdp_loop *loop, tdp_pipe *pipe, const void *ptr)
+{
+    pool_q q = {tdp__session_link(pipe), ptr, false};
+    tdp__call_on_loop(loop, pool_q_task, &q);
+    return q.in;
+}
+
+static void test_loans(void **state)
+{
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.recv_depth = 4;
+    env e;
+    env_up(&e, &o, &o);
+    bool shm = tdp_pipe_plane(e.cli) == TDP_PLANE_SHM;
+    print_message("plane %s\n", tdp_plane_name(tdp_pipe_plane(e.cli)));
+    tdp_schema *small = bytes_schema(4096), *big = bytes_schema(3u << 20);
+    tdp_td *loan, *got, *old;
+
+    /* loaned: zero copy both ways */
+    for (int i = 1; i <= 20; i++) {
+        assert_int_equal(tdp_pipe_loan(e.cli, small, &loan), TDP_OK);
+        fill(loan, (uint64_t)i);
+        const void *wrote = tdp_td_data(loan);
+        assert_int_equal(tdp_pipe_send(e.cli, loan, TMO), TDP_OK);
+        tdp_td_unref(loan);
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, (uint64_t)i));
+        if (shm) {
+            assert_true(in_pool(e.sl, e.srv, tdp_td_data(got)));
+            assert_ptr_not_equal(tdp_td_data(got), wrote); /* another mapping of the same pages */
+        }
+        tdp_pipe_release(e.srv, got);
+    }
+    /* a plain send: copied into a slot, still in the pool on arrival */
+    tdp_td *plain;
+    assert_int_equal(tdp_td_new(small, &plain), TDP_OK);
+    fill(plain, 99);
+    assert_int_equal(tdp_pipe_send(e.cli, plain, TMO), TDP_OK);
+    fill(plain, 1000); /* the sender may reuse its buffer at once */
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_true(verify(got, 99));
+    if (shm)
+        assert_true(in_pool(e.sl, e.srv, tdp_td_data(got)));
+    tdp_pipe_release(e.srv, got);
+
+    /* a schema change grows the pool while a loan of the old one is out */
+    assert_int_equal(tdp_pipe_loan(e.cli, small, &old), TDP_OK);
+    fill(old, 7);
+    assert_int_equal(tdp_pipe_loan(e.cli, big, &loan), TDP_OK);
+    fill(loan, 8);
+    assert_int_equal(tdp_pipe_send(e.cli, loan, TMO), TDP_OK);
+    tdp_td_unref(loan);
+    assert_int_equal(tdp_pipe_send(e.cli, old, TMO), TDP_OK); /* copied into the new pool */
+    tdp_td_unref(old);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_true(verify(got, 8));
+    assert_int_equal(tdp_td_nbytes(got), 3u << 20);
+    /* a view held across the next receive stays intact */
+    tdp_td *got2;
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got2), TDP_OK);
+    assert_true(verify(got2, 7));
+    assert_true(verify(got, 8));
+    tdp_pipe_release(e.srv, got);
+    tdp_pipe_release(e.srv, got2);
+
+    /* loans are bounded: every slot out gives TDP_EAGAIN, not a hang */
+    if (shm) {
+        tdp_td *held[64];
+        int n = 0;
+        tdp_err rc = TDP_OK;
+        while (n < 64 && (rc = tdp_pipe_loan(e.cli, small, &held[n])) == TDP_OK)
+            n++;
+        assert_int_equal(rc, TDP_EAGAIN);
+        assert_true(n >= 2);
+        for (int i = 0; i < n; i++)
+            tdp_td_unref(held[i]); /* unsent loans go back */
+        assert_int_equal(tdp_pipe_loan(e.cli, small, &loan), TDP_OK);
+        tdp_td_unref(loan);
+    }
+    assert_int_equal(tdp_pipe_close(e.cli, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED);
+    tdp_td_unref(plain);
+    tdp_schema_unref(small);
+    tdp_schema_unref(big);
+    env_down(&e);
+}
+
+/* A view lent by a sender that then died stays readable until released. */
+static void test_view_outlives_sender(void **state)
+{
+    env e;
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.recv_depth = 2; /* with depth 1 the next receive would release the view */
+    env_up(&e, &o, &o);
+    tdp_schema *s = bytes_schema(1u << 20);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 5);
+    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    /* the sender goes away entirely: pipe, loop and with them its pool */
+    tdp_pipe_abort(e.cli, TDP_ECANCELED);
+    tdp_pipe_free(e.cli);
+    e.cli = NULL;
+    tdp_loop_free(e.cl);
+    e.cl = NULL;
+    tdp_td *next;
+    tdp_err rc = tdp_pipe_recv(e.srv, TMO, &next);
+    assert_true(rc == TDP_ECONNRESET || rc == TDP_ECLOSED || rc == TDP_ECANCELED);
+    assert_true(verify(got, 5));
+    tdp_pipe_release(e.srv, got);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
 /* UCX failing is a pipe's or listener's error, not the loop's; a later call retries. */
 static void test_ucx_unavailable(void **state)
 {
@@ -1168,11 +1394,14 @@ static void test_ucx_unavailable(void **state)
     tdp_listener *l = NULL;
     tdp_pipe *p = NULL;
 
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.plane = TDP_PLANE_UCX; /* the shm plane needs no UCX */
     setenv("UCX_TLS", "nosuchtransport", 1); /* UCX reads it when a context is made */
     assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
     assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_EUCX);
     assert_null(l);
-    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 9, NULL, &p), TDP_EUCX);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 9, &o, &p), TDP_EUCX);
     assert_null(p);
     assert_null(tdp__ucx_peek(loop));
     if (saved != NULL)
@@ -1190,8 +1419,10 @@ int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
         child_stream((uint16_t)atoi(argv[2]), strcmp(argv[3], "send") == 0);
-    const char *tls = getenv("UCX_TLS"), *mode = getenv("TDP_TEST_PEER_MODE");
-    printf("# UCX_TLS=%s peer mode=%s\n", tls ? tls : "(default)", mode ? mode : "auto");
+    const char *tls = getenv("UCX_TLS"), *mode = getenv("TDP_TEST_PEER_MODE"),
+               *plane = getenv("TDP_TEST_PLANE");
+    printf("# UCX_TLS=%s peer mode=%s plane=%s\n", tls ? tls : "(default)", mode ? mode : "auto",
+           plane ? plane : "auto");
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_handshake),
@@ -1219,6 +1450,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_async_ops),
         cmocka_unit_test(test_single_thread),
         cmocka_unit_test(test_ucx_unavailable),
+        cmocka_unit_test(test_loans),
+        cmocka_unit_test(test_view_outlives_sender),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

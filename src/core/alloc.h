@@ -15,6 +15,16 @@ char *tdp__strdup(const char *s);
 char *tdp__strndup(const char *s, size_t n);
 void tdp__free(void *p);
 
+/*
+ * Copy n bytes between any two buffers tdp_mem_alloc can make (host or
+ * CUDA, either way): memcpy for host to host, cudaMemcpy otherwise (the
+ * driver tells which is which). TDP_ENOTSUP when a side is a GPU buffer and
+ * this build has no CUDA; TDP_ECUDA when the copy fails. Blocking.
+ */
+#include <stdbool.h>
+#include <tdpipe/err.h>
+tdp_err tdp__mem_copy(void *dst, bool dst_gpu, const void *src, bool src_gpu, size_t n);
+
 /* Allocate an array of `count` elements of `size`, with overflow checked. */
 static inline void *tdp__alloc_array(size_t count, size_t size)
 {

@@ -212,6 +212,22 @@ uint64_t tdp_mem_total_allocs(void)
     return n;
 }
 
+tdp_err tdp__mem_copy(void *dst, bool dst_gpu, const void *src, bool src_gpu, size_t n)
+{
+    if (n == 0)
+        return TDP_OK;
+    if (!dst_gpu && !src_gpu) {
+        memcpy(dst, src, n);
+        return TDP_OK;
+    }
+#ifdef TDP_HAVE_CUDA
+    cudaError_t cr = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+    return cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaMemcpy");
+#else
+    return TDP_ENOTSUP;
+#endif
+}
+
 bool tdp_cuda_built(void)
 {
 #ifdef TDP_HAVE_CUDA

@@ -67,7 +67,9 @@ typedef struct tdp__link_peer {
     const tdp_hello *hello; /* the peer's (records valid during the call) */
     bool same_host;
     uint32_t peer_depth; /* buffers the peer holds: most sends in flight */
+    uint32_t depth;      /* buffers this side holds */
     tdp_peer_mode mode;  /* this side's option */
+    uint64_t max_json_bytes, max_total_bytes; /* this side's schema limits */
 } tdp__link_peer;
 
 /* A send: the session has checked credit and order. */
@@ -117,6 +119,10 @@ typedef struct tdp__plane_ops {
 } tdp__plane_ops;
 
 extern const tdp__plane_ops tdp__plane_ucx;
+#ifdef __linux__
+#define TDP_HAVE_SHM_PLANE 1
+extern const tdp__plane_ops tdp__plane_shm; /* same host, host memory; Linux only */
+#endif
 
 /* Planes this build has, in this library's order of preference. */
 const tdp__plane_ops *tdp__plane_by_id(uint8_t id);

@@ -215,8 +215,10 @@ static void drain_ops(tdp_pipe *p)
 {
     tdp_op *op;
     tdp_err rc = p->status == TDP_OK || p->status == TDP_ECLOSED ? TDP_ECANCELED : p->status;
+    /* a send the peer's clean end left unsent: "the receiver closed the stream" */
+    tdp_err send_rc = p->status == TDP_ECLOSED && p->peer_bye ? TDP_ECLOSED : rc;
     while ((op = tdp__opq_pop(&p->sendq)) != NULL)
-        tdp__op_complete(op, rc);
+        tdp__op_complete(op, send_rc);
     fail_ops_sent(p, rc);
     deliver(p);
 }
@@ -389,8 +391,14 @@ static void send_hello(tdp_pipe *p)
         .caps = TDP_CAP_MEM_HOST | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
         .max_msg_bytes = p->limits.max_total_bytes,
     };
+    uint32_t n = 0;
+    if (p->state == PIPE_DEAD)
+        return;
+    /* the planes still in the running: all, or the one the peer's HELLO picked */
     for (int i = 0; i < p->ncand; i++) {
-        ids[i] = p->cand[i]->id;
+        if (p->links[i] == NULL)
+            continue;
+        ids[n++] = p->cand[i]->id;
         tdp_err rc = p->cand[i]->hello_fill(p->links[i], &h);
         if (rc != TDP_OK) {
             pipe_fail(p, rc, "cannot describe a data plane");
@@ -398,7 +406,7 @@ static void send_hello(tdp_pipe *p)
         }
     }
     h.planes = ids;
-    h.nplanes = (uint32_t)p->ncand;
+    h.nplanes = n;
     if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce))
         memset(h.nonce, 0, sizeof(h.nonce)); /* unused yet: room for a challenge */
     tdp__host_id(h.host_id);
@@ -492,7 +500,10 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .hello = h,
         .same_host = p->same_host,
         .peer_depth = p->peer_depth,
+        .depth = p->depth,
         .mode = p->opts.peer_mode,
+        .max_json_bytes = p->limits.max_json_bytes,
+        .max_total_bytes = p->limits.max_total_bytes,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {
@@ -557,10 +568,7 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
     p->link_failed = true;
     tdp_log_debug("pipe %s: data plane ended (%s); the control socket decides",
                   p->ctl.peer_name, why);
-    fail_ops_sent(p, TDP_ECONNRESET);
-    tdp_op *op;
-    while ((op = tdp__opq_pop(&p->sendq)) != NULL)
-        tdp__op_complete(op, TDP_ECONNRESET);
+    /* sends made from now on wait for that verdict (bounded by the linger) */
     arm_timer(p, p->opts.linger_ms);
     end_if_peer_done(p);
 }
@@ -633,6 +641,19 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
         pipe_fail(p, rc, "cannot prepare receive storage");
 }
 
+/*
+ * A slot holds a reference on its view from the plane's recv until it is
+ * free again: a lent view stays valid until released (or the pipe freed),
+ * even when the pipe failed and its plane let go of it meanwhile.
+ */
+static void slot_free(rx_slot *s)
+{
+    tdp_td *td = s->td;
+    s->state = SLOT_FREE;
+    s->td = NULL;
+    tdp_td_unref(td);
+}
+
 static void slot_ready(tdp_pipe *p, rx_slot *s)
 {
     s->state = SLOT_READY;
@@ -678,12 +699,15 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
     s->seq = f->seq;
     s->state = SLOT_FILLING;
     tdp_err rc = ops->recv(l, desc, (uint32_t)(s - p->slots), &s->td);
+    if (rc == TDP_OK || rc == TDP_EAGAIN)
+        tdp_td_ref(s->td);
     if (rc == TDP_OK) {
         slot_ready(p, s);
     } else if (rc == TDP_EAGAIN) {
         p->rx_inflight++;
     } else {
         s->state = SLOT_FREE;
+        s->td = NULL;
         pipe_fail(p, rc == TDP_EPROTO || rc == TDP_EMSGSIZE ? rc : TDP_ECONNRESET,
                   "cannot receive data");
     }
@@ -697,13 +721,13 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
     rx_slot *s = &p->slots[slot];
     p->rx_inflight--;
     if (frame_plane(p, l) == NULL) {
-        s->state = SLOT_FREE;
+        slot_free(s);
         deliver(p);
         return;
     }
     if (st != TDP_OK) {
         /* never hand out a partly filled buffer */
-        s->state = SLOT_FREE;
+        slot_free(s);
         pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
         return;
     }
@@ -802,9 +826,8 @@ static void send_start(void *arg)
 {
     tdp_op *op = arg;
     tdp_pipe *p = op->owner;
-    if (p->state == PIPE_DEAD || p->close_requested || p->peer_bye || p->link_failed) {
+    if (p->state == PIPE_DEAD || p->close_requested || p->peer_bye) {
         tdp__op_complete(op, p->peer_bye                              ? TDP_ECLOSED
-                             : p->link_failed                         ? TDP_ECONNRESET
                              : p->status != TDP_OK && !p->close_requested ? p->status
                                                                           : TDP_ECANCELED);
         return;
@@ -840,11 +863,11 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
 {
     if (s->state != SLOT_LENT)
         return;
-    s->state = SLOT_FREE;
     if (p->lent1 == (int32_t)(s - p->slots))
         p->lent1 = -1;
     if (p->link != NULL)
         p->plane->release(p->link, (uint32_t)(s - p->slots));
+    slot_free(s);
     if (p->state != PIPE_OPEN)
         return;
     p->released++;
@@ -1348,7 +1371,7 @@ static void destroy_now(void *arg)
     tdp__ctl_close(&p->ctl);
     close_link(p);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
-        p->slots[i].td = NULL; /* views the plane owned; it has let them go */
+        slot_free(&p->slots[i]); /* views still lent: the application is done with them */
     tdp_schema_unref(p->rx_schema);
     tdp_schema_unref(p->sent_schema);
     tdp_td_unref(p->gather_td);

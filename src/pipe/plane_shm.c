@@ -1,0 +1,1390 @@
+/*
+ * plane_shm.c: the same-host data plane. The sender owns a pool of slots in
+ * a sealed memfd (shm.h) that the receiver maps; a message is a slot the
+ * sender filled (or lent to the application to fill) and a 32-byte DATA
+ * descriptor on a ring; the receiver's view of it is the slot itself, and
+ * releasing the view puts a RELEASE descriptor on the way back, which is the
+ * sender's credit. No byte of a payload is copied on a loaned send; a plain
+ * send of an ordinary tensordict copies it once, into a slot.
+ *
+ * Per direction of a pipe (each side may send), the sender makes:
+ *  - one control segment: its two rings and their eventfd doorbells (the
+ *    segment's own single slot is unused);
+ *  - a pool segment per generation: `nslots` slots of `stride` bytes. A
+ *    schema larger than the pool's stride makes a new generation; the old
+ *    pool goes once every slot of it is back and no loan of it is out.
+ *
+ * The Unix socket. Each loop listens on one abstract SOCK_SEQPACKET name,
+ * announced in the HELLO with a random 16-byte key per link. Once both
+ * HELLOs are known, the side with the smaller key connects to the other's
+ * name and proves itself with a PROOF message carrying both keys (a
+ * process of our uid that only knows the name gets nowhere). The socket
+ * then carries, in order, the messages that announce what descriptors will
+ * refer to: CTL (the control segment, once), POOL (a pool generation), and
+ * SCHEMA (the layout JSON, inline or, when large, in a sealed memfd). POOL
+ * and SCHEMA carry the sequence number of the DATA they come into force
+ * at; the receiver reads the socket eagerly into a bounded queue and
+ * applies each entry just before that DATA, so a descriptor is never read
+ * against a pool or layout it was not written for. The socket also tells
+ * each side when the other process is gone (EOF).
+ *
+ * Trust: the peer is another process of our uid and may be hostile. Every
+ * fd is checked for what it claims to be, every segment header against the
+ * layout this side recomputes (shm_seg.c), every descriptor field (type,
+ * generation, slot, state of that slot) against private state before use;
+ * a slot index never reaches memory unchecked. A bad message or descriptor
+ * fails the link with TDP_EPROTO. Views the receiver lent stay readable
+ * after the sender dies (the mapping lives as long as a view does; sealed
+ * memfds cannot shrink, so no SIGBUS).
+ *
+ * Everything runs on the loop thread, except the release of the last
+ * reference to a tensordict view, which may happen on any thread: pools are
+ * reference counted with atomics for that.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <event2/event.h>
+
+#include "plane.h"
+#include "plane_shm.h"
+#include "session.h"
+#include "shm.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+#include "../core/loop_int.h"
+#include "../core/reap.h"
+
+/* ---- socket messages ---------------------------------------------------------- */
+
+#define MSG_MAGIC      0x314d5350u /* "PSM1" */
+#define MSG_INLINE_MAX (32u * 1024u) /* larger JSON travels in a memfd */
+#define MSG_HDR_BYTES  80u
+#define MAX_PENDING    (2u * TDP_MAX_DEPTH + 8u) /* announcements not yet in force */
+#define MAX_GEN        0x00ffffffu                /* generations fit 24 bits of a descriptor */
+#define ACCEPT_PENDING 64u /* connections not yet proven, per loop */
+
+enum msg_type { MSG_PROOF = 1, MSG_CTL = 2, MSG_POOL = 3, MSG_SCHEMA = 4 };
+#define MSG_F_JSON_FD 1u
+
+typedef struct shm_msg {
+    uint32_t magic;
+    uint16_t type;
+    uint16_t flags;
+    uint32_t gen; /* CTL, POOL: the segment's generation */
+    uint32_t pad;
+    uint64_t seq;      /* POOL, SCHEMA: the DATA it comes into force at */
+    uint64_t hash;     /* SCHEMA */
+    uint64_t json_len; /* SCHEMA */
+    uint64_t total;    /* SCHEMA: the layout's bytes */
+    uint8_t key[TDP_SHM_KEY_LEN];      /* PROOF: the listening side's key */
+    uint8_t peer_key[TDP_SHM_KEY_LEN]; /* PROOF: the connecting side's key */
+} shm_msg;
+_Static_assert(sizeof(shm_msg) == MSG_HDR_BYTES, "socket message header is 80 bytes");
+
+/* Descriptor type word: the low byte is the type, the rest the pool generation. */
+#define DESC_TYPE(w) ((w) & 0xffu)
+#define DESC_GEN(w)  ((w) >> 8)
+#define DESC_WORD(type, gen) ((uint32_t)(type) | ((uint32_t)(gen) << 8))
+
+/* ---- state ---------------------------------------------------------------------- */
+
+typedef struct shm_ext shm_ext;
+typedef struct tx_pool tx_pool;
+typedef struct rx_pool rx_pool;
+
+/* A sender's slot. td: a view of the slot for lending (the link holds a
+ * reference; more references mean the application holds a loan). */
+typedef struct tx_slot {
+    tx_pool *pool;
+    tdp_td *td;
+    uint32_t idx;
+    bool in_flight; /* sent, not yet released by the receiver */
+} tx_slot;
+
+struct tx_pool {
+    _Atomic uint32_t refs; /* the link's, plus one per slot view alive */
+    tdp__shm_seg *seg;
+    uint32_t gen, nslots, nflight;
+    uint64_t stride;
+    tx_slot *slots;
+    tx_pool *next; /* older generations still out */
+};
+
+typedef struct rx_slot {
+    rx_pool *pool;
+    tdp_td *td; /* a view for the current receive layout (built on first use) */
+    bool held;  /* with the session: received, not yet released */
+} rx_slot;
+
+struct rx_pool {
+    _Atomic uint32_t refs; /* the link's, plus one per view alive */
+    tdp__shm_seg *seg;
+    uint32_t gen, nslots, nheld;
+    uint64_t stride;
+    rx_slot *slots;
+    rx_pool *next; /* retired generations with slots still held */
+};
+
+/* An announcement read from the socket, waiting for its DATA. */
+typedef struct pend_msg {
+    shm_msg m;
+    char *json;        /* SCHEMA */
+    tdp__shm_seg *seg; /* POOL, mapped on arrival */
+} pend_msg;
+
+/* A send that came before the socket was up. */
+typedef struct early_tx {
+    tdp__tx tx;
+} early_tx;
+
+struct tdp__link {
+    shm_ext *x;
+    void *owner;
+    const tdp__plane_up *up;
+    uint8_t key[TDP_SHM_KEY_LEN], peer_key[TDP_SHM_KEY_LEN], proof_key[TDP_SHM_KEY_LEN];
+    bool started, closed, failed, proven;
+    int sock;
+    struct event *sev;
+    tdp__reap reap;
+    struct tdp__link *next, *prev;
+    uint32_t depth, peer_depth;
+    uint64_t max_json, max_total;
+
+    /* sending */
+    tdp__shm_seg *tx_ctl;
+    tdp__source *tx_src; /* the release ring */
+    bool tx_armed;       /* its doorbell may hold a wakeup to reset */
+    tx_pool *pool;       /* current generation; older ones in pool->next */
+    uint32_t next_gen;
+    uint64_t last_seq, released;
+    early_tx *early;
+    uint32_t nearly, capearly;
+
+    /* receiving */
+    tdp__shm_seg *rx_ctl;
+    tdp__source *rx_src; /* the data ring */
+    bool rx_armed;
+    rx_pool *rpool;      /* in force; retired ones in rpool->next */
+    uint32_t last_gen;
+    pend_msg *pend;
+    uint32_t pend_head, npend;
+    tdp_schema *rx_schema;
+    uint64_t rx_hash;
+    rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
+    tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
+};
+
+typedef struct pending_conn {
+    shm_ext *x;
+    int fd;
+    struct event *ev;
+    struct pending_conn *next, *prev;
+} pending_conn;
+
+struct shm_ext {
+    tdp_loop *loop;
+    int lfd;
+    char name[TDP__SHM_NAME_LEN];
+    struct event *lev;
+    struct tdp__link *links;
+    pending_conn *conns;
+    uint32_t nconns;
+};
+
+static void link_fail(struct tdp__link *l, tdp_err st, const char *why);
+static void link_flush_early(struct tdp__link *l);
+static void sock_arm(struct tdp__link *l);
+
+/* ---- pools ------------------------------------------------------------------------- */
+
+static void tx_pool_unref(tx_pool *p)
+{
+    if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
+        return;
+    tdp__shm_seg_close(p->seg);
+    tdp__free(p->slots);
+    tdp__free(p);
+}
+
+static void tx_view_gone(void *buf, void *arg)
+{
+    (void)buf;
+    tx_pool_unref(((tx_slot *)arg)->pool);
+}
+
+/* The link lets a pool go: its views (and with them the mapping) go with the
+ * last loan the application still holds. */
+static void tx_pool_drop(tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++) {
+        tdp_td *td = p->slots[i].td;
+        p->slots[i].td = NULL;
+        tdp_td_unref(td);
+    }
+    tx_pool_unref(p);
+}
+
+static void rx_pool_unref(rx_pool *p)
+{
+    if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
+        return;
+    tdp__shm_seg_close(p->seg);
+    tdp__free(p->slots);
+    tdp__free(p);
+}
+
+static void rx_view_gone(void *buf, void *arg)
+{
+    (void)buf;
+    rx_pool_unref(((rx_slot *)arg)->pool);
+}
+
+static void rx_pool_drop(rx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++) {
+        tdp_td *td = p->slots[i].td;
+        p->slots[i].td = NULL;
+        tdp_td_unref(td);
+    }
+    rx_pool_unref(p);
+}
+
+/* A slot is free when nothing is in flight on it and no loan of it is out. */
+static bool tx_slot_free(const tx_slot *s)
+{
+    return !s->in_flight &&
+           (s->td == NULL || atomic_load_explicit(&s->td->refs, memory_order_acquire) == 1);
+}
+
+static uint64_t page_round(uint64_t n)
+{
+    return (n + TDP__SHM_PAGE - 1) / TDP__SHM_PAGE * TDP__SHM_PAGE;
+}
+
+/* Slots a sender's pool has: the receiver's depth in flight, and as many loans. */
+static uint32_t pool_slots(uint32_t peer_depth)
+{
+    return peer_depth + (peer_depth < 2 ? 2 : peer_depth);
+}
+
+/* ---- the socket ------------------------------------------------------------------- */
+
+static tdp_err msg_send(struct tdp__link *l, shm_msg *m, const void *tail, size_t tlen,
+                        const int *fds, size_t nfds)
+{
+    uint8_t buf[MSG_HDR_BYTES + MSG_INLINE_MAX];
+    m->magic = MSG_MAGIC;
+    memcpy(buf, m, MSG_HDR_BYTES);
+    if (tlen > 0)
+        memcpy(buf + MSG_HDR_BYTES, tail, tlen);
+    tdp_err rc = tdp__shm_sock_send(l->sock, buf, MSG_HDR_BYTES + tlen, fds, nfds);
+    if (rc == TDP_EAGAIN) /* the receiver reads eagerly: a full socket means it is stuck */
+        rc = TDP_ECONNRESET;
+    return rc;
+}
+
+/* Announce a segment: CTL or POOL. */
+static tdp_err announce_seg(struct tdp__link *l, uint16_t type, const tdp__shm_seg *seg,
+                            uint64_t seq)
+{
+    int fds[3];
+    tdp__shm_seg_fds(seg, fds);
+    shm_msg m = {.type = type, .gen = tdp__shm_seg_generation(seg), .seq = seq};
+    return msg_send(l, &m, NULL, 0, fds, 3);
+}
+
+static tdp_err announce_schema(struct tdp__link *l, const tdp_schema *sc, uint64_t seq)
+{
+    size_t jl;
+    const char *json = tdp_schema_json(sc, &jl);
+    shm_msg m = {.type = MSG_SCHEMA,
+                 .seq = seq,
+                 .hash = tdp_schema_hash(sc),
+                 .json_len = jl,
+                 .total = tdp_schema_total_bytes(sc)};
+    if (jl <= MSG_INLINE_MAX)
+        return msg_send(l, &m, json, jl, NULL, 0);
+    /* too large for one datagram: a sealed memfd carries it */
+    int fd = memfd_create("tdpipe-schema", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return TDP_ENOMEM;
+    tdp_err rc = TDP_ENOMEM;
+    size_t off = 0;
+    while (off < jl) {
+        ssize_t w = write(fd, json + off, jl - off);
+        if (w <= 0)
+            goto out;
+        off += (size_t)w;
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+        goto out;
+    m.flags = MSG_F_JSON_FD;
+    rc = msg_send(l, &m, NULL, 0, &fd, 1);
+out:
+    close(fd);
+    return rc;
+}
+
+/* ---- sending ------------------------------------------------------------------------ */
+
+/* The control segment: the rings, made on the first send. */
+static unsigned tx_progress(void *arg);
+static int tx_arm(void *arg);
+static const tdp__source_ops tx_src_ops = {.progress = tx_progress, .arm = tx_arm};
+
+static tdp_err tx_ctl_up(struct tdp__link *l)
+{
+    if (l->tx_ctl != NULL)
+        return TDP_OK;
+    uint32_t ring = 1;
+    while (ring < 2 * pool_slots(l->peer_depth))
+        ring <<= 1;
+    tdp__shm_seg *seg;
+    tdp_err rc = tdp__shm_seg_create(0, 1, TDP__SHM_PAGE, ring, &seg);
+    if (rc != TDP_OK)
+        return rc;
+    if ((rc = announce_seg(l, MSG_CTL, seg, 0)) != TDP_OK) {
+        tdp__shm_seg_close(seg);
+        return rc;
+    }
+    rc = tdp__loop_source_add(l->x->loop, tdp__shm_ring_fd(tdp__shm_seg_rx(seg)), &tx_src_ops, l,
+                              &l->tx_src);
+    if (rc != TDP_OK) {
+        tdp__shm_seg_close(seg);
+        return rc;
+    }
+    l->tx_ctl = seg;
+    return TDP_OK;
+}
+
+/* Make a pool that holds `bytes` per slot the current one, announced from the next DATA on. */
+static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
+{
+    if (l->pool != NULL && l->pool->stride >= bytes)
+        return TDP_OK;
+    if (l->next_gen >= MAX_GEN)
+        return TDP_ENOMEM;
+    uint32_t gen = ++l->next_gen;
+    uint32_t n = pool_slots(l->peer_depth);
+    tx_pool *p = tdp__calloc(1, sizeof(*p));
+    if (p == NULL)
+        return TDP_ENOMEM;
+    p->slots = tdp__alloc_array(n, sizeof(*p->slots));
+    tdp_err rc = p->slots == NULL ? TDP_ENOMEM
+                                  : tdp__shm_seg_create(gen, n, bytes == 0 ? 1 : bytes, 0, &p->seg);
+    if (rc == TDP_OK)
+        rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
+    if (rc != TDP_OK) {
+        tdp__shm_seg_close(p->seg);
+        tdp__free(p->slots);
+        tdp__free(p);
+        return rc;
+    }
+    atomic_init(&p->refs, 1);
+    p->gen = gen;
+    p->nslots = n;
+    p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
+    for (uint32_t i = 0; i < n; i++)
+        p->slots[i] = (tx_slot){.pool = p, .idx = i};
+    p->next = l->pool;
+    l->pool = p;
+    /* older pools with nothing out go now */
+    for (tx_pool **pp = &p->next; *pp != NULL;) {
+        tx_pool *o = *pp;
+        if (o->nflight == 0) {
+            *pp = o->next;
+            tx_pool_drop(o);
+        } else {
+            pp = &o->next;
+        }
+    }
+    return TDP_OK;
+}
+
+static tx_slot *tx_pick(tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++)
+        if (tx_slot_free(&p->slots[i]))
+            return &p->slots[i];
+    return NULL;
+}
+
+/* The loaned slot td is, when it is one of this link's current pool. */
+static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
+{
+    if (td->release != tx_view_gone)
+        return NULL;
+    tx_slot *s = td->release_arg;
+    if (s->pool != l->pool || s->td != td || s->in_flight)
+        return NULL; /* another pipe's, an older pool's, or sent already: copy it */
+    return s;
+}
+
+static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
+{
+    tdp_td *td = tx->td;
+    bool gpu = td->device.type == TDP_DEVICE_CUDA;
+    tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK)
+        rc = tx_pool_grow(l, td->nbytes);
+    if (rc == TDP_OK && tx->schema != NULL)
+        rc = announce_schema(l, tx->schema, tx->seq);
+    if (rc != TDP_OK)
+        return rc;
+    tx_slot *s = tx_loaned(l, td);
+    if (s == NULL) {
+        /* a plain send: one copy, into a slot (staged from the GPU if need be) */
+        if ((s = tx_pick(l->pool)) == NULL)
+            return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
+        void *dst = tdp__shm_seg_slot(l->pool->seg, s->idx);
+        if ((rc = tdp__mem_copy(dst, false, td->data, gpu, td->nbytes)) != TDP_OK)
+            return rc;
+    }
+    tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_DATA, l->pool->gen),
+                       .slot = s->idx,
+                       .seq = tx->seq,
+                       .hash = tdp_schema_hash(td->schema),
+                       .arg = td->nbytes};
+    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
+    if ((rc = tdp__shm_ring_push(r, &d)) != TDP_OK)
+        return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    s->in_flight = true;
+    l->pool->nflight++;
+    l->last_seq = tx->seq;
+    if (tdp__shm_ring_notify(r) != TDP_OK)
+        return TDP_ECONNRESET;
+    /* the receiver has it: the caller's buffer is free again */
+    l->up->sent(l->owner, l, tx->cookie, TDP_OK);
+    return TDP_OK;
+}
+
+static tdp_err s_send(tdp__link *l, const tdp__tx *tx)
+{
+    if (l->failed)
+        return TDP_ECONNRESET;
+    if (l->sock >= 0 && l->proven)
+        return tx_now(l, tx);
+    /* the peer has not connected yet: keep it (the session bounds how many) */
+    if (l->nearly == l->capearly)
+        return TDP_EINTERNAL;
+    l->early[l->nearly++] = (early_tx){*tx};
+    tdp_td_ref(tx->td);
+    if (tx->schema != NULL)
+        tdp_schema_ref((tdp_schema *)tx->schema);
+    return TDP_OK;
+}
+
+static void link_flush_early(struct tdp__link *l)
+{
+    uint32_t n = l->nearly;
+    l->nearly = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        early_tx e = l->early[i];
+        tdp_err rc = l->closed || l->failed ? TDP_ECONNRESET : tx_now(l, &e.tx);
+        if (rc != TDP_OK && !l->closed)
+            l->up->sent(l->owner, l, e.tx.cookie, rc);
+        tdp_td_unref(e.tx.td);
+        tdp_schema_unref((tdp_schema *)e.tx.schema);
+        if (rc != TDP_OK && !l->closed && !l->failed)
+            link_fail(l, rc, "cannot send over shared memory");
+    }
+}
+
+/* RELEASE descriptors: slots back, and the credit they are. */
+static unsigned tx_progress(void *arg)
+{
+    struct tdp__link *l = arg;
+    tdp__shm_ring *r = tdp__shm_seg_rx(l->tx_ctl);
+    unsigned n = 0;
+    if (l->tx_armed) {
+        l->tx_armed = false;
+        tdp__shm_ring_drain(r);
+    }
+    tdp__shm_desc d;
+    tdp_err rc = TDP_OK;
+    while (!l->closed && (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+        n++;
+        uint32_t gen = DESC_GEN(d.type);
+        tx_pool *p = l->pool;
+        while (p != NULL && p->gen != gen)
+            p = p->next;
+        if (DESC_TYPE(d.type) != TDP__SHM_DESC_RELEASE || p == NULL || d.slot >= p->nslots ||
+            !p->slots[d.slot].in_flight) {
+            link_fail(l, TDP_EPROTO, "invalid release descriptor");
+            return n;
+        }
+        p->slots[d.slot].in_flight = false;
+        p->nflight--;
+        l->released++;
+        if (p != l->pool && p->nflight == 0) {
+            tx_pool **pp = &l->pool->next;
+            while (*pp != p)
+                pp = &(*pp)->next;
+            *pp = p->next;
+            tx_pool_drop(p);
+        }
+    }
+    if (!l->closed && rc == TDP_EPROTO) {
+        link_fail(l, TDP_EPROTO, "release ring corrupted");
+        return n;
+    }
+    if (n > 0 && !l->closed)
+        l->up->credit(l->owner, l, l->released);
+    return n;
+}
+
+/*
+ * Before the loop sleeps. The doorbell is reset in progress, after a sleep
+ * that followed an arm and before popping: a ring after that reset stays
+ * counted and wakes the next sleep, so no wakeup is lost (shm.h).
+ */
+static int tx_arm(void *arg)
+{
+    struct tdp__link *l = arg;
+    int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
+    l->tx_armed |= a == 0;
+    return a < 0 ? 1 : a; /* a broken ring: progress reports it */
+}
+
+static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
+{
+    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU || l->sock < 0 || !l->proven || l->failed)
+        return tdp_td_new(sc, out); /* no slot to lend (yet): an ordinary buffer */
+    uint64_t need = tdp_schema_total_bytes(sc);
+    tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK)
+        rc = tx_pool_grow(l, need);
+    if (rc != TDP_OK)
+        return rc;
+    tx_pool *p = l->pool;
+    /* leave a free slot for each send the credit still allows */
+    uint32_t nfree = 0;
+    tx_slot *s = NULL;
+    for (uint32_t i = 0; i < p->nslots; i++) {
+        if (tx_slot_free(&p->slots[i])) {
+            nfree++;
+            if (s == NULL)
+                s = &p->slots[i];
+        }
+    }
+    uint32_t credit_left = p->nflight < l->peer_depth ? l->peer_depth - p->nflight : 0;
+    if (s == NULL || nfree <= credit_left)
+        return TDP_EAGAIN;
+    if (s->td == NULL || s->td->schema != sc) {
+        tdp_td *td;
+        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+        rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, s->idx), need, tdp_schema_device(sc),
+                         tx_view_gone, s, &td);
+        if (rc != TDP_OK) {
+            tx_pool_unref(p);
+            return rc;
+        }
+        tdp_td_unref(s->td);
+        s->td = td;
+    }
+    *out = tdp_td_ref(s->td);
+    return TDP_OK;
+}
+
+/* ---- receiving ---------------------------------------------------------------------- */
+
+static unsigned rx_progress(void *arg);
+static int rx_arm(void *arg);
+static const tdp__source_ops rx_src_ops = {.progress = rx_progress, .arm = rx_arm};
+
+static uint64_t rx_map_cap(const struct tdp__link *l, uint32_t nslots)
+{
+    uint64_t stride = page_round(l->max_total);
+    uint64_t cap = (uint64_t)nslots * stride;
+    return stride != 0 && cap / stride != nslots ? UINT64_MAX : cap + (8u << 20);
+}
+
+/* A pool announced: map it now (it is checked whole), put it in force later. */
+static tdp_err rx_map_pool(struct tdp__link *l, const shm_msg *m, int *fds, tdp__shm_seg **out)
+{
+    if (m->gen <= l->last_gen || m->gen > MAX_GEN)
+        return TDP_EPROTO;
+    tdp_err rc = tdp__shm_seg_map(fds[0], fds[1], fds[2], m->gen,
+                                  rx_map_cap(l, pool_slots(l->depth)), out);
+    if (rc != TDP_OK)
+        return rc;
+    const tdp__shm_geom *g = tdp__shm_seg_geom(*out);
+    if (g->nslots > pool_slots(l->depth) || g->slot_bytes > page_round(l->max_total) + TDP__SHM_PAGE) {
+        tdp__shm_seg_close(*out);
+        *out = NULL;
+        return TDP_EPROTO;
+    }
+    l->last_gen = m->gen;
+    return TDP_OK;
+}
+
+static tdp_err rx_map_ctl(struct tdp__link *l, const shm_msg *m, int *fds)
+{
+    if (l->rx_ctl != NULL || m->gen != 0)
+        return TDP_EPROTO;
+    tdp__shm_seg *seg;
+    tdp_err rc = tdp__shm_seg_map(fds[0], fds[1], fds[2], 0, 64u << 20, &seg);
+    if (rc != TDP_OK)
+        return rc;
+    uint32_t want = 1;
+    while (want < 2 * pool_slots(l->depth))
+        want <<= 1;
+    if (tdp__shm_seg_geom(seg)->ring_cap > want) {
+        tdp__shm_seg_close(seg);
+        return TDP_EPROTO;
+    }
+    rc = tdp__loop_source_add(l->x->loop, tdp__shm_ring_fd(tdp__shm_seg_rx(seg)), &rx_src_ops, l,
+                              &l->rx_src);
+    if (rc != TDP_OK) {
+        tdp__shm_seg_close(seg);
+        return rc;
+    }
+    l->rx_ctl = seg;
+    tdp__loop_kick(l->x->loop); /* descriptors may be there already */
+    return TDP_OK;
+}
+
+/* Read a large schema from its memfd, which must be sealed as said. */
+static tdp_err read_json_fd(int fd, uint64_t len, char *out)
+{
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_WRITE) || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) != 0 ||
+        (uint64_t)st.st_size != len)
+        return TDP_EPROTO;
+    uint64_t off = 0;
+    while (off < len) {
+        ssize_t r = pread(fd, out + off, len - off, (off_t)off);
+        if (r <= 0)
+            return TDP_EPROTO;
+        off += (uint64_t)r;
+    }
+    return TDP_OK;
+}
+
+static void close_fds(int *fds, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+/* One message from the socket. TDP_EAGAIN: none; TDP_ECLOSED: the peer went. */
+static tdp_err sock_read_one(struct tdp__link *l)
+{
+    uint8_t buf[MSG_HDR_BYTES + MSG_INLINE_MAX];
+    int fds[TDP__SHM_MAX_FDS];
+    size_t len = 0, nfds = 0;
+    tdp_err rc = tdp__shm_sock_recv(l->sock, buf, sizeof(buf), &len, fds, TDP__SHM_MAX_FDS, &nfds);
+    if (rc != TDP_OK)
+        return rc == TDP_ECONNRESET ? TDP_ECLOSED : rc;
+    shm_msg m;
+    if (len < MSG_HDR_BYTES) {
+        close_fds(fds, nfds);
+        return TDP_EPROTO;
+    }
+    memcpy(&m, buf, MSG_HDR_BYTES);
+    size_t tail = len - MSG_HDR_BYTES;
+    size_t want_fds = m.type == MSG_CTL || m.type == MSG_POOL               ? 3
+                      : m.type == MSG_SCHEMA && (m.flags & MSG_F_JSON_FD) ? 1
+                                                                          : 0;
+    if (m.magic != MSG_MAGIC || nfds != want_fds ||
+        (m.type != MSG_CTL && m.type != MSG_POOL && m.type != MSG_SCHEMA)) {
+        close_fds(fds, nfds);
+        return TDP_EPROTO;
+    }
+    if (m.type == MSG_CTL) {
+        rc = rx_map_ctl(l, &m, fds);
+        if (rc != TDP_OK)
+            close_fds(fds, nfds);
+        return rc == TDP_OK ? TDP_OK : TDP_EPROTO;
+    }
+    /* POOL and SCHEMA wait for their DATA, in order */
+    if (l->npend == MAX_PENDING ||
+        (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % MAX_PENDING].m.seq)) {
+        close_fds(fds, nfds);
+        return TDP_EPROTO;
+    }
+    pend_msg pm = {.m = m};
+    if (m.type == MSG_POOL) {
+        if (tail != 0 || (rc = rx_map_pool(l, &m, fds, &pm.seg)) != TDP_OK) {
+            close_fds(fds, nfds);
+            return rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_EPROTO;
+        }
+    } else {
+        bool in_fd = m.flags & MSG_F_JSON_FD;
+        if (m.json_len == 0 || m.json_len > l->max_json || m.total > l->max_total ||
+            (in_fd ? tail != 0 : tail != m.json_len)) {
+            close_fds(fds, nfds);
+            return TDP_EPROTO;
+        }
+        pm.json = tdp__malloc(m.json_len);
+        if (pm.json == NULL) {
+            close_fds(fds, nfds);
+            return TDP_ENOMEM;
+        }
+        rc = in_fd ? read_json_fd(fds[0], m.json_len, pm.json) : TDP_OK;
+        if (!in_fd)
+            memcpy(pm.json, buf + MSG_HDR_BYTES, m.json_len);
+        close_fds(fds, nfds);
+        if (rc != TDP_OK) {
+            tdp__free(pm.json);
+            return rc;
+        }
+    }
+    l->pend[(l->pend_head + l->npend) % MAX_PENDING] = pm;
+    l->npend++;
+    return TDP_OK;
+}
+
+/* Read what the socket holds. TDP_OK (drained), TDP_ECLOSED, or an error. */
+static tdp_err sock_read_all(struct tdp__link *l)
+{
+    for (int i = 0; i < 4 * (int)MAX_PENDING; i++) {
+        tdp_err rc = sock_read_one(l);
+        if (rc == TDP_EAGAIN)
+            return TDP_OK;
+        if (rc != TDP_OK)
+            return rc;
+    }
+    return TDP_OK; /* more next time: the event stays readable */
+}
+
+/* Put the announcements for DATA seq in force. */
+static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
+{
+    while (l->npend > 0 && !l->closed) {
+        pend_msg *pm = &l->pend[l->pend_head];
+        if (pm->m.seq > seq)
+            return TDP_OK;
+        if (pm->m.seq < seq)
+            return TDP_EPROTO; /* announced for a DATA that never came */
+        pend_msg cur = *pm;
+        pm->json = NULL;
+        pm->seg = NULL;
+        l->pend_head = (l->pend_head + 1) % MAX_PENDING;
+        l->npend--;
+        if (cur.m.type == MSG_POOL) {
+            const tdp__shm_geom *g = tdp__shm_seg_geom(cur.seg);
+            rx_pool *p = tdp__calloc(1, sizeof(*p));
+            rx_slot *slots = tdp__alloc_array(g->nslots, sizeof(*slots));
+            if (p == NULL || slots == NULL) {
+                tdp__free(p);
+                tdp__free(slots);
+                tdp__shm_seg_close(cur.seg);
+                return TDP_ENOMEM;
+            }
+            atomic_init(&p->refs, 1);
+            p->seg = cur.seg;
+            p->gen = cur.m.gen;
+            p->nslots = g->nslots;
+            p->stride = g->slot_bytes;
+            p->slots = slots;
+            for (uint32_t i = 0; i < p->nslots; i++)
+                slots[i].pool = p;
+            /* keep the superseded pool in the list while it has slots out */
+            rx_pool *old = l->rpool;
+            p->next = old;
+            l->rpool = p;
+            if (old != NULL && old->nheld == 0) {
+                p->next = old->next;
+                rx_pool_drop(old);
+            }
+        } else {
+            tdp__frame f = {.type = TDP_AM_SCHEMA,
+                            .seq = cur.m.seq,
+                            .hash = cur.m.hash,
+                            .length = cur.m.json_len,
+                            .arg = cur.m.total};
+            /* DATA carries the hash of the schema as sent (the session checks both) */
+            l->rx_hash = cur.m.hash;
+            l->up->schema(l->owner, l, &f, cur.json, cur.m.json_len);
+            tdp__free(cur.json);
+        }
+    }
+    return TDP_OK;
+}
+
+static rx_slot *rx_slot_of(struct tdp__link *l, const tdp__shm_desc *d)
+{
+    rx_pool *p = l->rpool;
+    if (p == NULL || DESC_GEN(d->type) != p->gen || d->slot >= p->nslots || p->slots[d->slot].held)
+        return NULL;
+    return &p->slots[d->slot];
+}
+
+static unsigned rx_progress(void *arg)
+{
+    struct tdp__link *l = arg;
+    tdp__shm_ring *r = tdp__shm_seg_rx(l->rx_ctl);
+    unsigned n = 0;
+    if (l->rx_armed) {
+        l->rx_armed = false;
+        tdp__shm_ring_drain(r);
+    }
+    tdp__shm_desc d;
+    tdp_err rc = TDP_OK;
+    /* bounded: each DATA needs a free session slot, which the credit ensures */
+    while (!l->closed && !l->failed && n < TDP_MAX_DEPTH && (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+        n++;
+        if (DESC_TYPE(d.type) != TDP__SHM_DESC_DATA) {
+            link_fail(l, TDP_EPROTO, "invalid data descriptor");
+            return n;
+        }
+        /* its announcements may still sit in the socket */
+        if ((l->npend == 0 || l->pend[l->pend_head].m.seq != d.seq) &&
+            (l->rpool == NULL || DESC_GEN(d.type) != l->rpool->gen || d.hash != l->rx_hash)) {
+            tdp_err sr = sock_read_all(l);
+            if (sr != TDP_OK && sr != TDP_ECLOSED) {
+                link_fail(l, sr, "invalid message on the shared-memory socket");
+                return n;
+            }
+        }
+        if ((rc = apply_pending(l, d.seq)) != TDP_OK) {
+            link_fail(l, rc, "pool or schema announced out of order");
+            return n;
+        }
+        if (l->closed)
+            return n;
+        /* the session checks order and layout, then recv checks the slot */
+        tdp__frame f = {.type = TDP_AM_DATA, .seq = d.seq, .hash = d.hash, .length = d.arg};
+        l->up->data(l->owner, l, &f, &d);
+    }
+    if (!l->closed && !l->failed && n < TDP_MAX_DEPTH && rc == TDP_EPROTO)
+        link_fail(l, TDP_EPROTO, "data ring corrupted");
+    return n;
+}
+
+static int rx_arm(void *arg)
+{
+    struct tdp__link *l = arg;
+    int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->rx_ctl));
+    l->rx_armed |= a == 0;
+    return a < 0 ? 1 : a;
+}
+
+static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
+{
+    (void)depth;
+    if (l->rpool == NULL || l->rpool->stride < tdp_schema_total_bytes(sc))
+        return TDP_EPROTO; /* the pool in force cannot hold this layout */
+    if (l->rx_schema != sc) {
+        tdp_schema_unref(l->rx_schema);
+        l->rx_schema = tdp_schema_ref(sc);
+    }
+    return TDP_OK;
+}
+
+/* Give a slot back to the sender. */
+static void rx_give_back(struct tdp__link *l, rx_slot *s)
+{
+    rx_pool *p = s->pool;
+    s->held = false;
+    p->nheld--;
+    if (!l->failed && l->rx_ctl != NULL) {
+        tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen), .slot =
+                               (uint32_t)(s - p->slots)};
+        tdp__shm_ring *r = tdp__shm_seg_tx(l->rx_ctl);
+        if (tdp__shm_ring_push(r, &d) != TDP_OK || tdp__shm_ring_notify(r) != TDP_OK)
+            link_fail(l, TDP_EPROTO, "release ring full or broken");
+    }
+    if (p != l->rpool && p->nheld == 0) {
+        rx_pool **pp = &l->rpool;
+        while (*pp != NULL && *pp != p)
+            pp = &(*pp)->next;
+        if (*pp == p) {
+            *pp = p->next;
+            rx_pool_drop(p);
+        }
+    }
+}
+
+static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
+{
+    const tdp__shm_desc *d = desc;
+    rx_slot *s = rx_slot_of(l, d);
+    if (slot >= TDP_MAX_DEPTH || l->held[slot] != NULL || l->rx_schema == NULL || s == NULL)
+        return TDP_EPROTO;
+    tdp_schema *sc = l->rx_schema;
+    uint64_t total = tdp_schema_total_bytes(sc);
+    if (d->arg != total || s->pool->stride < total)
+        return TDP_EMSGSIZE;
+    rx_pool *p = s->pool;
+    void *mem = tdp__shm_seg_slot(p->seg, d->slot);
+    tdp_device dev = tdp_schema_device(sc);
+    if (dev.type == TDP_DEVICE_CUDA) {
+        /* a GPU receive layout: staged into a device buffer, the slot goes back now */
+        tdp_td *g = l->staged[slot];
+        if (g == NULL || g->schema != sc) {
+            tdp_td *n;
+            tdp_err rc = tdp_td_new(sc, &n);
+            if (rc != TDP_OK)
+                return rc;
+            tdp_td_unref(g);
+            l->staged[slot] = g = n;
+        }
+        s->held = true;
+        p->nheld++;
+        tdp_err rc = tdp__mem_copy(g->data, true, mem, false, total);
+        rx_give_back(l, s);
+        if (rc != TDP_OK)
+            return rc;
+        *td = g;
+        return TDP_OK;
+    }
+    if (s->td == NULL || s->td->schema != sc) {
+        tdp_td *v;
+        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+        tdp_err rc = tdp_td_wrap(sc, mem, total, dev, rx_view_gone, s, &v);
+        if (rc != TDP_OK) {
+            rx_pool_unref(p);
+            return rc;
+        }
+        tdp_td_unref(s->td);
+        s->td = v;
+    }
+    s->held = true;
+    p->nheld++;
+    l->held[slot] = s;
+    *td = s->td;
+    return TDP_OK;
+}
+
+static void s_release(tdp__link *l, uint32_t slot)
+{
+    if (slot >= TDP_MAX_DEPTH || l->held[slot] == NULL)
+        return;
+    rx_slot *s = l->held[slot];
+    l->held[slot] = NULL;
+    rx_give_back(l, s);
+}
+
+/* ---- the socket's events ------------------------------------------------------------ */
+
+static void link_fail(struct tdp__link *l, tdp_err st, const char *why)
+{
+    if (l->failed || l->closed)
+        return;
+    l->failed = true;
+    if (l->sev != NULL)
+        event_del(l->sev);
+    l->up->failed(l->owner, l, st, why);
+}
+
+static void sock_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct tdp__link *l = arg;
+    (void)fd;
+    (void)what;
+    tdp_err rc = sock_read_all(l);
+    if (rc == TDP_OK || l->closed)
+        return;
+    if (rc == TDP_ECLOSED) {
+        /* the peer process is gone or closed its side: what it sent before
+         * is in the ring; hand that over first, then report the end */
+        if (l->rx_ctl != NULL)
+            rx_progress(l);
+        link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
+        return;
+    }
+    link_fail(l, rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_EPROTO,
+              "invalid message on the shared-memory socket");
+}
+
+static void sock_arm(struct tdp__link *l)
+{
+    if (l->sev != NULL || l->sock < 0)
+        return;
+    l->sev = event_new(tdp__loop_base(l->x->loop), l->sock, EV_READ | EV_PERSIST, sock_cb, l);
+    if (l->sev == NULL || event_add(l->sev, NULL) != 0) {
+        link_fail(l, TDP_ENOMEM, "cannot watch the shared-memory socket");
+        return;
+    }
+}
+
+/* The socket is up and the peer proven: start. */
+static void link_ready(struct tdp__link *l)
+{
+    l->proven = true;
+    sock_arm(l);
+    if (!l->failed)
+        link_flush_early(l);
+    /* messages that came with the proof: the (level-triggered) event reads them */
+}
+
+/* ---- the listener ------------------------------------------------------------------- */
+
+static void conn_free(pending_conn *c, bool close_fd)
+{
+    shm_ext *x = c->x;
+    if (c->prev != NULL)
+        c->prev->next = c->next;
+    else
+        x->conns = c->next;
+    if (c->next != NULL)
+        c->next->prev = c->prev;
+    x->nconns--;
+    event_free(c->ev);
+    if (close_fd)
+        close(c->fd);
+    tdp__free(c);
+}
+
+static void conn_cb(evutil_socket_t fd, short what, void *arg)
+{
+    pending_conn *c = arg;
+    shm_ext *x = c->x;
+    uint8_t buf[MSG_HDR_BYTES];
+    int fds[TDP__SHM_MAX_FDS];
+    size_t len = 0, nfds = 0;
+    (void)what;
+    tdp_err rc = tdp__shm_sock_recv(fd, buf, sizeof(buf), &len, fds, TDP__SHM_MAX_FDS, &nfds);
+    if (rc == TDP_EAGAIN)
+        return;
+    close_fds(fds, rc == TDP_OK ? nfds : 0);
+    shm_msg m;
+    memcpy(&m, buf, sizeof(m));
+    struct tdp__link *l = NULL;
+    if (rc == TDP_OK && len == MSG_HDR_BYTES && nfds == 0 && m.magic == MSG_MAGIC &&
+        m.type == MSG_PROOF) {
+        for (l = x->links; l != NULL; l = l->next)
+            if (!l->closed && l->sock < 0 && memcmp(l->key, m.key, TDP_SHM_KEY_LEN) == 0)
+                break;
+    }
+    if (l == NULL) {
+        tdp_log_debug("shm: dropping a connection that did not prove itself");
+        conn_free(c, true);
+        return;
+    }
+    l->sock = c->fd;
+    memcpy(l->proof_key, m.peer_key, TDP_SHM_KEY_LEN);
+    conn_free(c, false);
+    if (!l->started)
+        return; /* link_start checks the proof against the HELLO */
+    if (memcmp(l->proof_key, l->peer_key, TDP_SHM_KEY_LEN) != 0) {
+        link_fail(l, TDP_EPROTO, "the shared-memory peer is not the HELLO's");
+        return;
+    }
+    link_ready(l);
+}
+
+static void accept_cb(evutil_socket_t lfd, short what, void *arg)
+{
+    shm_ext *x = arg;
+    (void)what;
+    for (int i = 0; i < 16; i++) {
+        int fd;
+        tdp_err rc = tdp__shm_accept(lfd, true, &fd, NULL);
+        if (rc != TDP_OK)
+            return;
+        if (x->nconns >= ACCEPT_PENDING) {
+            /* strangers of our uid hold the queue: the oldest go */
+            pending_conn *o = x->conns;
+            while (o->next != NULL)
+                o = o->next;
+            conn_free(o, true);
+        }
+        pending_conn *c = tdp__calloc(1, sizeof(*c));
+        if (c == NULL) {
+            close(fd);
+            return;
+        }
+        c->x = x;
+        c->fd = fd;
+        c->ev = event_new(tdp__loop_base(x->loop), fd, EV_READ | EV_PERSIST, conn_cb, c);
+        if (c->ev == NULL || event_add(c->ev, NULL) != 0) {
+            if (c->ev != NULL)
+                event_free(c->ev);
+            close(fd);
+            tdp__free(c);
+            return;
+        }
+        c->next = x->conns;
+        if (x->conns != NULL)
+            x->conns->prev = c;
+        x->conns = c;
+        x->nconns++;
+    }
+}
+
+/* ---- links --------------------------------------------------------------------------- */
+
+static void link_teardown(struct tdp__link *l)
+{
+    if (l->tx_src != NULL)
+        tdp__loop_source_remove(l->x->loop, l->tx_src);
+    if (l->rx_src != NULL)
+        tdp__loop_source_remove(l->x->loop, l->rx_src);
+    l->tx_src = l->rx_src = NULL;
+    if (l->sev != NULL)
+        event_free(l->sev);
+    l->sev = NULL;
+    if (l->sock >= 0)
+        close(l->sock);
+    l->sock = -1;
+    for (uint32_t i = 0; i < l->nearly; i++) {
+        tdp_td_unref(l->early[i].tx.td);
+        tdp_schema_unref((tdp_schema *)l->early[i].tx.schema);
+    }
+    l->nearly = 0;
+    while (l->pool != NULL) {
+        tx_pool *p = l->pool;
+        l->pool = p->next;
+        tx_pool_drop(p);
+    }
+    tdp__shm_seg_close(l->tx_ctl);
+    l->tx_ctl = NULL;
+    for (uint32_t i = 0; i < l->npend; i++) {
+        pend_msg *pm = &l->pend[(l->pend_head + i) % MAX_PENDING];
+        tdp__free(pm->json);
+        tdp__shm_seg_close(pm->seg);
+    }
+    l->npend = 0;
+    /* views the application holds keep their pool mapped */
+    while (l->rpool != NULL) {
+        rx_pool *p = l->rpool;
+        l->rpool = p->next;
+        rx_pool_drop(p);
+    }
+    tdp__shm_seg_close(l->rx_ctl);
+    l->rx_ctl = NULL;
+}
+
+static void link_destroy(struct tdp__link *l)
+{
+    shm_ext *x = l->x;
+    link_teardown(l);
+    if (l->prev != NULL)
+        l->prev->next = l->next;
+    else
+        x->links = l->next;
+    if (l->next != NULL)
+        l->next->prev = l->prev;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        tdp_td_unref(l->staged[i]);
+    tdp_schema_unref(l->rx_schema);
+    tdp__free(l->early);
+    tdp__free(l->pend);
+    tdp__free(l);
+}
+
+static void link_reap(void *arg)
+{
+    link_destroy(arg);
+}
+
+static void ext_fini(void *ext)
+{
+    shm_ext *x = ext;
+    while (x->conns != NULL)
+        conn_free(x->conns, true);
+    while (x->links != NULL)
+        link_destroy(x->links);
+    if (x->lev != NULL)
+        event_free(x->lev);
+    if (x->lfd >= 0)
+        close(x->lfd);
+    tdp__free(x);
+}
+
+static tdp_err ext_get(tdp_loop *loop, shm_ext **out)
+{
+    shm_ext *x = tdp__loop_ext(loop, TDP__EXT_SHM);
+    if (x != NULL) {
+        *out = x;
+        return x->lfd >= 0 ? TDP_OK : TDP_ENOTSUP;
+    }
+    x = tdp__calloc(1, sizeof(*x));
+    if (x == NULL)
+        return TDP_ENOMEM;
+    x->loop = loop;
+    x->lfd = -1;
+    tdp_err rc = tdp__shm_listen(SOCK_SEQPACKET, true, x->name, &x->lfd);
+    if (rc == TDP_OK) {
+        x->lev = event_new(tdp__loop_base(loop), x->lfd, EV_READ | EV_PERSIST, accept_cb, x);
+        if (x->lev == NULL || event_add(x->lev, NULL) != 0)
+            rc = TDP_ENOMEM;
+    }
+    /* set even on failure: later pipes on this loop do not try again */
+    tdp__loop_set_ext(loop, TDP__EXT_SHM, x, NULL, ext_fini);
+    if (rc != TDP_OK) {
+        if (x->lev != NULL)
+            event_free(x->lev);
+        x->lev = NULL;
+        if (x->lfd >= 0)
+            close(x->lfd);
+        x->lfd = -1;
+        tdp_log_debug("shm plane unavailable on this loop: %s", tdp_strerror(rc));
+        return TDP_ENOTSUP;
+    }
+    *out = x;
+    return TDP_OK;
+}
+
+static tdp_err s_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out)
+{
+    shm_ext *x;
+    tdp_err rc = ext_get(loop, &x);
+    if (rc != TDP_OK)
+        return rc;
+    struct tdp__link *l = tdp__calloc(1, sizeof(*l));
+    if (l == NULL)
+        return TDP_ENOMEM;
+    if (getrandom(l->key, sizeof(l->key), 0) != (ssize_t)sizeof(l->key)) {
+        tdp__free(l);
+        return TDP_EINTERNAL;
+    }
+    l->x = x;
+    l->owner = owner;
+    l->up = up;
+    l->sock = -1;
+    l->next = x->links;
+    if (x->links != NULL)
+        x->links->prev = l;
+    x->links = l;
+    *out = l;
+    return TDP_OK;
+}
+
+static tdp_err s_hello_fill(tdp__link *l, tdp_hello *h)
+{
+    h->shm.key = l->key;
+    h->shm.name = l->x->name;
+    h->shm.name_len = TDP__SHM_NAME_LEN;
+    return TDP_OK;
+}
+
+static bool s_usable(const tdp_hello *peer, bool same_host)
+{
+    return same_host && peer->shm.key != NULL;
+}
+
+static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
+{
+    const tdp_hello *h = peer->hello;
+    if (h->shm.key == NULL || h->shm.name_len == 0)
+        return TDP_EPROTO;
+    int c = memcmp(l->key, h->shm.key, TDP_SHM_KEY_LEN);
+    if (c == 0)
+        return TDP_EPROTO;
+    memcpy(l->peer_key, h->shm.key, TDP_SHM_KEY_LEN);
+    l->depth = peer->depth;
+    l->peer_depth = peer->peer_depth;
+    l->max_json = peer->max_json_bytes;
+    l->max_total = peer->max_total_bytes;
+    l->capearly = 2 * peer->peer_depth + 1;
+    l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
+    l->pend = tdp__alloc_array(MAX_PENDING, sizeof(*l->pend));
+    if (l->early == NULL || l->pend == NULL)
+        return TDP_ENOMEM;
+    l->started = true;
+    if (c < 0) {
+        /* the smaller key connects and proves itself */
+        int fd;
+        tdp_err rc = tdp__shm_connect(SOCK_SEQPACKET, h->shm.name, h->shm.name_len, true, &fd, NULL);
+        if (rc != TDP_OK) {
+            tdp_log_debug("shm: cannot reach the peer's socket: %s", tdp_strerror(rc));
+            return rc == TDP_ENOMEM ? rc : TDP_ECONNREFUSED;
+        }
+        l->sock = fd;
+        shm_msg m = {.type = MSG_PROOF};
+        memcpy(m.key, l->peer_key, TDP_SHM_KEY_LEN);
+        memcpy(m.peer_key, l->key, TDP_SHM_KEY_LEN);
+        if ((rc = msg_send(l, &m, NULL, 0, NULL, 0)) != TDP_OK)
+            return rc;
+        link_ready(l);
+        return l->failed ? TDP_ECONNRESET : TDP_OK;
+    }
+    if (l->sock >= 0) {
+        /* the peer connected before its HELLO was read here */
+        if (memcmp(l->proof_key, l->peer_key, TDP_SHM_KEY_LEN) != 0)
+            return TDP_EPROTO;
+        link_ready(l);
+        return l->failed ? TDP_ECONNRESET : TDP_OK;
+    }
+    return TDP_OK; /* sends wait for the peer to connect */
+}
+
+static bool s_link_busy(const tdp__link *l)
+{
+    (void)l;
+    return false; /* nothing is held by a transport: the peer reads our pages */
+}
+
+static void s_link_close(tdp__link *l)
+{
+    if (l->closed)
+        return;
+    l->closed = true;
+    link_teardown(l);
+    tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
+}
+
+const tdp__plane_ops tdp__plane_shm = {
+    .name = "shm",
+    .id = TDP_PLANE_SHM,
+    .hello_fill = s_hello_fill,
+    .usable = s_usable,
+    .link_new = s_link_new,
+    .link_start = s_link_start,
+    .link_close = s_link_close,
+    .link_busy = s_link_busy,
+    .send = s_send,
+    .credit = NULL, /* a RELEASE descriptor is the credit */
+    .rx_schema = s_rx_schema,
+    .recv = s_recv,
+    .release = s_release,
+    .loan = s_loan,
+};
+
+/* ---- test hooks ---------------------------------------------------------------------- */
+
+tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *json, size_t jlen,
+                            uint64_t seq, uint64_t total)
+{
+    if (l == NULL || l->sock < 0 || !l->proven)
+        return TDP_EINVAL;
+    tdp_err rc = tx_ctl_up(l);
+    if (rc != TDP_OK)
+        return rc;
+    if (json != NULL) {
+        shm_msg m = {.type = MSG_SCHEMA, .seq = seq, .hash = d->hash, .json_len = jlen,
+                     .total = total};
+        if ((rc = msg_send(l, &m, json, jlen, NULL, 0)) != TDP_OK)
+            return rc;
+    }
+    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
+    if ((rc = tdp__shm_ring_push(r, d)) != TDP_OK)
+        return rc;
+    return tdp__shm_ring_notify(r);
+}
+
+tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d)
+{
+    if (l == NULL || l->rx_ctl == NULL)
+        return TDP_EINVAL;
+    tdp__shm_ring *r = tdp__shm_seg_tx(l->rx_ctl);
+    tdp_err rc = tdp__shm_ring_push(r, d);
+    return rc == TDP_OK ? tdp__shm_ring_notify(r) : rc;
+}
+
+uint32_t tdp__shm_desc_word(uint32_t type, uint32_t gen)
+{
+    return DESC_WORD(type, gen);
+}
+
+bool tdp__shm_view_in_pool(tdp__link *l, const void *p)
+{
+    for (rx_pool *rp = l != NULL ? l->rpool : NULL; rp != NULL; rp = rp->next) {
+        const uint8_t *base = tdp__shm_seg_base(rp->seg);
+        if ((const uint8_t *)p >= base && (const uint8_t *)p < base + tdp__shm_seg_geom(rp->seg)->total_bytes)
+            return true;
+    }
+    return false;
+}

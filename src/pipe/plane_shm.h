@@ -1,0 +1,33 @@
+/*
+ * plane_shm.h (internal): test hooks of the same-host plane (plane_shm.c).
+ * The plane itself is reached through its ops table, tdp__plane_shm.
+ * Every hook runs on the loop thread.
+ */
+#ifndef TDP_PIPE_PLANE_SHM_H
+#define TDP_PIPE_PLANE_SHM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "plane.h"
+#include "shm.h"
+
+/*
+ * Act as a hostile sender on link l (whose socket is up): send a SCHEMA
+ * message with `json` for `seq` when json is not NULL, then push *d on the
+ * data ring as it is.
+ */
+tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *json, size_t jlen,
+                            uint64_t seq, uint64_t total);
+
+/* Act as a hostile receiver: push *d on the release ring of what l receives. */
+tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d);
+
+/* A descriptor's type word: type in the low byte, pool generation above. */
+uint32_t tdp__shm_desc_word(uint32_t type, uint32_t gen);
+
+/* True when p lies in a pool segment the link has mapped (zero-copy proof). */
+bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
+
+#endif
