@@ -10,6 +10,7 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -88,6 +89,7 @@ typedef struct side {
     int count;
     tdp_err rc;
     bool send;
+    bool loan; /* send loaned buffers (tdp_pipe_loan) instead of td */
     /* counters read at message WARMUP and at the end */
     uint64_t lib0, lib1, m0, m1;
     pthread_barrier_t *bar;
@@ -106,7 +108,18 @@ static void *run_side(void *arg)
             s->m0 = atomic_load(&n_malloc);
             pthread_barrier_wait(s->bar);
         }
-        if (s->send) {
+        if (s->send && s->loan) {
+            tdp_td *buf = NULL;
+            /* every slot may be out for a moment: a send completing frees one */
+            for (int k = 0; k < 100000 && (s->rc = tdp_pipe_loan(s->pipe, tdp_td_schema(s->td),
+                                                                   &buf)) == TDP_EAGAIN; k++)
+                sched_yield();
+            if (s->rc != TDP_OK)
+                break;
+            ((uint64_t *)tdp_td_data(buf))[0] = (uint64_t)i;
+            s->rc = tdp_pipe_send(s->pipe, buf, TMO);
+            tdp_td_unref(buf);
+        } else if (s->send) {
             ((uint64_t *)tdp_td_data(s->td))[0] = (uint64_t)i;
             s->rc = tdp_pipe_send(s->pipe, s->td, TMO);
         } else {
@@ -124,7 +137,7 @@ static void *run_side(void *arg)
     return NULL;
 }
 
-static void steady_case(uint64_t nbytes, uint32_t depth)
+static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan)
 {
     tdp_loop *sl, *cl;
     tdp_listener *l;
@@ -137,6 +150,7 @@ static void steady_case(uint64_t nbytes, uint32_t depth)
 
     tdp_pipe_opts_default(&so);
     so.recv_depth = depth;
+    so.plane = plane;
     assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
     assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &n), TDP_OK);
     assert_int_equal(tdp_schema_builder_string(b, "note", "steady"), TDP_OK);
@@ -150,12 +164,14 @@ static void steady_case(uint64_t nbytes, uint32_t depth)
     assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
     assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
     assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, &so, NULL, NULL, &l), TDP_OK);
-    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), NULL, &cli), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &so, &cli), TDP_OK);
     assert_int_equal(tdp_listener_accept(l, TMO, &srv), TDP_OK);
+    assert_int_equal(tdp_pipe_plane(cli), plane);
 
     pthread_barrier_t bar;
     pthread_barrier_init(&bar, NULL, 2);
-    side tx = {.pipe = cli, .td = td, .count = WARMUP + STEADY, .send = true, .bar = &bar};
+    side tx = {.pipe = cli, .td = td, .count = WARMUP + STEADY, .send = true, .loan = loan,
+               .bar = &bar};
     side rx = {.pipe = srv, .count = WARMUP + STEADY, .bar = &bar};
     pthread_t t1, t2;
     pthread_create(&t1, NULL, run_side, &tx);
@@ -166,10 +182,10 @@ static void steady_case(uint64_t nbytes, uint32_t depth)
     assert_int_equal(tx.rc, TDP_OK);
     assert_int_equal(rx.rc, TDP_OK);
 
-    print_message("%" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
+    print_message("%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
                   "; process mallocs: %s%" PRIu64 "\n",
-                  nbytes, depth, STEADY, rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ",
-                  rx.m1 - rx.m0);
+                  tdp_plane_name(plane), loan ? " loaned" : "", nbytes, depth, STEADY,
+                  rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     if (HAVE_INTERPOSE) {
         assert_true(rx.m1 > 0); /* the interposition works at all */
@@ -187,12 +203,33 @@ static void steady_case(uint64_t nbytes, uint32_t depth)
 
 static void test_small_depth1(void **state)
 {
-    steady_case(1000, 1);
+    steady_case(1000, 1, TDP_PLANE_UCX, false);
 }
 
 static void test_large_depth4(void **state)
 {
-    steady_case(4 << 20, 4);
+    steady_case(4 << 20, 4, TDP_PLANE_UCX, false);
+}
+
+/* The shm plane: plain sends (one copy into a slot) and loans (none). */
+static void test_shm_small_depth1(void **state)
+{
+    steady_case(1000, 1, TDP_PLANE_SHM, false);
+}
+
+static void test_shm_large_depth4(void **state)
+{
+    steady_case(4 << 20, 4, TDP_PLANE_SHM, false);
+}
+
+static void test_shm_loan_small_depth1(void **state)
+{
+    steady_case(1000, 1, TDP_PLANE_SHM, true);
+}
+
+static void test_shm_loan_large_depth4(void **state)
+{
+    steady_case(4 << 20, 4, TDP_PLANE_SHM, true);
 }
 
 int main(void)
@@ -200,6 +237,10 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_depth1),
         cmocka_unit_test(test_large_depth4),
+        cmocka_unit_test(test_shm_small_depth1),
+        cmocka_unit_test(test_shm_large_depth4),
+        cmocka_unit_test(test_shm_loan_small_depth1),
+        cmocka_unit_test(test_shm_loan_large_depth4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -578,16 +578,22 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     if (s == NULL || nfree <= credit_left)
         return TDP_EAGAIN;
     if (s->td == NULL || s->td->schema != sc) {
-        tdp_td *td;
-        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-        rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, s->idx), need, tdp_schema_device(sc),
-                         tx_view_gone, s, &td);
-        if (rc != TDP_OK) {
-            tx_pool_unref(p);
-            return rc;
+        /* a new layout: the views of every free slot, made once for the loans to come */
+        for (uint32_t i = 0; i < p->nslots; i++) {
+            tx_slot *f = &p->slots[i];
+            if ((f != s && !tx_slot_free(f)) || (f->td != NULL && f->td->schema == sc))
+                continue;
+            tdp_td *td;
+            atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+            rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, f->idx), need, tdp_schema_device(sc),
+                             tx_view_gone, f, &td);
+            if (rc != TDP_OK) {
+                tx_pool_unref(p);
+                return rc;
+            }
+            tdp_td_unref(f->td);
+            f->td = td;
         }
-        tdp_td_unref(s->td);
-        s->td = td;
     }
     *out = tdp_td_ref(s->td);
     return TDP_OK;
@@ -757,6 +763,8 @@ static tdp_err sock_read_all(struct tdp__link *l)
 }
 
 /* Put the announcements for DATA seq in force. */
+static tdp_err rx_views(struct tdp__link *l);
+
 static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
 {
     while (l->npend > 0 && !l->closed) {
@@ -796,6 +804,9 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
                 p->next = old->next;
                 rx_pool_drop(old);
             }
+            tdp_err rc = rx_views(l);
+            if (rc != TDP_OK)
+                return rc;
         } else {
             tdp__frame f = {.type = TDP_AM_SCHEMA,
                             .seq = cur.m.seq,
@@ -869,6 +880,45 @@ static int rx_arm(void *arg)
     return a < 0 ? 1 : a;
 }
 
+/* A view of slot s for the current receive layout (host memory). */
+static tdp_err rx_view(struct tdp__link *l, rx_slot *s)
+{
+    tdp_schema *sc = l->rx_schema;
+    rx_pool *p = s->pool;
+    if (s->td != NULL && s->td->schema == sc)
+        return TDP_OK;
+    tdp_td *v;
+    atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+    tdp_err rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, (uint32_t)(s - p->slots)),
+                             tdp_schema_total_bytes(sc), tdp_schema_device(sc), rx_view_gone, s, &v);
+    if (rc != TDP_OK) {
+        rx_pool_unref(p);
+        return rc;
+    }
+    tdp_td_unref(s->td);
+    s->td = v;
+    return TDP_OK;
+}
+
+/* Views of every slot not held, made when a layout or pool comes into force
+ * so that receiving allocates nothing. */
+static tdp_err rx_views(struct tdp__link *l)
+{
+    rx_pool *p = l->rpool;
+    if (p == NULL || l->rx_schema == NULL ||
+        tdp_schema_device(l->rx_schema).type != TDP_DEVICE_CPU ||
+        p->stride < tdp_schema_total_bytes(l->rx_schema))
+        return TDP_OK;
+    for (uint32_t i = 0; i < p->nslots; i++) {
+        if (p->slots[i].held)
+            continue;
+        tdp_err rc = rx_view(l, &p->slots[i]);
+        if (rc != TDP_OK)
+            return rc;
+    }
+    return TDP_OK;
+}
+
 static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
 {
     (void)depth;
@@ -878,7 +928,7 @@ static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
         tdp_schema_unref(l->rx_schema);
         l->rx_schema = tdp_schema_ref(sc);
     }
-    return TDP_OK;
+    return rx_views(l);
 }
 
 /* Give a slot back to the sender. */
@@ -938,17 +988,9 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         *td = g;
         return TDP_OK;
     }
-    if (s->td == NULL || s->td->schema != sc) {
-        tdp_td *v;
-        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-        tdp_err rc = tdp_td_wrap(sc, mem, total, dev, rx_view_gone, s, &v);
-        if (rc != TDP_OK) {
-            rx_pool_unref(p);
-            return rc;
-        }
-        tdp_td_unref(s->td);
-        s->td = v;
-    }
+    tdp_err rc = rx_view(l, s);
+    if (rc != TDP_OK)
+        return rc;
     s->held = true;
     p->nheld++;
     l->held[slot] = s;
