@@ -147,12 +147,20 @@ test_usage() {
     expect_rc baddepth 2
     run extra 10 "$TDPIPE" recv stray
     expect_rc extra 2
+    # --plane takes what the library knows and lists it otherwise
+    for sub in "send 127.0.0.1:1" recv inspect serve bench; do
+        # shellcheck disable=SC2086 # the address is a separate word
+        run "badplane_${sub%% *}" 10 "$TDPIPE" $sub --plane warp
+        expect_rc "badplane_${sub%% *}" 2
+        expect_in "badplane_${sub%% *}" err "unknown plane 'warp' (valid: auto, ucx"
+    done
 
     run version 10 "$TDPIPE" version
     expect_rc version 0
     expect_in version out "protocol: 2"
     expect_in version out "ucx:"
     expect_in version out "cuda:"
+    expect_in version out "planes:   auto, ucx"
     run verbose 10 "$TDPIPE" -vv version
     expect_rc verbose 0
 }
@@ -161,16 +169,18 @@ test_usage() {
 
 test_recv_send() {
     local port rpid
-    start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet
+    start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet --plane ucx
     rpid=$PID
     port=$(port_of recv) || return
-    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet
+    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet --plane ucx
     expect_rc send 0
     expect_in send out "sent 50 messages (3.20 MB)"
+    expect_in send out "; plane ucx"
     finish recv "$rpid"
     expect_rc recv 0
     expect_in recv out "received 50 messages (3.20 MB)"
     expect_in recv out "verify ok"
+    expect_in recv out "; plane ucx"
 }
 
 # recv --count ends the stream early: the sender hears the receiver closed.
@@ -282,6 +292,7 @@ test_serve() {
     finish serve_echo "$spid"
     expect_rc serve_echo 0
     expect_in serve_echo out "client 1 connected from 127.0.0.1:"
+    expect_in serve_echo out ", plane "
     expect_in serve_echo out "stopping: 20 messages handled"
     expect_in serve_echo out "served 1 clients"
     expect_in serve_echo out "20 messages in"

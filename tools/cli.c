@@ -171,6 +171,45 @@ const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, 
     return buf;
 }
 
+/* ---- data planes ------------------------------------------------------------ */
+
+/* Plane ids are small (the wire keeps them below 64): try them all. */
+#define PLANE_ID_LIMIT 64
+
+const char *tdp_cli_plane_names(char *buf, size_t len)
+{
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < PLANE_ID_LIMIT; i++) {
+        const char *name = tdp_plane_name((tdp_plane)i);
+        tdp_plane back;
+        if (name == NULL || tdp_plane_parse(name, &back) != TDP_OK)
+            continue;
+        int w = snprintf(buf + n, len - n, "%s%s", n ? ", " : "", name);
+        if (w < 0 || (size_t)w >= len - n)
+            break;
+        n += (size_t)w;
+    }
+    return buf;
+}
+
+bool tdp_cli_parse_plane(const char *cmd, const char *s, tdp_plane *out)
+{
+    char names[128];
+    if (tdp_plane_parse(s, out) == TDP_OK)
+        return true;
+    tdp_cli_usage_error(cmd, "unknown plane '%s' (valid: %s)", s,
+                        tdp_cli_plane_names(names, sizeof(names)));
+    return false;
+}
+
+const char *tdp_cli_plane_of(const tdp_pipe *pipe)
+{
+    tdp_plane p = tdp_pipe_plane(pipe);
+    const char *name = p == TDP_PLANE_AUTO ? NULL : tdp_plane_name(p);
+    return name != NULL ? name : "?";
+}
+
 /* ---- synthetic payloads --------------------------------------------------- */
 
 uint64_t tdp_cli_synth_bytes(uint64_t nbytes)

@@ -112,6 +112,22 @@ bool tdp_cli_parse_port(const char *s, bool allow_zero, uint16_t *port);
  */
 const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, size_t len);
 
+/* ---- data planes ------------------------------------------------------------ */
+
+/*
+ * Parse a --plane value with tdp_plane_parse (so every name the library
+ * knows is accepted, "auto" included). On a bad name, print "tdpipe CMD:
+ * unknown plane 'X' (valid: auto, ucx, ...)" and the --help pointer, and
+ * return false (the caller exits with TDP_EXIT_USAGE).
+ */
+bool tdp_cli_parse_plane(const char *cmd, const char *s, tdp_plane *out);
+
+/* The names tdp_plane_parse accepts, comma-separated, into buf. */
+const char *tdp_cli_plane_names(char *buf, size_t len);
+
+/* The plane a pipe uses, for summaries: "ucx", "shm"; "?" before the HELLO. */
+const char *tdp_cli_plane_of(const tdp_pipe *pipe);
+
 /* ---- synthetic payloads --------------------------------------------------- */
 
 /* Key of the tensor leaf of the synthetic schema. */
@@ -235,8 +251,9 @@ int tdp_cmd_inspect(int argc, char **argv);
 int tdp_cmd_version(int argc, char **argv);
 
 /* bench_clients.c: `tdpipe bench --clients N` and its server process. */
-int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, bool quiet);
-int tdp_bench_clients_server(uint64_t expect, uint32_t depth);
+int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+                      bool quiet);
+int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 
 /* Subcommand help texts end with this pointer to the exit-status table. */
 #define TDP_CLI_EXIT_HELP                                                                          \

@@ -47,6 +47,7 @@ typedef struct bench_cfg {
     uint32_t depth;
     uint32_t busy_poll_us;
     tdp_peer_mode peer_mode;
+    tdp_plane plane;
     const char *tls;
     const char *json_path;
     const char *plot_path;
@@ -100,6 +101,7 @@ static int run_consumer(const bench_cfg *cfg)
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
     if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
         return TDP_EXIT_CONNECT;
     tdp_schema *as = bench_schema(128);
@@ -265,7 +267,8 @@ static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE 
     }
 }
 
-static void write_json(const bench_cfg *cfg, const size_result *r, int n, const char *path)
+static void write_json(const bench_cfg *cfg, const char *plane, const size_result *r, int n,
+                       const char *path)
 {
     FILE *f = fopen(path, "w");
     if (f == NULL) {
@@ -280,13 +283,13 @@ static void write_json(const bench_cfg *cfg, const size_result *r, int n, const 
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"cpus\": %ld},\n  \"results\": [\n",
+            "\"plane\": \"%s\", \"cpus\": %ld},\n  \"results\": [\n",
             tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
             cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
-            sysconf(_SC_NPROCESSORS_ONLN));
+            plane, sysconf(_SC_NPROCESSORS_ONLN));
     for (int i = 0; i < n; i++) {
         fprintf(f,
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
@@ -348,7 +351,8 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     pid_t pid = fork();
     if (pid == 0) {
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
-              depth, "--busy-poll", poll, "--peer-mode", mode, (char *)NULL);
+              depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
+              tdp_plane_name(cfg->plane), (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -367,6 +371,7 @@ static int run_producer(bench_cfg *cfg)
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
     if (tdp_loop_new(&lo, &loop) != TDP_OK) {
         fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
         return TDP_EXIT_FAIL;
@@ -379,19 +384,20 @@ static int run_producer(bench_cfg *cfg)
     pid_t child = spawn_consumer(cfg, tdp_listener_port(l));
     tdp_err rc = tdp_listener_accept(l, 30000, &p);
     if (rc != TDP_OK) {
-        fprintf(stderr, "tdpipe bench: the consumer did not connect: %s\n", tdp_strerror(rc));
+        fprintf(stderr, "tdpipe bench: the consumer did not connect: %s%s\n", tdp_strerror(rc),
+                cfg->plane != TDP_PLANE_AUTO ? " (is the plane available here?)" : "");
         kill(child, SIGKILL);
         waitpid(child, NULL, 0);
         tdp_listener_free(l);
         tdp_loop_free(loop);
         return TDP_EXIT_CONNECT;
     }
-    const char *tls = getenv("UCX_TLS");
+    const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
-                "UCX_TLS=%s, depth %u, %s\n",
-                (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default",
+                "UCX_TLS=%s, plane %s, depth %u, %s\n",
+                (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default", plane,
                 cfg->depth, cfg->busy_poll_us ? "busy-poll" : "event-driven");
     /* settle the acknowledgement's schema before anything is timed */
     tdp_schema *ss = bench_schema(128);
@@ -429,9 +435,11 @@ static int run_producer(bench_cfg *cfg)
         rc_exit = TDP_EXIT_FAIL;
     }
     if (done > 0) {
+        printf("plane %s, depth %u, %s, UCX_TLS=%s\n", plane, cfg->depth,
+               cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
         print_table(cfg, res, done, stdout);
         if (cfg->json_path != NULL)
-            write_json(cfg, res, done, cfg->json_path);
+            write_json(cfg, plane, res, done, cfg->json_path);
         if (cfg->plot_path != NULL)
             write_plot(res, done, cfg->plot_path);
     }
@@ -454,6 +462,8 @@ static void usage(FILE *f)
             "  --tls LIST         UCX transports (sets UCX_TLS, e.g. tcp or shm,self)\n"
             "  --busy-poll US     busy-poll window of both loops (default 0: event-driven)\n"
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
+            "  --plane NAME       data plane (default auto: the HELLO picks one);\n"
+            "                     'tdpipe version' lists the names\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
             "  --plot FILE.png    draw latency and throughput against size (needs gnuplot)\n"
             "  --clients N        instead: N producers streaming to one server at once\n"
@@ -474,7 +484,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
-        {"clients", required_argument, NULL, 'C'},
+        {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
         {NULL, 0, NULL, 0},
     };
     int c;
@@ -538,6 +548,10 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 return TDP_EXIT_USAGE;
             }
             break;
+        case 'P':
+            if (!tdp_cli_parse_plane("bench", optarg, &cfg->plane))
+                return TDP_EXIT_USAGE;
+            break;
         case 'j':
             cfg->json_path = optarg;
             break;
@@ -590,9 +604,9 @@ int tdp_cmd_bench(int argc, char **argv)
     /* live progress redraws one line: only on a terminal */
     cfg.progress = !cfg.quiet && isatty(STDERR_FILENO);
     if (cfg.server)
-        return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth);
+        return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.clients > 0)
         return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000,
-                                 cfg.rounds, cfg.depth, cfg.quiet);
+                                 cfg.rounds, cfg.depth, cfg.plane, cfg.quiet);
     return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
 }

@@ -22,6 +22,7 @@ typedef struct listen_args {
     const char *bind; /* NULL: all addresses */
     uint16_t port;
     uint32_t depth;
+    tdp_plane plane;
     int64_t timeout_ms; /* for the producer to connect; -1 forever */
 } listen_args;
 
@@ -43,6 +44,7 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
 
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
+    opts.plane = a->plane;
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
@@ -67,7 +69,8 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
         tdp_loop_free(loop);
         return tdp_cli_exit_for(rc);
     }
-    fprintf(stderr, "%s: producer %s connected\n", cmd, tdp_pipe_peer(pipe, peer, sizeof(peer)));
+    fprintf(stderr, "%s: producer %s connected, plane %s\n", cmd,
+            tdp_pipe_peer(pipe, peer, sizeof(peer)), tdp_cli_plane_of(pipe));
     *loop_out = loop;
     *pipe_out = pipe;
     return TDP_EXIT_OK;
@@ -121,6 +124,8 @@ static const char recv_help[] =
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
     "  -n, --count N       stop after N messages (default 0: until the producer closes)\n"
     "  -d, --depth D       receive buffers, 1..64 (default 1)\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
@@ -133,7 +138,7 @@ typedef struct recv_args {
     bool verify, quiet;
 } recv_args;
 
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT }; /* long options without a short form */
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE }; /* long options without a short form */
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -145,6 +150,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"depth", required_argument, NULL, 'd'},
         {"timeout", required_argument, NULL, 't'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -178,6 +184,10 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case OPT_NO_VERIFY:
             a->verify = false;
+            break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
             break;
         case 'q':
             a->quiet = true;
@@ -222,18 +232,20 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
 }
 
 /* Report how the stream ended; returns the exit status. */
-static int recv_report(const recv_args *a, const tdp_cli_meter *m, const recv_result *r)
+static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *m,
+                       const recv_result *r)
 {
     char line[256];
     bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED;
-    printf("%s; verify %s; end: %s\n",
+    printf("%s; verify %s; end: %s; plane %s\n",
            tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
            !a->verify ? "off"
            : r->bad   ? "FAILED"
                       : "ok",
            r->end == TDP_OK        ? "count reached"
            : r->end == TDP_ECLOSED ? "producer closed"
-                                   : tdp_strerror(r->end));
+                                   : tdp_strerror(r->end),
+           tdp_cli_plane_of(pipe));
     if (!clean) {
         if (r->end == TDP_ETIMEDOUT)
             tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " messages",
@@ -270,7 +282,7 @@ int tdp_cmd_recv(int argc, char **argv)
         return ec;
     tdp_cli_meter_start(&m, 0);
     recv_loop(pipe, &a, &m, &r);
-    ec = recv_report(&a, &m, &r);
+    ec = recv_report(pipe, &a, &m, &r);
     close_and_free(pipe, loop);
     return ec;
 }
@@ -295,6 +307,8 @@ static const char send_help[] =
     "                      (for 'tdpipe serve --mode echo'); reports round-trip times\n"
     "      --depth-hint    report how often sends waited for the receiver's buffers,\n"
     "                      and whether a larger 'recv --depth' would help\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
     "  -q, --quiet         no progress lines on stderr\n"
@@ -306,6 +320,7 @@ typedef struct send_args {
     uint64_t size, count;
     double rate;
     int64_t timeout_ms;
+    tdp_plane plane;
     bool echo, depth_hint, quiet;
 } send_args;
 
@@ -318,6 +333,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"rate", required_argument, NULL, 'r'},
         {"echo", no_argument, NULL, 'e'},
         {"depth-hint", no_argument, NULL, OPT_DEPTH_HINT},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"quiet", no_argument, NULL, 'q'},
         {"help", no_argument, NULL, 'h'},
@@ -349,6 +365,10 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_DEPTH_HINT:
             a->depth_hint = true;
+            break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("send", optarg, &a->plane))
+                return TDP_EXIT_USAGE;
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
@@ -479,6 +499,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     char where[TDP_CLI_HOST_LEN + 16];
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
+    opts.plane = a->plane;
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
     else
@@ -486,10 +507,15 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_err rc = tdp_pipe_connect(loop, a->host, a->port, &opts, pipe);
     if (rc == TDP_OK)
         return -1;
-    tdp_cli_error("send", "cannot connect to %s: %s",
-                  tdp_cli_format_hostport(a->host, a->port, where, sizeof(where)),
-                  tdp_strerror(rc));
-    return tdp_cli_exit_for(rc);
+    tdp_cli_format_hostport(a->host, a->port, where, sizeof(where));
+    if (rc == TDP_ENOTSUP)
+        tdp_cli_error("send",
+                      "cannot connect to %s: no data plane both sides can use (--plane %s: not "
+                      "available here, or refused by the peer)",
+                      where, tdp_plane_name(a->plane));
+    else
+        tdp_cli_error("send", "cannot connect to %s: %s", where, tdp_strerror(rc));
+    return rc == TDP_ENOTSUP ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
 }
 
 int tdp_cmd_send(int argc, char **argv)
@@ -526,7 +552,8 @@ int tdp_cmd_send(int argc, char **argv)
     rc = send_loop(pipe, td, &a, &m, &rtt);
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
-    printf("%s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)));
+    printf("%s; plane %s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
+           tdp_cli_plane_of(pipe));
     send_report_extra(pipe, &a, &rtt);
     ec = rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
@@ -554,6 +581,8 @@ static const char inspect_help[] =
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
     "  -n, --count N       messages to show before closing (default 1)\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
@@ -568,6 +597,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
     static const struct option opts[] = {
         {"bind", required_argument, NULL, 'b'},  {"port", required_argument, NULL, 'p'},
         {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
     };
     int c;
@@ -590,6 +620,10 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
                 return tdp_cli_usage_error("inspect", "invalid timeout '%s' (ms, or -1)", optarg);
+            break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
             break;
         case 'h':
             fputs(inspect_help, stdout);
@@ -634,6 +668,8 @@ int tdp_cmd_inspect(int argc, char **argv)
                tdp_td_nbytes(td), last_hash);
         tdp_pipe_release(pipe, td);
     }
+    if (n > 0)
+        printf("plane %s\n", tdp_cli_plane_of(pipe));
     if (rc == TDP_ECLOSED && n > 0) {
         printf("producer closed after %" PRIu64 " messages\n", n);
         rc = TDP_OK;

@@ -37,6 +37,8 @@ static const char serve_help[] =
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
     "  -d, --depth D         receive buffers per client, 1..64 (default 1)\n"
+    "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
+    "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
     "  -q, --quiet           no totals on stderr\n"
     "  -h, --help            show this help\n\n"
@@ -51,6 +53,7 @@ typedef struct serve_args {
     uint16_t port;
     bool echo, verify, quiet;
     uint32_t max_clients, depth;
+    tdp_plane plane;
     uint64_t count;
     double duration_s;
 } serve_args;
@@ -68,7 +71,7 @@ typedef struct client_state {
     uint64_t msgs, bytes, bad;
 } client_state;
 
-enum { OPT_NO_VERIFY = 0x100 };
+enum { OPT_NO_VERIFY = 0x100, OPT_PLANE };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
 {
@@ -81,6 +84,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -125,6 +129,10 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("serve", optarg, &a->plane))
+                return TDP_EXIT_USAGE;
+            break;
         case 'q':
             a->quiet = true;
             break;
@@ -149,8 +157,9 @@ static tdp_err on_connect(tdp_client *c, void *arg)
     if (cs == NULL)
         return TDP_ENOMEM;
     tdp_client_set_data(c, cs);
-    printf("client %" PRIu64 " connected from %s\n", tdp_client_id(c),
-           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)));
+    printf("client %" PRIu64 " connected from %s, plane %s\n", tdp_client_id(c),
+           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)),
+           tdp_cli_plane_of(tdp_client_pipe(c)));
     return TDP_OK;
 }
 
@@ -294,6 +303,7 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
     tdp_server_opts_default(&opts);
     tdp_pipe_opts_default(&opts.pipe);
     opts.pipe.recv_depth = a->depth;
+    opts.pipe.plane = a->plane;
     if (a->max_clients != 0)
         opts.max_clients = a->max_clients;
     if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||

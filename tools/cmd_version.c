@@ -8,7 +8,8 @@ static const char version_help[] =
     "usage: tdpipe version\n\n"
     "Print the library version (and the headers this tool was built with), the\n"
     "wire protocol and schema format versions, CUDA support and the GPUs visible,\n"
-    "and the UCX version, one 'key: value' line each.\n";
+    "the UCX version and the data plane names '--plane' accepts, one 'key: value'\n"
+    "line each.\n";
 
 int tdp_cmd_version(int argc, char **argv)
 {
@@ -39,5 +40,7 @@ int tdp_cmd_version(int argc, char **argv)
         printf("cuda:     not built\n");
     }
     printf("ucx:      %s\n", ucp_get_version_string());
+    char planes[128];
+    printf("planes:   %s\n", tdp_cli_plane_names(planes, sizeof(planes)));
     return TDP_EXIT_OK;
 }
