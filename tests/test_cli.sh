@@ -330,7 +330,71 @@ test_serve() {
     expect_in serve_one out "stopping: 4 s elapsed"
 }
 
+# ---- defaults that work together ---------------------------------------------------
+
+# pair NAME RECEIVER... -- SENDER-ARGS...: start the receiver on 127.0.0.1, run
+# `send` against it (NAME_send), stop a server with SIGINT, record both.
+pair() {
+    local name=$1 recv=() port pid
+    shift
+    while [[ $1 != -- ]]; do
+        recv+=("$1")
+        shift
+    done
+    shift
+    start "$name" 30 "$TDPIPE" "${recv[@]}" --bind 127.0.0.1
+    pid=$PID
+    port=$(port_of "$name") || return
+    run "${name}_send" 30 "$TDPIPE" send "127.0.0.1:$port" --quiet "$@"
+    [[ ${recv[0]} == serve ]] && kill -INT "$pid" 2>/dev/null
+    finish "$name" "$pid"
+}
+
+# Each receiver with its defaults works with `send`, or both fail at once
+# saying which flag to change.
+test_defaults() {
+    pair d_serve serve --quiet -- --count 5 --size 1KB
+    expect_rc d_serve_send 0
+    expect_rc d_serve 0
+    expect_in d_serve out "5 messages (5.00 KB), sunk"
+    expect_in d_serve out "verify ok"
+
+    pair d_serve_echo serve --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_serve_echo_send 0
+    expect_in d_serve_echo_send out "round trip:"
+    expect_in d_serve_echo out "5 messages (5.00 KB), echoed"
+
+    pair d_inspect inspect -- --count 3 --size 1KB
+    expect_rc d_inspect_send 0
+    expect_rc d_inspect 0
+    expect_in d_inspect out "message 3: 1000 bytes"
+    expect_in d_inspect out "producer closed after 3 messages"
+
+    pair d_recv_echo recv --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_recv_echo_send 2
+    expect_in d_recv_echo_send err "receiver (tdpipe recv) does not send messages back"
+    expect_in d_recv_echo_send err "drop --echo"
+    expect_rc d_recv_echo 1
+    expect_in d_recv_echo err "waits for each message to come back"
+
+    pair d_inspect_echo inspect -- --count 5 --size 1KB --echo
+    expect_rc d_inspect_echo_send 2
+    expect_in d_inspect_echo_send err "drop --echo"
+    expect_rc d_inspect_echo 1
+
+    pair d_sink_echo serve --mode sink --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_sink_echo_send 2
+    expect_in d_sink_echo_send err "drop --echo, or start the server with '--mode auto'"
+    expect_in d_sink_echo out "client 1 closed: refused"
+
+    pair d_echo_sink serve --mode echo --quiet -- --count 50 --size 1KB
+    expect_rc d_echo_sink_send 2
+    expect_in d_echo_sink_send err "add --echo"
+    expect_in d_echo_sink out "client 1 closed: refused"
+}
+
 test_usage
+test_defaults
 test_recv_send
 test_recv_count
 test_ipv6

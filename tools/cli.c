@@ -217,7 +217,13 @@ uint64_t tdp_cli_synth_bytes(uint64_t nbytes)
     return nbytes > UINT64_MAX - 3 ? UINT64_MAX & ~3ull : (nbytes + 3) & ~3ull;
 }
 
-tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out)
+/*
+ * The synthetic schema with extra values in meta: `meta_values` is JSON
+ * object members, each followed by a comma, whose keys sort before
+ * "source" (the text is written in canonical form, keys in byte order).
+ */
+static tdp_err synth_schema(uint64_t nbytes, tdp_device dev, const char *meta_values,
+                            tdp_schema **out)
 {
     /*
      * Written in canonical form already, so it reads as what it is; the
@@ -230,16 +236,98 @@ tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out)
         "\"names\":null},\"leaves\":{\"" TDP_CLI_SYNTH_LEAF "\":[\"torch.float32\",[%" PRIu64
         "],0,%" PRIu64 ",0]},\"meta\":{\"cls\":\"TensorDict\",\"cls_metadata\":{\"batch_size\":"
         "[],\"device\":\"%s\",\"is_locked\":false,\"names\":null},\"leaves\":{},"
-        "\"non_tensors\":{\"source\":\"tdpipe\"}},\"non_tensors\":{}},\"total_bytes\":%" PRIu64
+        "\"non_tensors\":{%s\"source\":\"tdpipe\"}},\"non_tensors\":{}},\"total_bytes\":%" PRIu64
         ",\"version\":1}";
     char dname[TDP_DEVICE_STRLEN], json[1024];
     uint64_t total = tdp_cli_synth_bytes(nbytes);
 
     tdp_device_format(dev, dname);
-    int n = snprintf(json, sizeof(json), fmt, dname, dname, total / 4, total, dname, total);
+    int n = snprintf(json, sizeof(json), fmt, dname, dname, total / 4, total, dname, meta_values,
+                     total);
     if (n < 0 || (size_t)n >= sizeof(json))
         return TDP_EINTERNAL;
     return tdp_schema_decode(json, (size_t)n, NULL, out, NULL, 0);
+}
+
+tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out)
+{
+    return synth_schema(nbytes, dev, "", out);
+}
+
+tdp_err tdp_cli_send_schema(uint64_t nbytes, tdp_device dev, bool echo, tdp_schema **out)
+{
+    return synth_schema(nbytes, dev, echo ? "\"echo\":true," : "\"echo\":false,", out);
+}
+
+/* The canonical JSON of value leaf `path`, or NULL. */
+static const char *value_of(const tdp_schema *s, const char *path)
+{
+    tdp_leaf l;
+    if (s == NULL || tdp_schema_find(s, path, &l) != TDP_OK || l.kind != TDP_LEAF_VALUE)
+        return NULL;
+    return l.value_json;
+}
+
+int tdp_cli_wants_echo(const tdp_schema *s)
+{
+    const char *src = value_of(s, "meta.source"), *echo = value_of(s, "meta.echo");
+    if (src == NULL || strcmp(src, "\"tdpipe\"") != 0 || echo == NULL)
+        return -1;
+    return strcmp(echo, "true") == 0 ? 1 : strcmp(echo, "false") == 0 ? 0 : -1;
+}
+
+/* Our notice strings are plain: letters, digits, spaces, '-' and '/'. */
+static bool plain_text(const char *t)
+{
+    for (; *t != '\0'; t++)
+        if (!(isalnum((unsigned char)*t) || *t == ' ' || *t == '-' || *t == '/'))
+            return false;
+    return true;
+}
+
+tdp_err tdp_cli_notice_new(const char *code, const char *from, tdp_td **out)
+{
+    char values[160];
+    tdp_schema *s;
+    if (code == NULL || from == NULL || !plain_text(code) || !plain_text(from))
+        return TDP_EINVAL;
+    int n = snprintf(values, sizeof(values), "\"from\":\"%s\",\"notice\":\"%s\",", from, code);
+    if (n < 0 || (size_t)n >= sizeof(values))
+        return TDP_EINVAL;
+    tdp_err rc = synth_schema(4, TDP_DEVICE_CPU_INIT, values, &s);
+    if (rc != TDP_OK)
+        return rc;
+    rc = tdp_td_new(s, out);
+    tdp_schema_unref(s); /* the td holds it */
+    if (rc == TDP_OK)
+        memset(tdp_td_data(*out), 0, tdp_td_nbytes(*out));
+    return rc;
+}
+
+/* A JSON string value without its quotes into buf; false if it is not one. */
+static bool unquote(const char *json, char *buf, size_t len)
+{
+    size_t n = json != NULL ? strlen(json) : 0;
+    if (n < 2 || json[0] != '"' || json[n - 1] != '"' || n - 2 >= len)
+        return false;
+    memcpy(buf, json + 1, n - 2);
+    buf[n - 2] = '\0';
+    return true;
+}
+
+const char *tdp_cli_notice_of(const tdp_td *td, char *from, size_t len)
+{
+    static const char *const codes[] = {TDP_CLI_NOTICE_NO_ECHO, TDP_CLI_NOTICE_ECHOES};
+    const tdp_schema *s = tdp_td_schema(td);
+    char code[32];
+    if (!unquote(value_of(s, "meta.notice"), code, sizeof(code)))
+        return NULL;
+    if (!unquote(value_of(s, "meta.from"), from, len))
+        snprintf(from, len, "?");
+    for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++)
+        if (strcmp(code, codes[i]) == 0)
+            return codes[i];
+    return NULL;
 }
 
 /*

@@ -150,6 +150,41 @@ tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out);
 uint64_t tdp_cli_synth_bytes(uint64_t nbytes);
 
 /*
+ * The schema `tdpipe send` streams: the synthetic one, with one more value
+ * in "meta", meta.echo = true or false, which tells the receiver whether
+ * this producer reads a reply to each message (`send --echo`). Receivers
+ * read it with tdp_cli_wants_echo, so that every pair of tdpipe commands
+ * either works or fails at once saying which flag to change.
+ */
+tdp_err tdp_cli_send_schema(uint64_t nbytes, tdp_device dev, bool echo, tdp_schema **out);
+
+/*
+ * What the producer of a stream with schema s expects back: 1 when it
+ * waits for each message to be echoed (`send --echo`), 0 when it reads
+ * nothing (`send`), -1 when the schema is not `tdpipe send`'s (another
+ * producer: nothing is known).
+ */
+int tdp_cli_wants_echo(const tdp_schema *s);
+
+/*
+ * Notices: a receiver that cannot serve a tdpipe producer as it asks sends
+ * it one small message whose schema carries meta.notice = CODE and
+ * meta.from = who (e.g. "tdpipe recv"), then closes cleanly. The producer
+ * reads it where it expected an echo or a clean end, and says what to do.
+ */
+#define TDP_CLI_NOTICE_NO_ECHO "no-echo" /* this receiver never sends messages back */
+#define TDP_CLI_NOTICE_ECHOES  "echoes"  /* this receiver sends every message back */
+
+/* A notice message (host memory, a few bytes); *out holds one reference. */
+tdp_err tdp_cli_notice_new(const char *code, const char *from, tdp_td **out);
+
+/*
+ * The code of the notice td carries, or NULL when it is not a notice; the
+ * sender's name goes into from (of len bytes, "?" when absent).
+ */
+const char *tdp_cli_notice_of(const tdp_td *td, char *from, size_t len);
+
+/*
  * Fill the whole consolidated buffer of td (host memory) with the pattern
  * of message `seq`: 64-bit words that depend on seq and their index, so a
  * message that arrives out of order, twice or torn is caught. Works on any

@@ -111,6 +111,26 @@ static void close_and_free(tdp_pipe *pipe, tdp_loop *loop)
     tdp_loop_free(loop);
 }
 
+/*
+ * The producer waits for each message to come back (`send --echo`), which
+ * recv and inspect never do: tell it so with a notice (it then says which
+ * flag to change) rather than leave it waiting for its timeout.
+ */
+static void refuse_echo(const char *cmd, tdp_pipe *pipe)
+{
+    char from[32];
+    tdp_td *notice;
+    snprintf(from, sizeof(from), "tdpipe %s", cmd);
+    tdp_cli_error(cmd,
+                  "the producer waits for each message to come back ('tdpipe send --echo'), and "
+                  "%s never replies: drop --echo, or send to 'tdpipe serve'",
+                  cmd);
+    if (tdp_cli_notice_new(TDP_CLI_NOTICE_NO_ECHO, from, &notice) != TDP_OK)
+        return;
+    tdp_pipe_send(pipe, notice, 2000); /* best effort: the clean close follows */
+    tdp_td_unref(notice);
+}
+
 /* ---- recv ------------------------------------------------------------------ */
 
 static const char recv_help[] =
@@ -208,6 +228,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
 typedef struct recv_result {
     tdp_err end; /* TDP_ECLOSED: producer closed; TDP_OK: --count reached */
     uint64_t bad;
+    bool refused; /* the producer wanted echoes */
 } recv_result;
 
 static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv_result *r)
@@ -218,6 +239,12 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
         tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
         if (rc != TDP_OK) {
             r->end = rc;
+            return;
+        }
+        if (m->msgs == 0 && tdp_cli_wants_echo(tdp_td_schema(td)) == 1) {
+            tdp_pipe_release(pipe, td);
+            refuse_echo("recv", pipe);
+            r->refused = true;
             return;
         }
         uint64_t seq = m->msgs + 1, off = 0;
@@ -242,10 +269,13 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
            !a->verify ? "off"
            : r->bad   ? "FAILED"
                       : "ok",
-           r->end == TDP_OK        ? "count reached"
+           r->refused              ? "refused (the producer wants echoes)"
+           : r->end == TDP_OK      ? "count reached"
            : r->end == TDP_ECLOSED ? "producer closed"
                                    : tdp_strerror(r->end),
            tdp_cli_plane_of(pipe));
+    if (r->refused)
+        return TDP_EXIT_FAIL;
     if (!clean) {
         if (r->end == TDP_ETIMEDOUT)
             tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " messages",
@@ -304,7 +334,7 @@ static const char send_help[] =
     "  -n, --count N       messages to send (default 1000)\n"
     "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
     "  -e, --echo          wait for each message to come back and check it\n"
-    "                      (for 'tdpipe serve --mode echo'); reports round-trip times\n"
+    "                      (for 'tdpipe serve'); reports round-trip times\n"
     "      --depth-hint    report how often sends waited for the receiver's buffers,\n"
     "                      and whether a larger 'recv --depth' would help\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
@@ -407,14 +437,43 @@ static void rtt_add(rtt_stats *r, uint64_t ns)
     r->n++;
 }
 
+/*
+ * A receiver's notice (tdp_cli_notice_new): say what it means for this
+ * sender and which flag to change. False when td is not a notice.
+ */
+static bool explain_notice(const tdp_td *td)
+{
+    char from[64];
+    const char *code = tdp_cli_notice_of(td, from, sizeof(from));
+    if (code == NULL)
+        return false;
+    bool server = strncmp(from, "tdpipe serve", 12) == 0;
+    if (strcmp(code, TDP_CLI_NOTICE_NO_ECHO) == 0)
+        tdp_cli_error("send",
+                      "the receiver (%s) does not send messages back, and --echo waits for "
+                      "each: drop --echo, or %s",
+                      from, server ? "start the server with '--mode auto'" : "send to 'tdpipe serve'");
+    else
+        tdp_cli_error("send",
+                      "the receiver (%s) sends every message back, and this sender does not read "
+                      "them: add --echo%s",
+                      from, server ? ", or start the server with '--mode auto'" : "");
+    return true;
+}
+
 /* --echo: the message comes back; it must be the one sent. */
-static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq)
+static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq, bool *refused)
 {
     tdp_td *reply;
     uint64_t off;
     tdp_err rc = recv_next(pipe, a->timeout_ms, NULL, NULL, &reply);
     if (rc != TDP_OK)
         return rc;
+    if (explain_notice(reply)) {
+        tdp_pipe_release(pipe, reply);
+        *refused = true;
+        return TDP_ECLOSED; /* the receiver closes after its notice */
+    }
     rc = tdp_cli_verify(reply, seq, &off);
     if (rc != TDP_OK)
         tdp_cli_error("send", "echo of message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
@@ -427,21 +486,28 @@ static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq)
  * Say why message seq failed and return the error that tells it best: an
  * operation canceled because the pipe ended reports how the pipe ended.
  */
-static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc)
+static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc, bool *refused)
 {
     tdp_err status = tdp_pipe_status(pipe);
-    if (rc == TDP_ECANCELED && status == TDP_OK) {
+    if (*refused)
+        return rc; /* explain_notice has said why */
+    if ((rc == TDP_ECANCELED && status == TDP_OK) || rc == TDP_ECLOSED) {
         /*
          * UCX cancels a payload the receiver declined as it closed, and may
          * say so before the receiver's BYE is read. A receive ends when the
-         * pipe does (we expect no data): wait a little for the real reason.
+         * pipe does: wait a little for the real reason. A receiver that
+         * closed may have sent a notice first (we expect no other data).
          */
         tdp_td *td;
         tdp_err end = tdp_pipe_recv(pipe, 1000, &td);
-        if (end == TDP_OK)
+        if (end == TDP_OK) {
+            *refused = explain_notice(td);
             tdp_pipe_release(pipe, td);
-        else if (end != TDP_ETIMEDOUT)
+            if (*refused)
+                return TDP_ECLOSED;
+        } else if (end != TDP_ETIMEDOUT && rc == TDP_ECANCELED) {
             status = end; /* TDP_ECLOSED: the receiver said goodbye */
+        }
     }
     if (rc == TDP_ECANCELED && status != TDP_OK)
         rc = status;
@@ -452,9 +518,12 @@ static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc)
     return rc;
 }
 
-/* Send (and with --echo, get back) every message; returns the first error. */
+/*
+ * Send (and with --echo, get back) every message; returns the first error.
+ * *refused: the receiver sent a notice (it cannot serve us as started).
+ */
 static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli_meter *m,
-                         rtt_stats *rtt)
+                         rtt_stats *rtt, bool *refused)
 {
     uint64_t t0 = m->start_ns;
     for (uint64_t seq = 1; seq <= a->count; seq++) {
@@ -463,15 +532,26 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli
         tdp_cli_fill(td, seq);
         uint64_t t = tdp_cli_now_ns();
         tdp_err rc = tdp_pipe_send(pipe, td, a->timeout_ms);
+        if (rc == TDP_OK)
+            tdp_cli_meter_add(m, tdp_td_nbytes(td)); /* sent, whatever comes back */
         if (rc == TDP_OK && a->echo)
-            rc = await_echo(pipe, a, seq);
+            rc = await_echo(pipe, a, seq, refused);
         if (rc != TDP_OK)
-            return send_failed(pipe, seq, rc);
+            return send_failed(pipe, seq, rc, refused);
         if (a->echo)
             rtt_add(rtt, tdp_cli_now_ns() - t);
-        tdp_cli_meter_add(m, tdp_td_nbytes(td));
         if (!a->quiet)
             tdp_cli_meter_tick(m, "send", stderr);
+    }
+    if (!a->echo) {
+        /* a receiver that refused us after our last send: its notice is here or on its way */
+        tdp_td *got;
+        if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
+            *refused = explain_notice(got);
+            tdp_pipe_release(pipe, got);
+            if (*refused)
+                return TDP_ECLOSED;
+        }
     }
     return TDP_OK;
 }
@@ -533,7 +613,7 @@ int tdp_cmd_send(int argc, char **argv)
     int ec = send_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
-    if ((rc = tdp_cli_synth_schema(a.size, (tdp_device){.type = TDP_DEVICE_CPU}, &s)) != TDP_OK ||
+    if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, a.echo, &s)) != TDP_OK ||
         (rc = tdp_td_new(s, &td)) != TDP_OK) {
         tdp_cli_error("send", "cannot make a %" PRIu64 "-byte message: %s", a.size,
                       tdp_strerror(rc));
@@ -549,13 +629,14 @@ int tdp_cmd_send(int argc, char **argv)
         goto out_free_loop;
 
     tdp_cli_meter_start(&m, 0);
-    rc = send_loop(pipe, td, &a, &m, &rtt);
+    bool refused = false;
+    rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
     printf("%s; plane %s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
            tdp_cli_plane_of(pipe));
     send_report_extra(pipe, &a, &rtt);
-    ec = rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused ? TDP_EXIT_USAGE : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
 out_free_loop:
     tdp_loop_free(loop);
@@ -569,7 +650,8 @@ static const char inspect_help[] =
     "usage: tdpipe inspect [OPTIONS]\n\n"
     "Listen, accept one producer and show what it sends: the schema of the stream\n"
     "as a tree, its canonical JSON and hash; then one line per message, and the\n"
-    "tree again whenever the schema changes. Closes after COUNT messages.\n\n"
+    "tree again whenever the schema changes. Ends when the producer closes, or\n"
+    "closes after COUNT messages.\n\n"
     "Output (stdout):\n"
     "  listening on HOST:PORT\n"
     "  schema HASH  BYTES bytes on DEVICE  (...)      <- the tree (tdp_schema_print)\n"
@@ -580,7 +662,8 @@ static const char inspect_help[] =
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
-    "  -n, --count N       messages to show before closing (default 1)\n"
+    "  -n, --count N       messages to show before closing (default 0: all, until\n"
+    "                      the producer closes)\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -602,7 +685,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
     };
     int c;
 
-    *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}, .count = 1};
+    *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:t:h", opts, NULL)) != -1) {
         switch (c) {
@@ -614,8 +697,8 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
                 return tdp_cli_usage_error("inspect", "invalid port '%s'", optarg);
             break;
         case 'n':
-            if (!tdp_cli_parse_u64(optarg, 1, UINT64_MAX, &a->count))
-                return tdp_cli_usage_error("inspect", "invalid count '%s' (1 or more)", optarg);
+            if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("inspect", "invalid count '%s'", optarg);
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
@@ -652,13 +735,15 @@ int tdp_cmd_inspect(int argc, char **argv)
     tdp_td *td;
     tdp_err rc = TDP_OK;
     uint64_t n = 0, last_hash = 0;
+    bool refused = false;
 
     int ec = inspect_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
     if ((ec = accept_one("inspect", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
-    while (n < a.count && (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
+    while ((a.count == 0 || n < a.count) &&
+           (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
         tdp_schema *s = tdp_td_schema(td);
         n++;
         if (n == 1 || tdp_schema_hash(s) != last_hash)
@@ -666,7 +751,13 @@ int tdp_cmd_inspect(int argc, char **argv)
         last_hash = tdp_schema_hash(s);
         printf("message %" PRIu64 ": %" PRIu64 " bytes, schema %016" PRIx64 "\n", n,
                tdp_td_nbytes(td), last_hash);
+        bool wants_echo = n == 1 && tdp_cli_wants_echo(s) == 1;
         tdp_pipe_release(pipe, td);
+        if (wants_echo) { /* shown; but it would wait for the echo until its timeout */
+            refuse_echo("inspect", pipe);
+            refused = true;
+            break;
+        }
     }
     if (n > 0)
         printf("plane %s\n", tdp_cli_plane_of(pipe));
@@ -676,7 +767,7 @@ int tdp_cmd_inspect(int argc, char **argv)
     } else if (rc != TDP_OK) {
         tdp_cli_error("inspect", "after %" PRIu64 " messages: %s", n, tdp_strerror(rc));
     }
-    ec = rc == TDP_ECLOSED ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused ? TDP_EXIT_FAIL : rc == TDP_ECLOSED ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
     close_and_free(pipe, loop);
     return ec;
 }

@@ -1,6 +1,7 @@
 /*
  * cmd_serve.c: `tdpipe serve` — a tdp_server that echoes every message back
- * to its client, or verifies and drops it.
+ * to its client, or verifies and drops it: by default each client gets what
+ * its schema says it reads (`tdpipe send --echo` or not).
  *
  * The server runs on a loop thread of its own; the main thread only waits
  * for a reason to stop (SIGINT/SIGTERM, --count, --duration) and prints
@@ -24,7 +25,10 @@ static const char serve_help[] =
     "usage: tdpipe serve [OPTIONS]\n\n"
     "Serve any number of clients (e.g. 'tdpipe send'). In echo mode every message\n"
     "is sent back to its client ('tdpipe send --echo' waits for it and checks it);\n"
-    "in sink mode it is checked against 'tdpipe send's pattern and dropped.\n"
+    "in sink mode it is dropped, after a check of 'tdpipe send's pattern. In auto\n"
+    "mode (the default) each 'tdpipe send' client gets what it asked for: echoes\n"
+    "with --echo, sink without; other producers are sunk. A 'tdpipe send' client\n"
+    "that a forced mode cannot serve is told so at once and closed.\n"
     "Stops on SIGINT or SIGTERM, after COUNT messages or after S seconds, with a\n"
     "graceful shutdown (clients see a clean end).\n\n"
     "Output: 'listening on HOST:PORT' first, then a line per client connecting and\n"
@@ -32,7 +36,7 @@ static const char serve_help[] =
     "Options:\n"
     "  -b, --bind HOST       address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT       port (default 0: any free port, printed)\n"
-    "  -m, --mode MODE       echo (default) or sink\n"
+    "  -m, --mode MODE       auto (default), echo or sink\n"
     "  -c, --max-clients N   clients at once; more are refused (default 1024)\n"
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
@@ -48,10 +52,13 @@ static const char serve_help[] =
 /* How long the graceful shutdown may wait for replies in flight. */
 #define SHUTDOWN_MS 5000
 
+typedef enum serve_mode { MODE_AUTO, MODE_ECHO, MODE_SINK } serve_mode;
+
 typedef struct serve_args {
     const char *bind;
     uint16_t port;
-    bool echo, verify, quiet;
+    serve_mode mode;
+    bool verify, quiet;
     uint32_t max_clients, depth;
     tdp_plane plane;
     uint64_t count;
@@ -62,13 +69,17 @@ typedef struct serve_args {
 typedef struct serve_ctx {
     const serve_args *args;
     pthread_t main_thread;
-    atomic_uint_fast64_t msgs; /* messages handled, for --count */
-    atomic_uint_fast64_t bad;  /* sink: messages that failed verification */
+    tdp_td *notice; /* what a client this mode cannot serve is sent (read-only) */
+    atomic_uint_fast64_t msgs;    /* messages handled, for --count */
+    atomic_uint_fast64_t bad;     /* sink: messages that failed verification */
+    atomic_uint_fast64_t checked; /* sink: messages verified */
 } serve_ctx;
 
 /* Per client, owned by the loop thread from on_connect to on_close. */
 typedef struct client_state {
     uint64_t msgs, bytes, bad;
+    bool decided, echo, verify; /* set by the first message */
+    bool refused;               /* told it cannot be served as it asks */
 } client_state;
 
 enum { OPT_NO_VERIFY = 0x100, OPT_PLANE };
@@ -92,7 +103,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
     uint64_t v;
     int c;
 
-    *a = (serve_args){.echo = true, .verify = true, .depth = 1};
+    *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = 1};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qh", opts, NULL)) != -1) {
         switch (c) {
@@ -104,9 +115,15 @@ static int serve_parse(int argc, char **argv, serve_args *a)
                 return tdp_cli_usage_error("serve", "invalid port '%s'", optarg);
             break;
         case 'm':
-            if (strcmp(optarg, "echo") != 0 && strcmp(optarg, "sink") != 0)
-                return tdp_cli_usage_error("serve", "mode must be echo or sink, not '%s'", optarg);
-            a->echo = strcmp(optarg, "echo") == 0;
+            if (strcmp(optarg, "auto") == 0)
+                a->mode = MODE_AUTO;
+            else if (strcmp(optarg, "echo") == 0)
+                a->mode = MODE_ECHO;
+            else if (strcmp(optarg, "sink") == 0)
+                a->mode = MODE_SINK;
+            else
+                return tdp_cli_usage_error("serve", "mode must be auto, echo or sink, not '%s'",
+                                           optarg);
             break;
         case 'c':
             if (!tdp_cli_parse_u64(optarg, 1, UINT32_MAX, &v))
@@ -167,6 +184,7 @@ static tdp_err on_connect(tdp_client *c, void *arg)
 static void sink_check(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *td)
 {
     uint64_t off;
+    atomic_fetch_add(&ctx->checked, 1);
     if (tdp_cli_verify(td, cs->msgs, &off) == TDP_OK)
         return;
     atomic_fetch_add(&ctx->bad, 1);
@@ -176,19 +194,52 @@ static void sink_check(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *
                       tdp_client_id(c), cs->msgs, off);
 }
 
+/*
+ * The first message says what the client is: `tdpipe send` marks whether it
+ * reads replies (tdp_cli_wants_echo). Returns false when this server's mode
+ * cannot serve it: it has been sent the notice and is closing.
+ */
+static bool decide(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *td)
+{
+    serve_mode mode = ctx->args->mode;
+    int wants = tdp_cli_wants_echo(tdp_td_schema(td));
+    cs->decided = true;
+    if ((mode == MODE_ECHO && wants == 0) || (mode == MODE_SINK && wants == 1)) {
+        tdp_cli_error("serve",
+                      "client %" PRIu64 " %s, and this server %s (--mode %s): told it so and "
+                      "closed it",
+                      tdp_client_id(c),
+                      wants ? "waits for replies ('tdpipe send --echo')"
+                            : "does not read replies ('tdpipe send' without --echo)",
+                      wants ? "never replies" : "replies to every message",
+                      mode == MODE_ECHO ? "echo" : "sink");
+        cs->refused = true;
+        if (ctx->notice != NULL)
+            tdp_client_send(c, ctx->notice);
+        tdp_client_close(c);
+        return false;
+    }
+    cs->echo = mode == MODE_ECHO || (mode == MODE_AUTO && wants == 1);
+    /* the pattern is `tdpipe send`'s: other producers' payloads are not checked */
+    cs->verify = !cs->echo && ctx->args->verify && wants >= 0;
+    return true;
+}
+
 static tdp_err on_message(tdp_client *c, tdp_td *td, void *arg)
 {
     serve_ctx *ctx = arg;
     client_state *cs = tdp_client_get_data(c);
     tdp_err rc = TDP_OK;
 
+    if (cs->refused || (!cs->decided && !decide(ctx, c, cs, td)))
+        return TDP_OK;
     cs->msgs++;
     cs->bytes += tdp_td_nbytes(td);
-    if (ctx->args->echo) {
+    if (cs->echo) {
         if ((rc = tdp_client_send(c, td)) != TDP_OK) /* counted as a handler error */
             tdp_cli_error("serve", "client %" PRIu64 ": cannot echo message %" PRIu64 ": %s",
                           tdp_client_id(c), cs->msgs, tdp_strerror(rc));
-    } else if (ctx->args->verify) {
+    } else if (cs->verify) {
         sink_check(ctx, c, cs, td);
     }
     uint64_t total = atomic_fetch_add(&ctx->msgs, 1) + 1;
@@ -203,9 +254,12 @@ static void on_close(tdp_client *c, tdp_err status, void *arg)
     char size[TDP_CLI_FMT_LEN];
     if (cs == NULL)
         return; /* turned away before on_connect kept anything */
-    printf("client %" PRIu64 " closed: %s, %" PRIu64 " messages (%s)\n", tdp_client_id(c),
-           status == TDP_ECLOSED ? "clean" : tdp_strerror(status), cs->msgs,
-           tdp_cli_format_size(cs->bytes, size, sizeof(size)));
+    printf("client %" PRIu64 " closed: %s, %" PRIu64 " messages (%s)%s\n", tdp_client_id(c),
+           cs->refused ? "refused" : status == TDP_ECLOSED ? "clean" : tdp_strerror(status),
+           cs->msgs, tdp_cli_format_size(cs->bytes, size, sizeof(size)),
+           !cs->decided || cs->refused ? ""
+           : cs->echo                  ? ", echoed"
+                                       : ", sunk");
     tdp_client_set_data(c, NULL);
     free(cs);
 }
@@ -282,9 +336,9 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
            tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
            tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused, st.handshakes_failed,
            st.client_errors, st.handler_errors,
-           ctx->args->echo || !ctx->args->verify ? "off"
-           : atomic_load(&ctx->bad) > 0          ? "FAILED"
-                                                 : "ok");
+           atomic_load(&ctx->checked) == 0 ? "off"
+           : atomic_load(&ctx->bad) > 0    ? "FAILED"
+                                           : "ok");
 }
 
 /* Listen and start serving on a loop thread; on failure, the exit status. */
@@ -340,6 +394,12 @@ int tdp_cmd_serve(int argc, char **argv)
     if (ec >= 0)
         return ec;
     serve_ctx ctx = {.args = &a, .main_thread = pthread_self()};
+    if (a.mode != MODE_AUTO &&
+        tdp_cli_notice_new(a.mode == MODE_ECHO ? TDP_CLI_NOTICE_ECHOES : TDP_CLI_NOTICE_NO_ECHO,
+                           a.mode == MODE_ECHO ? "tdpipe serve --mode echo"
+                                               : "tdpipe serve --mode sink",
+                           &ctx.notice) != TDP_OK)
+        ctx.notice = NULL; /* refused clients then see only the close */
 
     /*
      * A handler, not SIG_IGN: an ignored signal is dropped even while
@@ -358,8 +418,10 @@ int tdp_cmd_serve(int argc, char **argv)
     sigaddset(&set, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
 
-    if ((ec = serve_start(&a, &ctx, &loop, &s)) != TDP_EXIT_OK)
+    if ((ec = serve_start(&a, &ctx, &loop, &s)) != TDP_EXIT_OK) {
+        tdp_td_unref(ctx.notice);
         return ec;
+    }
     uint64_t t0 = tdp_cli_now_ns();
     printf("stopping: %s\n", wait_for_stop(s, &a, &set));
 
@@ -369,6 +431,7 @@ int tdp_cmd_serve(int argc, char **argv)
     print_final(s, &ctx, tdp_cli_now_ns() - t0);
     tdp_server_free(s);
     tdp_loop_free(loop);
+    tdp_td_unref(ctx.notice);
 
     if (rc == TDP_ETIMEDOUT)
         return TDP_EXIT_TIMEOUT;
