@@ -393,7 +393,73 @@ test_defaults() {
     expect_in d_echo_sink out "client 1 closed: refused"
 }
 
+# ---- interruption ----------------------------------------------------------------------
+
+# SIGINT/SIGTERM: a clean close, the summary, exit 128 + signal.
+test_signals() {
+    local port rpid spid
+    # the receiver is interrupted: it closes cleanly, the sender hears so
+    start sig_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of sig_recv) || return
+    start sig_recv_send 30 "$TDPIPE" send "127.0.0.1:$port" --rate 100 --count 1000 --size 1KB \
+        --quiet
+    spid=$PID
+    sleep 0.5
+    kill -INT "$rpid"
+    finish sig_recv "$rpid"
+    finish sig_recv_send "$spid"
+    expect_rc sig_recv 130
+    expect_in sig_recv out "end: interrupted (SIGINT)"
+    expect_in sig_recv out "verify ok"
+    expect_rc sig_recv_send 4
+    expect_in sig_recv_send err "the receiver closed the stream"
+
+    # the sender is interrupted: it closes cleanly, the receiver ends with 0
+    start sig_send_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of sig_send_recv) || return
+    start sig_send 30 "$TDPIPE" send "127.0.0.1:$port" --rate 100 --count 1000 --size 1KB --quiet
+    spid=$PID
+    sleep 0.5
+    kill -TERM "$spid"
+    finish sig_send "$spid"
+    finish sig_send_recv "$rpid"
+    expect_rc sig_send 143
+    expect_in sig_send err "interrupted (SIGTERM)"
+    expect_in sig_send out "sent "
+    expect_rc sig_send_recv 0
+    expect_in sig_send_recv out "end: producer closed"
+
+    # nobody connected yet
+    start sig_inspect 30 "$TDPIPE" inspect --bind 127.0.0.1
+    rpid=$PID
+    port_of sig_inspect >/dev/null || return
+    kill -INT "$rpid"
+    finish sig_inspect "$rpid"
+    expect_rc sig_inspect 130
+    expect_in sig_inspect err "interrupted (SIGINT) before a producer connected"
+
+    # UCX's own warnings stay quiet unless asked for (-v) or set (UCX_LOG_LEVEL)
+    run ucx_quiet 10 env -u UCX_LOG_LEVEL UCX_TLS=bogus "$TDPIPE" recv --bind 127.0.0.1
+    expect_rc ucx_quiet 1
+    CHECKS=$((CHECKS + 1))
+    if grep -q "UCX  WARN\|UCX  ERROR" "$WORK/ucx_quiet.out" "$WORK/ucx_quiet.err"; then
+        fail "ucx_quiet: UCX's log reached the terminal"
+        dump "$WORK/ucx_quiet.out" "$WORK/ucx_quiet.err"
+    fi
+    # and with -v it goes to stderr, never into the results on stdout
+    run ucx_loud 10 env -u UCX_LOG_LEVEL UCX_TLS=bogus "$TDPIPE" -v recv --bind 127.0.0.1
+    expect_in ucx_loud err "UCX  WARN: transport 'bogus' is not available"
+    CHECKS=$((CHECKS + 1))
+    if grep -q "UCX" "$WORK/ucx_loud.out"; then
+        fail "ucx_loud: UCX's log on stdout"
+        dump "$WORK/ucx_loud.out"
+    fi
+}
+
 test_usage
+test_signals
 test_defaults
 test_recv_send
 test_recv_count

@@ -6,12 +6,16 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ---- exit codes -------------------------------------------------------- */
 
@@ -428,6 +432,77 @@ void tdp_cli_sleep_until_ns(uint64_t deadline_ns)
     };
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
+}
+
+/* ---- interruption ------------------------------------------------------------ */
+
+static atomic_int caught_signal;
+
+/* A repeat of the signal sooner than this after the first is the same request. */
+#define SECOND_SIGNAL_NS 500000000ull
+
+static void *signal_watcher(void *arg)
+{
+    sigset_t *set = arg;
+    int sig;
+    if (sigwait(set, &sig) != 0)
+        return NULL;
+    atomic_store(&caught_signal, sig);
+    /*
+     * A second one: the user insists; end now, as the signal would. Not
+     * one that comes right after the first: `timeout` and process-group
+     * kills deliver the same signal twice.
+     */
+    uint64_t first = tdp_cli_now_ns();
+    do {
+        if (sigwait(set, &sig) != 0)
+            return NULL;
+    } while (tdp_cli_now_ns() - first < SECOND_SIGNAL_NS);
+    signal(sig, SIG_DFL);
+    pthread_sigmask(SIG_UNBLOCK, set, NULL);
+    raise(sig);
+    _exit(TDP_EXIT_SIGNAL(sig)); /* not reached */
+}
+
+static void no_op_handler(int sig)
+{
+    (void)sig;
+}
+
+bool tdp_cli_catch_signals(void)
+{
+    static sigset_t set;
+    pthread_t t;
+    pthread_attr_t attr;
+
+    /*
+     * A handler, not SIG_IGN: a shell starts background jobs with SIGINT
+     * ignored, and an ignored signal may be dropped before sigwait sees it.
+     * The handler never runs: the signals stay blocked in every thread.
+     */
+    struct sigaction sa = {.sa_handler = no_op_handler};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    if (pthread_sigmask(SIG_BLOCK, &set, NULL) != 0)
+        return false;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int err = pthread_create(&t, &attr, signal_watcher, &set);
+    pthread_attr_destroy(&attr);
+    if (err != 0) {
+        pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+        return false;
+    }
+    return true;
+}
+
+int tdp_cli_interrupted(void)
+{
+    return atomic_load(&caught_signal);
 }
 
 /* ---- option parsing ------------------------------------------------------- */

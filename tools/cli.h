@@ -249,6 +249,27 @@ void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f);
 const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint64_t now_ns,
                                   char *buf, size_t len);
 
+/* ---- interruption ------------------------------------------------------------ */
+
+/*
+ * SIGINT and SIGTERM for `send`, `recv` and `inspect`: call this first,
+ * before any thread exists (the loop's, UCX's), so that they all inherit
+ * the signals blocked. A watcher thread takes them with sigwait: the first
+ * only sets a flag (tdp_cli_interrupted), which the command polls between
+ * messages and in its waits, so it closes the stream cleanly and prints its
+ * summary; a second one (half a second or more after the first: a
+ * process-group kill may deliver one signal twice) ends the process at
+ * once with the signal's default action. No handler ever runs inside the library. Returns false
+ * if the watcher cannot be started (the signals then act as by default).
+ */
+bool tdp_cli_catch_signals(void);
+
+/* The first SIGINT/SIGTERM caught, or 0. */
+int tdp_cli_interrupted(void);
+
+/* The exit status for an interruption by sig: 128 + sig (130, 143). */
+#define TDP_EXIT_SIGNAL(sig) (128 + (sig))
+
 /* ---- option parsing ------------------------------------------------------- */
 
 /*
@@ -293,6 +314,7 @@ int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 /* Subcommand help texts end with this pointer to the exit-status table. */
 #define TDP_CLI_EXIT_HELP                                                                          \
     "Exit status: 0 ok, 1 runtime failure, 2 usage error, 3 cannot connect/listen,\n"              \
-    "4 peer ended with an error, 5 timed out.\n"
+    "4 peer ended with an error, 5 timed out, 130/143 interrupted by SIGINT/SIGTERM\n"            \
+    "(after a clean close and the summary; a second signal ends it at once).\n"
 
 #endif /* TDPIPE_TOOLS_CLI_H */

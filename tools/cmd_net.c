@@ -7,14 +7,24 @@
  * pipe calls: one pipe, one thread, nothing to synchronise.
  */
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 
-/* The longest wait in one blocking call, so progress keeps printing when idle. */
-#define SLICE_MS 1000
+/*
+ * The longest wait in one blocking call, so progress keeps printing when
+ * idle and an interruption (tdp_cli_interrupted) is seen soon.
+ */
+#define SLICE_MS 100
+
+/* Why a command stopped early on a signal, for its summary. */
+static const char *signal_name(int sig)
+{
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+}
 
 /* ---- shared: listening for one producer ---------------------------------- */
 
@@ -59,8 +69,25 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     }
     printf("listening on %s\n",
            tdp_cli_format_hostport(a->bind, tdp_listener_port(l), where, sizeof(where)));
-    rc = tdp_listener_accept(l, a->timeout_ms, &pipe);
+    /* in slices, to see an interruption */
+    uint64_t deadline = tdp_cli_now_ns() + (uint64_t)a->timeout_ms * 1000000u;
+    do {
+        int64_t slice = SLICE_MS;
+        if (a->timeout_ms >= 0) {
+            uint64_t now = tdp_cli_now_ns();
+            slice = now >= deadline ? 0 : (int64_t)((deadline - now) / 1000000u);
+            slice = slice > SLICE_MS ? SLICE_MS : slice;
+        }
+        rc = tdp_listener_accept(l, slice, &pipe);
+    } while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted() &&
+             (a->timeout_ms < 0 || tdp_cli_now_ns() < deadline));
     tdp_listener_free(l); /* one producer: later ones are refused */
+    if (rc != TDP_OK && tdp_cli_interrupted()) {
+        tdp_cli_error(cmd, "interrupted (%s) before a producer connected",
+                      signal_name(tdp_cli_interrupted()));
+        tdp_loop_free(loop);
+        return TDP_EXIT_SIGNAL(tdp_cli_interrupted());
+    }
     if (rc != TDP_OK) {
         if (rc == TDP_ETIMEDOUT)
             tdp_cli_error(cmd, "no producer connected within %" PRId64 " ms", a->timeout_ms);
@@ -79,12 +106,15 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
 /*
  * Receive the next message, waiting up to timeout_ms (-1 forever) in
  * slices so the caller's meter can report while the stream is idle.
+ * TDP_ECANCELED when interrupted (the pipe is still open).
  */
 static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_cli_meter *m, const char *label,
                          tdp_td **out)
 {
     uint64_t deadline = timeout_ms < 0 ? 0 : tdp_cli_now_ns() + (uint64_t)timeout_ms * 1000000u;
     for (;;) {
+        if (tdp_cli_interrupted())
+            return TDP_ECANCELED;
         int64_t slice = SLICE_MS;
         if (timeout_ms >= 0) {
             uint64_t now = tdp_cli_now_ns();
@@ -227,6 +257,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
 /* What ended the receive loop and how the messages fared. */
 typedef struct recv_result {
     tdp_err end; /* TDP_ECLOSED: producer closed; TDP_OK: --count reached */
+    int signal;  /* interrupted by it (end is then TDP_ECANCELED) */
     uint64_t bad;
     bool refused; /* the producer wanted echoes */
 } recv_result;
@@ -239,6 +270,7 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
         tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
         if (rc != TDP_OK) {
             r->end = rc;
+            r->signal = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
             return;
         }
         if (m->msgs == 0 && tdp_cli_wants_echo(tdp_td_schema(td)) == 1) {
@@ -262,14 +294,16 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
 static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *m,
                        const recv_result *r)
 {
-    char line[256];
-    bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED;
+    char line[256], end[48];
+    bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
+    snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
     printf("%s; verify %s; end: %s; plane %s\n",
            tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
            !a->verify ? "off"
            : r->bad   ? "FAILED"
                       : "ok",
            r->refused              ? "refused (the producer wants echoes)"
+           : r->signal != 0        ? end
            : r->end == TDP_OK      ? "count reached"
            : r->end == TDP_ECLOSED ? "producer closed"
                                    : tdp_strerror(r->end),
@@ -290,6 +324,8 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
                       m->msgs);
         return TDP_EXIT_FAIL;
     }
+    if (r->signal != 0)
+        return TDP_EXIT_SIGNAL(r->signal);
     if (m->msgs == 0) {
         tdp_cli_error("recv", "the producer closed without sending a message");
         return TDP_EXIT_FAIL;
@@ -308,6 +344,7 @@ int tdp_cmd_recv(int argc, char **argv)
     int ec = recv_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    tdp_cli_catch_signals();
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     tdp_cli_meter_start(&m, 0);
@@ -518,8 +555,18 @@ static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc, bool *refus
     return rc;
 }
 
+/* Sleep until deadline_ns, or less when interrupted. */
+static void pace_until(uint64_t deadline_ns)
+{
+    const uint64_t slice = (uint64_t)SLICE_MS * 1000000u;
+    for (uint64_t now = tdp_cli_now_ns(); now < deadline_ns && !tdp_cli_interrupted();
+         now = tdp_cli_now_ns())
+        tdp_cli_sleep_until_ns(deadline_ns - now > slice ? now + slice : deadline_ns);
+}
+
 /*
- * Send (and with --echo, get back) every message; returns the first error.
+ * Send (and with --echo, get back) every message; returns the first error,
+ * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
  * *refused: the receiver sent a notice (it cannot serve us as started).
  */
 static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli_meter *m,
@@ -528,7 +575,9 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli
     uint64_t t0 = m->start_ns;
     for (uint64_t seq = 1; seq <= a->count; seq++) {
         if (a->rate > 0) /* message seq leaves no sooner than (seq - 1) / rate */
-            tdp_cli_sleep_until_ns(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+            pace_until(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+        if (tdp_cli_interrupted())
+            return TDP_ECANCELED; /* between messages: nothing in flight of ours */
         tdp_cli_fill(td, seq);
         uint64_t t = tdp_cli_now_ns();
         tdp_err rc = tdp_pipe_send(pipe, td, a->timeout_ms);
@@ -536,6 +585,8 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli
             tdp_cli_meter_add(m, tdp_td_nbytes(td)); /* sent, whatever comes back */
         if (rc == TDP_OK && a->echo)
             rc = await_echo(pipe, a, seq, refused);
+        if (rc == TDP_ECANCELED && tdp_cli_interrupted() && tdp_pipe_status(pipe) == TDP_OK)
+            return rc; /* waiting for the echo */
         if (rc != TDP_OK)
             return send_failed(pipe, seq, rc, refused);
         if (a->echo)
@@ -613,6 +664,7 @@ int tdp_cmd_send(int argc, char **argv)
     int ec = send_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    tdp_cli_catch_signals();
     if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, a.echo, &s)) != TDP_OK ||
         (rc = tdp_td_new(s, &td)) != TDP_OK) {
         tdp_cli_error("send", "cannot make a %" PRIu64 "-byte message: %s", a.size,
@@ -631,12 +683,21 @@ int tdp_cmd_send(int argc, char **argv)
     tdp_cli_meter_start(&m, 0);
     bool refused = false;
     rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
+    int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
+    if (sig != 0) {
+        tdp_cli_error("send", "interrupted (%s) after %" PRIu64 " messages: closing", signal_name(sig),
+                      m.msgs);
+        rc = TDP_OK; /* the receiver sees a clean end */
+    }
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
     printf("%s; plane %s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
            tdp_cli_plane_of(pipe));
     send_report_extra(pipe, &a, &rtt);
-    ec = refused ? TDP_EXIT_USAGE : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused               ? TDP_EXIT_USAGE
+         : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL
+         : rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig)
+                               : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
 out_free_loop:
     tdp_loop_free(loop);
@@ -740,6 +801,7 @@ int tdp_cmd_inspect(int argc, char **argv)
     int ec = inspect_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    tdp_cli_catch_signals();
     if ((ec = accept_one("inspect", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     while ((a.count == 0 || n < a.count) &&
@@ -761,13 +823,20 @@ int tdp_cmd_inspect(int argc, char **argv)
     }
     if (n > 0)
         printf("plane %s\n", tdp_cli_plane_of(pipe));
-    if (rc == TDP_ECLOSED && n > 0) {
+    int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
+    if (sig != 0) {
+        printf("interrupted (%s) after %" PRIu64 " messages\n", signal_name(sig), n);
+        rc = TDP_OK;
+    } else if (rc == TDP_ECLOSED && n > 0) {
         printf("producer closed after %" PRIu64 " messages\n", n);
         rc = TDP_OK;
     } else if (rc != TDP_OK) {
         tdp_cli_error("inspect", "after %" PRIu64 " messages: %s", n, tdp_strerror(rc));
     }
-    ec = refused ? TDP_EXIT_FAIL : rc == TDP_ECLOSED ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused               ? TDP_EXIT_FAIL
+         : sig != 0            ? TDP_EXIT_SIGNAL(sig)
+         : rc == TDP_ECLOSED   ? TDP_EXIT_FAIL
+                               : tdp_cli_exit_for(rc);
     close_and_free(pipe, loop);
     return ec;
 }
