@@ -234,9 +234,57 @@ test_errors() {
     port=$(port_of hold) || return
     run inuse 30 "$TDPIPE" recv --bind 127.0.0.1 --port "$port"
     expect_rc inuse 3
-    expect_in inuse err "cannot listen on 127.0.0.1:$port"
+    expect_in inuse err "cannot listen on 127.0.0.1:$port: port $port is in use"
+    run inuse_serve 30 "$TDPIPE" serve --bind 127.0.0.1 --port "$port"
+    expect_rc inuse_serve 3
+    expect_in inuse_serve err "port $port is in use"
     kill "$hpid" 2>/dev/null
     finish hold "$hpid"
+
+    # an address of another host (TEST-NET-1: binding sends nothing), a bad name
+    run notlocal 30 "$TDPIPE" recv --bind 192.0.2.1
+    expect_rc notlocal 3
+    expect_in notlocal err "'192.0.2.1' is not an address of this host"
+    run noname 30 "$TDPIPE" inspect --bind no-such-host.invalid
+    expect_rc noname 3
+    expect_in noname err "cannot resolve 'no-such-host.invalid'"
+}
+
+# Something that is not a tdpipe peer fails the connect at once, not at its
+# deadline: a server that waits for a request (HTTP), one that answers with
+# something else, one that hangs up. The fake peers need python3.
+test_not_a_peer() {
+    if ! command -v python3 >/dev/null; then
+        echo "skip: no python3 for the fake peers"
+        return
+    fi
+    local pid port
+    # each fake: listen on 127.0.0.1, print the port, serve one connection, exit
+    local silent='c.recv(100); time.sleep(20)'
+    local talker='c.recv(100); c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"); time.sleep(20)'
+    local closer='c.close()'
+    for kind in silent talker closer; do
+        start "fake_$kind" 30 python3 -u -c "
+import socket, time
+s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)
+print('listening on 127.0.0.1:%d' % s.getsockname()[1])
+c, _ = s.accept()
+${!kind}"
+        pid=$PID
+        port=$(port_of "fake_$kind") || return
+        local t0=$SECONDS
+        run "np_$kind" 30 "$TDPIPE" send "127.0.0.1:$port" --count 1
+        expect_rc "np_$kind" 3
+        CHECKS=$((CHECKS + 1))
+        if ((SECONDS - t0 > 6)); then
+            fail "np_$kind: took $((SECONDS - t0)) s"
+        fi
+        kill "$pid" 2>/dev/null
+        finish "fake_$kind" "$pid"
+    done
+    expect_in np_silent err "not a tdpipe peer"
+    expect_in np_talker err "not a tdpipe peer"
+    expect_in np_closer err "closed during handshake"
 }
 
 # A producer whose payload is not tdpipe's pattern fails verification (1).
@@ -465,6 +513,7 @@ test_recv_send
 test_recv_count
 test_ipv6
 test_errors
+test_not_a_peer
 test_verify_fail
 test_inspect
 test_serve

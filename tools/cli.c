@@ -6,6 +6,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -14,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -173,6 +176,130 @@ const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, 
     else
         snprintf(buf, len, "%s:%u", host, port);
     return buf;
+}
+
+/* ---- why a listen or connect failed ---------------------------------------- */
+
+const char *tdp_cli_strerror(tdp_err rc)
+{
+    return rc == TDP_EUCX ? "UCX error (run with -v to see UCX's own messages)"
+                          : tdp_strerror(rc);
+}
+
+/*
+ * Bind a scratch socket to host:port as the library's listener does
+ * (first resolved address, SO_REUSEADDR, dual stack for every address)
+ * and say why it fails, into why. False when it binds (the cause was
+ * elsewhere, or has gone).
+ */
+static bool diagnose_bind(const char *host, uint16_t port, char *why, size_t len)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                    *res = NULL;
+    struct sockaddr_in6 any = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT,
+                               .sin6_port = htons(port)};
+    const struct sockaddr *sa = (const struct sockaddr *)&any;
+    socklen_t salen = sizeof(any);
+    bool wildcard = host == NULL || host[0] == '\0';
+    char ps[8];
+
+    if (!wildcard) {
+        snprintf(ps, sizeof(ps), "%u", port);
+        int r = getaddrinfo(host, ps, &hints, &res);
+        if (r != 0 || res == NULL) {
+            snprintf(why, len, "cannot resolve '%s': %s", host,
+                     r != 0 ? gai_strerror(r) : "no address");
+            return true;
+        }
+        sa = res->ai_addr;
+        salen = res->ai_addrlen;
+    }
+    int fd = socket(sa->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1, zero = 0, e = 0;
+    if (fd < 0) {
+        e = errno;
+    } else {
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (wildcard)
+            setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+        if (bind(fd, sa, salen) != 0)
+            e = errno;
+        close(fd);
+    }
+    if (res != NULL)
+        freeaddrinfo(res);
+    if (e == EADDRINUSE)
+        snprintf(why, len, "port %u is in use", port);
+    else if (e == EADDRNOTAVAIL)
+        snprintf(why, len, "'%s' is not an address of this host", host ? host : "");
+    else if (e == EACCES)
+        snprintf(why, len, "permission denied (ports below 1024 need privileges)");
+    else if (e != 0)
+        snprintf(why, len, "%s", strerror(e));
+    return e != 0;
+}
+
+int tdp_cli_listen_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc)
+{
+    char where[TDP_CLI_HOST_LEN + 16], why[TDP_CLI_HOST_LEN + 64];
+    tdp_cli_format_hostport(host, port, where, sizeof(where));
+    if (rc == TDP_EADDR && !diagnose_bind(host, port, why, sizeof(why)))
+        snprintf(why, sizeof(why), "address in use or invalid");
+    else if (rc != TDP_EADDR)
+        snprintf(why, sizeof(why), "%s", tdp_cli_strerror(rc));
+    tdp_cli_error(cmd, "cannot listen on %s: %s", where, why);
+    return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+}
+
+int tdp_cli_connect_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc,
+                           tdp_plane plane)
+{
+    char where[TDP_CLI_HOST_LEN + 16], why[TDP_CLI_HOST_LEN + 160];
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+    int r;
+
+    tdp_cli_format_hostport(host, port, where, sizeof(where));
+    switch (rc) {
+    case TDP_EADDR: /* unresolvable, or every address unreachable */
+        r = getaddrinfo(host, NULL, &hints, &res);
+        if (r != 0)
+            snprintf(why, sizeof(why), "cannot resolve '%s': %s", host, gai_strerror(r));
+        else
+            snprintf(why, sizeof(why), "unreachable (no route to it)");
+        if (res != NULL)
+            freeaddrinfo(res);
+        break;
+    case TDP_EPROTO:
+        snprintf(why, sizeof(why),
+                 "not a tdpipe peer (it answered with something other than a tdpipe HELLO, or "
+                 "said nothing)");
+        break;
+    case TDP_ECONNRESET:
+        snprintf(why, sizeof(why),
+                 "closed during handshake (not a tdpipe peer, or it turned this client away)");
+        break;
+    case TDP_EVERSION:
+        snprintf(why, sizeof(why), "the peer speaks another tdpipe protocol version (this is %d)",
+                 TDP_PROTOCOL_VERSION);
+        break;
+    case TDP_ENOTSUP:
+        snprintf(why, sizeof(why),
+                 "no data plane both sides can use (--plane %s: not available here, or refused "
+                 "by the peer)",
+                 tdp_plane_name(plane) ? tdp_plane_name(plane) : "?");
+        break;
+    case TDP_ETIMEDOUT:
+        snprintf(why, sizeof(why), "timed out (no answer to the handshake in time)");
+        break;
+    default:
+        snprintf(why, sizeof(why), "%s", tdp_cli_strerror(rc));
+        break;
+    }
+    tdp_cli_error(cmd, "cannot connect to %s: %s", where, why);
+    return rc == TDP_ETIMEDOUT                                ? TDP_EXIT_TIMEOUT
+           : rc == TDP_EUCX || rc == TDP_ENOMEM || rc == TDP_EINVAL ? TDP_EXIT_FAIL
+                                                                  : TDP_EXIT_CONNECT;
 }
 
 /* ---- data planes ------------------------------------------------------------ */

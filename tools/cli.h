@@ -128,6 +128,29 @@ const char *tdp_cli_plane_names(char *buf, size_t len);
 /* The plane a pipe uses, for summaries: "ucx", "shm"; "?" before the HELLO. */
 const char *tdp_cli_plane_of(const tdp_pipe *pipe);
 
+/*
+ * Why listening on host:port failed, in words, for the library's
+ * TDP_EADDR (which covers them all): the name does not resolve, the port
+ * is in use, the address is not one of this host's, or the port needs
+ * privileges. Found by resolving and binding a scratch socket the way the
+ * library does; host NULL or "" is every address. Prints "tdpipe CMD:
+ * cannot listen on WHERE: WHY" and returns the exit status. Other errors
+ * are printed with tdp_cli_strerror.
+ */
+int tdp_cli_listen_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc);
+
+/*
+ * Why a connect to host:port failed, in words: "not a tdpipe peer",
+ * "closed during handshake", "cannot resolve", ... Prints "tdpipe CMD:
+ * cannot connect to WHERE: WHY" and returns the exit status (3, or 5 for a
+ * deadline).
+ */
+int tdp_cli_connect_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc,
+                           tdp_plane plane);
+
+/* tdp_strerror, with a pointer to -v for UCX errors (UCX's log is quiet). */
+const char *tdp_cli_strerror(tdp_err rc);
+
 /* ---- synthetic payloads --------------------------------------------------- */
 
 /* Key of the tensor leaf of the synthetic schema. */

@@ -376,10 +376,10 @@ static int run_producer(bench_cfg *cfg)
         fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
         return TDP_EXIT_FAIL;
     }
-    if (tdp_listener_new(loop, "127.0.0.1", 0, &po, NULL, NULL, &l) != TDP_OK) {
-        fprintf(stderr, "tdpipe bench: cannot listen on 127.0.0.1\n");
+    tdp_err lrc = tdp_listener_new(loop, "127.0.0.1", 0, &po, NULL, NULL, &l);
+    if (lrc != TDP_OK) {
         tdp_loop_free(loop);
-        return TDP_EXIT_CONNECT;
+        return tdp_cli_listen_failed("bench", "127.0.0.1", 0, lrc);
     }
     pid_t child = spawn_consumer(cfg, tdp_listener_port(l));
     tdp_err rc = tdp_listener_accept(l, 30000, &p);

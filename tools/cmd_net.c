@@ -61,11 +61,8 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     }
     rc = tdp_listener_new(loop, a->bind, a->port, &opts, NULL, NULL, &l);
     if (rc != TDP_OK) {
-        tdp_cli_error(cmd, "cannot listen on %s: %s",
-                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
-                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
         tdp_loop_free(loop);
-        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+        return tdp_cli_listen_failed(cmd, a->bind, a->port, rc);
     }
     printf("listening on %s\n",
            tdp_cli_format_hostport(a->bind, tdp_listener_port(l), where, sizeof(where)));
@@ -627,7 +624,6 @@ static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stat
 /* Connect; on failure says why and returns the exit status, else -1. */
 static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
 {
-    char where[TDP_CLI_HOST_LEN + 16];
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
@@ -638,15 +634,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_err rc = tdp_pipe_connect(loop, a->host, a->port, &opts, pipe);
     if (rc == TDP_OK)
         return -1;
-    tdp_cli_format_hostport(a->host, a->port, where, sizeof(where));
-    if (rc == TDP_ENOTSUP)
-        tdp_cli_error("send",
-                      "cannot connect to %s: no data plane both sides can use (--plane %s: not "
-                      "available here, or refused by the peer)",
-                      where, tdp_plane_name(a->plane));
-    else
-        tdp_cli_error("send", "cannot connect to %s: %s", where, tdp_strerror(rc));
-    return rc == TDP_ENOTSUP ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+    return tdp_cli_connect_failed("send", a->host, a->port, rc, a->plane);
 }
 
 int tdp_cmd_send(int argc, char **argv)

@@ -367,11 +367,8 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         return TDP_EXIT_FAIL;
     }
     if ((rc = tdp_server_new(*loop, a->bind, a->port, &opts, &h, ctx, s)) != TDP_OK) {
-        tdp_cli_error("serve", "cannot listen on %s: %s",
-                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
-                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
         tdp_loop_free(*loop);
-        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+        return tdp_cli_listen_failed("serve", a->bind, a->port, rc);
     }
     printf("listening on %s\n",
            tdp_cli_format_hostport(a->bind, tdp_server_port(*s), where, sizeof(where)));
