@@ -142,7 +142,19 @@ test_usage() {
     expect_rc port0 2
     run badsize 10 "$TDPIPE" send --size 12XB 127.0.0.1:1
     expect_rc badsize 2
-    expect_in badsize err "invalid size '12XB'"
+    expect_in badsize err "invalid size '12XB': unknown unit"
+    run bits 10 "$TDPIPE" send --size 1Mb 127.0.0.1:1
+    expect_rc bits 2
+    expect_in bits err "a lower-case b means bits"
+    run emptysize 10 "$TDPIPE" bench --sizes 1KB,,1MB
+    expect_rc emptysize 2
+    expect_in emptysize err "--sizes: empty size in the list '1KB,,1MB'"
+    run smallsize 10 "$TDPIPE" bench --sizes 64
+    expect_rc smallsize 2
+    expect_in smallsize err "size '64' is out of range (128 B .. 64 GiB)"
+    run badrounds 10 "$TDPIPE" bench --rounds many
+    expect_rc badrounds 2
+    expect_in badrounds err "--rounds must be 3.."
     run baddepth 10 "$TDPIPE" recv --depth 65
     expect_rc baddepth 2
     run extra 10 "$TDPIPE" recv stray
@@ -195,6 +207,25 @@ test_recv_count() {
     finish recv_count "$rpid"
     expect_rc recv_count 0
     expect_in recv_count out "received 5 messages"
+}
+
+# send and bench round a size the same way (up, to whole float32 elements);
+# bench warns when --rounds leaves the figures to chance.
+test_sizes() {
+    local port rpid
+    start odd_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of odd_recv) || return
+    run odd_send 30 "$TDPIPE" send "127.0.0.1:$port" --count 2 --size 1001
+    expect_rc odd_send 0
+    expect_in odd_send err "each message is 1004 bytes (1001 rounded up"
+    finish odd_recv "$rpid"
+    expect_in odd_recv out "received 2 messages (2.01 KB)"
+
+    run odd_bench 30 "$TDPIPE" bench --sizes 1001 --rounds 5 --quiet
+    expect_rc odd_bench 0
+    expect_in odd_bench out "1.00 KB            1004"
+    expect_in odd_bench err "warning: --rounds 5 times 3 messages per throughput repeat"
 }
 
 test_ipv6() {
@@ -511,6 +542,7 @@ test_signals
 test_defaults
 test_recv_send
 test_recv_count
+test_sizes
 test_ipv6
 test_errors
 test_not_a_peer

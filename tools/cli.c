@@ -87,9 +87,9 @@ bool tdp_cli_parse_timeout(const char *s, int64_t *ms)
     return true;
 }
 
-bool tdp_cli_parse_size(const char *s, uint64_t *out)
+bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why)
 {
-    return tdp_bm_parse_size(s, out);
+    return tdp_bm_parse_size_why(s, out, why);
 }
 
 /* Three significant digits in SI units; rounding may carry into the next unit. */
@@ -345,7 +345,7 @@ const char *tdp_cli_plane_of(const tdp_pipe *pipe)
 
 uint64_t tdp_cli_synth_bytes(uint64_t nbytes)
 {
-    return nbytes > UINT64_MAX - 3 ? UINT64_MAX & ~3ull : (nbytes + 3) & ~3ull;
+    return tdp_bm_whole_floats(nbytes);
 }
 
 /*

@@ -65,16 +65,17 @@ bool tdp_cli_parse_double(const char *s, double *out);
 bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
 
 /*
- * Parse a byte count: a non-negative number (integer or decimal fraction)
- * and an optional unit, case-insensitive, with or without a space:
- *   B or nothing           bytes
- *   KB, MB, GB, TB         SI: 1000^1..4          ("1MB" = 1000000)
- *   KiB, MiB, GiB, TiB     IEC: 1024^1..4         ("1MiB" = 1048576)
- *   K, M, G, T             as KB, MB, GB, TB (SI)
- * Fractions are allowed with a unit ("1.5MB" = 1500000) and must come to a
- * whole number of bytes. False on junk, an unknown unit or overflow.
+ * Parse a byte count, the one grammar of every subcommand
+ * (tdp_bm_parse_size_why in bench_method.h): a number, integer or decimal
+ * fraction, and an optional unit, with or without a space:
+ *   none or B              bytes
+ *   K, M, G, T (+ B)       SI: 1000^1..4        ("1M" = "1MB" = 1000000)
+ *   Ki, Mi, Gi, Ti (+ B)   IEC: 1024^1..4       ("1MiB" = 1048576)
+ * The prefix is case-insensitive, the B is not: "1Mb" (megabits) is
+ * refused. Fractions must come to a whole number of bytes ("1.5MB" =
+ * 1500000). False on anything else, with *why (if not NULL) saying what.
  */
-bool tdp_cli_parse_size(const char *s, uint64_t *out);
+bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why);
 
 /*
  * Format a byte count for people, SI units, three significant digits:

@@ -37,6 +37,8 @@
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define HDR_BYTES 32u /* four int64 control words at the start of each message */
 #define MAX_SIZES 16
+#define MIN_SIZE  128          /* room for the control words, and some payload */
+#define MAX_SIZE  (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
 #define BENCH_TMO 120000
 
@@ -456,8 +458,10 @@ static void usage(FILE *f)
             "throughput (timed on the receiver, 3 repeats) for each payload size.\n"
             "\n"
             "  --sizes LIST       payload sizes, comma-separated (default 1KB,1MB,100MB;\n"
-            "                     KB/MB/GB = 1000^n, KiB/MiB/GiB = 1024^n; 128 B .. 64 GiB)\n"
-            "  --rounds N         ping-pongs and messages per repeat (default: scaled by size)\n"
+            "                     K/KB, M/MB, G/GB = 1000^n, Ki/KiB, Mi/MiB, Gi/GiB = 1024^n;\n"
+            "                     128 B .. 64 GiB, rounded up to a multiple of 4)\n"
+            "  --rounds N         ping-pongs and messages per repeat (default: scaled by size;\n"
+            "                     below 20 the figures are mostly noise, and a warning says so)\n"
             "  --depth N          receive buffers on each side (default 4)\n"
             "  --tls LIST         UCX transports (sets UCX_TLS, e.g. tcp or shm,self)\n"
             "  --busy-poll US     busy-poll window of both loops (default 0: event-driven)\n"
@@ -475,6 +479,17 @@ static void usage(FILE *f)
             "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set.\n");
 }
 
+/* An unsigned option value in [min, max]; false (and a message) otherwise. */
+static bool parse_num(const char *opt, const char *val, uint64_t min, uint64_t max, uint64_t *out)
+{
+    if (tdp_cli_parse_u64(val, min, max, out))
+        return true;
+    tdp_cli_usage_error("bench", "%s must be %" PRIu64 "..%" PRIu64 ", not '%s'", opt, min, max,
+                        val);
+    return false;
+}
+
+/* Returns TDP_EXIT_OK to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
     static const struct option opts[] = {
@@ -487,54 +502,44 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
         {NULL, 0, NULL, 0},
     };
+    char why[160];
+    uint64_t v;
     int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
         switch (c) {
         case 'C':
-            cfg->clients = atoi(optarg);
-            if (cfg->clients < 1 || cfg->clients > 1024) {
-                fprintf(stderr, "tdpipe bench: --clients must be 1..1024\n");
+            if (!parse_num("--clients", optarg, 1, 1024, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->clients = (int)v;
             break;
-        case 's': {
+        case 's':
             cfg->sizes_given = true;
-            cfg->nsizes = 0;
-            char *list = strdup(optarg), *save = NULL;
-            for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-                uint64_t v;
-                if (cfg->nsizes == MAX_SIZES || !tdp_cli_parse_size(tok, &v) || v < 128 ||
-                    v > (64ull << 30)) {
-                    fprintf(stderr, "tdpipe bench: bad size '%s' (128 B .. 64 GiB, at most %d)\n",
-                            tok, MAX_SIZES);
-                    free(list);
-                    return TDP_EXIT_USAGE;
-                }
-                cfg->sizes[cfg->nsizes++] = v & ~3ull; /* whole float32 elements */
-            }
-            free(list);
+            if (!tdp_bm_parse_size_list(optarg, MIN_SIZE, MAX_SIZE, cfg->sizes, MAX_SIZES,
+                                        &cfg->nsizes, why, sizeof(why)))
+                return tdp_cli_usage_error("bench", "--sizes: %s", why);
+            for (int i = 0; i < cfg->nsizes; i++)
+                cfg->sizes[i] = tdp_bm_whole_floats(cfg->sizes[i]);
             break;
-        }
         case 'r':
-            cfg->rounds = atoi(optarg);
-            if (cfg->rounds < 3) { /* one warm-up message and two timed */
-                fprintf(stderr, "tdpipe bench: --rounds must be at least 3\n");
+            /* one warm-up message and two timed, at the least */
+            if (!parse_num("--rounds", optarg, 3, INT32_MAX, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->rounds = (int)v;
             break;
         case 'd':
-            cfg->depth = (uint32_t)atoi(optarg);
-            if (cfg->depth < 1 || cfg->depth > 64) {
-                fprintf(stderr, "tdpipe bench: --depth must be 1..64\n");
+            if (!parse_num("--depth", optarg, 1, 64, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->depth = (uint32_t)v;
             break;
         case 't':
             cfg->tls = optarg;
             break;
         case 'b':
-            cfg->busy_poll_us = (uint32_t)atoi(optarg);
+            if (!parse_num("--busy-poll", optarg, 0, 10000000, &v))
+                return TDP_EXIT_USAGE;
+            cfg->busy_poll_us = (uint32_t)v;
             break;
         case 'm':
             if (strcmp(optarg, "auto") == 0)
@@ -543,10 +548,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 cfg->peer_mode = TDP_PEER_UCX;
             else if (strcmp(optarg, "socket") == 0)
                 cfg->peer_mode = TDP_PEER_SOCKET;
-            else {
-                fprintf(stderr, "tdpipe bench: --peer-mode is auto, ucx or socket\n");
-                return TDP_EXIT_USAGE;
-            }
+            else
+                return tdp_cli_usage_error("bench", "--peer-mode is auto, ucx or socket, not '%s'",
+                                           optarg);
             break;
         case 'P':
             if (!tdp_cli_parse_plane("bench", optarg, &cfg->plane))
@@ -572,17 +576,41 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             usage(stdout);
             return -1;
         default:
-            usage(stderr);
-            return TDP_EXIT_USAGE;
+            return tdp_cli_bad_option("bench", argv, c);
         }
     }
-    if (optind < argc) {
-        fprintf(stderr, "tdpipe bench: unexpected argument '%s'\n", argv[optind]);
-        return TDP_EXIT_USAGE;
-    }
+    if (optind < argc)
+        return tdp_cli_usage_error("bench", "unexpected argument '%s'", argv[optind]);
     if (cfg->consumer && cfg->connect == NULL)
         return TDP_EXIT_USAGE;
     return TDP_EXIT_OK;
+}
+
+/*
+ * --rounds small enough that the figures say little: a throughput repeat
+ * that times fewer than MIN_TIMED messages, or fewer latency samples.
+ */
+#define MIN_TIMED 10
+
+static void warn_rounds(const bench_cfg *cfg)
+{
+    if (cfg->rounds <= 0 || cfg->consumer || cfg->server)
+        return;
+    if (cfg->clients > 0) {
+        if (cfg->rounds < 10 * cfg->clients)
+            fprintf(stderr,
+                    "tdpipe bench: warning: --rounds %d is raised to %d (10 messages per "
+                    "client)\n",
+                    cfg->rounds, 10 * cfg->clients);
+        return;
+    }
+    int timed = cfg->rounds - 1 - tdp_bm_tp_warm(cfg->rounds);
+    if (timed < MIN_TIMED)
+        fprintf(stderr,
+                "tdpipe bench: warning: --rounds %d times %d message%s per throughput repeat "
+                "and %d latency round trips: the figures are mostly noise (p99 is the maximum "
+                "below 100); use 20 or more\n",
+                cfg->rounds, timed, timed == 1 ? "" : "s", cfg->rounds);
 }
 
 int tdp_cmd_bench(int argc, char **argv)
@@ -596,6 +624,7 @@ int tdp_cmd_bench(int argc, char **argv)
     int rc = parse_args(argc, argv, &cfg);
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
+    warn_rounds(&cfg);
     /* a loopback benchmark: keep UCX's TCP transport off the other interfaces */
     setenv("UCX_NET_DEVICES", "lo", 0);
     if (cfg.tls != NULL)

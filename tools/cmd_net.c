@@ -363,8 +363,9 @@ static const char send_help[] =
     "The last line on stdout is a summary:\n"
     "  sent N messages (SIZE) in S s: RATE, M msgs/s\n\n"
     "Options:\n"
-    "  -s, --size BYTES    payload size (default 1MB); units B, KB/MB/GB (10^3n),\n"
-    "                      KiB/MiB/GiB (2^10n); rounded up to a multiple of 4\n"
+    "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
+    "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
+    "                      a multiple of 4 (whole float32 elements)\n"
     "  -n, --count N       messages to send (default 1000)\n"
     "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
     "  -e, --echo          wait for each message to come back and check it\n"
@@ -403,6 +404,8 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
+    const char *why;
+    char buf[TDP_CLI_FMT_LEN];
     int c;
 
     *a = (send_args){.size = 1000000, .count = 1000, .timeout_ms = 10000};
@@ -410,9 +413,13 @@ static int send_parse(int argc, char **argv, send_args *a)
     while ((c = getopt_long(argc, argv, ":s:n:r:et:qh", opts, NULL)) != -1) {
         switch (c) {
         case 's':
-            if (!tdp_cli_parse_size(optarg, &a->size) ||
-                a->size > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
-                return tdp_cli_usage_error("send", "invalid size '%s'", optarg);
+            if (!tdp_cli_parse_size(optarg, &a->size, &why))
+                return tdp_cli_usage_error("send", "invalid size '%s': %s", optarg, why);
+            if (tdp_cli_synth_bytes(a->size) > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
+                return tdp_cli_usage_error(
+                    "send", "size '%s' is over the largest message a receiver takes, %s",
+                    optarg,
+                    tdp_cli_format_size(TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES, buf, sizeof(buf)));
             break;
         case 'n':
             if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
@@ -660,6 +667,9 @@ int tdp_cmd_send(int argc, char **argv)
         return TDP_EXIT_FAIL;
     }
     tdp_schema_unref(s); /* td holds it */
+    if (tdp_td_nbytes(td) != a.size && !a.quiet)
+        fprintf(stderr, "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
+                "float32 elements)\n", tdp_td_nbytes(td), a.size);
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error("send", "cannot create the event loop: %s", tdp_strerror(rc));
         tdp_td_unref(td);
