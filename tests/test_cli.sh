@@ -175,6 +175,12 @@ test_usage() {
     expect_in version out "planes:   auto, ucx"
     run verbose 10 "$TDPIPE" -vv version
     expect_rc verbose 0
+    # global options after the subcommand too
+    for sub in version "recv --help" "send --help" "inspect --help" "serve --help" "bench --help"; do
+        # shellcheck disable=SC2086 # the subcommand and its option are words
+        run "late_v_${sub%% *}" 10 "$TDPIPE" $sub -v --verbose
+        expect_rc "late_v_${sub%% *}" 0
+    done
 }
 
 # ---- recv + send ---------------------------------------------------------------
@@ -184,7 +190,7 @@ test_recv_send() {
     start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet --plane ucx
     rpid=$PID
     port=$(port_of recv) || return
-    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet --plane ucx
+    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet --plane ucx -v
     expect_rc send 0
     expect_in send out "sent 50 messages (3.20 MB)"
     expect_in send out "; plane ucx"
@@ -221,6 +227,18 @@ test_sizes() {
     expect_in odd_send err "each message is 1004 bytes (1001 rounded up"
     finish odd_recv "$rpid"
     expect_in odd_recv out "received 2 messages (2.01 KB)"
+
+    # one is one: "1 message", "1 client"
+    start one_serve 30 "$TDPIPE" serve --bind 127.0.0.1 --count 1 --quiet
+    rpid=$PID
+    port=$(port_of one_serve) || return
+    run one_send 30 "$TDPIPE" send "127.0.0.1:$port" --count 1 --size 1KB --quiet
+    expect_in one_send out "sent 1 message (1.00 KB)"
+    finish one_serve "$rpid"
+    expect_in one_serve out "stopping: 1 message handled"
+    expect_in one_serve out "1 message (1.00 KB), sunk"
+    expect_in one_serve out "served 1 client in"
+    expect_in one_serve out ": 1 message in"
 
     run odd_bench 30 "$TDPIPE" bench --sizes 1001 --rounds 5 --quiet
     expect_rc odd_bench 0
@@ -373,7 +391,7 @@ test_serve() {
     expect_in serve_echo out "client 1 connected from 127.0.0.1:"
     expect_in serve_echo out ", plane "
     expect_in serve_echo out "stopping: 20 messages handled"
-    expect_in serve_echo out "served 1 clients"
+    expect_in serve_echo out "served 1 client in"
     expect_in serve_echo out "20 messages in"
 
     # sink: two clients, verified, then SIGINT

@@ -1,6 +1,7 @@
 /*
  * test_cli_args: the tdpipe command's argument grammar (tools/cli.c,
- * tools/bench_method.c) — sizes, size lists, message rounding, planes.
+ * tools/bench_method.c) — sizes, size lists, message rounding, plurals,
+ * planes, this host's addresses.
  * The command end to end is tests/test_cli.sh.
  */
 #include <setjmp.h>
@@ -135,12 +136,49 @@ static void test_rounding(void **state)
     tdp_schema_unref(sc);
 }
 
+static void test_plurals_and_planes(void **state)
+{
+    (void)state;
+    char names[128];
+    tdp_plane p = TDP_PLANE_SHM;
+    assert_string_equal(tdp_cli_s(0), "s");
+    assert_string_equal(tdp_cli_s(1), "");
+    assert_string_equal(tdp_cli_s(2), "s");
+    /* every name the library parses, auto first */
+    tdp_cli_plane_names(names, sizeof(names));
+    assert_true(strncmp(names, "auto, ucx", 9) == 0);
+    assert_true(tdp_cli_parse_plane("test", "ucx", &p));
+    assert_int_equal(p, TDP_PLANE_UCX);
+}
+
+/* Addresses for other hosts: never loopback, never link-local, each with the port. */
+static void test_host_addresses(void **state)
+{
+    (void)state;
+    char buf[1024], *save = NULL;
+    int n = tdp_cli_host_addresses(5000, buf, sizeof(buf));
+    print_message("other hosts: %d: %s\n", n, buf);
+    assert_true(n >= 0);
+    assert_true((n == 0) == (buf[0] == '\0'));
+    assert_null(strstr(buf, "127.0.0.1"));
+    assert_null(strstr(buf, "[::1]"));
+    assert_null(strstr(buf, "[fe80:"));
+    for (char *t = strtok_r(buf, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        if (strstr(t, " more") != NULL)
+            continue;
+        size_t l = strlen(t);
+        assert_true(l > 5 && strcmp(t + l - 5, ":5000") == 0);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_size_grammar),
         cmocka_unit_test(test_size_lists),
         cmocka_unit_test(test_rounding),
+        cmocka_unit_test(test_plurals_and_planes),
+        cmocka_unit_test(test_host_addresses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

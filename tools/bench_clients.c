@@ -227,8 +227,8 @@ int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane
         total = 10 * n;
     tdp_cli_format_size(size, sz, sizeof(sz));
     if (!quiet)
-        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d clients\n", total,
-                sz, n);
+        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d client%s\n", total,
+                sz, n, tdp_cli_s((uint64_t)n));
     const char *used = "?";
     tdp_err rc = run_clients(1, size, total, depth, plane, &one, &used);
     if (rc == TDP_OK)

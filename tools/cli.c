@@ -5,7 +5,10 @@
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <math.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -176,6 +179,69 @@ const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, 
     else
         snprintf(buf, len, "%s:%u", host, port);
     return buf;
+}
+
+/* ---- this host's addresses ----------------------------------------------------- */
+
+#define MAX_SHOWN_ADDRS 8
+
+int tdp_cli_host_addresses(uint16_t port, char *buf, size_t len)
+{
+    struct ifaddrs *ifs = NULL;
+    char shown[MAX_SHOWN_ADDRS][INET6_ADDRSTRLEN];
+    int n = 0;
+    size_t used = 0;
+
+    buf[0] = '\0';
+    if (getifaddrs(&ifs) != 0)
+        return 0;
+    for (struct ifaddrs *i = ifs; i != NULL; i = i->ifa_next) {
+        char a[INET6_ADDRSTRLEN];
+        const struct sockaddr *sa = i->ifa_addr;
+        if (sa == NULL || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK))
+            continue;
+        if (sa->sa_family == AF_INET) {
+            const struct sockaddr_in *s4 = (const void *)sa;
+            inet_ntop(AF_INET, &s4->sin_addr, a, sizeof(a));
+        } else if (sa->sa_family == AF_INET6) {
+            const struct sockaddr_in6 *s6 = (const void *)sa;
+            if (IN6_IS_ADDR_LINKLOCAL(&s6->sin6_addr) || IN6_IS_ADDR_LOOPBACK(&s6->sin6_addr))
+                continue;
+            inet_ntop(AF_INET6, &s6->sin6_addr, a, sizeof(a));
+        } else {
+            continue;
+        }
+        bool seen = false;
+        for (int k = 0; k < n && k < MAX_SHOWN_ADDRS; k++)
+            seen |= strcmp(shown[k], a) == 0;
+        if (seen)
+            continue;
+        if (n < MAX_SHOWN_ADDRS) {
+            char hp[INET6_ADDRSTRLEN + 16];
+            snprintf(shown[n], sizeof(shown[n]), "%s", a);
+            tdp_cli_format_hostport(a, port, hp, sizeof(hp));
+            int w = snprintf(buf + used, len - used, "%s%s", n ? ", " : "", hp);
+            if (w > 0 && (size_t)w < len - used)
+                used += (size_t)w;
+        }
+        n++;
+    }
+    freeifaddrs(ifs);
+    if (n > MAX_SHOWN_ADDRS)
+        snprintf(buf + used, len - used, " and %d more", n - MAX_SHOWN_ADDRS);
+    return n;
+}
+
+void tdp_cli_print_listening(const char *bind, uint16_t port)
+{
+    char where[TDP_CLI_HOST_LEN + 16], addrs[MAX_SHOWN_ADDRS * (INET6_ADDRSTRLEN + 20) + 32];
+    printf("listening on %s\n", tdp_cli_format_hostport(bind, port, where, sizeof(where)));
+    if (bind != NULL && bind[0] != '\0')
+        return;
+    if (tdp_cli_host_addresses(port, addrs, sizeof(addrs)) > 0)
+        printf("other hosts: %s\n", addrs);
+    else
+        printf("other hosts: none (no address besides loopback)\n");
 }
 
 /* ---- why a listen or connect failed ---------------------------------------- */
@@ -698,7 +764,7 @@ void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f)
         return;
     double s = (double)(now - m->last_ns) / 1e9;
     char rate[TDP_CLI_FMT_LEN];
-    fprintf(f, "%s: %" PRIu64 " messages, %s, %.0f msgs/s\n", label, m->msgs,
+    fprintf(f, "%s: %" PRIu64 " message%s, %s, %.0f msgs/s\n", label, m->msgs, tdp_cli_s(m->msgs),
             tdp_cli_format_rate((double)(m->bytes - m->last_bytes) / s, rate, sizeof(rate)),
             (double)(m->msgs - m->last_msgs) / s);
     m->last_ns = now;
@@ -711,7 +777,8 @@ const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint
 {
     double s = now_ns > m->start_ns ? (double)(now_ns - m->start_ns) / 1e9 : 0;
     char size[TDP_CLI_FMT_LEN], rate[TDP_CLI_FMT_LEN];
-    snprintf(buf, len, "%s %" PRIu64 " messages (%s) in %.3f s: %s, %.0f msgs/s", verb, m->msgs,
+    snprintf(buf, len, "%s %" PRIu64 " message%s (%s) in %.3f s: %s, %.0f msgs/s", verb, m->msgs,
+             tdp_cli_s(m->msgs),
              tdp_cli_format_size(m->bytes, size, sizeof(size)), s,
              tdp_cli_format_rate(s > 0 ? (double)m->bytes / s : 0, rate, sizeof(rate)),
              s > 0 ? (double)m->msgs / s : 0);

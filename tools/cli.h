@@ -48,6 +48,12 @@ int tdp_cli_exit_for(tdp_err err);
 
 /* ---- numbers, sizes, rates ---------------------------------------------- */
 
+/* "s" unless n is 1: "%" PRIu64 " message%s", n, tdp_cli_s(n). */
+static inline const char *tdp_cli_s(uint64_t n)
+{
+    return n == 1 ? "" : "s";
+}
+
 /*
  * Parse an unsigned decimal integer in [min, max], whole string. False on
  * anything else (sign, junk, overflow, out of range).
@@ -151,6 +157,24 @@ int tdp_cli_connect_failed(const char *cmd, const char *host, uint16_t port, tdp
 
 /* tdp_strerror, with a pointer to -v for UCX errors (UCX's log is quiet). */
 const char *tdp_cli_strerror(tdp_err rc);
+
+/*
+ * This host's addresses another host could connect to on port: the IPv4
+ * and IPv6 addresses of every interface that is up and not loopback
+ * (IPv6 link-local ones are left out: they need a zone to be used),
+ * without repeats, formatted "10.0.0.5:5000, [2001:db8::5]:5000" into buf
+ * (at most 8; "and N more" after). Returns how many there are. Only
+ * printed: nothing connects to them.
+ */
+int tdp_cli_host_addresses(uint16_t port, char *buf, size_t len);
+
+/*
+ * "listening on HOST:PORT" (the first line on stdout, which scripts read),
+ * and when listening on every address, a second line with the addresses
+ * another host can use: "other hosts: 10.0.0.5:5000, ..." or "other
+ * hosts: none (no address besides loopback)".
+ */
+void tdp_cli_print_listening(const char *bind, uint16_t port);
 
 /* ---- synthetic payloads --------------------------------------------------- */
 
@@ -319,6 +343,12 @@ int tdp_cli_usage_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 
 
 /* Print "tdpipe CMD: MESSAGE" on stderr (runtime errors). */
 void tdp_cli_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
+
+/*
+ * One more -v, given after the subcommand (`tdpipe send ... -v`): the same
+ * as before it. Every subcommand takes -v/--verbose. Defined in tdpipe.c.
+ */
+void tdp_cli_more_verbose(void);
 
 /* ---- subcommands ---------------------------------------------------------- */
 

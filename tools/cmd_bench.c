@@ -474,6 +474,7 @@ static void usage(FILE *f)
             "                     against one producer alone (first --sizes entry,\n"
             "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
             "  --quiet            no progress on stderr\n"
+            "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
             "  -h, --help         this text\n"
             "\n"
             "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set.\n");
@@ -500,14 +501,14 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
         {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
-        {NULL, 0, NULL, 0},
+        {"verbose", no_argument, NULL, 'v'},       {NULL, 0, NULL, 0},
     };
     char why[160];
     uint64_t v;
     int c;
 
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":vh", opts, NULL)) != -1) {
         switch (c) {
         case 'C':
             if (!parse_num("--clients", optarg, 1, 1024, &v))
@@ -571,6 +572,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'c':
             cfg->connect = optarg;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             usage(stdout);

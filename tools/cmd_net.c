@@ -45,7 +45,7 @@ typedef struct listen_args {
 static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out,
                       tdp_pipe **pipe_out)
 {
-    char where[TDP_CLI_HOST_LEN + 16], peer[80];
+    char peer[80];
     tdp_pipe_opts opts;
     tdp_loop *loop;
     tdp_listener *l;
@@ -64,8 +64,7 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
         tdp_loop_free(loop);
         return tdp_cli_listen_failed(cmd, a->bind, a->port, rc);
     }
-    printf("listening on %s\n",
-           tdp_cli_format_hostport(a->bind, tdp_listener_port(l), where, sizeof(where)));
+    tdp_cli_print_listening(a->bind, tdp_listener_port(l));
     /* in slices, to see an interruption */
     uint64_t deadline = tdp_cli_now_ns() + (uint64_t)a->timeout_ms * 1000000u;
     do {
@@ -177,6 +176,7 @@ static const char recv_help[] =
     "                      (default 60000; -1 waits forever)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
     "  -q, --quiet         no progress lines on stderr\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct recv_args {
@@ -199,6 +199,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -207,7 +208,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
 
     *a = (recv_args){.listen = {.depth = 1, .timeout_ms = 60000}, .verify = true};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->listen.bind = optarg[0] ? optarg : NULL;
@@ -238,6 +239,9 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(recv_help, stdout);
@@ -309,16 +313,16 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         return TDP_EXIT_FAIL;
     if (!clean) {
         if (r->end == TDP_ETIMEDOUT)
-            tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " messages",
-                          a->listen.timeout_ms, m->msgs);
+            tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " message%s",
+                          a->listen.timeout_ms, m->msgs, tdp_cli_s(m->msgs));
         else
-            tdp_cli_error("recv", "stream ended after %" PRIu64 " messages: %s", m->msgs,
-                          tdp_strerror(r->end));
+            tdp_cli_error("recv", "stream ended after %" PRIu64 " message%s: %s", m->msgs,
+                          tdp_cli_s(m->msgs), tdp_strerror(r->end));
         return tdp_cli_exit_for(r->end);
     }
     if (r->bad > 0) {
-        tdp_cli_error("recv", "%" PRIu64 " of %" PRIu64 " messages failed verification", r->bad,
-                      m->msgs);
+        tdp_cli_error("recv", "%" PRIu64 " of %" PRIu64 " message%s failed verification", r->bad,
+                      m->msgs, tdp_cli_s(m->msgs));
         return TDP_EXIT_FAIL;
     }
     if (r->signal != 0)
@@ -377,6 +381,7 @@ static const char send_help[] =
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
     "  -q, --quiet         no progress lines on stderr\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct send_args {
@@ -401,6 +406,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -410,7 +416,7 @@ static int send_parse(int argc, char **argv, send_args *a)
 
     *a = (send_args){.size = 1000000, .count = 1000, .timeout_ms = 10000};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":s:n:r:et:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 's':
             if (!tdp_cli_parse_size(optarg, &a->size, &why))
@@ -447,6 +453,9 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(send_help, stdout);
@@ -620,8 +629,8 @@ static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stat
         tdp_pipe_stats st;
         tdp_pipe_stats_get(pipe, &st);
         double frac = st.msgs_sent ? (double)st.credit_waits / (double)st.msgs_sent : 0;
-        printf("credit waits: %" PRIu64 " of %" PRIu64 " sends (%.0f%%)%s\n", st.credit_waits,
-               st.msgs_sent, frac * 100,
+        printf("credit waits: %" PRIu64 " of %" PRIu64 " send%s (%.0f%%)%s\n", st.credit_waits,
+               st.msgs_sent, tdp_cli_s(st.msgs_sent), frac * 100,
                frac > 0.1 ? ": the receiver's buffers were the limit; a larger "
                             "'recv --depth' may help"
                           : ": the receiver kept up");
@@ -683,8 +692,8 @@ int tdp_cmd_send(int argc, char **argv)
     rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
     int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
     if (sig != 0) {
-        tdp_cli_error("send", "interrupted (%s) after %" PRIu64 " messages: closing", signal_name(sig),
-                      m.msgs);
+        tdp_cli_error("send", "interrupted (%s) after %" PRIu64 " message%s: closing",
+                      signal_name(sig), m.msgs, tdp_cli_s(m.msgs));
         rc = TDP_OK; /* the receiver sees a clean end */
     }
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
@@ -727,6 +736,7 @@ static const char inspect_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct inspect_args {
@@ -740,13 +750,14 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         {"bind", required_argument, NULL, 'b'},  {"port", required_argument, NULL, 'p'},
         {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
         {"plane", required_argument, NULL, OPT_PLANE},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
     };
     int c;
 
     *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:n:t:h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:n:t:vh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->listen.bind = optarg[0] ? optarg : NULL;
@@ -766,6 +777,9 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
                 return TDP_EXIT_USAGE;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(inspect_help, stdout);
@@ -823,13 +837,15 @@ int tdp_cmd_inspect(int argc, char **argv)
         printf("plane %s\n", tdp_cli_plane_of(pipe));
     int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
     if (sig != 0) {
-        printf("interrupted (%s) after %" PRIu64 " messages\n", signal_name(sig), n);
+        printf("interrupted (%s) after %" PRIu64 " message%s\n", signal_name(sig), n,
+               tdp_cli_s(n));
         rc = TDP_OK;
     } else if (rc == TDP_ECLOSED && n > 0) {
-        printf("producer closed after %" PRIu64 " messages\n", n);
+        printf("producer closed after %" PRIu64 " message%s\n", n, tdp_cli_s(n));
         rc = TDP_OK;
     } else if (rc != TDP_OK) {
-        tdp_cli_error("inspect", "after %" PRIu64 " messages: %s", n, tdp_strerror(rc));
+        tdp_cli_error("inspect", "after %" PRIu64 " message%s: %s", n, tdp_cli_s(n),
+                      tdp_strerror(rc));
     }
     ec = refused               ? TDP_EXIT_FAIL
          : sig != 0            ? TDP_EXIT_SIGNAL(sig)

@@ -45,6 +45,7 @@ static const char serve_help[] =
     "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
     "  -q, --quiet           no totals on stderr\n"
+    "  -v, --verbose         more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help            show this help\n\n"
     "Exit status: 0 ok, 1 sink verification failures or runtime failure, 2 usage\n"
     "error, 3 cannot listen, 5 replies still pending at the shutdown deadline.\n";
@@ -97,6 +98,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -105,7 +107,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
 
     *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = 1};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->bind = optarg[0] ? optarg : NULL;
@@ -152,6 +154,9 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(serve_help, stdout);
@@ -254,9 +259,9 @@ static void on_close(tdp_client *c, tdp_err status, void *arg)
     char size[TDP_CLI_FMT_LEN];
     if (cs == NULL)
         return; /* turned away before on_connect kept anything */
-    printf("client %" PRIu64 " closed: %s, %" PRIu64 " messages (%s)%s\n", tdp_client_id(c),
+    printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
            cs->refused ? "refused" : status == TDP_ECLOSED ? "clean" : tdp_strerror(status),
-           cs->msgs, tdp_cli_format_size(cs->bytes, size, sizeof(size)),
+           cs->msgs, tdp_cli_s(cs->msgs), tdp_cli_format_size(cs->bytes, size, sizeof(size)),
            !cs->decided || cs->refused ? ""
            : cs->echo                  ? ", echoed"
                                        : ", sunk");
@@ -278,9 +283,9 @@ static void report_totals(tdp_server *s, tdp_server_stats *last, uint64_t dt_ns)
         st.clients_total == last->clients_total && st.clients_now == last->clients_now)
         return;
     fprintf(stderr,
-            "serve: %" PRIu64 " clients (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
+            "serve: %" PRIu64 " client%s (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
             " msgs %s\n",
-            st.clients_now, st.clients_total, st.msgs_recv,
+            st.clients_now, tdp_cli_s(st.clients_now), st.clients_total, st.msgs_recv,
             tdp_cli_format_rate((double)(st.bytes_recv - last->bytes_recv) / dt, in, sizeof(in)),
             st.msgs_sent,
             tdp_cli_format_rate((double)(st.bytes_sent - last->bytes_sent) / dt, out, sizeof(out)));
@@ -304,7 +309,8 @@ static const char *wait_for_stop(tdp_server *s, const serve_args *a, const sigse
         struct timespec ts = {(time_t)(wait / second), (long)(wait % second)};
         int sig = sigtimedwait(set, NULL, &ts);
         if (sig == SIGUSR1) {
-            snprintf(why, sizeof(why), "%" PRIu64 " messages handled", a->count);
+            snprintf(why, sizeof(why), "%" PRIu64 " message%s handled", a->count,
+                     tdp_cli_s(a->count));
             return why;
         }
         if (sig > 0) {
@@ -329,10 +335,11 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
     tdp_server_stats st;
     char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
     tdp_server_stats_get(s, &st);
-    printf("served %" PRIu64 " clients in %.3f s: %" PRIu64 " messages in (%s), %" PRIu64
+    printf("served %" PRIu64 " client%s in %.3f s: %" PRIu64 " message%s in (%s), %" PRIu64
            " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
            ", handler errors %" PRIu64 "; verify %s\n",
-           st.clients_total, (double)ns / 1e9, st.msgs_recv,
+           st.clients_total, tdp_cli_s(st.clients_total), (double)ns / 1e9, st.msgs_recv,
+           tdp_cli_s(st.msgs_recv),
            tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
            tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused, st.handshakes_failed,
            st.client_errors, st.handler_errors,
@@ -350,7 +357,6 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         .on_message = on_message,
         .on_close = on_close,
     };
-    char where[TDP_CLI_HOST_LEN + 16];
     tdp_server_opts opts;
     tdp_err rc;
 
@@ -370,8 +376,7 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         tdp_loop_free(*loop);
         return tdp_cli_listen_failed("serve", a->bind, a->port, rc);
     }
-    printf("listening on %s\n",
-           tdp_cli_format_hostport(a->bind, tdp_server_port(*s), where, sizeof(where)));
+    tdp_cli_print_listening(a->bind, tdp_server_port(*s));
     return TDP_EXIT_OK;
 }
 

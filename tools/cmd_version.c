@@ -15,12 +15,17 @@ int tdp_cmd_version(int argc, char **argv)
 {
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},
+        {"verbose", no_argument, NULL, 'v'},
         {NULL, 0, NULL, 0},
     };
     int c;
 
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":vh", opts, NULL)) != -1) {
+        if (c == 'v') {
+            tdp_cli_more_verbose();
+            continue;
+        }
         if (c != 'h')
             return tdp_cli_bad_option("version", argv, c);
         fputs(version_help, stdout);

@@ -38,7 +38,7 @@ static void usage(FILE *f)
                "Subcommands:\n");
     for (size_t i = 0; i < NSUB; i++)
         fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
-    fprintf(f, "\nGlobal options (before the subcommand):\n"
+    fprintf(f, "\nGlobal options (before or after the subcommand):\n"
                "  -v, --verbose   library log level: -v info, -vv debug, -vvv trace\n"
                "  -h, --help      show this help\n"
                "  -V, --version   same as 'tdpipe version'\n\n"
@@ -101,6 +101,9 @@ static void route_ucx_log(void)
         ucs_log_push_handler(ucx_log_to_stderr);
 }
 
+/* -v given so far, before the subcommand and after it. */
+static int verbosity;
+
 /* Each -v raises the library's level one step, starting from info. */
 static void raise_verbosity(int verbose)
 {
@@ -112,6 +115,11 @@ static void raise_verbosity(int verbose)
         level = TDP_LOG_TRACE;
     if (level > (int)tdp_log_get_level())
         tdp_log_set_level((tdp_log_level)level);
+}
+
+void tdp_cli_more_verbose(void)
+{
+    raise_verbosity(++verbosity);
 }
 
 /* `tdpipe help [SUBCOMMAND]`: the subcommand's own --help, or the list. */
@@ -171,6 +179,7 @@ int main(int argc, char **argv)
         usage(stderr);
         return TDP_EXIT_USAGE;
     }
+    verbosity = verbose;
     raise_verbosity(verbose);
 
     int sub_argc = argc - optind;
