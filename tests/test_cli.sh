@@ -374,6 +374,48 @@ test_inspect() {
     expect_in inspect out "message 2: 1000 bytes, schema "
 }
 
+# ---- bench outputs -------------------------------------------------------------------
+
+# --plot: the format from the name, the real cause of a failure, a non-zero
+# exit; never image bytes on stdout.
+test_bench_outputs() {
+    local b=(bench --sizes 1KB --rounds 20 --quiet)
+    run plot_ext 10 "$TDPIPE" "${b[@]}" --plot "$WORK/x.gif"
+    expect_rc plot_ext 2
+    expect_in plot_ext err "must end in .png or .svg"
+    run plot_dir 10 "$TDPIPE" "${b[@]}" --plot "$WORK/missing/x.png"
+    expect_rc plot_dir 1
+    expect_in plot_dir err "cannot write in $WORK/missing: No such file or directory"
+    CHECKS=$((CHECKS + 1))
+    [[ -s $WORK/plot_dir.out ]] && fail "plot_dir: wrote to stdout"
+    run json_dir 10 "$TDPIPE" "${b[@]}" --json "$WORK/missing/x.json"
+    expect_rc json_dir 1
+    expect_in json_dir err "No such file or directory"
+
+    # gnuplot fails: its words, exit 1, no file left, the table still printed
+    mkdir -p "$WORK/bin"
+    printf '#!/bin/sh\ncat >/dev/null\necho "no such terminal" >&2\nexit 1\n' >"$WORK/bin/gnuplot"
+    chmod +x "$WORK/bin/gnuplot"
+    run plot_fail 30 env PATH="$WORK/bin:$PATH" "$TDPIPE" "${b[@]}" --plot "$WORK/f.png"
+    expect_rc plot_fail 1
+    expect_in plot_fail err "gnuplot failed (exit status 1)"
+    expect_in plot_fail err "gnuplot: no such terminal"
+    expect_in plot_fail out "1.00 KB            1000"
+    CHECKS=$((CHECKS + 1))
+    [[ -e $WORK/f.png ]] && fail "plot_fail: left $WORK/f.png"
+
+    if ! command -v gnuplot >/dev/null; then
+        echo "skip: no gnuplot"
+        return
+    fi
+    run plot_svg 30 "$TDPIPE" "${b[@]}" --plot "$WORK/x.svg"
+    expect_rc plot_svg 0
+    CHECKS=$((CHECKS + 1))
+    if ! grep -q "<svg" "$WORK/x.svg" 2>/dev/null || grep -q "<svg" "$WORK/plot_svg.out"; then
+        fail "plot_svg: no SVG in the file, or SVG on stdout"
+    fi
+}
+
 # ---- serve -----------------------------------------------------------------------
 
 test_serve() {
@@ -566,6 +608,7 @@ test_errors
 test_not_a_peer
 test_verify_fail
 test_inspect
+test_bench_outputs
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

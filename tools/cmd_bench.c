@@ -17,12 +17,14 @@
  * bytes carry the benchmark's control words.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -269,13 +271,14 @@ static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE 
     }
 }
 
-static void write_json(const bench_cfg *cfg, const char *plane, const size_result *r, int n,
+/* False (and a message) when the file could not be written. */
+static bool write_json(const bench_cfg *cfg, const char *plane, const size_result *r, int n,
                        const char *path)
 {
     FILE *f = fopen(path, "w");
     if (f == NULL) {
-        fprintf(stderr, "tdpipe bench: cannot write %s: %s\n", path, strerror(errno));
-        return;
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
     }
     char date[64];
     time_t t = time(NULL);
@@ -304,40 +307,190 @@ static void write_json(const bench_cfg *cfg, const char *plane, const size_resul
                 r[i].tp_msgs, i + 1 < n ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
+    bool ok = !ferror(f);
+    if (fclose(f) != 0 || !ok) {
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* ---- --plot and --json: checked before, written after ------------------------- */
+
+/* The gnuplot terminal for a plot file, from its extension; NULL for others. */
+static const char *plot_terminal(const char *path)
+{
+    const char *dot = strrchr(path, '.');
+    if (dot != NULL && strcasecmp(dot, ".png") == 0)
+        return "pngcairo size 1100,450 font ',10'";
+    if (dot != NULL && strcasecmp(dot, ".svg") == 0)
+        return "svg size 1100,450 font ',10' dynamic";
+    return NULL;
+}
+
+/* Is an executable `name` in PATH? */
+static bool in_path(const char *name)
+{
+    const char *path = getenv("PATH");
+    char buf[4096];
+    while (path != NULL && *path != '\0') {
+        const char *end = strchr(path, ':');
+        size_t len = end != NULL ? (size_t)(end - path) : strlen(path);
+        if (len > 0 && len + strlen(name) + 2 <= sizeof(buf)) {
+            snprintf(buf, sizeof(buf), "%.*s/%s", (int)len, path, name);
+            if (access(buf, X_OK) == 0)
+                return true;
+        }
+        path = end != NULL ? end + 1 : NULL;
+    }
+    return false;
+}
+
+/*
+ * Before a long run: can path be written (its folder exists and is ours
+ * to write)? The file itself is not created yet. False with a message.
+ */
+static bool can_write(const char *opt, const char *path)
+{
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (slash == NULL)
+        snprintf(dir, sizeof(dir), ".");
+    else if (slash == path)
+        snprintf(dir, sizeof(dir), "/");
+    else
+        snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path);
+    if (slash != NULL && slash[1] == '\0') {
+        tdp_cli_error("bench", "%s %s: a file name is needed, not a folder", opt, path);
+        return false;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        tdp_cli_error("bench", "%s %s: cannot write in %s: %s", opt, path, dir, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* The checks of --json and --plot that need no benchmark; false with a message. */
+static bool outputs_ok(const bench_cfg *cfg)
+{
+    if (cfg->json_path != NULL && !can_write("--json", cfg->json_path))
+        return false;
+    if (cfg->plot_path == NULL)
+        return true;
+    if (!can_write("--plot", cfg->plot_path))
+        return false;
+    if (!in_path("gnuplot")) {
+        tdp_cli_error("bench", "--plot needs gnuplot, which is not in PATH (Debian: gnuplot)");
+        return false;
+    }
+    return true;
+}
+
+/* Print what gnuplot said (its stderr, kept in fd), indented. */
+static void show_log(int fd)
+{
+    char line[512];
+    FILE *f = fdopen(fd, "r");
+    if (f == NULL)
+        return;
+    rewind(f);
+    for (int n = 0; n < 20 && fgets(line, sizeof(line), f) != NULL; n++)
+        fprintf(stderr, "  gnuplot: %s", line);
     fclose(f);
 }
 
-/* Draw latency and throughput against size with gnuplot, when installed. */
-static void write_plot(const size_result *r, int n, const char *path)
+/*
+ * Draw latency and throughput against size with gnuplot into path (PNG or
+ * SVG, from the extension). gnuplot writes to its stdout, which is the file
+ * opened here: no output of gnuplot's can reach our stdout, and a file
+ * that cannot be written is reported with the real cause. False with a
+ * message (and no half-written file) on failure.
+ */
+static bool write_plot(const size_result *r, int n, const char *path)
 {
-    char dat[] = "/tmp/tdpipe-bench-XXXXXX";
-    int fd = mkstemp(dat);
-    if (fd < 0)
-        return;
-    FILE *f = fdopen(fd, "w");
+    char dat[] = "/tmp/tdpipe-bench-XXXXXX", log[] = "/tmp/tdpipe-gnuplot-XXXXXX";
+    const char *term = plot_terminal(path);
+    int status = -1, to_gp[2] = {-1, -1};
+    bool ok = false;
+
+    int out = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) {
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
+    }
+    int dfd = mkstemp(dat), lfd = mkstemp(log);
+    FILE *f = dfd >= 0 ? fdopen(dfd, "w") : NULL;
+    if (f == NULL || lfd < 0 || pipe(to_gp) != 0) {
+        tdp_cli_error("bench", "--plot: cannot make scratch files: %s", strerror(errno));
+        goto out;
+    }
     for (int i = 0; i < n; i++)
         fprintf(f, "%" PRIu64 " %.3f %.3f %.3f\n", r[i].bytes, r[i].lat_p50, r[i].lat_p99,
                 r[i].tp_median / 1e9);
     fclose(f);
-    FILE *g = popen("gnuplot 2>/dev/null", "w");
-    if (g == NULL) {
-        unlink(dat);
-        return;
+    f = NULL;
+    dfd = -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(to_gp[0], STDIN_FILENO);
+        dup2(out, STDOUT_FILENO);
+        dup2(lfd, STDERR_FILENO);
+        close(to_gp[1]);
+        execlp("gnuplot", "gnuplot", (char *)NULL);
+        fprintf(stderr, "cannot run gnuplot: %s\n", strerror(errno));
+        _exit(127);
     }
-    fprintf(g,
-            "set terminal pngcairo size 1100,450 font ',10'\nset output '%s'\n"
-            "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
-            "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
-            "set ylabel 'one-way latency (us)'\n"
-            "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with linespoints "
-            "title 'p99'\n"
-            "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
-            "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
-            path, dat, dat);
-    int st = pclose(g);
+    close(to_gp[0]);
+    to_gp[0] = -1;
+    if (pid < 0) {
+        tdp_cli_error("bench", "--plot: cannot start gnuplot: %s", strerror(errno));
+        goto out;
+    }
+    FILE *g = fdopen(to_gp[1], "w");
+    if (g != NULL) {
+        fprintf(g,
+                "set terminal %s\n"
+                "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
+                "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
+                "set ylabel 'one-way latency (us)'\n"
+                "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with "
+                "linespoints title 'p99'\n"
+                "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
+                "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
+                term, dat, dat);
+        fclose(g); /* gnuplot ends at the end of its input */
+    } else {
+        close(to_gp[1]);
+    }
+    to_gp[1] = -1;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok) {
+        tdp_cli_error("bench", "gnuplot failed (%s %d); no plot written:",
+                      WIFEXITED(status) ? "exit status" : "signal",
+                      WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        show_log(lfd);
+        lfd = -1; /* closed by show_log */
+    }
+out:
+    if (!ok)
+        unlink(path);
+    close(out);
+    if (f != NULL)
+        fclose(f);
+    else if (dfd >= 0)
+        close(dfd);
+    if (lfd >= 0)
+        close(lfd);
+    for (int i = 0; i < 2; i++)
+        if (to_gp[i] >= 0)
+            close(to_gp[i]);
     unlink(dat);
-    if (st != 0)
-        fprintf(stderr, "tdpipe bench: gnuplot failed; no plot written (is gnuplot installed?)\n");
+    unlink(log);
+    return ok;
 }
 
 static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
@@ -440,10 +593,12 @@ static int run_producer(bench_cfg *cfg)
         printf("plane %s, depth %u, %s, UCX_TLS=%s\n", plane, cfg->depth,
                cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
         print_table(cfg, res, done, stdout);
-        if (cfg->json_path != NULL)
-            write_json(cfg, plane, res, done, cfg->json_path);
-        if (cfg->plot_path != NULL)
-            write_plot(res, done, cfg->plot_path);
+        if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, cfg->json_path) &&
+            rc_exit == TDP_EXIT_OK)
+            rc_exit = TDP_EXIT_FAIL;
+        if (cfg->plot_path != NULL && !write_plot(res, done, cfg->plot_path) &&
+            rc_exit == TDP_EXIT_OK)
+            rc_exit = TDP_EXIT_FAIL;
     }
     return rc_exit;
 }
@@ -469,7 +624,8 @@ static void usage(FILE *f)
             "  --plane NAME       data plane (default auto: the HELLO picks one);\n"
             "                     'tdpipe version' lists the names\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
-            "  --plot FILE.png    draw latency and throughput against size (needs gnuplot)\n"
+            "  --plot FILE        draw latency and throughput against size (needs gnuplot);\n"
+            "                     FILE.png or FILE.svg: the format comes from the name\n"
             "  --clients N        instead: N producers streaming to one server at once\n"
             "                     against one producer alone (first --sizes entry,\n"
             "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
@@ -561,6 +717,11 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             cfg->json_path = optarg;
             break;
         case 'p':
+            if (plot_terminal(optarg) == NULL)
+                return tdp_cli_usage_error("bench",
+                                           "--plot %s: the file must end in .png or .svg (the "
+                                           "format comes from the name)",
+                                           optarg);
             cfg->plot_path = optarg;
             break;
         case 'q':
@@ -629,6 +790,8 @@ int tdp_cmd_bench(int argc, char **argv)
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
     warn_rounds(&cfg);
+    if (!cfg.consumer && !cfg.server && !outputs_ok(&cfg))
+        return TDP_EXIT_FAIL; /* before a run that may take minutes */
     /* a loopback benchmark: keep UCX's TCP transport off the other interfaces */
     setenv("UCX_NET_DEVICES", "lo", 0);
     if (cfg.tls != NULL)
