@@ -198,13 +198,13 @@ test_recv_send() {
     expect_rc recv 0
     expect_in recv out "received 50 messages (3.20 MB)"
     expect_in recv out "verify ok"
-    expect_in recv out "; plane ucx"
+    expect_in recv out "; plane ucx, depth 4"
 }
 
 # recv --count ends the stream early: the sender hears the receiver closed.
 test_recv_count() {
     local port rpid
-    start recv_count 60 "$TDPIPE" recv --bind 127.0.0.1 --count 5 --depth 4 --quiet
+    start recv_count 60 "$TDPIPE" recv --bind 127.0.0.1 --count 5 --depth 2 --quiet
     rpid=$PID
     port=$(port_of recv_count) || return
     run send_more 60 "$TDPIPE" send "127.0.0.1:$port" --count 100000 --size 4KiB --quiet
@@ -213,6 +213,7 @@ test_recv_count() {
     finish recv_count "$rpid"
     expect_rc recv_count 0
     expect_in recv_count out "received 5 messages"
+    expect_in recv_count out ", depth 2"
 }
 
 # send and bench round a size the same way (up, to whole float32 elements);
@@ -450,7 +451,7 @@ test_serve() {
     expect_in serve_sink out "stopping: SIGINT"
     expect_in serve_sink out "served 2 clients"
     expect_in serve_sink out "60 messages in"
-    expect_in serve_sink out "verify ok"
+    expect_in serve_sink out "verify ok; depth 4"
 
     # --max-clients: one over the limit is refused (3); --duration ends it
     start serve_one 60 "$TDPIPE" serve --bind 127.0.0.1 --mode sink --max-clients 1 \

@@ -365,6 +365,14 @@ int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane
                       bool quiet);
 int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 
+/*
+ * Receive buffers of recv and serve (and each side of bench) unless --depth
+ * says otherwise: with 4 the sender keeps messages in flight instead of
+ * waiting for each to be read, which is the speed docs/benchmarks.md
+ * reports; 1 is the library's default (each receive overwrites the last).
+ */
+#define TDP_CLI_DEFAULT_DEPTH 4u
+
 /* Subcommand help texts end with this pointer to the exit-status table. */
 #define TDP_CLI_EXIT_HELP                                                                          \
     "Exit status: 0 ok, 1 runtime failure, 2 usage error, 3 cannot connect/listen,\n"              \

@@ -783,7 +783,7 @@ int tdp_cmd_bench(int argc, char **argv)
     bench_cfg cfg = {
         .sizes = {1000, 1000 * 1000, 100 * 1000 * 1000}, /* 1 KB, 1 MB, 100 MB */
         .nsizes = 3,
-        .depth = 4,
+        .depth = TDP_CLI_DEFAULT_DEPTH,
         .peer_mode = TDP_PEER_AUTO,
     };
     int rc = parse_args(argc, argv, &cfg);

@@ -164,12 +164,14 @@ static const char recv_help[] =
     "Listen, accept one producer (e.g. 'tdpipe send'), receive until it closes\n"
     "or COUNT messages arrived, and check each message's pattern.\n\n"
     "The first line on stdout is 'listening on HOST:PORT'; the last is a summary:\n"
-    "  received N messages (SIZE) in S s: RATE, M msgs/s; ...\n\n"
+    "  received N messages (SIZE) in S s: RATE, M msgs/s; verify ok; end: ...;\n"
+    "  plane P, depth D\n\n"
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
     "  -n, --count N       stop after N messages (default 0: until the producer closes)\n"
-    "  -d, --depth D       receive buffers, 1..64 (default 1)\n"
+    "  -d, --depth D       receive buffers, 1..64 (default 4: the sender may have 4\n"
+    "                      messages in flight, as in 'tdpipe bench')\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -206,7 +208,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
     uint64_t v;
     int c;
 
-    *a = (recv_args){.listen = {.depth = 1, .timeout_ms = 60000}, .verify = true};
+    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000}, .verify = true};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -298,7 +300,7 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
     char line[256], end[48];
     bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
     snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
-    printf("%s; verify %s; end: %s; plane %s\n",
+    printf("%s; verify %s; end: %s; plane %s, depth %u\n",
            tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
            !a->verify ? "off"
            : r->bad   ? "FAILED"
@@ -308,7 +310,7 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
            : r->end == TDP_OK      ? "count reached"
            : r->end == TDP_ECLOSED ? "producer closed"
                                    : tdp_strerror(r->end),
-           tdp_cli_plane_of(pipe));
+           tdp_cli_plane_of(pipe), a->listen.depth);
     if (r->refused)
         return TDP_EXIT_FAIL;
     if (!clean) {

@@ -40,7 +40,7 @@ static const char serve_help[] =
     "  -c, --max-clients N   clients at once; more are refused (default 1024)\n"
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
-    "  -d, --depth D         receive buffers per client, 1..64 (default 1)\n"
+    "  -d, --depth D         receive buffers per client, 1..64 (default 4)\n"
     "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
     "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
@@ -105,7 +105,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
     uint64_t v;
     int c;
 
-    *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = 1};
+    *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = TDP_CLI_DEFAULT_DEPTH};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -337,7 +337,7 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
     tdp_server_stats_get(s, &st);
     printf("served %" PRIu64 " client%s in %.3f s: %" PRIu64 " message%s in (%s), %" PRIu64
            " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
-           ", handler errors %" PRIu64 "; verify %s\n",
+           ", handler errors %" PRIu64 "; verify %s; depth %u\n",
            st.clients_total, tdp_cli_s(st.clients_total), (double)ns / 1e9, st.msgs_recv,
            tdp_cli_s(st.msgs_recv),
            tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
@@ -345,7 +345,8 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
            st.client_errors, st.handler_errors,
            atomic_load(&ctx->checked) == 0 ? "off"
            : atomic_load(&ctx->bad) > 0    ? "FAILED"
-                                           : "ok");
+                                           : "ok",
+           ctx->args->depth);
 }
 
 /* Listen and start serving on a loop thread; on failure, the exit status. */
