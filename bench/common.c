@@ -75,23 +75,15 @@ void peers_result_init(size_result *res, uint64_t bytes)
 
 bool peers_parse_sizes(const char *list, peer_cfg *cfg)
 {
-    char *copy = strdup(list), *save = NULL;
-    bool ok = copy != NULL;
-    cfg->nsizes = 0;
-    for (char *tok = ok ? strtok_r(copy, ",", &save) : NULL; tok != NULL;
-         tok = strtok_r(NULL, ",", &save)) {
-        uint64_t v;
-        if (cfg->nsizes == PEERS_MAX_SIZES || !tdp_bm_parse_size(tok, &v) || v < PEERS_MIN_SIZE ||
-            v > (64ull << 30)) {
-            fprintf(stderr, "tdp_peers: bad size '%s' (%d B .. 64 GiB, at most %d sizes)\n", tok,
-                    PEERS_MIN_SIZE, PEERS_MAX_SIZES);
-            ok = false;
-            break;
-        }
-        cfg->sizes[cfg->nsizes++] = v & ~3ull; /* as tdpipe bench: whole float32 elements */
+    char why[160];
+    if (!tdp_bm_parse_size_list(list, PEERS_MIN_SIZE, 64ull << 30, cfg->sizes, PEERS_MAX_SIZES,
+                                &cfg->nsizes, why, sizeof(why))) {
+        fprintf(stderr, "tdp_peers: --sizes: %s\n", why);
+        return false;
     }
-    free(copy);
-    return ok && cfg->nsizes > 0;
+    for (int i = 0; i < cfg->nsizes; i++)
+        cfg->sizes[i] = tdp_bm_whole_floats(cfg->sizes[i]); /* as tdpipe bench */
+    return true;
 }
 
 const char *peers_format_size(uint64_t bytes, char *buf, size_t len)

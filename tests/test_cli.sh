@@ -142,41 +142,69 @@ test_usage() {
     expect_rc port0 2
     run badsize 10 "$TDPIPE" send --size 12XB 127.0.0.1:1
     expect_rc badsize 2
-    expect_in badsize err "invalid size '12XB'"
+    expect_in badsize err "invalid size '12XB': unknown unit"
+    run bits 10 "$TDPIPE" send --size 1Mb 127.0.0.1:1
+    expect_rc bits 2
+    expect_in bits err "a lower-case b means bits"
+    run emptysize 10 "$TDPIPE" bench --sizes 1KB,,1MB
+    expect_rc emptysize 2
+    expect_in emptysize err "--sizes: empty size in the list '1KB,,1MB'"
+    run smallsize 10 "$TDPIPE" bench --sizes 64
+    expect_rc smallsize 2
+    expect_in smallsize err "size '64' is out of range (128 B .. 64 GiB)"
+    run badrounds 10 "$TDPIPE" bench --rounds many
+    expect_rc badrounds 2
+    expect_in badrounds err "--rounds must be 3.."
     run baddepth 10 "$TDPIPE" recv --depth 65
     expect_rc baddepth 2
     run extra 10 "$TDPIPE" recv stray
     expect_rc extra 2
+    # --plane takes what the library knows and lists it otherwise
+    for sub in "send 127.0.0.1:1" recv inspect serve bench; do
+        # shellcheck disable=SC2086 # the address is a separate word
+        run "badplane_${sub%% *}" 10 "$TDPIPE" $sub --plane warp
+        expect_rc "badplane_${sub%% *}" 2
+        expect_in "badplane_${sub%% *}" err "unknown plane 'warp' (valid: auto, ucx"
+    done
 
     run version 10 "$TDPIPE" version
     expect_rc version 0
     expect_in version out "protocol: 2"
     expect_in version out "ucx:"
     expect_in version out "cuda:"
+    expect_in version out "planes:   auto, ucx"
     run verbose 10 "$TDPIPE" -vv version
     expect_rc verbose 0
+    # global options after the subcommand too
+    for sub in version "recv --help" "send --help" "inspect --help" "serve --help" "bench --help"; do
+        # shellcheck disable=SC2086 # the subcommand and its option are words
+        run "late_v_${sub%% *}" 10 "$TDPIPE" $sub -v --verbose
+        expect_rc "late_v_${sub%% *}" 0
+    done
 }
 
 # ---- recv + send ---------------------------------------------------------------
 
 test_recv_send() {
     local port rpid
-    start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet
+    start recv 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet --plane ucx
     rpid=$PID
     port=$(port_of recv) || return
-    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet
+    run send 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 64KB --quiet --plane ucx -v
     expect_rc send 0
     expect_in send out "sent 50 messages (3.20 MB)"
+    expect_in send out "; plane ucx"
     finish recv "$rpid"
     expect_rc recv 0
     expect_in recv out "received 50 messages (3.20 MB)"
     expect_in recv out "verify ok"
+    expect_in recv out "; plane ucx, depth 4"
 }
 
 # recv --count ends the stream early: the sender hears the receiver closed.
 test_recv_count() {
     local port rpid
-    start recv_count 60 "$TDPIPE" recv --bind 127.0.0.1 --count 5 --depth 4 --quiet
+    start recv_count 60 "$TDPIPE" recv --bind 127.0.0.1 --count 5 --depth 2 --quiet
     rpid=$PID
     port=$(port_of recv_count) || return
     run send_more 60 "$TDPIPE" send "127.0.0.1:$port" --count 100000 --size 4KiB --quiet
@@ -185,6 +213,38 @@ test_recv_count() {
     finish recv_count "$rpid"
     expect_rc recv_count 0
     expect_in recv_count out "received 5 messages"
+    expect_in recv_count out ", depth 2"
+}
+
+# send and bench round a size the same way (up, to whole float32 elements);
+# bench warns when --rounds leaves the figures to chance.
+test_sizes() {
+    local port rpid
+    start odd_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of odd_recv) || return
+    run odd_send 30 "$TDPIPE" send "127.0.0.1:$port" --count 2 --size 1001
+    expect_rc odd_send 0
+    expect_in odd_send err "each message is 1004 bytes (1001 rounded up"
+    finish odd_recv "$rpid"
+    expect_in odd_recv out "received 2 messages (2.01 KB)"
+
+    # one is one: "1 message", "1 client"
+    start one_serve 30 "$TDPIPE" serve --bind 127.0.0.1 --count 1 --quiet
+    rpid=$PID
+    port=$(port_of one_serve) || return
+    run one_send 30 "$TDPIPE" send "127.0.0.1:$port" --count 1 --size 1KB --quiet
+    expect_in one_send out "sent 1 message (1.00 KB)"
+    finish one_serve "$rpid"
+    expect_in one_serve out "stopping: 1 message handled"
+    expect_in one_serve out "1 message (1.00 KB), sunk"
+    expect_in one_serve out "served 1 client in"
+    expect_in one_serve out ": 1 message in"
+
+    run odd_bench 30 "$TDPIPE" bench --sizes 1001 --rounds 5 --quiet
+    expect_rc odd_bench 0
+    expect_in odd_bench out "1.00 KB            1004"
+    expect_in odd_bench err "warning: --rounds 5 times 3 messages per throughput repeat"
 }
 
 test_ipv6() {
@@ -224,9 +284,57 @@ test_errors() {
     port=$(port_of hold) || return
     run inuse 30 "$TDPIPE" recv --bind 127.0.0.1 --port "$port"
     expect_rc inuse 3
-    expect_in inuse err "cannot listen on 127.0.0.1:$port"
+    expect_in inuse err "cannot listen on 127.0.0.1:$port: port $port is in use"
+    run inuse_serve 30 "$TDPIPE" serve --bind 127.0.0.1 --port "$port"
+    expect_rc inuse_serve 3
+    expect_in inuse_serve err "port $port is in use"
     kill "$hpid" 2>/dev/null
     finish hold "$hpid"
+
+    # an address of another host (TEST-NET-1: binding sends nothing), a bad name
+    run notlocal 30 "$TDPIPE" recv --bind 192.0.2.1
+    expect_rc notlocal 3
+    expect_in notlocal err "'192.0.2.1' is not an address of this host"
+    run noname 30 "$TDPIPE" inspect --bind no-such-host.invalid
+    expect_rc noname 3
+    expect_in noname err "cannot resolve 'no-such-host.invalid'"
+}
+
+# Something that is not a tdpipe peer fails the connect at once, not at its
+# deadline: a server that waits for a request (HTTP), one that answers with
+# something else, one that hangs up. The fake peers need python3.
+test_not_a_peer() {
+    if ! command -v python3 >/dev/null; then
+        echo "skip: no python3 for the fake peers"
+        return
+    fi
+    local pid port
+    # each fake: listen on 127.0.0.1, print the port, serve one connection, exit
+    local silent='c.recv(100); time.sleep(20)'
+    local talker='c.recv(100); c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"); time.sleep(20)'
+    local closer='c.close()'
+    for kind in silent talker closer; do
+        start "fake_$kind" 30 python3 -u -c "
+import socket, time
+s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)
+print('listening on 127.0.0.1:%d' % s.getsockname()[1])
+c, _ = s.accept()
+${!kind}"
+        pid=$PID
+        port=$(port_of "fake_$kind") || return
+        local t0=$SECONDS
+        run "np_$kind" 30 "$TDPIPE" send "127.0.0.1:$port" --count 1
+        expect_rc "np_$kind" 3
+        CHECKS=$((CHECKS + 1))
+        if ((SECONDS - t0 > 6)); then
+            fail "np_$kind: took $((SECONDS - t0)) s"
+        fi
+        kill "$pid" 2>/dev/null
+        finish "fake_$kind" "$pid"
+    done
+    expect_in np_silent err "not a tdpipe peer"
+    expect_in np_talker err "not a tdpipe peer"
+    expect_in np_closer err "closed during handshake"
 }
 
 # A producer whose payload is not tdpipe's pattern fails verification (1).
@@ -267,6 +375,48 @@ test_inspect() {
     expect_in inspect out "message 2: 1000 bytes, schema "
 }
 
+# ---- bench outputs -------------------------------------------------------------------
+
+# --plot: the format from the name, the real cause of a failure, a non-zero
+# exit; never image bytes on stdout.
+test_bench_outputs() {
+    local b=(bench --sizes 1KB --rounds 20 --quiet)
+    run plot_ext 10 "$TDPIPE" "${b[@]}" --plot "$WORK/x.gif"
+    expect_rc plot_ext 2
+    expect_in plot_ext err "must end in .png or .svg"
+    run plot_dir 10 "$TDPIPE" "${b[@]}" --plot "$WORK/missing/x.png"
+    expect_rc plot_dir 1
+    expect_in plot_dir err "cannot write in $WORK/missing: No such file or directory"
+    CHECKS=$((CHECKS + 1))
+    [[ -s $WORK/plot_dir.out ]] && fail "plot_dir: wrote to stdout"
+    run json_dir 10 "$TDPIPE" "${b[@]}" --json "$WORK/missing/x.json"
+    expect_rc json_dir 1
+    expect_in json_dir err "No such file or directory"
+
+    # gnuplot fails: its words, exit 1, no file left, the table still printed
+    mkdir -p "$WORK/bin"
+    printf '#!/bin/sh\ncat >/dev/null\necho "no such terminal" >&2\nexit 1\n' >"$WORK/bin/gnuplot"
+    chmod +x "$WORK/bin/gnuplot"
+    run plot_fail 30 env PATH="$WORK/bin:$PATH" "$TDPIPE" "${b[@]}" --plot "$WORK/f.png"
+    expect_rc plot_fail 1
+    expect_in plot_fail err "gnuplot failed (exit status 1)"
+    expect_in plot_fail err "gnuplot: no such terminal"
+    expect_in plot_fail out "1.00 KB            1000"
+    CHECKS=$((CHECKS + 1))
+    [[ -e $WORK/f.png ]] && fail "plot_fail: left $WORK/f.png"
+
+    if ! command -v gnuplot >/dev/null; then
+        echo "skip: no gnuplot"
+        return
+    fi
+    run plot_svg 30 "$TDPIPE" "${b[@]}" --plot "$WORK/x.svg"
+    expect_rc plot_svg 0
+    CHECKS=$((CHECKS + 1))
+    if ! grep -q "<svg" "$WORK/x.svg" 2>/dev/null || grep -q "<svg" "$WORK/plot_svg.out"; then
+        fail "plot_svg: no SVG in the file, or SVG on stdout"
+    fi
+}
+
 # ---- serve -----------------------------------------------------------------------
 
 test_serve() {
@@ -282,8 +432,9 @@ test_serve() {
     finish serve_echo "$spid"
     expect_rc serve_echo 0
     expect_in serve_echo out "client 1 connected from 127.0.0.1:"
+    expect_in serve_echo out ", plane "
     expect_in serve_echo out "stopping: 20 messages handled"
-    expect_in serve_echo out "served 1 clients"
+    expect_in serve_echo out "served 1 client in"
     expect_in serve_echo out "20 messages in"
 
     # sink: two clients, verified, then SIGINT
@@ -300,7 +451,7 @@ test_serve() {
     expect_in serve_sink out "stopping: SIGINT"
     expect_in serve_sink out "served 2 clients"
     expect_in serve_sink out "60 messages in"
-    expect_in serve_sink out "verify ok"
+    expect_in serve_sink out "verify ok; depth 4"
 
     # --max-clients: one over the limit is refused (3); --duration ends it
     start serve_one 60 "$TDPIPE" serve --bind 127.0.0.1 --mode sink --max-clients 1 \
@@ -319,13 +470,146 @@ test_serve() {
     expect_in serve_one out "stopping: 4 s elapsed"
 }
 
+# ---- defaults that work together ---------------------------------------------------
+
+# pair NAME RECEIVER... -- SENDER-ARGS...: start the receiver on 127.0.0.1, run
+# `send` against it (NAME_send), stop a server with SIGINT, record both.
+pair() {
+    local name=$1 recv=() port pid
+    shift
+    while [[ $1 != -- ]]; do
+        recv+=("$1")
+        shift
+    done
+    shift
+    start "$name" 30 "$TDPIPE" "${recv[@]}" --bind 127.0.0.1
+    pid=$PID
+    port=$(port_of "$name") || return
+    run "${name}_send" 30 "$TDPIPE" send "127.0.0.1:$port" --quiet "$@"
+    [[ ${recv[0]} == serve ]] && kill -INT "$pid" 2>/dev/null
+    finish "$name" "$pid"
+}
+
+# Each receiver with its defaults works with `send`, or both fail at once
+# saying which flag to change.
+test_defaults() {
+    pair d_serve serve --quiet -- --count 5 --size 1KB
+    expect_rc d_serve_send 0
+    expect_rc d_serve 0
+    expect_in d_serve out "5 messages (5.00 KB), sunk"
+    expect_in d_serve out "verify ok"
+
+    pair d_serve_echo serve --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_serve_echo_send 0
+    expect_in d_serve_echo_send out "round trip:"
+    expect_in d_serve_echo out "5 messages (5.00 KB), echoed"
+
+    pair d_inspect inspect -- --count 3 --size 1KB
+    expect_rc d_inspect_send 0
+    expect_rc d_inspect 0
+    expect_in d_inspect out "message 3: 1000 bytes"
+    expect_in d_inspect out "producer closed after 3 messages"
+
+    pair d_recv_echo recv --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_recv_echo_send 2
+    expect_in d_recv_echo_send err "receiver (tdpipe recv) does not send messages back"
+    expect_in d_recv_echo_send err "drop --echo"
+    expect_rc d_recv_echo 1
+    expect_in d_recv_echo err "waits for each message to come back"
+
+    pair d_inspect_echo inspect -- --count 5 --size 1KB --echo
+    expect_rc d_inspect_echo_send 2
+    expect_in d_inspect_echo_send err "drop --echo"
+    expect_rc d_inspect_echo 1
+
+    pair d_sink_echo serve --mode sink --quiet -- --count 5 --size 1KB --echo
+    expect_rc d_sink_echo_send 2
+    expect_in d_sink_echo_send err "drop --echo, or start the server with '--mode auto'"
+    expect_in d_sink_echo out "client 1 closed: refused"
+
+    pair d_echo_sink serve --mode echo --quiet -- --count 50 --size 1KB
+    expect_rc d_echo_sink_send 2
+    expect_in d_echo_sink_send err "add --echo"
+    expect_in d_echo_sink out "client 1 closed: refused"
+}
+
+# ---- interruption ----------------------------------------------------------------------
+
+# SIGINT/SIGTERM: a clean close, the summary, exit 128 + signal.
+test_signals() {
+    local port rpid spid
+    # the receiver is interrupted: it closes cleanly, the sender hears so
+    start sig_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of sig_recv) || return
+    start sig_recv_send 30 "$TDPIPE" send "127.0.0.1:$port" --rate 100 --count 1000 --size 1KB \
+        --quiet
+    spid=$PID
+    sleep 0.5
+    kill -INT "$rpid"
+    finish sig_recv "$rpid"
+    finish sig_recv_send "$spid"
+    expect_rc sig_recv 130
+    expect_in sig_recv out "end: interrupted (SIGINT)"
+    expect_in sig_recv out "verify ok"
+    expect_rc sig_recv_send 4
+    expect_in sig_recv_send err "the receiver closed the stream"
+
+    # the sender is interrupted: it closes cleanly, the receiver ends with 0
+    start sig_send_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of sig_send_recv) || return
+    start sig_send 30 "$TDPIPE" send "127.0.0.1:$port" --rate 100 --count 1000 --size 1KB --quiet
+    spid=$PID
+    sleep 0.5
+    kill -TERM "$spid"
+    finish sig_send "$spid"
+    finish sig_send_recv "$rpid"
+    expect_rc sig_send 143
+    expect_in sig_send err "interrupted (SIGTERM)"
+    expect_in sig_send out "sent "
+    expect_rc sig_send_recv 0
+    expect_in sig_send_recv out "end: producer closed"
+
+    # nobody connected yet
+    start sig_inspect 30 "$TDPIPE" inspect --bind 127.0.0.1
+    rpid=$PID
+    port_of sig_inspect >/dev/null || return
+    kill -INT "$rpid"
+    finish sig_inspect "$rpid"
+    expect_rc sig_inspect 130
+    expect_in sig_inspect err "interrupted (SIGINT) before a producer connected"
+
+    # UCX's own warnings stay quiet unless asked for (-v) or set (UCX_LOG_LEVEL)
+    run ucx_quiet 10 env -u UCX_LOG_LEVEL UCX_TLS=bogus "$TDPIPE" recv --bind 127.0.0.1
+    expect_rc ucx_quiet 1
+    CHECKS=$((CHECKS + 1))
+    if grep -q "UCX  WARN\|UCX  ERROR" "$WORK/ucx_quiet.out" "$WORK/ucx_quiet.err"; then
+        fail "ucx_quiet: UCX's log reached the terminal"
+        dump "$WORK/ucx_quiet.out" "$WORK/ucx_quiet.err"
+    fi
+    # and with -v it goes to stderr, never into the results on stdout
+    run ucx_loud 10 env -u UCX_LOG_LEVEL UCX_TLS=bogus "$TDPIPE" -v recv --bind 127.0.0.1
+    expect_in ucx_loud err "UCX  WARN: transport 'bogus' is not available"
+    CHECKS=$((CHECKS + 1))
+    if grep -q "UCX" "$WORK/ucx_loud.out"; then
+        fail "ucx_loud: UCX's log on stdout"
+        dump "$WORK/ucx_loud.out"
+    fi
+}
+
 test_usage
+test_signals
+test_defaults
 test_recv_send
 test_recv_count
+test_sizes
 test_ipv6
 test_errors
+test_not_a_peer
 test_verify_fail
 test_inspect
+test_bench_outputs
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

@@ -481,6 +481,13 @@ static void test_timeouts(void **state)
     assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p), TDP_ETIMEDOUT);
     dt = mono_ms() - t0;
     assert_true(dt >= 190 && dt < 5000);
+    /* with a longer deadline, its silence says it is not a tdpipe peer (an HTTP
+     * server waits for a request): the greeting deadline ends it, not the handshake's */
+    o.connect_timeout_ms = 20000;
+    t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p), TDP_EPROTO);
+    dt = mono_ms() - t0;
+    assert_true(dt >= 1900 && dt < 10000);
     /* unresolvable names and bad arguments */
     assert_int_equal(tdp_pipe_connect(loop, "no-such-host.invalid", 1, NULL, &p), TDP_EADDR);
     assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 0, NULL, &p), TDP_EINVAL);

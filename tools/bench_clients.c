@@ -50,7 +50,7 @@ static tdp_err srv_on_message(tdp_client *c, tdp_td *td, void *arg)
     return TDP_OK;
 }
 
-int tdp_bench_clients_server(uint64_t expect, uint32_t depth)
+int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane)
 {
     tdp_loop *loop;
     tdp_server *srv;
@@ -60,6 +60,7 @@ int tdp_bench_clients_server(uint64_t expect, uint32_t depth)
 
     tdp_server_opts_default(&so);
     so.pipe.recv_depth = depth;
+    so.pipe.plane = plane;
     so.max_clients = 4096;
     if (tdp_loop_new(NULL, &loop) != TDP_OK ||
         tdp_server_new(loop, "127.0.0.1", 0, &so, &h, &st, &srv) != TDP_OK)
@@ -121,7 +122,8 @@ static bool read_line(int fd, char *buf, size_t len, int timeout_ms)
 }
 
 /* One run: n producers, `total` messages of `size` bytes; bytes/s at the server. */
-static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, double *bps)
+static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+                           double *bps, const char **plane_used)
 {
     int to_child[2], from_child[2];
     char line[128], tot[24], dep[16];
@@ -139,7 +141,7 @@ static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, doub
         close(to_child[1]);
         close(from_child[0]);
         execl("/proc/self/exe", "tdpipe", "bench", "--role=server", "--rounds", tot, "--depth",
-              dep, (char *)NULL);
+              dep, "--plane", tdp_plane_name(plane), (char *)NULL);
         _exit(127);
     }
     close(to_child[0]);
@@ -164,14 +166,18 @@ static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, doub
         tdp_td_new(s, &td) != TDP_OK || tdp_loop_start_thread(loop) != TDP_OK)
         goto out_loop;
     tdp_cli_fill(td, 1);
+    tdp_pipe_opts po;
+    tdp_pipe_opts_default(&po);
+    po.plane = plane;
     int connected = 0;
     for (int i = 0; i < n; i++, connected++) {
         pr[i] = (producer){.td = td, .left = total / n + (i < total % n), .running = &running};
-        if ((rc = tdp_pipe_connect(loop, "127.0.0.1", (uint16_t)port, NULL, &pr[i].pipe)) !=
+        if ((rc = tdp_pipe_connect(loop, "127.0.0.1", (uint16_t)port, &po, &pr[i].pipe)) !=
                 TDP_OK ||
             (rc = tdp_op_new(prod_sent, &pr[i], &pr[i].op)) != TDP_OK)
             goto out_pipes;
     }
+    *plane_used = tdp_cli_plane_of(pr[0].pipe); /* a static name */
     for (int i = 0; i < n; i++)
         tdp_pipe_send_async(pr[i].pipe, td, pr[i].op);
     unsigned long long bytes = 0, ns = 0;
@@ -209,7 +215,8 @@ out_child:
     return rc;
 }
 
-int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, bool quiet)
+int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+                      bool quiet)
 {
     double one = 0, many = 0;
     char a[TDP_CLI_FMT_LEN], b[TDP_CLI_FMT_LEN], sz[TDP_CLI_FMT_LEN];
@@ -220,15 +227,17 @@ int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, bool quie
         total = 10 * n;
     tdp_cli_format_size(size, sz, sizeof(sz));
     if (!quiet)
-        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d clients\n", total,
-                sz, n);
-    tdp_err rc = run_clients(1, size, total, depth, &one);
+        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d client%s\n", total,
+                sz, n, tdp_cli_s((uint64_t)n));
+    const char *used = "?";
+    tdp_err rc = run_clients(1, size, total, depth, plane, &one, &used);
     if (rc == TDP_OK)
-        rc = run_clients(n, size, total, depth, &many);
+        rc = run_clients(n, size, total, depth, plane, &many, &used);
     if (rc != TDP_OK) {
         tdp_cli_error("bench", "clients run failed: %s", tdp_strerror(rc));
         return tdp_cli_exit_for(rc);
     }
+    printf("plane %s, depth %u\n", used, depth);
     printf("%-10s %8s %14s %14s %8s\n", "size", "clients", "1 client", "aggregate", "ratio");
     printf("%-10s %8d %14s %14s %8.2f\n", sz, n, tdp_cli_format_rate(one, a, sizeof(a)),
            tdp_cli_format_rate(many, b, sizeof(b)), one > 0 ? many / one : 0.0);

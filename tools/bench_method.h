@@ -9,6 +9,7 @@
 #define TDPIPE_TOOLS_BENCH_METHOD_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* Ping-pongs for a size: `rounds` if > 0, else about 1 GiB each way (10..2000). */
@@ -31,10 +32,32 @@ void tdp_bm_lat_summary(double *samples, int n, tdp_bm_lat *out);
 void tdp_bm_spread(const double *v, int n, double *min, double *median, double *max);
 
 /*
- * A byte count with an optional unit, case-insensitive, space allowed:
- * B or none; KB MB GB TB (K M G T) = 1000^n; KiB MiB GiB TiB = 1024^n.
- * Fractions only when they come to whole bytes. False on anything else.
+ * A byte count: a number (digits, optionally a decimal fraction) and an
+ * optional unit, with or without a space between:
+ *   none or B              bytes
+ *   K, M, G, T (+ B)       SI, 1000^1..4: 1K = 1KB = 1000
+ *   Ki, Mi, Gi, Ti (+ B)   IEC, 1024^1..4: 1Ki = 1KiB = 1024
+ * The prefix and the i are case-insensitive; the B must be upper case: a
+ * lower-case b means bits ("1Mb"), and is refused. A fraction must come to
+ * a whole number of bytes ("1.5KB" = 1500; "1.5B" is refused). False on
+ * anything else; *why (if not NULL) then says what, in a few words.
  */
 bool tdp_bm_parse_size(const char *s, uint64_t *out);
+bool tdp_bm_parse_size_why(const char *s, uint64_t *out, const char **why);
+
+/*
+ * A comma-separated list of sizes, each in [min, max], at most max_n: no
+ * empty element ("1KB,,1MB" and a trailing comma are refused). On failure
+ * why (len bytes) says which element and what is wrong.
+ */
+bool tdp_bm_parse_size_list(const char *list, uint64_t min, uint64_t max, uint64_t *out,
+                            int max_n, int *n, char *why, size_t len);
+
+/*
+ * The message size for a requested size: whole float32 elements, so
+ * rounded up to a multiple of 4 (saturating). `tdpipe send`, `tdpipe
+ * bench` and bench/'s peers all use it.
+ */
+uint64_t tdp_bm_whole_floats(uint64_t bytes);
 
 #endif

@@ -48,6 +48,12 @@ int tdp_cli_exit_for(tdp_err err);
 
 /* ---- numbers, sizes, rates ---------------------------------------------- */
 
+/* "s" unless n is 1: "%" PRIu64 " message%s", n, tdp_cli_s(n). */
+static inline const char *tdp_cli_s(uint64_t n)
+{
+    return n == 1 ? "" : "s";
+}
+
 /*
  * Parse an unsigned decimal integer in [min, max], whole string. False on
  * anything else (sign, junk, overflow, out of range).
@@ -65,16 +71,17 @@ bool tdp_cli_parse_double(const char *s, double *out);
 bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
 
 /*
- * Parse a byte count: a non-negative number (integer or decimal fraction)
- * and an optional unit, case-insensitive, with or without a space:
- *   B or nothing           bytes
- *   KB, MB, GB, TB         SI: 1000^1..4          ("1MB" = 1000000)
- *   KiB, MiB, GiB, TiB     IEC: 1024^1..4         ("1MiB" = 1048576)
- *   K, M, G, T             as KB, MB, GB, TB (SI)
- * Fractions are allowed with a unit ("1.5MB" = 1500000) and must come to a
- * whole number of bytes. False on junk, an unknown unit or overflow.
+ * Parse a byte count, the one grammar of every subcommand
+ * (tdp_bm_parse_size_why in bench_method.h): a number, integer or decimal
+ * fraction, and an optional unit, with or without a space:
+ *   none or B              bytes
+ *   K, M, G, T (+ B)       SI: 1000^1..4        ("1M" = "1MB" = 1000000)
+ *   Ki, Mi, Gi, Ti (+ B)   IEC: 1024^1..4       ("1MiB" = 1048576)
+ * The prefix is case-insensitive, the B is not: "1Mb" (megabits) is
+ * refused. Fractions must come to a whole number of bytes ("1.5MB" =
+ * 1500000). False on anything else, with *why (if not NULL) saying what.
  */
-bool tdp_cli_parse_size(const char *s, uint64_t *out);
+bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why);
 
 /*
  * Format a byte count for people, SI units, three significant digits:
@@ -112,6 +119,63 @@ bool tdp_cli_parse_port(const char *s, bool allow_zero, uint16_t *port);
  */
 const char *tdp_cli_format_hostport(const char *host, uint16_t port, char *buf, size_t len);
 
+/* ---- data planes ------------------------------------------------------------ */
+
+/*
+ * Parse a --plane value with tdp_plane_parse (so every name the library
+ * knows is accepted, "auto" included). On a bad name, print "tdpipe CMD:
+ * unknown plane 'X' (valid: auto, ucx, ...)" and the --help pointer, and
+ * return false (the caller exits with TDP_EXIT_USAGE).
+ */
+bool tdp_cli_parse_plane(const char *cmd, const char *s, tdp_plane *out);
+
+/* The names tdp_plane_parse accepts, comma-separated, into buf. */
+const char *tdp_cli_plane_names(char *buf, size_t len);
+
+/* The plane a pipe uses, for summaries: "ucx", "shm"; "?" before the HELLO. */
+const char *tdp_cli_plane_of(const tdp_pipe *pipe);
+
+/*
+ * Why listening on host:port failed, in words, for the library's
+ * TDP_EADDR (which covers them all): the name does not resolve, the port
+ * is in use, the address is not one of this host's, or the port needs
+ * privileges. Found by resolving and binding a scratch socket the way the
+ * library does; host NULL or "" is every address. Prints "tdpipe CMD:
+ * cannot listen on WHERE: WHY" and returns the exit status. Other errors
+ * are printed with tdp_cli_strerror.
+ */
+int tdp_cli_listen_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc);
+
+/*
+ * Why a connect to host:port failed, in words: "not a tdpipe peer",
+ * "closed during handshake", "cannot resolve", ... Prints "tdpipe CMD:
+ * cannot connect to WHERE: WHY" and returns the exit status (3, or 5 for a
+ * deadline).
+ */
+int tdp_cli_connect_failed(const char *cmd, const char *host, uint16_t port, tdp_err rc,
+                           tdp_plane plane);
+
+/* tdp_strerror, with a pointer to -v for UCX errors (UCX's log is quiet). */
+const char *tdp_cli_strerror(tdp_err rc);
+
+/*
+ * This host's addresses another host could connect to on port: the IPv4
+ * and IPv6 addresses of every interface that is up and not loopback
+ * (IPv6 link-local ones are left out: they need a zone to be used),
+ * without repeats, formatted "10.0.0.5:5000, [2001:db8::5]:5000" into buf
+ * (at most 8; "and N more" after). Returns how many there are. Only
+ * printed: nothing connects to them.
+ */
+int tdp_cli_host_addresses(uint16_t port, char *buf, size_t len);
+
+/*
+ * "listening on HOST:PORT" (the first line on stdout, which scripts read),
+ * and when listening on every address, a second line with the addresses
+ * another host can use: "other hosts: 10.0.0.5:5000, ..." or "other
+ * hosts: none (no address besides loopback)".
+ */
+void tdp_cli_print_listening(const char *bind, uint16_t port);
+
 /* ---- synthetic payloads --------------------------------------------------- */
 
 /* Key of the tensor leaf of the synthetic schema. */
@@ -132,6 +196,41 @@ tdp_err tdp_cli_synth_schema(uint64_t nbytes, tdp_device dev, tdp_schema **out);
 
 /* The buffer size tdp_cli_synth_schema makes for a requested size. */
 uint64_t tdp_cli_synth_bytes(uint64_t nbytes);
+
+/*
+ * The schema `tdpipe send` streams: the synthetic one, with one more value
+ * in "meta", meta.echo = true or false, which tells the receiver whether
+ * this producer reads a reply to each message (`send --echo`). Receivers
+ * read it with tdp_cli_wants_echo, so that every pair of tdpipe commands
+ * either works or fails at once saying which flag to change.
+ */
+tdp_err tdp_cli_send_schema(uint64_t nbytes, tdp_device dev, bool echo, tdp_schema **out);
+
+/*
+ * What the producer of a stream with schema s expects back: 1 when it
+ * waits for each message to be echoed (`send --echo`), 0 when it reads
+ * nothing (`send`), -1 when the schema is not `tdpipe send`'s (another
+ * producer: nothing is known).
+ */
+int tdp_cli_wants_echo(const tdp_schema *s);
+
+/*
+ * Notices: a receiver that cannot serve a tdpipe producer as it asks sends
+ * it one small message whose schema carries meta.notice = CODE and
+ * meta.from = who (e.g. "tdpipe recv"), then closes cleanly. The producer
+ * reads it where it expected an echo or a clean end, and says what to do.
+ */
+#define TDP_CLI_NOTICE_NO_ECHO "no-echo" /* this receiver never sends messages back */
+#define TDP_CLI_NOTICE_ECHOES  "echoes"  /* this receiver sends every message back */
+
+/* A notice message (host memory, a few bytes); *out holds one reference. */
+tdp_err tdp_cli_notice_new(const char *code, const char *from, tdp_td **out);
+
+/*
+ * The code of the notice td carries, or NULL when it is not a notice; the
+ * sender's name goes into from (of len bytes, "?" when absent).
+ */
+const char *tdp_cli_notice_of(const tdp_td *td, char *from, size_t len);
 
 /*
  * Fill the whole consolidated buffer of td (host memory) with the pattern
@@ -198,6 +297,27 @@ void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f);
 const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint64_t now_ns,
                                   char *buf, size_t len);
 
+/* ---- interruption ------------------------------------------------------------ */
+
+/*
+ * SIGINT and SIGTERM for `send`, `recv` and `inspect`: call this first,
+ * before any thread exists (the loop's, UCX's), so that they all inherit
+ * the signals blocked. A watcher thread takes them with sigwait: the first
+ * only sets a flag (tdp_cli_interrupted), which the command polls between
+ * messages and in its waits, so it closes the stream cleanly and prints its
+ * summary; a second one (half a second or more after the first: a
+ * process-group kill may deliver one signal twice) ends the process at
+ * once with the signal's default action. No handler ever runs inside the library. Returns false
+ * if the watcher cannot be started (the signals then act as by default).
+ */
+bool tdp_cli_catch_signals(void);
+
+/* The first SIGINT/SIGTERM caught, or 0. */
+int tdp_cli_interrupted(void);
+
+/* The exit status for an interruption by sig: 128 + sig (130, 143). */
+#define TDP_EXIT_SIGNAL(sig) (128 + (sig))
+
 /* ---- option parsing ------------------------------------------------------- */
 
 /*
@@ -224,6 +344,12 @@ int tdp_cli_usage_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 
 /* Print "tdpipe CMD: MESSAGE" on stderr (runtime errors). */
 void tdp_cli_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
 
+/*
+ * One more -v, given after the subcommand (`tdpipe send ... -v`): the same
+ * as before it. Every subcommand takes -v/--verbose. Defined in tdpipe.c.
+ */
+void tdp_cli_more_verbose(void);
+
 /* ---- subcommands ---------------------------------------------------------- */
 
 /* Each takes its own argv (argv[0] is its name) and returns a tdp_cli_exit. */
@@ -235,12 +361,22 @@ int tdp_cmd_inspect(int argc, char **argv);
 int tdp_cmd_version(int argc, char **argv);
 
 /* bench_clients.c: `tdpipe bench --clients N` and its server process. */
-int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, bool quiet);
-int tdp_bench_clients_server(uint64_t expect, uint32_t depth);
+int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+                      bool quiet);
+int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
+
+/*
+ * Receive buffers of recv and serve (and each side of bench) unless --depth
+ * says otherwise: with 4 the sender keeps messages in flight instead of
+ * waiting for each to be read, which is the speed docs/benchmarks.md
+ * reports; 1 is the library's default (each receive overwrites the last).
+ */
+#define TDP_CLI_DEFAULT_DEPTH 4u
 
 /* Subcommand help texts end with this pointer to the exit-status table. */
 #define TDP_CLI_EXIT_HELP                                                                          \
     "Exit status: 0 ok, 1 runtime failure, 2 usage error, 3 cannot connect/listen,\n"              \
-    "4 peer ended with an error, 5 timed out.\n"
+    "4 peer ended with an error, 5 timed out, 130/143 interrupted by SIGINT/SIGTERM\n"            \
+    "(after a clean close and the summary; a second signal ends it at once).\n"
 
 #endif /* TDPIPE_TOOLS_CLI_H */

@@ -17,12 +17,14 @@
  * bytes carry the benchmark's control words.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,6 +39,8 @@
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define HDR_BYTES 32u /* four int64 control words at the start of each message */
 #define MAX_SIZES 16
+#define MIN_SIZE  128          /* room for the control words, and some payload */
+#define MAX_SIZE  (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
 #define BENCH_TMO 120000
 
@@ -47,6 +51,7 @@ typedef struct bench_cfg {
     uint32_t depth;
     uint32_t busy_poll_us;
     tdp_peer_mode peer_mode;
+    tdp_plane plane;
     const char *tls;
     const char *json_path;
     const char *plot_path;
@@ -100,6 +105,7 @@ static int run_consumer(const bench_cfg *cfg)
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
     if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
         return TDP_EXIT_CONNECT;
     tdp_schema *as = bench_schema(128);
@@ -265,12 +271,14 @@ static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE 
     }
 }
 
-static void write_json(const bench_cfg *cfg, const size_result *r, int n, const char *path)
+/* False (and a message) when the file could not be written. */
+static bool write_json(const bench_cfg *cfg, const char *plane, const size_result *r, int n,
+                       const char *path)
 {
     FILE *f = fopen(path, "w");
     if (f == NULL) {
-        fprintf(stderr, "tdpipe bench: cannot write %s: %s\n", path, strerror(errno));
-        return;
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
     }
     char date[64];
     time_t t = time(NULL);
@@ -280,13 +288,13 @@ static void write_json(const bench_cfg *cfg, const size_result *r, int n, const 
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"cpus\": %ld},\n  \"results\": [\n",
+            "\"plane\": \"%s\", \"cpus\": %ld},\n  \"results\": [\n",
             tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
             cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
-            sysconf(_SC_NPROCESSORS_ONLN));
+            plane, sysconf(_SC_NPROCESSORS_ONLN));
     for (int i = 0; i < n; i++) {
         fprintf(f,
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
@@ -299,40 +307,190 @@ static void write_json(const bench_cfg *cfg, const size_result *r, int n, const 
                 r[i].tp_msgs, i + 1 < n ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
+    bool ok = !ferror(f);
+    if (fclose(f) != 0 || !ok) {
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* ---- --plot and --json: checked before, written after ------------------------- */
+
+/* The gnuplot terminal for a plot file, from its extension; NULL for others. */
+static const char *plot_terminal(const char *path)
+{
+    const char *dot = strrchr(path, '.');
+    if (dot != NULL && strcasecmp(dot, ".png") == 0)
+        return "pngcairo size 1100,450 font ',10'";
+    if (dot != NULL && strcasecmp(dot, ".svg") == 0)
+        return "svg size 1100,450 font ',10' dynamic";
+    return NULL;
+}
+
+/* Is an executable `name` in PATH? */
+static bool in_path(const char *name)
+{
+    const char *path = getenv("PATH");
+    char buf[4096];
+    while (path != NULL && *path != '\0') {
+        const char *end = strchr(path, ':');
+        size_t len = end != NULL ? (size_t)(end - path) : strlen(path);
+        if (len > 0 && len + strlen(name) + 2 <= sizeof(buf)) {
+            snprintf(buf, sizeof(buf), "%.*s/%s", (int)len, path, name);
+            if (access(buf, X_OK) == 0)
+                return true;
+        }
+        path = end != NULL ? end + 1 : NULL;
+    }
+    return false;
+}
+
+/*
+ * Before a long run: can path be written (its folder exists and is ours
+ * to write)? The file itself is not created yet. False with a message.
+ */
+static bool can_write(const char *opt, const char *path)
+{
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (slash == NULL)
+        snprintf(dir, sizeof(dir), ".");
+    else if (slash == path)
+        snprintf(dir, sizeof(dir), "/");
+    else
+        snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path);
+    if (slash != NULL && slash[1] == '\0') {
+        tdp_cli_error("bench", "%s %s: a file name is needed, not a folder", opt, path);
+        return false;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        tdp_cli_error("bench", "%s %s: cannot write in %s: %s", opt, path, dir, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* The checks of --json and --plot that need no benchmark; false with a message. */
+static bool outputs_ok(const bench_cfg *cfg)
+{
+    if (cfg->json_path != NULL && !can_write("--json", cfg->json_path))
+        return false;
+    if (cfg->plot_path == NULL)
+        return true;
+    if (!can_write("--plot", cfg->plot_path))
+        return false;
+    if (!in_path("gnuplot")) {
+        tdp_cli_error("bench", "--plot needs gnuplot, which is not in PATH (Debian: gnuplot)");
+        return false;
+    }
+    return true;
+}
+
+/* Print what gnuplot said (its stderr, kept in fd), indented. */
+static void show_log(int fd)
+{
+    char line[512];
+    FILE *f = fdopen(fd, "r");
+    if (f == NULL)
+        return;
+    rewind(f);
+    for (int n = 0; n < 20 && fgets(line, sizeof(line), f) != NULL; n++)
+        fprintf(stderr, "  gnuplot: %s", line);
     fclose(f);
 }
 
-/* Draw latency and throughput against size with gnuplot, when installed. */
-static void write_plot(const size_result *r, int n, const char *path)
+/*
+ * Draw latency and throughput against size with gnuplot into path (PNG or
+ * SVG, from the extension). gnuplot writes to its stdout, which is the file
+ * opened here: no output of gnuplot's can reach our stdout, and a file
+ * that cannot be written is reported with the real cause. False with a
+ * message (and no half-written file) on failure.
+ */
+static bool write_plot(const size_result *r, int n, const char *path)
 {
-    char dat[] = "/tmp/tdpipe-bench-XXXXXX";
-    int fd = mkstemp(dat);
-    if (fd < 0)
-        return;
-    FILE *f = fdopen(fd, "w");
+    char dat[] = "/tmp/tdpipe-bench-XXXXXX", log[] = "/tmp/tdpipe-gnuplot-XXXXXX";
+    const char *term = plot_terminal(path);
+    int status = -1, to_gp[2] = {-1, -1};
+    bool ok = false;
+
+    int out = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) {
+        tdp_cli_error("bench", "cannot write %s: %s", path, strerror(errno));
+        return false;
+    }
+    int dfd = mkstemp(dat), lfd = mkstemp(log);
+    FILE *f = dfd >= 0 ? fdopen(dfd, "w") : NULL;
+    if (f == NULL || lfd < 0 || pipe(to_gp) != 0) {
+        tdp_cli_error("bench", "--plot: cannot make scratch files: %s", strerror(errno));
+        goto out;
+    }
     for (int i = 0; i < n; i++)
         fprintf(f, "%" PRIu64 " %.3f %.3f %.3f\n", r[i].bytes, r[i].lat_p50, r[i].lat_p99,
                 r[i].tp_median / 1e9);
     fclose(f);
-    FILE *g = popen("gnuplot 2>/dev/null", "w");
-    if (g == NULL) {
-        unlink(dat);
-        return;
+    f = NULL;
+    dfd = -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(to_gp[0], STDIN_FILENO);
+        dup2(out, STDOUT_FILENO);
+        dup2(lfd, STDERR_FILENO);
+        close(to_gp[1]);
+        execlp("gnuplot", "gnuplot", (char *)NULL);
+        fprintf(stderr, "cannot run gnuplot: %s\n", strerror(errno));
+        _exit(127);
     }
-    fprintf(g,
-            "set terminal pngcairo size 1100,450 font ',10'\nset output '%s'\n"
-            "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
-            "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
-            "set ylabel 'one-way latency (us)'\n"
-            "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with linespoints "
-            "title 'p99'\n"
-            "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
-            "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
-            path, dat, dat);
-    int st = pclose(g);
+    close(to_gp[0]);
+    to_gp[0] = -1;
+    if (pid < 0) {
+        tdp_cli_error("bench", "--plot: cannot start gnuplot: %s", strerror(errno));
+        goto out;
+    }
+    FILE *g = fdopen(to_gp[1], "w");
+    if (g != NULL) {
+        fprintf(g,
+                "set terminal %s\n"
+                "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
+                "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
+                "set ylabel 'one-way latency (us)'\n"
+                "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with "
+                "linespoints title 'p99'\n"
+                "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
+                "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
+                term, dat, dat);
+        fclose(g); /* gnuplot ends at the end of its input */
+    } else {
+        close(to_gp[1]);
+    }
+    to_gp[1] = -1;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok) {
+        tdp_cli_error("bench", "gnuplot failed (%s %d); no plot written:",
+                      WIFEXITED(status) ? "exit status" : "signal",
+                      WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        show_log(lfd);
+        lfd = -1; /* closed by show_log */
+    }
+out:
+    if (!ok)
+        unlink(path);
+    close(out);
+    if (f != NULL)
+        fclose(f);
+    else if (dfd >= 0)
+        close(dfd);
+    if (lfd >= 0)
+        close(lfd);
+    for (int i = 0; i < 2; i++)
+        if (to_gp[i] >= 0)
+            close(to_gp[i]);
     unlink(dat);
-    if (st != 0)
-        fprintf(stderr, "tdpipe bench: gnuplot failed; no plot written (is gnuplot installed?)\n");
+    unlink(log);
+    return ok;
 }
 
 static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
@@ -348,7 +506,8 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     pid_t pid = fork();
     if (pid == 0) {
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
-              depth, "--busy-poll", poll, "--peer-mode", mode, (char *)NULL);
+              depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
+              tdp_plane_name(cfg->plane), (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -367,31 +526,33 @@ static int run_producer(bench_cfg *cfg)
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
     if (tdp_loop_new(&lo, &loop) != TDP_OK) {
         fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
         return TDP_EXIT_FAIL;
     }
-    if (tdp_listener_new(loop, "127.0.0.1", 0, &po, NULL, NULL, &l) != TDP_OK) {
-        fprintf(stderr, "tdpipe bench: cannot listen on 127.0.0.1\n");
+    tdp_err lrc = tdp_listener_new(loop, "127.0.0.1", 0, &po, NULL, NULL, &l);
+    if (lrc != TDP_OK) {
         tdp_loop_free(loop);
-        return TDP_EXIT_CONNECT;
+        return tdp_cli_listen_failed("bench", "127.0.0.1", 0, lrc);
     }
     pid_t child = spawn_consumer(cfg, tdp_listener_port(l));
     tdp_err rc = tdp_listener_accept(l, 30000, &p);
     if (rc != TDP_OK) {
-        fprintf(stderr, "tdpipe bench: the consumer did not connect: %s\n", tdp_strerror(rc));
+        fprintf(stderr, "tdpipe bench: the consumer did not connect: %s%s\n", tdp_strerror(rc),
+                cfg->plane != TDP_PLANE_AUTO ? " (is the plane available here?)" : "");
         kill(child, SIGKILL);
         waitpid(child, NULL, 0);
         tdp_listener_free(l);
         tdp_loop_free(loop);
         return TDP_EXIT_CONNECT;
     }
-    const char *tls = getenv("UCX_TLS");
+    const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
-                "UCX_TLS=%s, depth %u, %s\n",
-                (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default",
+                "UCX_TLS=%s, plane %s, depth %u, %s\n",
+                (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default", plane,
                 cfg->depth, cfg->busy_poll_us ? "busy-poll" : "event-driven");
     /* settle the acknowledgement's schema before anything is timed */
     tdp_schema *ss = bench_schema(128);
@@ -429,11 +590,15 @@ static int run_producer(bench_cfg *cfg)
         rc_exit = TDP_EXIT_FAIL;
     }
     if (done > 0) {
+        printf("plane %s, depth %u, %s, UCX_TLS=%s\n", plane, cfg->depth,
+               cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
         print_table(cfg, res, done, stdout);
-        if (cfg->json_path != NULL)
-            write_json(cfg, res, done, cfg->json_path);
-        if (cfg->plot_path != NULL)
-            write_plot(res, done, cfg->plot_path);
+        if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, cfg->json_path) &&
+            rc_exit == TDP_EXIT_OK)
+            rc_exit = TDP_EXIT_FAIL;
+        if (cfg->plot_path != NULL && !write_plot(res, done, cfg->plot_path) &&
+            rc_exit == TDP_EXIT_OK)
+            rc_exit = TDP_EXIT_FAIL;
     }
     return rc_exit;
 }
@@ -448,23 +613,40 @@ static void usage(FILE *f)
             "throughput (timed on the receiver, 3 repeats) for each payload size.\n"
             "\n"
             "  --sizes LIST       payload sizes, comma-separated (default 1KB,1MB,100MB;\n"
-            "                     KB/MB/GB = 1000^n, KiB/MiB/GiB = 1024^n; 128 B .. 64 GiB)\n"
-            "  --rounds N         ping-pongs and messages per repeat (default: scaled by size)\n"
+            "                     K/KB, M/MB, G/GB = 1000^n, Ki/KiB, Mi/MiB, Gi/GiB = 1024^n;\n"
+            "                     128 B .. 64 GiB, rounded up to a multiple of 4)\n"
+            "  --rounds N         ping-pongs and messages per repeat (default: scaled by size;\n"
+            "                     below 20 the figures are mostly noise, and a warning says so)\n"
             "  --depth N          receive buffers on each side (default 4)\n"
             "  --tls LIST         UCX transports (sets UCX_TLS, e.g. tcp or shm,self)\n"
             "  --busy-poll US     busy-poll window of both loops (default 0: event-driven)\n"
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
+            "  --plane NAME       data plane (default auto: the HELLO picks one);\n"
+            "                     'tdpipe version' lists the names\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
-            "  --plot FILE.png    draw latency and throughput against size (needs gnuplot)\n"
+            "  --plot FILE        draw latency and throughput against size (needs gnuplot);\n"
+            "                     FILE.png or FILE.svg: the format comes from the name\n"
             "  --clients N        instead: N producers streaming to one server at once\n"
             "                     against one producer alone (first --sizes entry,\n"
             "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
             "  --quiet            no progress on stderr\n"
+            "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
             "  -h, --help         this text\n"
             "\n"
             "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set.\n");
 }
 
+/* An unsigned option value in [min, max]; false (and a message) otherwise. */
+static bool parse_num(const char *opt, const char *val, uint64_t min, uint64_t max, uint64_t *out)
+{
+    if (tdp_cli_parse_u64(val, min, max, out))
+        return true;
+    tdp_cli_usage_error("bench", "%s must be %" PRIu64 "..%" PRIu64 ", not '%s'", opt, min, max,
+                        val);
+    return false;
+}
+
+/* Returns TDP_EXIT_OK to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
     static const struct option opts[] = {
@@ -474,57 +656,47 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
-        {"clients", required_argument, NULL, 'C'},
-        {NULL, 0, NULL, 0},
+        {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
+        {"verbose", no_argument, NULL, 'v'},       {NULL, 0, NULL, 0},
     };
+    char why[160];
+    uint64_t v;
     int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":vh", opts, NULL)) != -1) {
         switch (c) {
         case 'C':
-            cfg->clients = atoi(optarg);
-            if (cfg->clients < 1 || cfg->clients > 1024) {
-                fprintf(stderr, "tdpipe bench: --clients must be 1..1024\n");
+            if (!parse_num("--clients", optarg, 1, 1024, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->clients = (int)v;
             break;
-        case 's': {
+        case 's':
             cfg->sizes_given = true;
-            cfg->nsizes = 0;
-            char *list = strdup(optarg), *save = NULL;
-            for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-                uint64_t v;
-                if (cfg->nsizes == MAX_SIZES || !tdp_cli_parse_size(tok, &v) || v < 128 ||
-                    v > (64ull << 30)) {
-                    fprintf(stderr, "tdpipe bench: bad size '%s' (128 B .. 64 GiB, at most %d)\n",
-                            tok, MAX_SIZES);
-                    free(list);
-                    return TDP_EXIT_USAGE;
-                }
-                cfg->sizes[cfg->nsizes++] = v & ~3ull; /* whole float32 elements */
-            }
-            free(list);
+            if (!tdp_bm_parse_size_list(optarg, MIN_SIZE, MAX_SIZE, cfg->sizes, MAX_SIZES,
+                                        &cfg->nsizes, why, sizeof(why)))
+                return tdp_cli_usage_error("bench", "--sizes: %s", why);
+            for (int i = 0; i < cfg->nsizes; i++)
+                cfg->sizes[i] = tdp_bm_whole_floats(cfg->sizes[i]);
             break;
-        }
         case 'r':
-            cfg->rounds = atoi(optarg);
-            if (cfg->rounds < 3) { /* one warm-up message and two timed */
-                fprintf(stderr, "tdpipe bench: --rounds must be at least 3\n");
+            /* one warm-up message and two timed, at the least */
+            if (!parse_num("--rounds", optarg, 3, INT32_MAX, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->rounds = (int)v;
             break;
         case 'd':
-            cfg->depth = (uint32_t)atoi(optarg);
-            if (cfg->depth < 1 || cfg->depth > 64) {
-                fprintf(stderr, "tdpipe bench: --depth must be 1..64\n");
+            if (!parse_num("--depth", optarg, 1, 64, &v))
                 return TDP_EXIT_USAGE;
-            }
+            cfg->depth = (uint32_t)v;
             break;
         case 't':
             cfg->tls = optarg;
             break;
         case 'b':
-            cfg->busy_poll_us = (uint32_t)atoi(optarg);
+            if (!parse_num("--busy-poll", optarg, 0, 10000000, &v))
+                return TDP_EXIT_USAGE;
+            cfg->busy_poll_us = (uint32_t)v;
             break;
         case 'm':
             if (strcmp(optarg, "auto") == 0)
@@ -533,15 +705,23 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 cfg->peer_mode = TDP_PEER_UCX;
             else if (strcmp(optarg, "socket") == 0)
                 cfg->peer_mode = TDP_PEER_SOCKET;
-            else {
-                fprintf(stderr, "tdpipe bench: --peer-mode is auto, ucx or socket\n");
+            else
+                return tdp_cli_usage_error("bench", "--peer-mode is auto, ucx or socket, not '%s'",
+                                           optarg);
+            break;
+        case 'P':
+            if (!tdp_cli_parse_plane("bench", optarg, &cfg->plane))
                 return TDP_EXIT_USAGE;
-            }
             break;
         case 'j':
             cfg->json_path = optarg;
             break;
         case 'p':
+            if (plot_terminal(optarg) == NULL)
+                return tdp_cli_usage_error("bench",
+                                           "--plot %s: the file must end in .png or .svg (the "
+                                           "format comes from the name)",
+                                           optarg);
             cfg->plot_path = optarg;
             break;
         case 'q':
@@ -554,21 +734,48 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         case 'c':
             cfg->connect = optarg;
             break;
+        case 'v':
+            tdp_cli_more_verbose();
+            break;
         case 'h':
             usage(stdout);
             return -1;
         default:
-            usage(stderr);
-            return TDP_EXIT_USAGE;
+            return tdp_cli_bad_option("bench", argv, c);
         }
     }
-    if (optind < argc) {
-        fprintf(stderr, "tdpipe bench: unexpected argument '%s'\n", argv[optind]);
-        return TDP_EXIT_USAGE;
-    }
+    if (optind < argc)
+        return tdp_cli_usage_error("bench", "unexpected argument '%s'", argv[optind]);
     if (cfg->consumer && cfg->connect == NULL)
         return TDP_EXIT_USAGE;
     return TDP_EXIT_OK;
+}
+
+/*
+ * --rounds small enough that the figures say little: a throughput repeat
+ * that times fewer than MIN_TIMED messages, or fewer latency samples.
+ */
+#define MIN_TIMED 10
+
+static void warn_rounds(const bench_cfg *cfg)
+{
+    if (cfg->rounds <= 0 || cfg->consumer || cfg->server)
+        return;
+    if (cfg->clients > 0) {
+        if (cfg->rounds < 10 * cfg->clients)
+            fprintf(stderr,
+                    "tdpipe bench: warning: --rounds %d is raised to %d (10 messages per "
+                    "client)\n",
+                    cfg->rounds, 10 * cfg->clients);
+        return;
+    }
+    int timed = cfg->rounds - 1 - tdp_bm_tp_warm(cfg->rounds);
+    if (timed < MIN_TIMED)
+        fprintf(stderr,
+                "tdpipe bench: warning: --rounds %d times %d message%s per throughput repeat "
+                "and %d latency round trips: the figures are mostly noise (p99 is the maximum "
+                "below 100); use 20 or more\n",
+                cfg->rounds, timed, timed == 1 ? "" : "s", cfg->rounds);
 }
 
 int tdp_cmd_bench(int argc, char **argv)
@@ -576,12 +783,15 @@ int tdp_cmd_bench(int argc, char **argv)
     bench_cfg cfg = {
         .sizes = {1000, 1000 * 1000, 100 * 1000 * 1000}, /* 1 KB, 1 MB, 100 MB */
         .nsizes = 3,
-        .depth = 4,
+        .depth = TDP_CLI_DEFAULT_DEPTH,
         .peer_mode = TDP_PEER_AUTO,
     };
     int rc = parse_args(argc, argv, &cfg);
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
+    warn_rounds(&cfg);
+    if (!cfg.consumer && !cfg.server && !outputs_ok(&cfg))
+        return TDP_EXIT_FAIL; /* before a run that may take minutes */
     /* a loopback benchmark: keep UCX's TCP transport off the other interfaces */
     setenv("UCX_NET_DEVICES", "lo", 0);
     if (cfg.tls != NULL)
@@ -590,9 +800,9 @@ int tdp_cmd_bench(int argc, char **argv)
     /* live progress redraws one line: only on a terminal */
     cfg.progress = !cfg.quiet && isatty(STDERR_FILENO);
     if (cfg.server)
-        return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth);
+        return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.clients > 0)
         return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000,
-                                 cfg.rounds, cfg.depth, cfg.quiet);
+                                 cfg.rounds, cfg.depth, cfg.plane, cfg.quiet);
     return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
 }

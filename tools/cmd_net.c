@@ -7,14 +7,24 @@
  * pipe calls: one pipe, one thread, nothing to synchronise.
  */
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 
-/* The longest wait in one blocking call, so progress keeps printing when idle. */
-#define SLICE_MS 1000
+/*
+ * The longest wait in one blocking call, so progress keeps printing when
+ * idle and an interruption (tdp_cli_interrupted) is seen soon.
+ */
+#define SLICE_MS 100
+
+/* Why a command stopped early on a signal, for its summary. */
+static const char *signal_name(int sig)
+{
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+}
 
 /* ---- shared: listening for one producer ---------------------------------- */
 
@@ -22,6 +32,7 @@ typedef struct listen_args {
     const char *bind; /* NULL: all addresses */
     uint16_t port;
     uint32_t depth;
+    tdp_plane plane;
     int64_t timeout_ms; /* for the producer to connect; -1 forever */
 } listen_args;
 
@@ -34,7 +45,7 @@ typedef struct listen_args {
 static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out,
                       tdp_pipe **pipe_out)
 {
-    char where[TDP_CLI_HOST_LEN + 16], peer[80];
+    char peer[80];
     tdp_pipe_opts opts;
     tdp_loop *loop;
     tdp_listener *l;
@@ -43,22 +54,36 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
 
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
+    opts.plane = a->plane;
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
     }
     rc = tdp_listener_new(loop, a->bind, a->port, &opts, NULL, NULL, &l);
     if (rc != TDP_OK) {
-        tdp_cli_error(cmd, "cannot listen on %s: %s",
-                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
-                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
         tdp_loop_free(loop);
-        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+        return tdp_cli_listen_failed(cmd, a->bind, a->port, rc);
     }
-    printf("listening on %s\n",
-           tdp_cli_format_hostport(a->bind, tdp_listener_port(l), where, sizeof(where)));
-    rc = tdp_listener_accept(l, a->timeout_ms, &pipe);
+    tdp_cli_print_listening(a->bind, tdp_listener_port(l));
+    /* in slices, to see an interruption */
+    uint64_t deadline = tdp_cli_now_ns() + (uint64_t)a->timeout_ms * 1000000u;
+    do {
+        int64_t slice = SLICE_MS;
+        if (a->timeout_ms >= 0) {
+            uint64_t now = tdp_cli_now_ns();
+            slice = now >= deadline ? 0 : (int64_t)((deadline - now) / 1000000u);
+            slice = slice > SLICE_MS ? SLICE_MS : slice;
+        }
+        rc = tdp_listener_accept(l, slice, &pipe);
+    } while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted() &&
+             (a->timeout_ms < 0 || tdp_cli_now_ns() < deadline));
     tdp_listener_free(l); /* one producer: later ones are refused */
+    if (rc != TDP_OK && tdp_cli_interrupted()) {
+        tdp_cli_error(cmd, "interrupted (%s) before a producer connected",
+                      signal_name(tdp_cli_interrupted()));
+        tdp_loop_free(loop);
+        return TDP_EXIT_SIGNAL(tdp_cli_interrupted());
+    }
     if (rc != TDP_OK) {
         if (rc == TDP_ETIMEDOUT)
             tdp_cli_error(cmd, "no producer connected within %" PRId64 " ms", a->timeout_ms);
@@ -67,7 +92,8 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
         tdp_loop_free(loop);
         return tdp_cli_exit_for(rc);
     }
-    fprintf(stderr, "%s: producer %s connected\n", cmd, tdp_pipe_peer(pipe, peer, sizeof(peer)));
+    fprintf(stderr, "%s: producer %s connected, plane %s\n", cmd,
+            tdp_pipe_peer(pipe, peer, sizeof(peer)), tdp_cli_plane_of(pipe));
     *loop_out = loop;
     *pipe_out = pipe;
     return TDP_EXIT_OK;
@@ -76,12 +102,15 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
 /*
  * Receive the next message, waiting up to timeout_ms (-1 forever) in
  * slices so the caller's meter can report while the stream is idle.
+ * TDP_ECANCELED when interrupted (the pipe is still open).
  */
 static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_cli_meter *m, const char *label,
                          tdp_td **out)
 {
     uint64_t deadline = timeout_ms < 0 ? 0 : tdp_cli_now_ns() + (uint64_t)timeout_ms * 1000000u;
     for (;;) {
+        if (tdp_cli_interrupted())
+            return TDP_ECANCELED;
         int64_t slice = SLICE_MS;
         if (timeout_ms >= 0) {
             uint64_t now = tdp_cli_now_ns();
@@ -108,6 +137,26 @@ static void close_and_free(tdp_pipe *pipe, tdp_loop *loop)
     tdp_loop_free(loop);
 }
 
+/*
+ * The producer waits for each message to come back (`send --echo`), which
+ * recv and inspect never do: tell it so with a notice (it then says which
+ * flag to change) rather than leave it waiting for its timeout.
+ */
+static void refuse_echo(const char *cmd, tdp_pipe *pipe)
+{
+    char from[32];
+    tdp_td *notice;
+    snprintf(from, sizeof(from), "tdpipe %s", cmd);
+    tdp_cli_error(cmd,
+                  "the producer waits for each message to come back ('tdpipe send --echo'), and "
+                  "%s never replies: drop --echo, or send to 'tdpipe serve'",
+                  cmd);
+    if (tdp_cli_notice_new(TDP_CLI_NOTICE_NO_ECHO, from, &notice) != TDP_OK)
+        return;
+    tdp_pipe_send(pipe, notice, 2000); /* best effort: the clean close follows */
+    tdp_td_unref(notice);
+}
+
 /* ---- recv ------------------------------------------------------------------ */
 
 static const char recv_help[] =
@@ -115,16 +164,21 @@ static const char recv_help[] =
     "Listen, accept one producer (e.g. 'tdpipe send'), receive until it closes\n"
     "or COUNT messages arrived, and check each message's pattern.\n\n"
     "The first line on stdout is 'listening on HOST:PORT'; the last is a summary:\n"
-    "  received N messages (SIZE) in S s: RATE, M msgs/s; ...\n\n"
+    "  received N messages (SIZE) in S s: RATE, M msgs/s; verify ok; end: ...;\n"
+    "  plane P, depth D\n\n"
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
     "  -n, --count N       stop after N messages (default 0: until the producer closes)\n"
-    "  -d, --depth D       receive buffers, 1..64 (default 1)\n"
+    "  -d, --depth D       receive buffers, 1..64 (default 4: the sender may have 4\n"
+    "                      messages in flight, as in 'tdpipe bench')\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
     "  -q, --quiet         no progress lines on stderr\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct recv_args {
@@ -133,7 +187,7 @@ typedef struct recv_args {
     bool verify, quiet;
 } recv_args;
 
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT }; /* long options without a short form */
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE }; /* long options without a short form */
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -145,16 +199,18 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"depth", required_argument, NULL, 'd'},
         {"timeout", required_argument, NULL, 't'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     uint64_t v;
     int c;
 
-    *a = (recv_args){.listen = {.depth = 1, .timeout_ms = 60000}, .verify = true};
+    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000}, .verify = true};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->listen.bind = optarg[0] ? optarg : NULL;
@@ -179,8 +235,15 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
+            break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(recv_help, stdout);
@@ -197,7 +260,9 @@ static int recv_parse(int argc, char **argv, recv_args *a)
 /* What ended the receive loop and how the messages fared. */
 typedef struct recv_result {
     tdp_err end; /* TDP_ECLOSED: producer closed; TDP_OK: --count reached */
+    int signal;  /* interrupted by it (end is then TDP_ECANCELED) */
     uint64_t bad;
+    bool refused; /* the producer wanted echoes */
 } recv_result;
 
 static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv_result *r)
@@ -208,6 +273,13 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
         tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
         if (rc != TDP_OK) {
             r->end = rc;
+            r->signal = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
+            return;
+        }
+        if (m->msgs == 0 && tdp_cli_wants_echo(tdp_td_schema(td)) == 1) {
+            tdp_pipe_release(pipe, td);
+            refuse_echo("recv", pipe);
+            r->refused = true;
             return;
         }
         uint64_t seq = m->msgs + 1, off = 0;
@@ -222,32 +294,41 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
 }
 
 /* Report how the stream ended; returns the exit status. */
-static int recv_report(const recv_args *a, const tdp_cli_meter *m, const recv_result *r)
+static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *m,
+                       const recv_result *r)
 {
-    char line[256];
-    bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED;
-    printf("%s; verify %s; end: %s\n",
+    char line[256], end[48];
+    bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
+    snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
+    printf("%s; verify %s; end: %s; plane %s, depth %u\n",
            tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
            !a->verify ? "off"
            : r->bad   ? "FAILED"
                       : "ok",
-           r->end == TDP_OK        ? "count reached"
+           r->refused              ? "refused (the producer wants echoes)"
+           : r->signal != 0        ? end
+           : r->end == TDP_OK      ? "count reached"
            : r->end == TDP_ECLOSED ? "producer closed"
-                                   : tdp_strerror(r->end));
+                                   : tdp_strerror(r->end),
+           tdp_cli_plane_of(pipe), a->listen.depth);
+    if (r->refused)
+        return TDP_EXIT_FAIL;
     if (!clean) {
         if (r->end == TDP_ETIMEDOUT)
-            tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " messages",
-                          a->listen.timeout_ms, m->msgs);
+            tdp_cli_error("recv", "no message for %" PRId64 " ms after %" PRIu64 " message%s",
+                          a->listen.timeout_ms, m->msgs, tdp_cli_s(m->msgs));
         else
-            tdp_cli_error("recv", "stream ended after %" PRIu64 " messages: %s", m->msgs,
-                          tdp_strerror(r->end));
+            tdp_cli_error("recv", "stream ended after %" PRIu64 " message%s: %s", m->msgs,
+                          tdp_cli_s(m->msgs), tdp_strerror(r->end));
         return tdp_cli_exit_for(r->end);
     }
     if (r->bad > 0) {
-        tdp_cli_error("recv", "%" PRIu64 " of %" PRIu64 " messages failed verification", r->bad,
-                      m->msgs);
+        tdp_cli_error("recv", "%" PRIu64 " of %" PRIu64 " message%s failed verification", r->bad,
+                      m->msgs, tdp_cli_s(m->msgs));
         return TDP_EXIT_FAIL;
     }
+    if (r->signal != 0)
+        return TDP_EXIT_SIGNAL(r->signal);
     if (m->msgs == 0) {
         tdp_cli_error("recv", "the producer closed without sending a message");
         return TDP_EXIT_FAIL;
@@ -266,11 +347,12 @@ int tdp_cmd_recv(int argc, char **argv)
     int ec = recv_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    tdp_cli_catch_signals();
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     tdp_cli_meter_start(&m, 0);
     recv_loop(pipe, &a, &m, &r);
-    ec = recv_report(&a, &m, &r);
+    ec = recv_report(pipe, &a, &m, &r);
     close_and_free(pipe, loop);
     return ec;
 }
@@ -287,17 +369,21 @@ static const char send_help[] =
     "The last line on stdout is a summary:\n"
     "  sent N messages (SIZE) in S s: RATE, M msgs/s\n\n"
     "Options:\n"
-    "  -s, --size BYTES    payload size (default 1MB); units B, KB/MB/GB (10^3n),\n"
-    "                      KiB/MiB/GiB (2^10n); rounded up to a multiple of 4\n"
+    "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
+    "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
+    "                      a multiple of 4 (whole float32 elements)\n"
     "  -n, --count N       messages to send (default 1000)\n"
     "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
     "  -e, --echo          wait for each message to come back and check it\n"
-    "                      (for 'tdpipe serve --mode echo'); reports round-trip times\n"
+    "                      (for 'tdpipe serve'); reports round-trip times\n"
     "      --depth-hint    report how often sends waited for the receiver's buffers,\n"
     "                      and whether a larger 'recv --depth' would help\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
     "  -q, --quiet         no progress lines on stderr\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct send_args {
@@ -306,6 +392,7 @@ typedef struct send_args {
     uint64_t size, count;
     double rate;
     int64_t timeout_ms;
+    tdp_plane plane;
     bool echo, depth_hint, quiet;
 } send_args;
 
@@ -318,21 +405,29 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"rate", required_argument, NULL, 'r'},
         {"echo", no_argument, NULL, 'e'},
         {"depth-hint", no_argument, NULL, OPT_DEPTH_HINT},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
+    const char *why;
+    char buf[TDP_CLI_FMT_LEN];
     int c;
 
     *a = (send_args){.size = 1000000, .count = 1000, .timeout_ms = 10000};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":s:n:r:et:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 's':
-            if (!tdp_cli_parse_size(optarg, &a->size) ||
-                a->size > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
-                return tdp_cli_usage_error("send", "invalid size '%s'", optarg);
+            if (!tdp_cli_parse_size(optarg, &a->size, &why))
+                return tdp_cli_usage_error("send", "invalid size '%s': %s", optarg, why);
+            if (tdp_cli_synth_bytes(a->size) > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
+                return tdp_cli_usage_error(
+                    "send", "size '%s' is over the largest message a receiver takes, %s",
+                    optarg,
+                    tdp_cli_format_size(TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES, buf, sizeof(buf)));
             break;
         case 'n':
             if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
@@ -350,12 +445,19 @@ static int send_parse(int argc, char **argv, send_args *a)
         case OPT_DEPTH_HINT:
             a->depth_hint = true;
             break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("send", optarg, &a->plane))
+                return TDP_EXIT_USAGE;
+            break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
                 return tdp_cli_usage_error("send", "invalid timeout '%s' (ms, or -1)", optarg);
             break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(send_help, stdout);
@@ -387,14 +489,43 @@ static void rtt_add(rtt_stats *r, uint64_t ns)
     r->n++;
 }
 
+/*
+ * A receiver's notice (tdp_cli_notice_new): say what it means for this
+ * sender and which flag to change. False when td is not a notice.
+ */
+static bool explain_notice(const tdp_td *td)
+{
+    char from[64];
+    const char *code = tdp_cli_notice_of(td, from, sizeof(from));
+    if (code == NULL)
+        return false;
+    bool server = strncmp(from, "tdpipe serve", 12) == 0;
+    if (strcmp(code, TDP_CLI_NOTICE_NO_ECHO) == 0)
+        tdp_cli_error("send",
+                      "the receiver (%s) does not send messages back, and --echo waits for "
+                      "each: drop --echo, or %s",
+                      from, server ? "start the server with '--mode auto'" : "send to 'tdpipe serve'");
+    else
+        tdp_cli_error("send",
+                      "the receiver (%s) sends every message back, and this sender does not read "
+                      "them: add --echo%s",
+                      from, server ? ", or start the server with '--mode auto'" : "");
+    return true;
+}
+
 /* --echo: the message comes back; it must be the one sent. */
-static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq)
+static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq, bool *refused)
 {
     tdp_td *reply;
     uint64_t off;
     tdp_err rc = recv_next(pipe, a->timeout_ms, NULL, NULL, &reply);
     if (rc != TDP_OK)
         return rc;
+    if (explain_notice(reply)) {
+        tdp_pipe_release(pipe, reply);
+        *refused = true;
+        return TDP_ECLOSED; /* the receiver closes after its notice */
+    }
     rc = tdp_cli_verify(reply, seq, &off);
     if (rc != TDP_OK)
         tdp_cli_error("send", "echo of message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
@@ -407,21 +538,28 @@ static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq)
  * Say why message seq failed and return the error that tells it best: an
  * operation canceled because the pipe ended reports how the pipe ended.
  */
-static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc)
+static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc, bool *refused)
 {
     tdp_err status = tdp_pipe_status(pipe);
-    if (rc == TDP_ECANCELED && status == TDP_OK) {
+    if (*refused)
+        return rc; /* explain_notice has said why */
+    if ((rc == TDP_ECANCELED && status == TDP_OK) || rc == TDP_ECLOSED) {
         /*
          * UCX cancels a payload the receiver declined as it closed, and may
          * say so before the receiver's BYE is read. A receive ends when the
-         * pipe does (we expect no data): wait a little for the real reason.
+         * pipe does: wait a little for the real reason. A receiver that
+         * closed may have sent a notice first (we expect no other data).
          */
         tdp_td *td;
         tdp_err end = tdp_pipe_recv(pipe, 1000, &td);
-        if (end == TDP_OK)
+        if (end == TDP_OK) {
+            *refused = explain_notice(td);
             tdp_pipe_release(pipe, td);
-        else if (end != TDP_ETIMEDOUT)
+            if (*refused)
+                return TDP_ECLOSED;
+        } else if (end != TDP_ETIMEDOUT && rc == TDP_ECANCELED) {
             status = end; /* TDP_ECLOSED: the receiver said goodbye */
+        }
     }
     if (rc == TDP_ECANCELED && status != TDP_OK)
         rc = status;
@@ -432,26 +570,54 @@ static tdp_err send_failed(tdp_pipe *pipe, uint64_t seq, tdp_err rc)
     return rc;
 }
 
-/* Send (and with --echo, get back) every message; returns the first error. */
+/* Sleep until deadline_ns, or less when interrupted. */
+static void pace_until(uint64_t deadline_ns)
+{
+    const uint64_t slice = (uint64_t)SLICE_MS * 1000000u;
+    for (uint64_t now = tdp_cli_now_ns(); now < deadline_ns && !tdp_cli_interrupted();
+         now = tdp_cli_now_ns())
+        tdp_cli_sleep_until_ns(deadline_ns - now > slice ? now + slice : deadline_ns);
+}
+
+/*
+ * Send (and with --echo, get back) every message; returns the first error,
+ * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
+ * *refused: the receiver sent a notice (it cannot serve us as started).
+ */
 static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli_meter *m,
-                         rtt_stats *rtt)
+                         rtt_stats *rtt, bool *refused)
 {
     uint64_t t0 = m->start_ns;
     for (uint64_t seq = 1; seq <= a->count; seq++) {
         if (a->rate > 0) /* message seq leaves no sooner than (seq - 1) / rate */
-            tdp_cli_sleep_until_ns(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+            pace_until(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+        if (tdp_cli_interrupted())
+            return TDP_ECANCELED; /* between messages: nothing in flight of ours */
         tdp_cli_fill(td, seq);
         uint64_t t = tdp_cli_now_ns();
         tdp_err rc = tdp_pipe_send(pipe, td, a->timeout_ms);
+        if (rc == TDP_OK)
+            tdp_cli_meter_add(m, tdp_td_nbytes(td)); /* sent, whatever comes back */
         if (rc == TDP_OK && a->echo)
-            rc = await_echo(pipe, a, seq);
+            rc = await_echo(pipe, a, seq, refused);
+        if (rc == TDP_ECANCELED && tdp_cli_interrupted() && tdp_pipe_status(pipe) == TDP_OK)
+            return rc; /* waiting for the echo */
         if (rc != TDP_OK)
-            return send_failed(pipe, seq, rc);
+            return send_failed(pipe, seq, rc, refused);
         if (a->echo)
             rtt_add(rtt, tdp_cli_now_ns() - t);
-        tdp_cli_meter_add(m, tdp_td_nbytes(td));
         if (!a->quiet)
             tdp_cli_meter_tick(m, "send", stderr);
+    }
+    if (!a->echo) {
+        /* a receiver that refused us after our last send: its notice is here or on its way */
+        tdp_td *got;
+        if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
+            *refused = explain_notice(got);
+            tdp_pipe_release(pipe, got);
+            if (*refused)
+                return TDP_ECLOSED;
+        }
     }
     return TDP_OK;
 }
@@ -465,8 +631,8 @@ static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stat
         tdp_pipe_stats st;
         tdp_pipe_stats_get(pipe, &st);
         double frac = st.msgs_sent ? (double)st.credit_waits / (double)st.msgs_sent : 0;
-        printf("credit waits: %" PRIu64 " of %" PRIu64 " sends (%.0f%%)%s\n", st.credit_waits,
-               st.msgs_sent, frac * 100,
+        printf("credit waits: %" PRIu64 " of %" PRIu64 " send%s (%.0f%%)%s\n", st.credit_waits,
+               st.msgs_sent, tdp_cli_s(st.msgs_sent), frac * 100,
                frac > 0.1 ? ": the receiver's buffers were the limit; a larger "
                             "'recv --depth' may help"
                           : ": the receiver kept up");
@@ -476,9 +642,9 @@ static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stat
 /* Connect; on failure says why and returns the exit status, else -1. */
 static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
 {
-    char where[TDP_CLI_HOST_LEN + 16];
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
+    opts.plane = a->plane;
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
     else
@@ -486,10 +652,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_err rc = tdp_pipe_connect(loop, a->host, a->port, &opts, pipe);
     if (rc == TDP_OK)
         return -1;
-    tdp_cli_error("send", "cannot connect to %s: %s",
-                  tdp_cli_format_hostport(a->host, a->port, where, sizeof(where)),
-                  tdp_strerror(rc));
-    return tdp_cli_exit_for(rc);
+    return tdp_cli_connect_failed("send", a->host, a->port, rc, a->plane);
 }
 
 int tdp_cmd_send(int argc, char **argv)
@@ -507,13 +670,17 @@ int tdp_cmd_send(int argc, char **argv)
     int ec = send_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
-    if ((rc = tdp_cli_synth_schema(a.size, (tdp_device){.type = TDP_DEVICE_CPU}, &s)) != TDP_OK ||
+    tdp_cli_catch_signals();
+    if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, a.echo, &s)) != TDP_OK ||
         (rc = tdp_td_new(s, &td)) != TDP_OK) {
         tdp_cli_error("send", "cannot make a %" PRIu64 "-byte message: %s", a.size,
                       tdp_strerror(rc));
         return TDP_EXIT_FAIL;
     }
     tdp_schema_unref(s); /* td holds it */
+    if (tdp_td_nbytes(td) != a.size && !a.quiet)
+        fprintf(stderr, "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
+                "float32 elements)\n", tdp_td_nbytes(td), a.size);
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error("send", "cannot create the event loop: %s", tdp_strerror(rc));
         tdp_td_unref(td);
@@ -523,12 +690,23 @@ int tdp_cmd_send(int argc, char **argv)
         goto out_free_loop;
 
     tdp_cli_meter_start(&m, 0);
-    rc = send_loop(pipe, td, &a, &m, &rtt);
+    bool refused = false;
+    rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
+    int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
+    if (sig != 0) {
+        tdp_cli_error("send", "interrupted (%s) after %" PRIu64 " message%s: closing",
+                      signal_name(sig), m.msgs, tdp_cli_s(m.msgs));
+        rc = TDP_OK; /* the receiver sees a clean end */
+    }
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
-    printf("%s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)));
+    printf("%s; plane %s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
+           tdp_cli_plane_of(pipe));
     send_report_extra(pipe, &a, &rtt);
-    ec = rc == TDP_EMISMATCH ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused               ? TDP_EXIT_USAGE
+         : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL
+         : rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig)
+                               : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
 out_free_loop:
     tdp_loop_free(loop);
@@ -542,7 +720,8 @@ static const char inspect_help[] =
     "usage: tdpipe inspect [OPTIONS]\n\n"
     "Listen, accept one producer and show what it sends: the schema of the stream\n"
     "as a tree, its canonical JSON and hash; then one line per message, and the\n"
-    "tree again whenever the schema changes. Closes after COUNT messages.\n\n"
+    "tree again whenever the schema changes. Ends when the producer closes, or\n"
+    "closes after COUNT messages.\n\n"
     "Output (stdout):\n"
     "  listening on HOST:PORT\n"
     "  schema HASH  BYTES bytes on DEVICE  (...)      <- the tree (tdp_schema_print)\n"
@@ -553,9 +732,13 @@ static const char inspect_help[] =
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
-    "  -n, --count N       messages to show before closing (default 1)\n"
+    "  -n, --count N       messages to show before closing (default 0: all, until\n"
+    "                      the producer closes)\n"
+    "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
+    "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct inspect_args {
@@ -568,13 +751,15 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
     static const struct option opts[] = {
         {"bind", required_argument, NULL, 'b'},  {"port", required_argument, NULL, 'p'},
         {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
+        {"plane", required_argument, NULL, OPT_PLANE},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
     };
     int c;
 
-    *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}, .count = 1};
+    *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:n:t:h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:n:t:vh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->listen.bind = optarg[0] ? optarg : NULL;
@@ -584,12 +769,19 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
                 return tdp_cli_usage_error("inspect", "invalid port '%s'", optarg);
             break;
         case 'n':
-            if (!tdp_cli_parse_u64(optarg, 1, UINT64_MAX, &a->count))
-                return tdp_cli_usage_error("inspect", "invalid count '%s' (1 or more)", optarg);
+            if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
+                return tdp_cli_usage_error("inspect", "invalid count '%s'", optarg);
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
                 return tdp_cli_usage_error("inspect", "invalid timeout '%s' (ms, or -1)", optarg);
+            break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(inspect_help, stdout);
@@ -618,13 +810,16 @@ int tdp_cmd_inspect(int argc, char **argv)
     tdp_td *td;
     tdp_err rc = TDP_OK;
     uint64_t n = 0, last_hash = 0;
+    bool refused = false;
 
     int ec = inspect_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    tdp_cli_catch_signals();
     if ((ec = accept_one("inspect", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
-    while (n < a.count && (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
+    while ((a.count == 0 || n < a.count) &&
+           (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
         tdp_schema *s = tdp_td_schema(td);
         n++;
         if (n == 1 || tdp_schema_hash(s) != last_hash)
@@ -632,15 +827,32 @@ int tdp_cmd_inspect(int argc, char **argv)
         last_hash = tdp_schema_hash(s);
         printf("message %" PRIu64 ": %" PRIu64 " bytes, schema %016" PRIx64 "\n", n,
                tdp_td_nbytes(td), last_hash);
+        bool wants_echo = n == 1 && tdp_cli_wants_echo(s) == 1;
         tdp_pipe_release(pipe, td);
+        if (wants_echo) { /* shown; but it would wait for the echo until its timeout */
+            refuse_echo("inspect", pipe);
+            refused = true;
+            break;
+        }
     }
-    if (rc == TDP_ECLOSED && n > 0) {
-        printf("producer closed after %" PRIu64 " messages\n", n);
+    if (n > 0)
+        printf("plane %s\n", tdp_cli_plane_of(pipe));
+    int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
+    if (sig != 0) {
+        printf("interrupted (%s) after %" PRIu64 " message%s\n", signal_name(sig), n,
+               tdp_cli_s(n));
+        rc = TDP_OK;
+    } else if (rc == TDP_ECLOSED && n > 0) {
+        printf("producer closed after %" PRIu64 " message%s\n", n, tdp_cli_s(n));
         rc = TDP_OK;
     } else if (rc != TDP_OK) {
-        tdp_cli_error("inspect", "after %" PRIu64 " messages: %s", n, tdp_strerror(rc));
+        tdp_cli_error("inspect", "after %" PRIu64 " message%s: %s", n, tdp_cli_s(n),
+                      tdp_strerror(rc));
     }
-    ec = rc == TDP_ECLOSED ? TDP_EXIT_FAIL : tdp_cli_exit_for(rc);
+    ec = refused               ? TDP_EXIT_FAIL
+         : sig != 0            ? TDP_EXIT_SIGNAL(sig)
+         : rc == TDP_ECLOSED   ? TDP_EXIT_FAIL
+                               : tdp_cli_exit_for(rc);
     close_and_free(pipe, loop);
     return ec;
 }

@@ -1,6 +1,7 @@
 /*
  * cmd_serve.c: `tdpipe serve` — a tdp_server that echoes every message back
- * to its client, or verifies and drops it.
+ * to its client, or verifies and drops it: by default each client gets what
+ * its schema says it reads (`tdpipe send --echo` or not).
  *
  * The server runs on a loop thread of its own; the main thread only waits
  * for a reason to stop (SIGINT/SIGTERM, --count, --duration) and prints
@@ -24,7 +25,10 @@ static const char serve_help[] =
     "usage: tdpipe serve [OPTIONS]\n\n"
     "Serve any number of clients (e.g. 'tdpipe send'). In echo mode every message\n"
     "is sent back to its client ('tdpipe send --echo' waits for it and checks it);\n"
-    "in sink mode it is checked against 'tdpipe send's pattern and dropped.\n"
+    "in sink mode it is dropped, after a check of 'tdpipe send's pattern. In auto\n"
+    "mode (the default) each 'tdpipe send' client gets what it asked for: echoes\n"
+    "with --echo, sink without; other producers are sunk. A 'tdpipe send' client\n"
+    "that a forced mode cannot serve is told so at once and closed.\n"
     "Stops on SIGINT or SIGTERM, after COUNT messages or after S seconds, with a\n"
     "graceful shutdown (clients see a clean end).\n\n"
     "Output: 'listening on HOST:PORT' first, then a line per client connecting and\n"
@@ -32,13 +36,16 @@ static const char serve_help[] =
     "Options:\n"
     "  -b, --bind HOST       address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT       port (default 0: any free port, printed)\n"
-    "  -m, --mode MODE       echo (default) or sink\n"
+    "  -m, --mode MODE       auto (default), echo or sink\n"
     "  -c, --max-clients N   clients at once; more are refused (default 1024)\n"
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
-    "  -d, --depth D         receive buffers per client, 1..64 (default 1)\n"
+    "  -d, --depth D         receive buffers per client, 1..64 (default 4)\n"
+    "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
+    "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
     "  -q, --quiet           no totals on stderr\n"
+    "  -v, --verbose         more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help            show this help\n\n"
     "Exit status: 0 ok, 1 sink verification failures or runtime failure, 2 usage\n"
     "error, 3 cannot listen, 5 replies still pending at the shutdown deadline.\n";
@@ -46,11 +53,15 @@ static const char serve_help[] =
 /* How long the graceful shutdown may wait for replies in flight. */
 #define SHUTDOWN_MS 5000
 
+typedef enum serve_mode { MODE_AUTO, MODE_ECHO, MODE_SINK } serve_mode;
+
 typedef struct serve_args {
     const char *bind;
     uint16_t port;
-    bool echo, verify, quiet;
+    serve_mode mode;
+    bool verify, quiet;
     uint32_t max_clients, depth;
+    tdp_plane plane;
     uint64_t count;
     double duration_s;
 } serve_args;
@@ -59,16 +70,20 @@ typedef struct serve_args {
 typedef struct serve_ctx {
     const serve_args *args;
     pthread_t main_thread;
-    atomic_uint_fast64_t msgs; /* messages handled, for --count */
-    atomic_uint_fast64_t bad;  /* sink: messages that failed verification */
+    tdp_td *notice; /* what a client this mode cannot serve is sent (read-only) */
+    atomic_uint_fast64_t msgs;    /* messages handled, for --count */
+    atomic_uint_fast64_t bad;     /* sink: messages that failed verification */
+    atomic_uint_fast64_t checked; /* sink: messages verified */
 } serve_ctx;
 
 /* Per client, owned by the loop thread from on_connect to on_close. */
 typedef struct client_state {
     uint64_t msgs, bytes, bad;
+    bool decided, echo, verify; /* set by the first message */
+    bool refused;               /* told it cannot be served as it asks */
 } client_state;
 
-enum { OPT_NO_VERIFY = 0x100 };
+enum { OPT_NO_VERIFY = 0x100, OPT_PLANE };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
 {
@@ -81,16 +96,18 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
+        {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     uint64_t v;
     int c;
 
-    *a = (serve_args){.echo = true, .verify = true, .depth = 1};
+    *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = TDP_CLI_DEFAULT_DEPTH};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->bind = optarg[0] ? optarg : NULL;
@@ -100,9 +117,15 @@ static int serve_parse(int argc, char **argv, serve_args *a)
                 return tdp_cli_usage_error("serve", "invalid port '%s'", optarg);
             break;
         case 'm':
-            if (strcmp(optarg, "echo") != 0 && strcmp(optarg, "sink") != 0)
-                return tdp_cli_usage_error("serve", "mode must be echo or sink, not '%s'", optarg);
-            a->echo = strcmp(optarg, "echo") == 0;
+            if (strcmp(optarg, "auto") == 0)
+                a->mode = MODE_AUTO;
+            else if (strcmp(optarg, "echo") == 0)
+                a->mode = MODE_ECHO;
+            else if (strcmp(optarg, "sink") == 0)
+                a->mode = MODE_SINK;
+            else
+                return tdp_cli_usage_error("serve", "mode must be auto, echo or sink, not '%s'",
+                                           optarg);
             break;
         case 'c':
             if (!tdp_cli_parse_u64(optarg, 1, UINT32_MAX, &v))
@@ -125,8 +148,15 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_PLANE:
+            if (!tdp_cli_parse_plane("serve", optarg, &a->plane))
+                return TDP_EXIT_USAGE;
+            break;
         case 'q':
             a->quiet = true;
+            break;
+        case 'v':
+            tdp_cli_more_verbose();
             break;
         case 'h':
             fputs(serve_help, stdout);
@@ -149,8 +179,9 @@ static tdp_err on_connect(tdp_client *c, void *arg)
     if (cs == NULL)
         return TDP_ENOMEM;
     tdp_client_set_data(c, cs);
-    printf("client %" PRIu64 " connected from %s\n", tdp_client_id(c),
-           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)));
+    printf("client %" PRIu64 " connected from %s, plane %s\n", tdp_client_id(c),
+           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)),
+           tdp_cli_plane_of(tdp_client_pipe(c)));
     return TDP_OK;
 }
 
@@ -158,6 +189,7 @@ static tdp_err on_connect(tdp_client *c, void *arg)
 static void sink_check(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *td)
 {
     uint64_t off;
+    atomic_fetch_add(&ctx->checked, 1);
     if (tdp_cli_verify(td, cs->msgs, &off) == TDP_OK)
         return;
     atomic_fetch_add(&ctx->bad, 1);
@@ -167,19 +199,52 @@ static void sink_check(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *
                       tdp_client_id(c), cs->msgs, off);
 }
 
+/*
+ * The first message says what the client is: `tdpipe send` marks whether it
+ * reads replies (tdp_cli_wants_echo). Returns false when this server's mode
+ * cannot serve it: it has been sent the notice and is closing.
+ */
+static bool decide(serve_ctx *ctx, tdp_client *c, client_state *cs, tdp_td *td)
+{
+    serve_mode mode = ctx->args->mode;
+    int wants = tdp_cli_wants_echo(tdp_td_schema(td));
+    cs->decided = true;
+    if ((mode == MODE_ECHO && wants == 0) || (mode == MODE_SINK && wants == 1)) {
+        tdp_cli_error("serve",
+                      "client %" PRIu64 " %s, and this server %s (--mode %s): told it so and "
+                      "closed it",
+                      tdp_client_id(c),
+                      wants ? "waits for replies ('tdpipe send --echo')"
+                            : "does not read replies ('tdpipe send' without --echo)",
+                      wants ? "never replies" : "replies to every message",
+                      mode == MODE_ECHO ? "echo" : "sink");
+        cs->refused = true;
+        if (ctx->notice != NULL)
+            tdp_client_send(c, ctx->notice);
+        tdp_client_close(c);
+        return false;
+    }
+    cs->echo = mode == MODE_ECHO || (mode == MODE_AUTO && wants == 1);
+    /* the pattern is `tdpipe send`'s: other producers' payloads are not checked */
+    cs->verify = !cs->echo && ctx->args->verify && wants >= 0;
+    return true;
+}
+
 static tdp_err on_message(tdp_client *c, tdp_td *td, void *arg)
 {
     serve_ctx *ctx = arg;
     client_state *cs = tdp_client_get_data(c);
     tdp_err rc = TDP_OK;
 
+    if (cs->refused || (!cs->decided && !decide(ctx, c, cs, td)))
+        return TDP_OK;
     cs->msgs++;
     cs->bytes += tdp_td_nbytes(td);
-    if (ctx->args->echo) {
+    if (cs->echo) {
         if ((rc = tdp_client_send(c, td)) != TDP_OK) /* counted as a handler error */
             tdp_cli_error("serve", "client %" PRIu64 ": cannot echo message %" PRIu64 ": %s",
                           tdp_client_id(c), cs->msgs, tdp_strerror(rc));
-    } else if (ctx->args->verify) {
+    } else if (cs->verify) {
         sink_check(ctx, c, cs, td);
     }
     uint64_t total = atomic_fetch_add(&ctx->msgs, 1) + 1;
@@ -194,9 +259,12 @@ static void on_close(tdp_client *c, tdp_err status, void *arg)
     char size[TDP_CLI_FMT_LEN];
     if (cs == NULL)
         return; /* turned away before on_connect kept anything */
-    printf("client %" PRIu64 " closed: %s, %" PRIu64 " messages (%s)\n", tdp_client_id(c),
-           status == TDP_ECLOSED ? "clean" : tdp_strerror(status), cs->msgs,
-           tdp_cli_format_size(cs->bytes, size, sizeof(size)));
+    printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
+           cs->refused ? "refused" : status == TDP_ECLOSED ? "clean" : tdp_strerror(status),
+           cs->msgs, tdp_cli_s(cs->msgs), tdp_cli_format_size(cs->bytes, size, sizeof(size)),
+           !cs->decided || cs->refused ? ""
+           : cs->echo                  ? ", echoed"
+                                       : ", sunk");
     tdp_client_set_data(c, NULL);
     free(cs);
 }
@@ -215,9 +283,9 @@ static void report_totals(tdp_server *s, tdp_server_stats *last, uint64_t dt_ns)
         st.clients_total == last->clients_total && st.clients_now == last->clients_now)
         return;
     fprintf(stderr,
-            "serve: %" PRIu64 " clients (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
+            "serve: %" PRIu64 " client%s (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
             " msgs %s\n",
-            st.clients_now, st.clients_total, st.msgs_recv,
+            st.clients_now, tdp_cli_s(st.clients_now), st.clients_total, st.msgs_recv,
             tdp_cli_format_rate((double)(st.bytes_recv - last->bytes_recv) / dt, in, sizeof(in)),
             st.msgs_sent,
             tdp_cli_format_rate((double)(st.bytes_sent - last->bytes_sent) / dt, out, sizeof(out)));
@@ -241,7 +309,8 @@ static const char *wait_for_stop(tdp_server *s, const serve_args *a, const sigse
         struct timespec ts = {(time_t)(wait / second), (long)(wait % second)};
         int sig = sigtimedwait(set, NULL, &ts);
         if (sig == SIGUSR1) {
-            snprintf(why, sizeof(why), "%" PRIu64 " messages handled", a->count);
+            snprintf(why, sizeof(why), "%" PRIu64 " message%s handled", a->count,
+                     tdp_cli_s(a->count));
             return why;
         }
         if (sig > 0) {
@@ -266,16 +335,18 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
     tdp_server_stats st;
     char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
     tdp_server_stats_get(s, &st);
-    printf("served %" PRIu64 " clients in %.3f s: %" PRIu64 " messages in (%s), %" PRIu64
+    printf("served %" PRIu64 " client%s in %.3f s: %" PRIu64 " message%s in (%s), %" PRIu64
            " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
-           ", handler errors %" PRIu64 "; verify %s\n",
-           st.clients_total, (double)ns / 1e9, st.msgs_recv,
+           ", handler errors %" PRIu64 "; verify %s; depth %u\n",
+           st.clients_total, tdp_cli_s(st.clients_total), (double)ns / 1e9, st.msgs_recv,
+           tdp_cli_s(st.msgs_recv),
            tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
            tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused, st.handshakes_failed,
            st.client_errors, st.handler_errors,
-           ctx->args->echo || !ctx->args->verify ? "off"
-           : atomic_load(&ctx->bad) > 0          ? "FAILED"
-                                                 : "ok");
+           atomic_load(&ctx->checked) == 0 ? "off"
+           : atomic_load(&ctx->bad) > 0    ? "FAILED"
+                                           : "ok",
+           ctx->args->depth);
 }
 
 /* Listen and start serving on a loop thread; on failure, the exit status. */
@@ -287,13 +358,13 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         .on_message = on_message,
         .on_close = on_close,
     };
-    char where[TDP_CLI_HOST_LEN + 16];
     tdp_server_opts opts;
     tdp_err rc;
 
     tdp_server_opts_default(&opts);
     tdp_pipe_opts_default(&opts.pipe);
     opts.pipe.recv_depth = a->depth;
+    opts.pipe.plane = a->plane;
     if (a->max_clients != 0)
         opts.max_clients = a->max_clients;
     if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||
@@ -303,14 +374,10 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         return TDP_EXIT_FAIL;
     }
     if ((rc = tdp_server_new(*loop, a->bind, a->port, &opts, &h, ctx, s)) != TDP_OK) {
-        tdp_cli_error("serve", "cannot listen on %s: %s",
-                      tdp_cli_format_hostport(a->bind, a->port, where, sizeof(where)),
-                      rc == TDP_EADDR ? "address in use or invalid" : tdp_strerror(rc));
         tdp_loop_free(*loop);
-        return rc == TDP_EADDR ? TDP_EXIT_CONNECT : tdp_cli_exit_for(rc);
+        return tdp_cli_listen_failed("serve", a->bind, a->port, rc);
     }
-    printf("listening on %s\n",
-           tdp_cli_format_hostport(a->bind, tdp_server_port(*s), where, sizeof(where)));
+    tdp_cli_print_listening(a->bind, tdp_server_port(*s));
     return TDP_EXIT_OK;
 }
 
@@ -330,6 +397,12 @@ int tdp_cmd_serve(int argc, char **argv)
     if (ec >= 0)
         return ec;
     serve_ctx ctx = {.args = &a, .main_thread = pthread_self()};
+    if (a.mode != MODE_AUTO &&
+        tdp_cli_notice_new(a.mode == MODE_ECHO ? TDP_CLI_NOTICE_ECHOES : TDP_CLI_NOTICE_NO_ECHO,
+                           a.mode == MODE_ECHO ? "tdpipe serve --mode echo"
+                                               : "tdpipe serve --mode sink",
+                           &ctx.notice) != TDP_OK)
+        ctx.notice = NULL; /* refused clients then see only the close */
 
     /*
      * A handler, not SIG_IGN: an ignored signal is dropped even while
@@ -348,8 +421,10 @@ int tdp_cmd_serve(int argc, char **argv)
     sigaddset(&set, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
 
-    if ((ec = serve_start(&a, &ctx, &loop, &s)) != TDP_EXIT_OK)
+    if ((ec = serve_start(&a, &ctx, &loop, &s)) != TDP_EXIT_OK) {
+        tdp_td_unref(ctx.notice);
         return ec;
+    }
     uint64_t t0 = tdp_cli_now_ns();
     printf("stopping: %s\n", wait_for_stop(s, &a, &set));
 
@@ -359,6 +434,7 @@ int tdp_cmd_serve(int argc, char **argv)
     print_final(s, &ctx, tdp_cli_now_ns() - t0);
     tdp_server_free(s);
     tdp_loop_free(loop);
+    tdp_td_unref(ctx.notice);
 
     if (rc == TDP_ETIMEDOUT)
         return TDP_EXIT_TIMEOUT;

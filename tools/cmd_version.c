@@ -8,18 +8,24 @@ static const char version_help[] =
     "usage: tdpipe version\n\n"
     "Print the library version (and the headers this tool was built with), the\n"
     "wire protocol and schema format versions, CUDA support and the GPUs visible,\n"
-    "and the UCX version, one 'key: value' line each.\n";
+    "the UCX version and the data plane names '--plane' accepts, one 'key: value'\n"
+    "line each.\n";
 
 int tdp_cmd_version(int argc, char **argv)
 {
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},
+        {"verbose", no_argument, NULL, 'v'},
         {NULL, 0, NULL, 0},
     };
     int c;
 
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":vh", opts, NULL)) != -1) {
+        if (c == 'v') {
+            tdp_cli_more_verbose();
+            continue;
+        }
         if (c != 'h')
             return tdp_cli_bad_option("version", argv, c);
         fputs(version_help, stdout);
@@ -39,5 +45,7 @@ int tdp_cmd_version(int argc, char **argv)
         printf("cuda:     not built\n");
     }
     printf("ucx:      %s\n", ucp_get_version_string());
+    char planes[128];
+    printf("planes:   %s\n", tdp_cli_plane_names(planes, sizeof(planes)));
     return TDP_EXIT_OK;
 }

@@ -207,7 +207,30 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
 
 static void read_cb(struct bufferevent *bev, void *arg)
 {
-    read_frames(arg, bufferevent_get_input(bev));
+    tdp__ctl *c = arg;
+    if (c->greeting != NULL)
+        evtimer_del(c->greeting); /* the peer speaks; what it says is judged below */
+    read_frames(c, bufferevent_get_input(bev));
+}
+
+static void greeting_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp__ctl *c = arg;
+    if (c->bev == NULL || c->hello_seen)
+        return;
+    tdp_log_info("peer %s sent nothing within %d ms of connecting (not a tdpipe peer?)",
+                 c->peer_name, TDP_CTL_GREETING_MS);
+    fail(c, TDP_EPROTO);
+}
+
+/* Dial: a tdpipe listener's HELLO is due at once; wait this long for it. */
+static void expect_greeting(tdp__ctl *c)
+{
+    struct timeval tv = {TDP_CTL_GREETING_MS / 1000, (TDP_CTL_GREETING_MS % 1000) * 1000};
+    if (c->greeting == NULL)
+        c->greeting = evtimer_new(tdp__loop_base(c->loop), greeting_cb, c);
+    if (c->greeting != NULL) /* without it, the handshake deadline still ends a silent peer */
+        evtimer_add(c->greeting, &tv);
 }
 
 static void event_cb(struct bufferevent *bev, short what, void *arg)
@@ -216,6 +239,7 @@ static void event_cb(struct bufferevent *bev, short what, void *arg)
     if (what & BEV_EVENT_CONNECTED) {
         c->connected = true;
         set_sockopts(c, bufferevent_getfd(bev));
+        expect_greeting(c);
         c->up->connected(c->owner);
         return;
     }
@@ -257,6 +281,10 @@ void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
 
 void tdp__ctl_close(tdp__ctl *c)
 {
+    if (c->greeting != NULL) {
+        event_free(c->greeting);
+        c->greeting = NULL;
+    }
     if (c->bev == NULL)
         return;
     /* a BYE still queued goes out now: freeing would drop it */

@@ -17,6 +17,14 @@
 
 #define TDP_CTL_MAX_ADDRS 4
 
+/*
+ * A listener sends its HELLO as it accepts: a peer that has sent nothing
+ * this long after the connection is up is not a tdpipe listener (an HTTP
+ * server waiting for a request, say), and the dial fails with TDP_EPROTO
+ * rather than at the handshake deadline.
+ */
+#define TDP_CTL_GREETING_MS 2000
+
 typedef struct tdp__ctl_up {
     /* dial: the socket is connected; the owner sends its HELLO */
     void (*connected)(void *owner);
@@ -25,8 +33,9 @@ typedef struct tdp__ctl_up {
     void (*bye)(void *owner, const tdp_bye *b);
     /*
      * The channel ended: TDP_ECONNREFUSED / TDP_EADDR (dial failed),
-     * TDP_ECONNRESET (the peer closed or vanished), TDP_EPROTO (garbage),
-     * TDP_EVERSION (another protocol version). The socket is closed.
+     * TDP_ECONNRESET (the peer closed or vanished), TDP_EPROTO (garbage, or
+     * a dialled peer silent for TDP_CTL_GREETING_MS), TDP_EVERSION (another
+     * protocol version). The socket is closed.
      */
     void (*closed)(void *owner, tdp_err why);
     /* our BYE has left this process */
@@ -41,6 +50,7 @@ typedef struct tdp__ctl_opts {
 typedef struct tdp__ctl {
     tdp_loop *loop;
     struct bufferevent *bev;
+    struct event *greeting; /* dial: the peer's first bytes are due */
     const tdp__ctl_up *up;
     void *owner;
     tdp__ctl_opts opts;
