@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +59,7 @@ typedef struct bench_cfg {
     bool quiet;
     bool progress;
     int clients;      /* --clients N: many producers to one server */
+    bool no_loan;     /* --no-loan: plain sends on the shm plane too */
     bool sizes_given;
     /* child roles */
     bool consumer;
@@ -89,6 +91,33 @@ static int64_t *hdr_of(tdp_td *td)
     return tdp_td_data(td);
 }
 
+/*
+ * Send a message of proto's layout whose control words are hdr[0..3]. On
+ * the shm plane (unless --no-loan) it is a loaned slot: only the control
+ * words are written, nothing is copied, the receiver reads the pages the
+ * slot holds — as ucx_perftest moves buffers it never writes. Elsewhere it
+ * is proto itself, sent from its own buffer.
+ */
+static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, const int64_t hdr[4])
+{
+    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM) {
+        memcpy(hdr_of(proto), hdr, 4 * sizeof(int64_t));
+        return tdp_pipe_send(p, proto, BENCH_TMO);
+    }
+    tdp_td *slot = NULL;
+    tdp_err rc;
+    /* every slot out for a moment: a release on its way frees one */
+    for (int i = 0; i < 100000 && (rc = tdp_pipe_loan(p, tdp_td_schema(proto), &slot)) == TDP_EAGAIN;
+         i++)
+        sched_yield();
+    if (rc != TDP_OK)
+        return rc;
+    memcpy(hdr_of(slot), hdr, 4 * sizeof(int64_t));
+    rc = tdp_pipe_send(p, slot, BENCH_TMO);
+    tdp_td_unref(slot);
+    return rc;
+}
+
 /* ---- the consumer (child process) -------------------------------------------- */
 
 static int run_consumer(const bench_cfg *cfg)
@@ -109,7 +138,7 @@ static int run_consumer(const bench_cfg *cfg)
     if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
         return TDP_EXIT_CONNECT;
     tdp_schema *as = bench_schema(128);
-    tdp_td *ack, *td;
+    tdp_td *ack, *td, *echo = NULL;
     if (as == NULL || tdp_td_new(as, &ack) != TDP_OK)
         return TDP_EXIT_FAIL;
     uint64_t t_start = 0;
@@ -118,8 +147,20 @@ static int run_consumer(const bench_cfg *cfg)
         int64_t *h = hdr_of(td);
         switch (h[0]) {
         case PH_PING:
-            rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
-            tdp_pipe_release(pipe, td);
+            if (cfg->no_loan || tdp_pipe_plane(pipe) != TDP_PLANE_SHM) {
+                rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
+                tdp_pipe_release(pipe, td);
+            } else {
+                /* zero copy both ways: a slot of this side's pool answers */
+                int64_t back[4];
+                memcpy(back, h, sizeof(back));
+                tdp_pipe_release(pipe, td);
+                if (echo == NULL || tdp_td_schema(echo) != tdp_td_schema(td)) {
+                    tdp_td_unref(echo);
+                    echo = tdp_td_ref(td); /* its layout; never sent itself */
+                }
+                rc = bench_send(cfg, pipe, echo, back);
+            }
             break;
         case PH_STREAM: {
             int64_t idx = h[1], count = h[2], warm = h[3];
@@ -143,6 +184,7 @@ static int run_consumer(const bench_cfg *cfg)
         if (rc != TDP_OK)
             break;
     }
+    tdp_td_unref(echo);
     tdp_pipe_free(pipe);
     tdp_td_unref(ack);
     tdp_schema_unref(as);
@@ -197,10 +239,9 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
         goto out;
     }
     for (int i = 0; i < warm + n && rc == TDP_OK; i++) {
-        hdr_of(td)[0] = PH_PING;
-        hdr_of(td)[1] = i;
+        int64_t h[4] = {PH_PING, i, 0, 0};
         uint64_t a = tdp_cli_now_ns();
-        rc = tdp_pipe_send(p, td, BENCH_TMO);
+        rc = bench_send(cfg, p, td, h);
         if (rc == TDP_OK)
             rc = tdp_pipe_recv(p, BENCH_TMO, &got);
         uint64_t b = tdp_cli_now_ns();
@@ -226,12 +267,8 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
         for (int i = 0; i < count && rc == TDP_OK; i++) {
-            int64_t *h = hdr_of(td);
-            h[0] = PH_STREAM;
-            h[1] = i;
-            h[2] = count;
-            h[3] = twarm;
-            rc = tdp_pipe_send(p, td, BENCH_TMO);
+            int64_t h[4] = {PH_STREAM, i, count, twarm};
+            rc = bench_send(cfg, p, td, h);
             if (cfg->progress && (i % 512 == 0 || i == count - 1))
                 fprintf(stderr, "\r  %-9s throughput %d/%d  %6d/%d ", label, r + 1, TP_REPEATS,
                         i + 1, count);
@@ -288,13 +325,14 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"plane\": \"%s\", \"cpus\": %ld},\n  \"results\": [\n",
+            "\"plane\": \"%s\", \"loan\": %s, \"cpus\": %ld},\n  \"results\": [\n",
             tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
             cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
-            plane, sysconf(_SC_NPROCESSORS_ONLN));
+            plane, strcmp(plane, "shm") == 0 && !cfg->no_loan ? "true" : "false",
+            sysconf(_SC_NPROCESSORS_ONLN));
     for (int i = 0; i < n; i++) {
         fprintf(f,
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
@@ -507,7 +545,7 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     if (pid == 0) {
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
               depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
-              tdp_plane_name(cfg->plane), (char *)NULL);
+              tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet", (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -590,7 +628,9 @@ static int run_producer(bench_cfg *cfg)
         rc_exit = TDP_EXIT_FAIL;
     }
     if (done > 0) {
-        printf("plane %s, depth %u, %s, UCX_TLS=%s\n", plane, cfg->depth,
+        bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+        printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
+               loaned ? " (loaned slots: no copy)" : "", cfg->depth,
                cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
         print_table(cfg, res, done, stdout);
         if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, cfg->json_path) &&
@@ -623,6 +663,8 @@ static void usage(FILE *f)
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
             "  --plane NAME       data plane (default auto: the HELLO picks one);\n"
             "                     'tdpipe version' lists the names\n"
+            "  --no-loan          on the shm plane, send plain buffers (one copy into a\n"
+            "                     slot) instead of loaned slots (no copy: the default)\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
             "  --plot FILE        draw latency and throughput against size (needs gnuplot);\n"
             "                     FILE.png or FILE.svg: the format comes from the name\n"
@@ -657,7 +699,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
         {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
         {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
-        {"verbose", no_argument, NULL, 'v'},       {NULL, 0, NULL, 0},
+        {"verbose", no_argument, NULL, 'v'},       {"no-loan", no_argument, NULL, 'L'},
+        {NULL, 0, NULL, 0},
     };
     char why[160];
     uint64_t v;
@@ -666,6 +709,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":vh", opts, NULL)) != -1) {
         switch (c) {
+        case 'L':
+            cfg->no_loan = true;
+            break;
         case 'C':
             if (!parse_num("--clients", optarg, 1, 1024, &v))
                 return TDP_EXIT_USAGE;
