@@ -2,7 +2,7 @@
 # bench/run.sh: tdpipe and its reference points, in one run, on the same
 # payloads, over loopback — then one table with tdpipe's ratio to each.
 #
-#   bench/run.sh [--tls tcp|shm|default] [--sizes LIST] [--busy-poll US]
+#   bench/run.sh [--tls tcp|shm|default] [--plane NAME] [--sizes LIST] [--busy-poll US]
 #                [--runs K] [--rounds N] [--json FILE] [--out DIR] [--build DIR]
 #
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
@@ -19,6 +19,7 @@ BUILD=${TDP_BUILD_DIR:-$ROOT/build}
 TLS=default
 SIZES=1KB,1MB,100MB
 BUSY_POLL=0
+PLANE=auto
 ROUNDS=
 RUNS=1
 JSON=
@@ -34,6 +35,8 @@ tdpipe's ratio to each (docs/benchmarks.md).
 
   --tls MODE       UCX transports for tdpipe and ucx_perftest: tcp (UCX_TLS=tcp),
                    shm (UCX_TLS=shm,self) or default (UCX_TLS unset: UCX picks)
+  --plane NAME     tdpipe's data plane: auto (default: shm on one host), ucx
+                   or shm (loaned slots, no copy; docs/planes.md)
   --sizes LIST     payload sizes (default 1KB,1MB,100MB; KB = 1000 B)
   --busy-poll US   also run tdpipe with this busy-poll window, the progress
                    mode of ucx_perftest (the event-driven run is always made)
@@ -51,6 +54,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
     --tls) TLS=$2; shift 2 ;;
     --sizes) SIZES=$2; shift 2 ;;
+    --plane) PLANE=$2; shift 2 ;;
     --busy-poll) BUSY_POLL=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
@@ -99,13 +103,13 @@ cpu_idle() {
 }
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS$([[ $BUSY_POLL != 0 ]] && echo "-bp$BUSY_POLL")}
+OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL != 0 ]] && echo "-bp$BUSY_POLL")}
 mkdir -p "$OUT"
 JSON=${JSON:-$OUT/results.json}
 COMMON=(--sizes "$SIZES")
 [[ -n $ROUNDS ]] && COMMON+=(--rounds "$ROUNDS")
 
-echo "== bench/run.sh: UCX_TLS=${UCX_TLS:-default} UCX_NET_DEVICES=lo, sizes $SIZES," \
+echo "== bench/run.sh: UCX_TLS=${UCX_TLS:-default} UCX_NET_DEVICES=lo, tdpipe plane $PLANE, sizes $SIZES," \
     "$RUNS run(s), $(nproc) CPUs, results in $OUT"
 if REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
     git -C "$ROOT" diff --quiet HEAD -- src include tools 2>/dev/null || REV="$REV + local changes"
@@ -144,10 +148,10 @@ for ((run = 1; run <= RUNS; run++)); do
         echo "== run $run of $RUNS"
     fi
     step "tdpipe bench (event-driven)" "$D/tdpipe.json" \
-        "$TDPIPE" bench "${COMMON[@]}" --quiet
+        "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
     if [[ $BUSY_POLL != 0 ]]; then
         step "tdpipe bench --busy-poll $BUSY_POLL" "$D/tdpipe-busy-poll.json" \
-            "$TDPIPE" bench "${COMMON[@]}" --busy-poll "$BUSY_POLL" --quiet
+            "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --busy-poll "$BUSY_POLL" --quiet
     fi
     if [[ $HAVE_PERFTEST -eq 1 ]]; then
         step "ucx_perftest ucp_am_lat/ucp_am_bw (poll)" "$D/perftest-poll.json" \

@@ -221,6 +221,19 @@ static json_t *print_targets(const table *t)
             a, target(targets[i].name,
                       ratio(t, targets[i].g, targets[i].num, targets[i].den, targets[i].bytes),
                       targets[i].op, targets[i].goal));
+    /* the shm plane's own targets: faster than the transport, size-independent hand-off */
+    const char *plane = NULL;
+    for (int r = R_EV; r <= R_BP && plane == NULL; r++)
+        if (t->nin[r] > 0)
+            plane = json_string_value(
+                json_object_get(json_object_get(t->in[r][0], "config"), "plane"));
+    if (plane != NULL && strcmp(plane, "shm") == 0) {
+        json_array_append_new(a, target("shm plane: 1 KB latency p50, busy-poll tdpipe / am_lat (poll)",
+                                        ratio(t, lat_p50, R_BP, R_UCX_POLL, 1000), "<=", 1.0));
+        json_array_append_new(
+            a, target("shm plane: busy-poll tdpipe latency p50, 100 MB / 1 KB",
+                      lat_p50(t, R_BP, 100000000) / lat_p50(t, R_BP, 1000), "<=", 2.0));
+    }
     if (t->nin[R_BP] == 0)
         printf("  (no busy-poll tdpipe run: bench/run.sh --busy-poll US adds one)\n");
     return a;
