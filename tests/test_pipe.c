@@ -1362,6 +1362,49 @@ static void test_loans(void **state)
     env_down(&e);
 }
 
+/*
+ * shm plane: descriptors naming what they may not — a slot past the pool, a
+ * pool that was never announced, a slot the receiver still holds — end the
+ * pipe with TDP_EPROTO and touch nothing (ASan runs this too).
+ */
+static void test_shm_hostile_descriptors(void **state)
+{
+    for (int k = 0; k < 3; k++) {
+        tdp_pipe_opts o;
+        tdp_pipe_opts_default(&o);
+        o.recv_depth = 2;
+        env e;
+        env_up(&e, &o, &o);
+        if (tdp_pipe_plane(e.cli) != TDP_PLANE_SHM) {
+            print_message("not the shm plane: nothing to do\n");
+            env_down(&e);
+            return;
+        }
+        tdp_schema *s = bytes_schema(4096);
+        tdp_td *td, *got;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        fill(td, 1);
+        /* one real message, held: pool generation 1 is in force, slot 0 is out */
+        assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        shm_rogue r = {.l = tdp__session_link(e.cli)};
+        r.d.type = tdp__shm_desc_word(TDP__SHM_DESC_DATA, k == 1 ? 99 : 1);
+        r.d.slot = k == 0 ? 100000 : 0;
+        r.d.seq = 2;
+        r.d.hash = tdp_schema_hash(s);
+        r.d.arg = 4096;
+        tdp__call_on_loop(e.cl, shm_rogue_task, &r);
+        assert_int_equal(r.rc, TDP_OK);
+        tdp_td *next;
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &next), TDP_EPROTO);
+        assert_true(verify(got, 1)); /* the held view is intact */
+        tdp_pipe_release(e.srv, got);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+        env_down(&e);
+    }
+}
+
 /* A view lent by a sender that then died stays readable until released. */
 static void test_view_outlives_sender(void **state)
 {
@@ -1459,6 +1502,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_ucx_unavailable),
         cmocka_unit_test(test_loans),
         cmocka_unit_test(test_view_outlives_sender),
+        cmocka_unit_test(test_shm_hostile_descriptors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
