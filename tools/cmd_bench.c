@@ -39,8 +39,8 @@
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define HDR_BYTES 32u /* four int64 control words at the start of each message */
 #define MAX_SIZES 16
-#define MIN_SIZE  128          /* room for the control words, and some payload */
-#define MAX_SIZE  (64ull << 30) /* 64 GiB */
+#define MIN_SIZE   128           /* room for the control words, and some payload */
+#define MAX_SIZE   (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
 #define BENCH_TMO 120000
 
@@ -289,8 +289,8 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
             "\"plane\": \"%s\", \"cpus\": %ld},\n  \"results\": [\n",
-            tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
-            cfg->depth, cfg->busy_poll_us,
+            tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default", cfg->depth,
+            cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
@@ -650,14 +650,14 @@ static bool parse_num(const char *opt, const char *val, uint64_t min, uint64_t m
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
     static const struct option opts[] = {
-        {"sizes", required_argument, NULL, 's'},   {"rounds", required_argument, NULL, 'r'},
-        {"depth", required_argument, NULL, 'd'},   {"tls", required_argument, NULL, 't'},
+        {"sizes", required_argument, NULL, 's'},     {"rounds", required_argument, NULL, 'r'},
+        {"depth", required_argument, NULL, 'd'},     {"tls", required_argument, NULL, 't'},
         {"busy-poll", required_argument, NULL, 'b'}, {"peer-mode", required_argument, NULL, 'm'},
-        {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
-        {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
-        {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
-        {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
-        {"verbose", no_argument, NULL, 'v'},       {NULL, 0, NULL, 0},
+        {"json", required_argument, NULL, 'j'},      {"plot", required_argument, NULL, 'p'},
+        {"quiet", no_argument, NULL, 'q'},           {"help", no_argument, NULL, 'h'},
+        {"role", required_argument, NULL, 'R'},      {"connect", required_argument, NULL, 'c'},
+        {"clients", required_argument, NULL, 'C'},   {"plane", required_argument, NULL, 'P'},
+        {"verbose", no_argument, NULL, 'v'},         {NULL, 0, NULL, 0},
     };
     char why[160];
     uint64_t v;
@@ -802,7 +802,7 @@ int tdp_cmd_bench(int argc, char **argv)
     if (cfg.server)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.clients > 0)
-        return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000,
-                                 cfg.rounds, cfg.depth, cfg.plane, cfg.quiet);
+        return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
+                                 cfg.depth, cfg.plane, cfg.quiet);
     return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
 }
