@@ -84,6 +84,11 @@ static void set_ucx_log_level(int verbose)
 static ucs_log_func_rc_t ucx_log_to_stderr(const char *file, unsigned line, const char *function,
                                            ucs_log_level_t level,
                                            const ucs_log_component_config_t *comp_conf,
+                                           const char *message, va_list ap) TDP_CHECK_FMT(6, 0);
+
+static ucs_log_func_rc_t ucx_log_to_stderr(const char *file, unsigned line, const char *function,
+                                           ucs_log_level_t level,
+                                           const ucs_log_component_config_t *comp_conf,
                                            const char *message, va_list ap)
 {
     (void)file, (void)line, (void)function, (void)comp_conf;
