@@ -96,8 +96,8 @@ static void test_size_lists(void **state)
     int n = -1;
     char why[160];
 
-    assert_true(tdp_bm_parse_size_list("1KB,1MiB,128", 128, 1ull << 30, v, 4, &n, why,
-                                       sizeof(why)));
+    assert_true(
+        tdp_bm_parse_size_list("1KB,1MiB,128", 128, 1ull << 30, v, 4, &n, why, sizeof(why)));
     assert_int_equal(n, 3);
     assert_int_equal(v[0], 1000);
     assert_int_equal(v[1], 1u << 20);
@@ -106,8 +106,9 @@ static void test_size_lists(void **state)
     static const struct {
         const char *list, *needle;
     } bad[] = {
-        {"1KB,,1MB", "empty size"}, {"1KB,", "empty size"},       {",1KB", "empty size"},
-        {"", "no sizes"},           {"1KB,1Mb", "bits"},           {"1KB,2GiB", "out of range"},
+        {"1KB,,1MB", "empty size"},  {"1KB,", "empty size"},
+        {",1KB", "empty size"},      {"", "no sizes"},
+        {"1KB,1Mb", "bits"},         {"1KB,2GiB", "out of range"},
         {"100", "(128 B .. 1 GiB)"}, {"1K,2K,3K,4K,5K", "more than 4"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -174,10 +175,8 @@ static void test_host_addresses(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_size_grammar),
-        cmocka_unit_test(test_size_lists),
-        cmocka_unit_test(test_rounding),
-        cmocka_unit_test(test_plurals_and_planes),
+        cmocka_unit_test(test_size_grammar),   cmocka_unit_test(test_size_lists),
+        cmocka_unit_test(test_rounding),       cmocka_unit_test(test_plurals_and_planes),
         cmocka_unit_test(test_host_addresses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

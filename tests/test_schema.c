@@ -1071,7 +1071,27 @@ static void test_batch_size_rules(void **state)
     OK(tdp_schema_builder_node(b, "", NULL, 1, bs));
     OK(tdp_schema_builder_tensor(b, "ok", TDP_FLOAT32, 2, good));
     OK(tdp_schema_builder_tensor(b, "bad", TDP_FLOAT32, 2, bad));
-    expect_finish_fails(b, TDP_ESCHEMA, "'bad'", "batch_size");
+    expect_finish_fails(b, TDP_ESCHEMA, "leaf 'bad': shape [3, 2]",
+                        "the batch_size [4] of node '<root>'");
+
+    /* the node whose batch_size applies is named, with its value */
+    OK(tdp_schema_builder_new(&b));
+    OK(tdp_schema_builder_node(b, "", NULL, 1, bs));
+    OK(tdp_schema_builder_node(b, "meta", NULL, 2, good));
+    OK(tdp_schema_builder_tensor(b, "meta.step", TDP_INT64, 1, bs));
+    expect_finish_fails(b, TDP_ESCHEMA, "leaf 'meta.step': shape [4]",
+                        "the batch_size [4, 2] of node 'meta'");
+
+    /* long batch sizes are cut short, not the message */
+    {
+        const int64_t big[8] = {1000000000000, 1000000000000, 1000000000000, 1000000000000,
+                                1000000000000, 1000000000000, 1000000000000, 0};
+        OK(tdp_schema_builder_new(&b));
+        OK(tdp_schema_builder_node(b, "", NULL, 8, big));
+        OK(tdp_schema_builder_tensor(b, "x", TDP_FLOAT32, 1, bs));
+        expect_finish_fails(b, TDP_ESCHEMA, "[1000000000000, 1000000000000, ",
+                            ", ...] of node '<root>'");
+    }
 
     /* a scalar leaf under a batched node */
     OK(tdp_schema_builder_new(&b));
@@ -1083,7 +1103,8 @@ static void test_batch_size_rules(void **state)
     OK(tdp_schema_builder_new(&b));
     OK(tdp_schema_builder_node(b, "", NULL, 1, bs));
     OK(tdp_schema_builder_node(b, "child", NULL, 1, bs2));
-    expect_finish_fails(b, TDP_ESCHEMA, "'child'", "batch_size");
+    expect_finish_fails(b, TDP_ESCHEMA, "node 'child': batch_size [5]",
+                        "the batch_size [4] of its parent '<root>'");
 
     /* an implicitly created parent inherits its parent's batch_size */
     OK(tdp_schema_builder_new(&b));

@@ -140,8 +140,8 @@ static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_
         dup2(from_child[1], STDOUT_FILENO);
         close(to_child[1]);
         close(from_child[0]);
-        execl("/proc/self/exe", "tdpipe", "bench", "--role=server", "--rounds", tot, "--depth",
-              dep, "--plane", tdp_plane_name(plane), (char *)NULL);
+        execl("/proc/self/exe", "tdpipe", "bench", "--role=server", "--rounds", tot, "--depth", dep,
+              "--plane", tdp_plane_name(plane), (char *)NULL);
         _exit(127);
     }
     close(to_child[0]);
@@ -215,8 +215,7 @@ out_child:
     return rc;
 }
 
-int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
-                      bool quiet)
+int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool quiet)
 {
     double one = 0, many = 0;
     char a[TDP_CLI_FMT_LEN], b[TDP_CLI_FMT_LEN], sz[TDP_CLI_FMT_LEN];
@@ -227,8 +226,8 @@ int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane
         total = 10 * n;
     tdp_cli_format_size(size, sz, sizeof(sz));
     if (!quiet)
-        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d client%s\n", total,
-                sz, n, tdp_cli_s((uint64_t)n));
+        fprintf(stderr, "tdpipe bench: %d messages of %s, 1 client, then %d client%s\n", total, sz,
+                n, tdp_cli_s((uint64_t)n));
     const char *used = "?";
     tdp_err rc = run_clients(1, size, total, depth, plane, &one, &used);
     if (rc == TDP_OK)

@@ -181,8 +181,8 @@ static const char *fmt_bound(uint64_t v, char *buf, size_t len)
     return buf;
 }
 
-bool tdp_bm_parse_size_list(const char *list, uint64_t min, uint64_t max, uint64_t *out,
-                            int max_n, int *n, char *why, size_t len)
+bool tdp_bm_parse_size_list(const char *list, uint64_t min, uint64_t max, uint64_t *out, int max_n,
+                            int *n, char *why, size_t len)
 {
     char tok[64];
     const char *p = list, *reason;

@@ -50,8 +50,8 @@ bool tdp_bm_parse_size_why(const char *s, uint64_t *out, const char **why);
  * empty element ("1KB,,1MB" and a trailing comma are refused). On failure
  * why (len bytes) says which element and what is wrong.
  */
-bool tdp_bm_parse_size_list(const char *list, uint64_t min, uint64_t max, uint64_t *out,
-                            int max_n, int *n, char *why, size_t len);
+bool tdp_bm_parse_size_list(const char *list, uint64_t min, uint64_t max, uint64_t *out, int max_n,
+                            int *n, char *why, size_t len);
 
 /*
  * The message size for a requested size: whole float32 elements, so

@@ -248,8 +248,7 @@ void tdp_cli_print_listening(const char *bind, uint16_t port)
 
 const char *tdp_cli_strerror(tdp_err rc)
 {
-    return rc == TDP_EUCX ? "UCX error (run with -v to see UCX's own messages)"
-                          : tdp_strerror(rc);
+    return rc == TDP_EUCX ? "UCX error (run with -v to see UCX's own messages)" : tdp_strerror(rc);
 }
 
 /*
@@ -264,8 +263,8 @@ static bool diagnose_bind(const char *host, uint16_t port, char *why, size_t len
                              .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
                     *res = NULL;
-    struct sockaddr_in6 any = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT,
-                               .sin6_port = htons(port)};
+    struct sockaddr_in6 any = {
+        .sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT, .sin6_port = htons(port)};
     const struct sockaddr *sa = (const struct sockaddr *)&any;
     socklen_t salen = sizeof(any);
     bool wildcard = host == NULL || host[0] == '\0';
@@ -363,9 +362,9 @@ int tdp_cli_connect_failed(const char *cmd, const char *host, uint16_t port, tdp
         break;
     }
     tdp_cli_error(cmd, "cannot connect to %s: %s", where, why);
-    return rc == TDP_ETIMEDOUT                                ? TDP_EXIT_TIMEOUT
+    return rc == TDP_ETIMEDOUT                                      ? TDP_EXIT_TIMEOUT
            : rc == TDP_EUCX || rc == TDP_ENOMEM || rc == TDP_EINVAL ? TDP_EXIT_FAIL
-                                                                  : TDP_EXIT_CONNECT;
+                                                                    : TDP_EXIT_CONNECT;
 }
 
 /* ---- data planes ------------------------------------------------------------ */
@@ -778,8 +777,7 @@ const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint
     double s = now_ns > m->start_ns ? (double)(now_ns - m->start_ns) / 1e9 : 0;
     char size[TDP_CLI_FMT_LEN], rate[TDP_CLI_FMT_LEN];
     snprintf(buf, len, "%s %" PRIu64 " message%s (%s) in %.3f s: %s, %.0f msgs/s", verb, m->msgs,
-             tdp_cli_s(m->msgs),
-             tdp_cli_format_size(m->bytes, size, sizeof(size)), s,
+             tdp_cli_s(m->msgs), tdp_cli_format_size(m->bytes, size, sizeof(size)), s,
              tdp_cli_format_rate(s > 0 ? (double)m->bytes / s : 0, rate, sizeof(rate)),
              s > 0 ? (double)m->msgs / s : 0);
     return buf;

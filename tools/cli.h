@@ -361,8 +361,7 @@ int tdp_cmd_inspect(int argc, char **argv);
 int tdp_cmd_version(int argc, char **argv);
 
 /* bench_clients.c: `tdpipe bench --clients N` and its server process. */
-int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
-                      bool quiet);
+int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool quiet);
 int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 
 /*
@@ -376,7 +375,7 @@ int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 /* Subcommand help texts end with this pointer to the exit-status table. */
 #define TDP_CLI_EXIT_HELP                                                                          \
     "Exit status: 0 ok, 1 runtime failure, 2 usage error, 3 cannot connect/listen,\n"              \
-    "4 peer ended with an error, 5 timed out, 130/143 interrupted by SIGINT/SIGTERM\n"            \
+    "4 peer ended with an error, 5 timed out, 130/143 interrupted by SIGINT/SIGTERM\n"             \
     "(after a clean close and the summary; a second signal ends it at once).\n"
 
 #endif /* TDPIPE_TOOLS_CLI_H */

@@ -40,8 +40,8 @@
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define HDR_BYTES 32u /* four int64 control words at the start of each message */
 #define MAX_SIZES 16
-#define MIN_SIZE  128          /* room for the control words, and some payload */
-#define MAX_SIZE  (64ull << 30) /* 64 GiB */
+#define MIN_SIZE   128           /* room for the control words, and some payload */
+#define MAX_SIZE   (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
 #define BENCH_TMO 120000
 
@@ -692,8 +692,8 @@ static bool parse_num(const char *opt, const char *val, uint64_t min, uint64_t m
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
     static const struct option opts[] = {
-        {"sizes", required_argument, NULL, 's'},   {"rounds", required_argument, NULL, 'r'},
-        {"depth", required_argument, NULL, 'd'},   {"tls", required_argument, NULL, 't'},
+        {"sizes", required_argument, NULL, 's'},     {"rounds", required_argument, NULL, 'r'},
+        {"depth", required_argument, NULL, 'd'},     {"tls", required_argument, NULL, 't'},
         {"busy-poll", required_argument, NULL, 'b'}, {"peer-mode", required_argument, NULL, 'm'},
         {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
         {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
@@ -848,7 +848,7 @@ int tdp_cmd_bench(int argc, char **argv)
     if (cfg.server)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.clients > 0)
-        return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000,
-                                 cfg.rounds, cfg.depth, cfg.plane, cfg.quiet);
+        return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
+                                 cfg.depth, cfg.plane, cfg.quiet);
     return cfg.consumer ? run_consumer(&cfg) : run_producer(&cfg);
 }

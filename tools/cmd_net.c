@@ -208,7 +208,8 @@ static int recv_parse(int argc, char **argv, recv_args *a)
     uint64_t v;
     int c;
 
-    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000}, .verify = true};
+    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000},
+                     .verify = true};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -364,10 +365,14 @@ static const char send_help[] =
     "Connect to a receiver ('tdpipe recv', 'tdpipe serve', 'tdpipe inspect') and\n"
     "send COUNT synthetic tensordicts of SIZE bytes: a float32 leaf 'data' and a\n"
     "nested 'meta' node; message n (from 1) carries a pattern that depends on n,\n"
-    "which 'recv' and 'serve --mode sink' check. Then close cleanly.\n"
+    "which 'recv' and 'serve' check. Then close cleanly.\n"
     "HOST is a name, an IPv4 address or an IPv6 address in brackets ([::1]:5000).\n\n"
-    "The last line on stdout is a summary:\n"
-    "  sent N messages (SIZE) in S s: RATE, M msgs/s\n\n"
+    "The summary on stdout (then round trips with --echo, credit waits with\n"
+    "--depth-hint):\n"
+    "  sent N messages (SIZE) in S s: RATE, M msgs/s; plane P\n\n"
+    "A receiver that cannot serve this sender as started (--echo against 'recv',\n"
+    "'inspect' or 'serve --mode sink'; no --echo against 'serve --mode echo')\n"
+    "says so at once; send then names the flag to change and exits 2.\n\n"
     "Options:\n"
     "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
     "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
@@ -425,8 +430,7 @@ static int send_parse(int argc, char **argv, send_args *a)
                 return tdp_cli_usage_error("send", "invalid size '%s': %s", optarg, why);
             if (tdp_cli_synth_bytes(a->size) > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
                 return tdp_cli_usage_error(
-                    "send", "size '%s' is over the largest message a receiver takes, %s",
-                    optarg,
+                    "send", "size '%s' is over the largest message a receiver takes, %s", optarg,
                     tdp_cli_format_size(TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES, buf, sizeof(buf)));
             break;
         case 'n':
@@ -504,7 +508,8 @@ static bool explain_notice(const tdp_td *td)
         tdp_cli_error("send",
                       "the receiver (%s) does not send messages back, and --echo waits for "
                       "each: drop --echo, or %s",
-                      from, server ? "start the server with '--mode auto'" : "send to 'tdpipe serve'");
+                      from,
+                      server ? "start the server with '--mode auto'" : "send to 'tdpipe serve'");
     else
         tdp_cli_error("send",
                       "the receiver (%s) sends every message back, and this sender does not read "
@@ -679,8 +684,10 @@ int tdp_cmd_send(int argc, char **argv)
     }
     tdp_schema_unref(s); /* td holds it */
     if (tdp_td_nbytes(td) != a.size && !a.quiet)
-        fprintf(stderr, "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
-                "float32 elements)\n", tdp_td_nbytes(td), a.size);
+        fprintf(stderr,
+                "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
+                "float32 elements)\n",
+                tdp_td_nbytes(td), a.size);
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error("send", "cannot create the event loop: %s", tdp_strerror(rc));
         tdp_td_unref(td);
@@ -700,7 +707,8 @@ int tdp_cmd_send(int argc, char **argv)
     }
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
-    printf("%s; plane %s\n", tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
+    printf("%s; plane %s\n",
+           tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
            tdp_cli_plane_of(pipe));
     send_report_extra(pipe, &a, &rtt);
     ec = refused               ? TDP_EXIT_USAGE
@@ -749,11 +757,14 @@ typedef struct inspect_args {
 static int inspect_parse(int argc, char **argv, inspect_args *a)
 {
     static const struct option opts[] = {
-        {"bind", required_argument, NULL, 'b'},  {"port", required_argument, NULL, 'p'},
-        {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
+        {"bind", required_argument, NULL, 'b'},
+        {"port", required_argument, NULL, 'p'},
+        {"count", required_argument, NULL, 'n'},
+        {"timeout", required_argument, NULL, 't'},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"verbose", no_argument, NULL, 'v'},
-        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     int c;
 
@@ -839,8 +850,7 @@ int tdp_cmd_inspect(int argc, char **argv)
         printf("plane %s\n", tdp_cli_plane_of(pipe));
     int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
     if (sig != 0) {
-        printf("interrupted (%s) after %" PRIu64 " message%s\n", signal_name(sig), n,
-               tdp_cli_s(n));
+        printf("interrupted (%s) after %" PRIu64 " message%s\n", signal_name(sig), n, tdp_cli_s(n));
         rc = TDP_OK;
     } else if (rc == TDP_ECLOSED && n > 0) {
         printf("producer closed after %" PRIu64 " message%s\n", n, tdp_cli_s(n));
@@ -849,10 +859,10 @@ int tdp_cmd_inspect(int argc, char **argv)
         tdp_cli_error("inspect", "after %" PRIu64 " message%s: %s", n, tdp_cli_s(n),
                       tdp_strerror(rc));
     }
-    ec = refused               ? TDP_EXIT_FAIL
-         : sig != 0            ? TDP_EXIT_SIGNAL(sig)
-         : rc == TDP_ECLOSED   ? TDP_EXIT_FAIL
-                               : tdp_cli_exit_for(rc);
+    ec = refused             ? TDP_EXIT_FAIL
+         : sig != 0          ? TDP_EXIT_SIGNAL(sig)
+         : rc == TDP_ECLOSED ? TDP_EXIT_FAIL
+                             : tdp_cli_exit_for(rc);
     close_and_free(pipe, loop);
     return ec;
 }

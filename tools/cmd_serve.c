@@ -70,7 +70,7 @@ typedef struct serve_args {
 typedef struct serve_ctx {
     const serve_args *args;
     pthread_t main_thread;
-    tdp_td *notice; /* what a client this mode cannot serve is sent (read-only) */
+    tdp_td *notice;               /* what a client this mode cannot serve is sent (read-only) */
     atomic_uint_fast64_t msgs;    /* messages handled, for --count */
     atomic_uint_fast64_t bad;     /* sink: messages that failed verification */
     atomic_uint_fast64_t checked; /* sink: messages verified */
@@ -260,7 +260,9 @@ static void on_close(tdp_client *c, tdp_err status, void *arg)
     if (cs == NULL)
         return; /* turned away before on_connect kept anything */
     printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
-           cs->refused ? "refused" : status == TDP_ECLOSED ? "clean" : tdp_strerror(status),
+           cs->refused             ? "refused"
+           : status == TDP_ECLOSED ? "clean"
+                                   : tdp_strerror(status),
            cs->msgs, tdp_cli_s(cs->msgs), tdp_cli_format_size(cs->bytes, size, sizeof(size)),
            !cs->decided || cs->refused ? ""
            : cs->echo                  ? ", echoed"
@@ -339,10 +341,9 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
            " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
            ", handler errors %" PRIu64 "; verify %s; depth %u\n",
            st.clients_total, tdp_cli_s(st.clients_total), (double)ns / 1e9, st.msgs_recv,
-           tdp_cli_s(st.msgs_recv),
-           tdp_cli_format_size(st.bytes_recv, in, sizeof(in)), st.msgs_sent,
-           tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused, st.handshakes_failed,
-           st.client_errors, st.handler_errors,
+           tdp_cli_s(st.msgs_recv), tdp_cli_format_size(st.bytes_recv, in, sizeof(in)),
+           st.msgs_sent, tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused,
+           st.handshakes_failed, st.client_errors, st.handler_errors,
            atomic_load(&ctx->checked) == 0 ? "off"
            : atomic_load(&ctx->bad) > 0    ? "FAILED"
                                            : "ok",

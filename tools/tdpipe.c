@@ -79,16 +79,20 @@ static void set_ucx_log_level(int verbose)
 /*
  * UCX prints its log on stdout unless told otherwise (UCX_LOG_FILE), where
  * it would mix with results that scripts read: put it on stderr, in UCX's
- * words. Runs only for messages at or above UCX's log level.
+ * words, whatever the level. Runs only for messages at or above UCX's log
+ * level.
  */
+static ucs_log_func_rc_t ucx_log_to_stderr(const char *file, unsigned line, const char *function,
+                                           ucs_log_level_t level,
+                                           const ucs_log_component_config_t *comp_conf,
+                                           const char *message, va_list ap) TDP_CHECK_FMT(6, 0);
+
 static ucs_log_func_rc_t ucx_log_to_stderr(const char *file, unsigned line, const char *function,
                                            ucs_log_level_t level,
                                            const ucs_log_component_config_t *comp_conf,
                                            const char *message, va_list ap)
 {
     (void)file, (void)line, (void)function, (void)comp_conf;
-    if (level > UCS_LOG_LEVEL_INFO)
-        return UCS_LOG_FUNC_RC_CONTINUE; /* debug and trace: UCX's own format */
     fprintf(stderr, "UCX  %s: ", ucs_log_level_names[level]);
     vfprintf(stderr, message, ap);
     fputc('\n', stderr);

@@ -292,6 +292,24 @@ static bool has_prefix(const int64_t *shape, uint32_t ndim, const int64_t *prefi
     return true;
 }
 
+/* Dims for a message: "[32, 84]"; "[32, 84, ...]" when they do not fit (len >= 16). */
+static const char *fmt_dims(const int64_t *d, uint32_t n, char *buf, size_t len)
+{
+    size_t used = (size_t)snprintf(buf, len, "[");
+    for (uint32_t i = 0; i < n; i++) {
+        char one[32];
+        int w = snprintf(one, sizeof(one), "%s%" PRId64, i ? ", " : "", d[i]);
+        if (used + (size_t)w + sizeof(", ...]") > len) { /* keep room for the ellipsis */
+            snprintf(buf + used, len - used, "%s...]", i ? ", " : "");
+            return buf;
+        }
+        memcpy(buf + used, one, (size_t)w + 1);
+        used += (size_t)w;
+    }
+    snprintf(buf + used, len - used, "]");
+    return buf;
+}
+
 static tdp_err validate_nodes(const tdp_schema *s, const tdp_schema_limits *lim, tdp__why *w)
 {
     for (uint32_t i = 0; i < s->nnodes; i++) {
@@ -322,9 +340,14 @@ static tdp_err validate_nodes(const tdp_schema *s, const tdp_schema_limits *lim,
                                  where, d, n->batch[d]);
         if (i > 0) {
             const tdp__node *p = &s->nodes[n->parent];
+            char mine[64], theirs[64];
             if (!has_prefix(n->batch, n->batch_ndim, p->batch, p->batch_ndim))
                 return tdp__fail(w, TDP_ESCHEMA,
-                                 "node '%s': batch_size does not start with its parent's", where);
+                                 "node '%s': batch_size %s does not start with the batch_size "
+                                 "%s of its parent '%s'",
+                                 where, fmt_dims(n->batch, n->batch_ndim, mine, sizeof(mine)),
+                                 fmt_dims(p->batch, p->batch_ndim, theirs, sizeof(theirs)),
+                                 n->parent == 0 ? "<root>" : p->path);
         }
     }
     return TDP_OK;
@@ -378,9 +401,15 @@ static tdp_err validate_leaves(tdp_schema *s, const tdp_schema_limits *lim, tdp_
         uint64_t nbytes;
         if (tdp__mul_ovf(numel, isz, &nbytes))
             return tdp__fail(w, TDP_ESCHEMA, "leaf '%s': byte size overflows 64 bits", l->path);
-        if (!has_prefix(l->shape, l->ndim, n->batch, n->batch_ndim))
-            return tdp__fail(w, TDP_ESCHEMA, "leaf '%s': shape does not start with batch_size",
-                             l->path);
+        if (!has_prefix(l->shape, l->ndim, n->batch, n->batch_ndim)) {
+            char shape[64], batch[64];
+            return tdp__fail(w, TDP_ESCHEMA,
+                             "leaf '%s': shape %s does not start with the batch_size %s of node "
+                             "'%s'",
+                             l->path, fmt_dims(l->shape, l->ndim, shape, sizeof(shape)),
+                             fmt_dims(n->batch, n->batch_ndim, batch, sizeof(batch)),
+                             l->node == 0 ? "<root>" : n->path);
+        }
         /* Ranges in the overflow-safe form: nbytes <= total - offset. */
         if (l->offset > total || nbytes > total - l->offset)
             return tdp__fail(w, TDP_ESCHEMA,
