@@ -128,4 +128,15 @@ extern const tdp__plane_ops tdp__plane_shm; /* same host, host memory; Linux onl
 const tdp__plane_ops *tdp__plane_by_id(uint8_t id);
 const tdp__plane_ops *tdp__plane_by_name(const char *name);
 
+/*
+ * For tests: a plane this build does not have (tests/fake_plane.c, an
+ * in-memory one), so the session's rules can be checked without any
+ * transport. ops->id must be TDP__PLANE_TEST (below 32: it fits the
+ * planes_forbidden mask); the session offers it after the real planes, and
+ * a test forces it with tdp_pipe_opts.plane = TDP__PLANE_TEST. NULL takes
+ * it away. Call it while no pipe exists; not thread-safe.
+ */
+#define TDP__PLANE_TEST 31
+void tdp__plane_register_test(const tdp__plane_ops *ops);
+
 #endif

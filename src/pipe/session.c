@@ -1303,7 +1303,7 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     p->sync_send->take_back = p->sync_recv->take_back = take_back;
 
     /* the candidate planes, in this side's order of preference */
-    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX};
+    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP__PLANE_TEST};
     for (size_t i = 0; i < sizeof(order); i++) {
         const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
         if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
