@@ -1,0 +1,1217 @@
+/*
+ * test_session: the pipe's state machine (session.c) over an in-memory
+ * data plane (fake_plane.c) — no UCX worker is ever made, which every
+ * test checks at the end. The control channel is real TCP over
+ * 127.0.0.1; both pipes live on one loop that only this thread runs.
+ * Every wait is bounded (TMO).
+ */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include <tdpipe/tdpipe.h>
+
+#include "fake_plane.h"
+#include "pipe/session.h"
+#include "pipe/ucx_workers.h"
+#include "schema/schema_int.h"
+
+#define TMO    5000 /* ms: bound of any single wait */
+#define LINGER 300  /* ms: linger deadline where a test waits for it */
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- schemas and payloads ----------------------------------------------------------- */
+
+static tdp_schema *bytes_schema(int64_t nbytes)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+/* A pattern that depends on seq: a stale or torn buffer fails verify. */
+static void fill(tdp_td *td, uint64_t seq)
+{
+    uint8_t *p = tdp_td_data(td);
+    for (uint64_t i = 0; i < tdp_td_nbytes(td); i++)
+        p[i] = (uint8_t)(seq * 131 + i * 7 + (i >> 8));
+}
+
+static bool verify(const tdp_td *td, uint64_t seq)
+{
+    const uint8_t *p = tdp_td_data(td);
+    for (uint64_t i = 0; i < tdp_td_nbytes(td); i++)
+        if (p[i] != (uint8_t)(seq * 131 + i * 7 + (i >> 8)))
+            return false;
+    return true;
+}
+
+static tdp_td *msg(tdp_schema *sc, uint64_t seq)
+{
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
+    fill(td, seq);
+    return td;
+}
+
+/* ---- environment: one loop, a dialed pipe (cli) and an accepted one (srv) ------------- */
+
+typedef struct side {
+    tdp_pipe *p;
+    bool ready, ended;
+    tdp_err ready_rc, end_rc;
+    tdp_schema *send_on_ready; /* send one message (seq 1) from the ready callback */
+    tdp_op *ready_op;
+} side;
+
+typedef struct env {
+    tdp_loop *loop;
+    side cli, srv;
+} env;
+
+static void spin(env *e, int64_t ms)
+{
+    volatile bool never = false;
+    tdp__loop_run_until(e->loop, &never, ms);
+}
+
+/* Run the loop until expr holds; fail the test after TMO. */
+#define WAIT(e, expr)                                                                              \
+    do {                                                                                           \
+        int64_t end_ = mono_ms() + TMO;                                                            \
+        while (!(expr)) {                                                                          \
+            if (mono_ms() > end_)                                                                  \
+                fail_msg("timed out waiting for %s", #expr);                                       \
+            spin((e), 2);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+static void on_end(tdp_pipe *p, tdp_err st, void *arg)
+{
+    side *s = arg;
+    assert_false(s->ended); /* once */
+    s->ended = true;
+    s->end_rc = st;
+}
+
+static void on_ready(tdp_pipe *p, tdp_err st, void *arg)
+{
+    side *s = arg;
+    assert_false(s->ready); /* once */
+    s->ready = true;
+    s->ready_rc = st;
+    s->p = p;
+    if (p == NULL)
+        return;
+    assert_int_equal(st, TDP_OK);
+    tdp_pipe_set_end_cb(p, on_end, s);
+    if (s->send_on_ready != NULL) {
+        tdp_td *td = msg(s->send_on_ready, 1);
+        tdp_pipe_send_async(p, td, s->ready_op);
+        tdp_td_unref(td);
+    }
+}
+
+static tdp_pipe_opts fake_opts(uint32_t depth)
+{
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.plane = (tdp_plane)TDP__PLANE_TEST;
+    o.recv_depth = depth;
+    o.linger_ms = LINGER;
+    o.connect_timeout_ms = TMO;
+    return o;
+}
+
+/*
+ * Dial and accept over 127.0.0.1; the fake's links take ccfg (dialer) and
+ * scfg (acceptor). Returns once both sides' ready callbacks have run.
+ */
+static void env_up_cfg(env *e, const tdp_pipe_opts *co, const tdp_pipe_opts *so,
+                       const fake_cfg *ccfg, const fake_cfg *scfg)
+{
+    tdp_op *cop = e->cli.ready_op, *sop = e->srv.ready_op;
+    tdp_schema *csc = e->cli.send_on_ready, *ssc = e->srv.send_on_ready;
+    memset(e, 0, sizeof(*e));
+    e->cli.ready_op = cop;
+    e->srv.ready_op = sop;
+    e->cli.send_on_ready = csc;
+    e->srv.send_on_ready = ssc;
+    assert_int_equal(tdp_loop_new(NULL, &e->loop), TDP_OK);
+
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    assert_true(lfd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sl), 0);
+    assert_int_equal(listen(lfd, 4), 0);
+    assert_int_equal(getsockname(lfd, (struct sockaddr *)&sa, &sl), 0);
+
+    *fake_defaults() = ccfg != NULL ? *ccfg : (fake_cfg){0};
+    assert_int_equal(
+        tdp_pipe_connect_async(e->loop, "127.0.0.1", ntohs(sa.sin_port), co, on_ready, &e->cli),
+        TDP_OK);
+    struct sockaddr_storage peer;
+    socklen_t pl = sizeof(peer);
+    int fd = -1;
+    WAIT(e, e->cli.ready || (fd = accept4(lfd, (struct sockaddr *)&peer, &pl,
+                                          SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0);
+    close(lfd);
+    if (fd < 0) { /* the dialer failed before it connected */
+        e->srv.ready = true;
+        e->srv.ready_rc = TDP_ECONNRESET;
+        return;
+    }
+
+    *fake_defaults() = scfg != NULL ? *scfg : (fake_cfg){0};
+    tdp_pipe_opts ro;
+    tdp_schema_limits lim;
+    tdp__opts_resolve(so, &ro, &lim);
+    tdp_err rc;
+    tdp_pipe *p = tdp__session_new(e->loop, &ro, &lim, &rc);
+    if (p == NULL) {
+        close(fd);
+        e->srv.ready = true;
+        e->srv.ready_rc = rc;
+    } else if ((rc = tdp__session_accept(p, fd, (struct sockaddr *)&peer, on_ready, &e->srv)) !=
+               TDP_OK) {
+        tdp__session_destroy(p);
+        e->srv.ready = true;
+        e->srv.ready_rc = rc;
+    }
+    *fake_defaults() = (fake_cfg){0};
+    WAIT(e, e->cli.ready && e->srv.ready);
+}
+
+static void env_up(env *e, uint32_t cdepth, uint32_t sdepth)
+{
+    tdp_pipe_opts co = fake_opts(cdepth), so = fake_opts(sdepth);
+    env_up_cfg(e, &co, &so, NULL, NULL);
+    assert_int_equal(e->cli.ready_rc, TDP_OK);
+    assert_int_equal(e->srv.ready_rc, TDP_OK);
+}
+
+/* Free both pipes, let the fake let go of everything, and check nothing touched UCX. */
+static void env_down(env *e)
+{
+    tdp_pipe_free(e->cli.p);
+    tdp_pipe_free(e->srv.p);
+    e->cli.p = e->srv.p = NULL;
+    fake_release_all();
+    WAIT(e, fake_live_links() == 0 && fake_pending() == 0);
+    spin(e, 1); /* the pipes' own memory goes on a later turn */
+    assert_null(tdp__ucx_peek(e->loop));
+    assert_null(tdp__loop_ext(e->loop, TDP__EXT_PIPE));
+    tdp_loop_free(e->loop);
+    e->loop = NULL;
+    assert_int_equal(fake_guard_errors(), 0);
+    assert_int_equal(fake_contract_errors(), 0);
+}
+
+static const fake_stats *stats(const env *e, bool cli)
+{
+    return fake_stats_of(fake_link_of(cli ? e->cli.p : e->srv.p));
+}
+
+static tdp_op *new_op(void)
+{
+    tdp_op *op;
+    assert_int_equal(tdp_op_new(NULL, NULL, &op), TDP_OK);
+    return op;
+}
+
+static bool done(const tdp_op *op)
+{
+    return tdp_op_result(op) != TDP_EAGAIN;
+}
+
+static void send_one(tdp_pipe *p, tdp_schema *sc, uint64_t seq, tdp_op *op)
+{
+    tdp_td *td = msg(sc, seq);
+    tdp_pipe_send_async(p, td, op);
+    tdp_td_unref(td); /* the op holds it */
+}
+
+/* Receive one message, wait for it and check it is seq's. */
+static tdp_td *recv_one(env *e, tdp_pipe *p, tdp_op *op, uint64_t seq)
+{
+    tdp_pipe_recv_async(p, op);
+    WAIT(e, done(op));
+    assert_int_equal(tdp_op_result(op), TDP_OK);
+    assert_int_equal(tdp_op_seq(op), seq);
+    assert_true(verify(tdp_op_td(op), seq));
+    return tdp_op_td(op);
+}
+
+static int setup(void **state)
+{
+    fake_plane_install(true);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fake_plane_uninstall();
+    return 0;
+}
+
+/* ---- HELLO ------------------------------------------------------------------------------ */
+
+static void test_hello_opens_on_fake(void **state)
+{
+    env e = {0};
+    env_up(&e, 2, 3);
+    assert_int_equal(tdp_pipe_plane(e.cli.p), TDP__PLANE_TEST);
+    assert_int_equal(tdp_pipe_plane(e.srv.p), TDP__PLANE_TEST);
+    assert_true(tdp_pipe_same_host(e.cli.p));
+    /* each side's link learnt the depth the other grants */
+    assert_true(stats(&e, true)->started);
+    assert_true(stats(&e, false)->started);
+    assert_int_equal(stats(&e, true)->peer_depth, 3);
+    assert_int_equal(stats(&e, false)->peer_depth, 2);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_OK);
+    assert_null(tdp__ucx_peek(e.loop));
+    env_down(&e);
+}
+
+static void test_hello_no_common_plane(void **state)
+{
+    env e = {0};
+    tdp_pipe_opts o = fake_opts(1);
+    fake_set_usable(false); /* both sides filter it out: nothing in common */
+    env_up_cfg(&e, &o, &o, NULL, NULL);
+    assert_null(e.cli.p);
+    assert_null(e.srv.p);
+    assert_int_equal(e.cli.ready_rc, TDP_ENOTSUP);
+    assert_int_equal(e.srv.ready_rc, TDP_ENOTSUP);
+    env_down(&e);
+}
+
+static void test_hello_plane_refuses(void **state)
+{
+    env e = {0};
+    tdp_pipe_opts o = fake_opts(1);
+
+    /* no link at all: the dialer never connects */
+    fake_set_link_new_rc(TDP_EINTERNAL);
+    env_up_cfg(&e, &o, &o, NULL, NULL);
+    fake_set_link_new_rc(TDP_OK);
+    assert_null(e.cli.p);
+    assert_int_equal(e.cli.ready_rc, TDP_EINTERNAL);
+    env_down(&e);
+
+    /* the acceptor's plane cannot describe itself: it fails, the dialer is told */
+    fake_cfg bad = {.fill_rc = TDP_EINVAL};
+    env_up_cfg(&e, &o, &o, NULL, &bad);
+    assert_null(e.srv.p);
+    assert_int_equal(e.srv.ready_rc, TDP_EINVAL);
+    assert_null(e.cli.p);
+    assert_int_equal(e.cli.ready_rc, TDP_ECONNRESET);
+    env_down(&e);
+
+    /* the dialer's plane cannot start: the dialer fails with its error */
+    bad = (fake_cfg){.start_rc = TDP_EPROTO};
+    env_up_cfg(&e, &o, &o, &bad, NULL);
+    assert_null(e.cli.p);
+    assert_int_equal(e.cli.ready_rc, TDP_EPROTO);
+    if (e.srv.p != NULL) /* it may have opened before the BYE came */
+        WAIT(&e, tdp_pipe_status(e.srv.p) == TDP_ECONNRESET);
+    else
+        assert_int_equal(e.srv.ready_rc, TDP_ECONNRESET);
+    env_down(&e);
+}
+
+/* A side that opens first sends at once: the frames reach a link the HELLO has not started. */
+static void test_frames_before_hello(void **state)
+{
+    env e = {0};
+    tdp_schema *sc = bytes_schema(100);
+    tdp_pipe_opts co = fake_opts(1), so = fake_opts(1);
+    fake_cfg sync = {.sync_frames = true};
+    e.cli.send_on_ready = e.srv.send_on_ready = sc;
+    e.cli.ready_op = new_op();
+    e.srv.ready_op = new_op();
+    env_up_cfg(&e, &co, &so, &sync, &sync);
+    assert_int_equal(e.cli.ready_rc, TDP_OK);
+    assert_int_equal(e.srv.ready_rc, TDP_OK);
+    /* whichever opened first sent its schema and data before the other had started */
+    assert_int_equal(stats(&e, true)->rx_early + stats(&e, false)->rx_early, 2);
+    tdp_op *r = new_op();
+    recv_one(&e, e.cli.p, r, 1);
+    recv_one(&e, e.srv.p, r, 1);
+    WAIT(&e, done(e.cli.ready_op) && done(e.srv.ready_op));
+    assert_int_equal(tdp_op_result(e.cli.ready_op), TDP_OK);
+    assert_int_equal(tdp_op_result(e.srv.ready_op), TDP_OK);
+    env_down(&e);
+    tdp_op_free(r);
+    tdp_op_free(e.cli.ready_op);
+    tdp_op_free(e.srv.ready_op);
+    tdp_schema_unref(sc);
+}
+
+/* ---- schema, data, sequence numbers ----------------------------------------------------- */
+
+static void test_schema_once_then_data(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 4);
+    tdp_schema *a = bytes_schema(1000), *a2 = bytes_schema(1000), *b = bytes_schema(77);
+    /* a, a again (another object, same layout), b, then a: schema frames for a, b, a */
+    tdp_schema *plan[] = {a, a, a, a2, a2, b, b, a};
+    const uint64_t schemas_after[] = {1, 1, 1, 1, 1, 2, 2, 3};
+    tdp_op *s = new_op(), *r = new_op();
+    for (uint64_t i = 0; i < 8; i++) {
+        uint64_t seq = i + 1;
+        send_one(e.cli.p, plan[i], seq, s);
+        tdp_td *td = recv_one(&e, e.srv.p, r, seq);
+        WAIT(&e, done(s));
+        assert_int_equal(tdp_op_result(s), TDP_OK);
+        assert_int_equal(tdp_op_seq(s), seq);
+        assert_int_equal(tdp_td_nbytes(td), tdp_schema_total_bytes(plan[i]));
+        assert_true(tdp_schema_equal(tdp_pipe_recv_schema(e.srv.p), plan[i]));
+        assert_int_equal(stats(&e, true)->tx_schema, schemas_after[i]);
+        assert_int_equal(stats(&e, false)->rx_schema, schemas_after[i]);
+        assert_int_equal(stats(&e, true)->tx_data, seq);
+        tdp_pipe_release(e.srv.p, td);
+    }
+    tdp_pipe_stats cs, ss;
+    tdp_pipe_stats_get(e.cli.p, &cs);
+    tdp_pipe_stats_get(e.srv.p, &ss);
+    assert_int_equal(cs.msgs_sent, 8);
+    assert_int_equal(cs.schemas_sent, 3);
+    assert_int_equal(ss.msgs_recv, 8);
+    assert_int_equal(ss.schemas_recv, 3);
+    assert_int_equal(ss.bytes_recv, cs.bytes_sent);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(a);
+    tdp_schema_unref(a2);
+    tdp_schema_unref(b);
+}
+
+/* Both directions at once, each with its own numbering. */
+static void test_both_directions(void **state)
+{
+    env e = {0};
+    env_up(&e, 2, 2);
+    tdp_schema *sc = bytes_schema(64);
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r1 = new_op(), *r2 = new_op();
+    for (uint64_t seq = 1; seq <= 5; seq++) {
+        send_one(e.cli.p, sc, seq, s1);
+        send_one(e.srv.p, sc, seq, s2);
+        tdp_td *a = recv_one(&e, e.srv.p, r1, seq);
+        tdp_td *b = recv_one(&e, e.cli.p, r2, seq);
+        WAIT(&e, done(s1) && done(s2));
+        assert_int_equal(tdp_op_result(s1), TDP_OK);
+        assert_int_equal(tdp_op_result(s2), TDP_OK);
+        tdp_pipe_release(e.srv.p, a);
+        tdp_pipe_release(e.cli.p, b);
+    }
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r1);
+    tdp_op_free(r2);
+    tdp_schema_unref(sc);
+}
+
+/* ---- credits ------------------------------------------------------------------------------ */
+
+static void test_credit_blocks_at_depth(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 2);
+    tdp_schema *sc = bytes_schema(256);
+    tdp_op *s[5], *r = new_op();
+    for (int i = 0; i < 5; i++) {
+        s[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, s[i]);
+    }
+    WAIT(&e, done(s[0]) && done(s[1]));
+    spin(&e, 20);
+    /* the receiver holds two buffers: two sends went, the rest wait for credit */
+    assert_int_equal(stats(&e, true)->tx_data, 2);
+    assert_false(done(s[2]));
+    assert_false(done(s[4]));
+    tdp_pipe_stats cs;
+    tdp_pipe_stats_get(e.cli.p, &cs);
+    assert_int_equal(cs.credit_waits, 1);
+
+    tdp_td *t1 = recv_one(&e, e.srv.p, r, 1);
+    tdp_td_ref(t1);
+    spin(&e, 10);
+    assert_int_equal(stats(&e, true)->tx_data, 2); /* received but still lent: no credit */
+    tdp_pipe_release(e.srv.p, t1);
+    WAIT(&e, done(s[2]));
+    assert_int_equal(stats(&e, true)->tx_data, 3);
+    assert_int_equal(stats(&e, false)->last_credit_tx, 1);
+    assert_false(done(s[3]));
+    tdp_td_unref(t1);
+
+    for (uint64_t seq = 2; seq <= 5; seq++)
+        tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, seq));
+    WAIT(&e, done(s[4]));
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(tdp_op_result(s[i]), TDP_OK);
+        assert_int_equal(tdp_op_seq(s[i]), (uint64_t)i + 1);
+    }
+    assert_int_equal(stats(&e, true)->tx_data, 5);
+    env_down(&e);
+    for (int i = 0; i < 5; i++)
+        tdp_op_free(s[i]);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* Depth 1: the next receive releases the last; its credit waits for the end of the turn. */
+static void test_credit_depth1_blocking(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(300);
+    tdp_op *s[3];
+    for (int i = 0; i < 3; i++) {
+        s[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, s[i]);
+    }
+    tdp_td *prev = NULL;
+    for (uint64_t seq = 1; seq <= 3; seq++) {
+        tdp_td *td = NULL;
+        assert_int_equal(tdp_pipe_recv(e.srv.p, TMO, &td), TDP_OK);
+        assert_true(verify(td, seq));
+        if (prev != NULL)
+            assert_ptr_equal(td, prev); /* one buffer, overwritten by each receive */
+        prev = td;
+    }
+    WAIT(&e, done(s[2]));
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdp_op_result(s[i]), TDP_OK);
+    assert_int_equal(stats(&e, false)->tx_credit, 2);
+    env_down(&e);
+    for (int i = 0; i < 3; i++)
+        tdp_op_free(s[i]);
+    tdp_schema_unref(sc);
+}
+
+/* A credit frame lost: the sender stays blocked until a DATA frame carries the count. */
+static void test_credit_lost_rides_on_data(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(40);
+    fake_cfg_of(fake_link_of(e.srv.p))->drop_credit = true;
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op(), *back = new_op();
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    tdp_td *t = recv_one(&e, e.srv.p, r, 1);
+    tdp_pipe_release(e.srv.p, t);
+    spin(&e, 30);
+    assert_int_equal(stats(&e, false)->credit_dropped, 1);
+    assert_int_equal(stats(&e, true)->tx_data, 1);
+    assert_false(done(s2));
+
+    send_one(e.srv.p, sc, 1, back); /* carries "1 released" */
+    WAIT(&e, done(s2));
+    assert_int_equal(tdp_op_result(s2), TDP_OK);
+    assert_int_equal(stats(&e, true)->tx_data, 2);
+    recv_one(&e, e.srv.p, r, 2);
+    recv_one(&e, e.cli.p, r, 1);
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r);
+    tdp_op_free(back);
+    tdp_schema_unref(sc);
+}
+
+/* A plane without ops->credit (its releases tell the peer) and without loans of its own. */
+static void test_plane_without_credit_op(void **state)
+{
+    fake_plane_install(false);
+    env e = {0};
+    env_up(&e, 1, 2);
+    tdp_schema *sc = bytes_schema(128);
+    tdp_op *s[4], *r = new_op();
+    for (int i = 0; i < 4; i++) {
+        s[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, s[i]);
+    }
+    for (uint64_t seq = 1; seq <= 4; seq++)
+        tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, seq));
+    WAIT(&e, done(s[3]));
+    assert_int_equal(stats(&e, false)->tx_credit, 4); /* one per release, by the plane */
+    tdp_td *loan = NULL;
+    assert_int_equal(tdp_pipe_loan(e.cli.p, sc, &loan), TDP_OK);
+    assert_int_equal(stats(&e, true)->loans, 0); /* the session's own buffer */
+    tdp_td_unref(loan);
+    env_down(&e);
+    for (int i = 0; i < 4; i++)
+        tdp_op_free(s[i]);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+    fake_plane_install(true);
+}
+
+/* ---- lending --------------------------------------------------------------------------- */
+
+static void test_lending_and_release(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 3);
+    tdp_schema *sc = bytes_schema(512);
+    tdp_op *s = new_op(), *r = new_op();
+    tdp_td *lent[3];
+    for (uint64_t seq = 1; seq <= 3; seq++) {
+        send_one(e.cli.p, sc, seq, s);
+        lent[seq - 1] = recv_one(&e, e.srv.p, r, seq);
+        WAIT(&e, done(s));
+    }
+    assert_true(lent[0] != lent[1] && lent[1] != lent[2] && lent[0] != lent[2]);
+    /* out of order: the middle one comes back; the next message takes its buffer */
+    tdp_pipe_release(e.srv.p, lent[1]);
+    tdp_pipe_release(e.srv.p, lent[1]); /* twice: ignored */
+    send_one(e.cli.p, sc, 4, s);
+    tdp_td *t4 = recv_one(&e, e.srv.p, r, 4);
+    assert_ptr_equal(t4, lent[1]);
+    assert_true(verify(lent[0], 1));
+    assert_true(verify(lent[2], 3));
+    assert_int_equal(stats(&e, false)->releases, 1);
+
+    /* a td the pipe never lent is ignored */
+    tdp_td *stranger = msg(sc, 9);
+    tdp_pipe_release(e.srv.p, stranger);
+    tdp_td_unref(stranger);
+    assert_int_equal(stats(&e, false)->releases, 1);
+
+    tdp_pipe_release(e.srv.p, lent[0]);
+    tdp_pipe_release(e.srv.p, lent[2]);
+    tdp_pipe_release(e.srv.p, t4);
+    assert_int_equal(stats(&e, false)->releases, 4);
+    WAIT(&e, done(s));
+
+    /* loans come from the plane while the pipe is open */
+    tdp_td *loan = NULL;
+    assert_int_equal(tdp_pipe_loan(e.cli.p, sc, &loan), TDP_OK);
+    fill(loan, 5);
+    tdp_pipe_send_async(e.cli.p, loan, s);
+    tdp_td_unref(loan);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 5));
+    assert_int_equal(stats(&e, true)->loans, 1);
+    fake_cfg_of(fake_link_of(e.cli.p))->loan_rc = TDP_EAGAIN;
+    assert_int_equal(tdp_pipe_loan(e.cli.p, sc, &loan), TDP_EAGAIN);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* ---- ending cleanly ----------------------------------------------------------------------- */
+
+static void test_clean_close(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 4);
+    tdp_schema *sc = bytes_schema(100);
+    tdp_op *s[3], *r = new_op();
+    for (int i = 0; i < 3; i++) {
+        s[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, s[i]);
+    }
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdp_op_result(s[i]), TDP_OK);
+    for (uint64_t seq = 1; seq <= 3; seq++)
+        tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, seq));
+    tdp_pipe_recv_async(e.srv.p, r);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    /* sends after the peer's BYE cannot go */
+    send_one(e.srv.p, sc, 1, s[0]);
+    WAIT(&e, done(s[0]));
+    assert_int_equal(tdp_op_result(s[0]), TDP_ECLOSED);
+    /* the end comes when the closer hangs up: the socket has the last word */
+    spin(&e, 10);
+    assert_false(e.srv.ended);
+    tdp_pipe_free(e.cli.p);
+    e.cli.p = NULL;
+    WAIT(&e, e.srv.ended);
+    assert_int_equal(e.srv.end_rc, TDP_ECLOSED);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECLOSED);
+    env_down(&e);
+    for (int i = 0; i < 3; i++)
+        tdp_op_free(s[i]);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* The BYE goes only after every send has completed. */
+static void test_close_waits_for_sends(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 4);
+    tdp_schema *sc = bytes_schema(100);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_sent = true;
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    tdp_pipe_close_async(e.cli.p, -1);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 2));
+    tdp_pipe_recv_async(e.srv.p, r);
+    spin(&e, 30);
+    assert_false(done(r)); /* no BYE yet: the transport still has both sends */
+    assert_false(done(s1));
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_OK);
+    assert_int_equal(fake_complete_sends(cl), 2);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    assert_int_equal(tdp_op_result(s1), TDP_OK);
+    assert_int_equal(tdp_op_result(s2), TDP_OK);
+    WAIT(&e, tdp_pipe_status(e.cli.p) != TDP_OK);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_ECLOSED);
+    /* the closer is told once the peer hangs up */
+    spin(&e, 10);
+    assert_false(e.cli.ended);
+    tdp_pipe_free(e.srv.p);
+    e.srv.p = NULL;
+    WAIT(&e, e.cli.ended);
+    assert_int_equal(e.cli.end_rc, TDP_OK);
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* The BYE overtakes the last frames: the receiver waits for them, then ends cleanly. */
+static void test_bye_before_last_frames(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 4);
+    tdp_schema *sc = bytes_schema(100);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_frames = true;
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
+    tdp_pipe_recv_async(e.srv.p, r);
+    spin(&e, 30);
+    assert_false(done(r));
+    assert_int_equal(fake_flush(cl), 3); /* schema, data, data */
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_OK);
+    assert_true(verify(tdp_op_td(r), 1));
+    tdp_pipe_release(e.srv.p, tdp_op_td(r));
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 2));
+    tdp_pipe_recv_async(e.srv.p, r);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* ... and when they never come, the linger deadline ends the pipe as a failure. */
+static void test_bye_frames_never_come(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 4);
+    tdp_schema *sc = bytes_schema(100);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_frames = true;
+    tdp_op *s1 = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s1);
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
+    tdp_pipe_recv_async(e.srv.p, r);
+    int64_t t0 = mono_ms();
+    WAIT(&e, done(r));
+    assert_true(mono_ms() - t0 >= LINGER - 20);
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* ---- closing with sends in flight --------------------------------------------------------- */
+
+static void test_close_deadline_with_sends_stuck(void **state)
+{
+    env e = {0};
+    tdp_schema *sc = bytes_schema(100);
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
+
+    /* a blocking close gives up; the pipe stays closing and ends once the sends go */
+    env_up(&e, 1, 4);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_sent = true;
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    assert_int_equal(tdp_pipe_close(e.cli.p, 50), TDP_ETIMEDOUT);
+    assert_false(done(s1));
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_OK);
+    assert_int_equal(fake_complete_sends(cl), 2);
+    WAIT(&e, tdp_pipe_status(e.cli.p) != TDP_OK);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_ECLOSED);
+    assert_int_equal(tdp_op_result(s1), TDP_OK);
+    assert_int_equal(tdp_op_result(s2), TDP_OK);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 2));
+    env_down(&e);
+
+    /* a close with a deadline: the pipe ends, the ops come back, the plane keeps the buffers */
+    env_up(&e, 1, 4);
+    cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_sent = true;
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    tdp_pipe_close_async(e.cli.p, 100);
+    WAIT(&e, done(s1) && done(s2));
+    assert_int_equal(tdp_op_result(s1), TDP_ETIMEDOUT);
+    assert_int_equal(tdp_op_result(s2), TDP_ETIMEDOUT);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_ETIMEDOUT);
+    assert_int_equal(fake_live_links(), 2);       /* the dialer's link: closed, still busy */
+    assert_int_equal(fake_complete_sends(cl), 2); /* completes after the close: no up-call */
+    spin(&e, 10);
+    assert_int_equal(fake_live_links(), 1);
+    env_down(&e);
+
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+static void test_free_with_ops_pending(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(100);
+    fake_cfg_of(fake_link_of(e.cli.p))->hold_sent = true;
+    tdp_op *s[3], *r = new_op(), *r2 = new_op();
+    for (int i = 0; i < 3; i++) {
+        s[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, s[i]); /* 1 with the plane, 2 wait for credit */
+    }
+    tdp_pipe_recv_async(e.cli.p, r);
+    spin(&e, 10);
+    tdp_pipe_free(e.cli.p);
+    e.cli.p = NULL;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdp_op_result(s[i]), TDP_ECANCELED);
+    assert_int_equal(tdp_op_result(r), TDP_ECANCELED);
+    /* the peer sees the socket go without a clean BYE */
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r2, 1));
+    tdp_pipe_recv_async(e.srv.p, r2);
+    WAIT(&e, done(r2));
+    assert_int_equal(tdp_op_result(r2), TDP_ECONNRESET);
+    env_down(&e);
+    for (int i = 0; i < 3; i++)
+        tdp_op_free(s[i]);
+    tdp_op_free(r);
+    tdp_op_free(r2);
+    tdp_schema_unref(sc);
+}
+
+/* A timed-out blocking send is taken back, whether it waited for credit or the plane has it. */
+static void test_blocking_send_timeouts(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(100);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_sent = true;
+    tdp_td *td = msg(sc, 1);
+    assert_int_equal(tdp_pipe_send(e.cli.p, td, 30), TDP_ETIMEDOUT); /* with the plane */
+    tdp_td_unref(td);
+    td = msg(sc, 2);
+    assert_int_equal(tdp_pipe_send(e.cli.p, td, 30), TDP_ETIMEDOUT); /* no credit */
+    tdp_td_unref(td);
+    fake_cfg_of(cl)->hold_sent = false;
+    assert_int_equal(fake_complete_sends(cl), 1);
+    tdp_td *got = NULL;
+    assert_int_equal(tdp_pipe_recv(e.srv.p, TMO, &got), TDP_OK);
+    assert_true(verify(got, 1));
+    /* the pipe goes on: the next send takes seq 2 (credit first: one thread drives both) */
+    tdp_pipe_release(e.srv.p, got);
+    td = msg(sc, 2);
+    assert_int_equal(tdp_pipe_send(e.cli.p, td, TMO), TDP_OK);
+    tdp_td_unref(td);
+    assert_int_equal(tdp_pipe_recv(e.srv.p, TMO, &got), TDP_OK);
+    assert_true(verify(got, 2));
+    env_down(&e);
+    tdp_schema_unref(sc);
+}
+
+/* ---- failures of the plane ----------------------------------------------------------------- */
+
+static void test_plane_fails_mid_receive(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(1000);
+    tdp__link *sl = fake_link_of(e.srv.p);
+    fake_cfg_of(sl)->rndv = true;
+    fake_cfg_of(sl)->hold_landing = true;
+    tdp_op *s = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s);
+    tdp_pipe_recv_async(e.srv.p, r);
+    WAIT(&e, stats(&e, false)->recvs == 1);
+    fake_fail(sl, TDP_ECONNRESET, "peer gone");
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    assert_null(tdp_op_td(r));
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
+    assert_int_equal(fake_land(sl), 1); /* lands after the close: nobody is told */
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+static void test_landing_fails(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 2);
+    tdp_schema *sc = bytes_schema(1000);
+    tdp__link *sl = fake_link_of(e.srv.p);
+    fake_cfg_of(sl)->rndv = true;
+    tdp_op *s = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1)); /* a late landing that works */
+    fake_cfg_of(sl)->land_status = TDP_ECONNRESET;
+    send_one(e.cli.p, sc, 2, s);
+    tdp_pipe_recv_async(e.srv.p, r);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET); /* never the half-filled buffer */
+    assert_null(tdp_op_td(r));
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* The plane fails with nothing in flight: the control socket decides how it ended. */
+static void test_plane_fails_idle_then_bye(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(10);
+    tdp_op *s = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    WAIT(&e, done(s));
+    tdp_pipe_recv_async(e.srv.p, r);
+    fake_fail(fake_link_of(e.srv.p), TDP_ECONNRESET, "peer gone");
+    spin(&e, 10);
+    assert_false(done(r));
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_OK);
+    send_one(e.srv.p, sc, 1, s); /* nothing goes on a failed plane */
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    tdp_td *loan;
+    assert_int_equal(tdp_pipe_loan(e.srv.p, sc, &loan), TDP_ECONNRESET);
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK); /* BYE: a clean end after all */
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    WAIT(&e, tdp_pipe_status(e.srv.p) != TDP_OK);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECLOSED);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+static void test_plane_fails_idle_peer_silent(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_op *r = new_op();
+    tdp_pipe_recv_async(e.srv.p, r);
+    fake_fail(fake_link_of(e.srv.p), TDP_ECONNRESET, "peer gone");
+    int64_t t0 = mono_ms();
+    WAIT(&e, done(r));
+    assert_true(mono_ms() - t0 >= LINGER - 20);
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    env_down(&e);
+    tdp_op_free(r);
+}
+
+static void test_send_errors(void **state)
+{
+    env e = {0};
+    tdp_schema *sc = bytes_schema(10);
+    tdp_op *s = new_op(), *r = new_op();
+
+    /* a send whose completion fails: the op says so */
+    env_up(&e, 1, 1);
+    fake_cfg_of(fake_link_of(e.cli.p))->sent_status = TDP_ECLOSED;
+    send_one(e.cli.p, sc, 1, s);
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_ECLOSED);
+    env_down(&e);
+
+    /* the plane refuses the send: the op and the pipe fail */
+    env_up(&e, 1, 1);
+    fake_cfg_of(fake_link_of(e.cli.p))->send_rc = TDP_ECONNRESET;
+    tdp_pipe_recv_async(e.cli.p, r);
+    send_one(e.cli.p, sc, 1, s);
+    WAIT(&e, done(s) && done(r));
+    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_ECONNRESET);
+    env_down(&e);
+
+    /* a message too large for the plane */
+    env_up(&e, 1, 1);
+    fake_cfg_of(fake_link_of(e.cli.p))->send_rc = TDP_EMSGSIZE;
+    send_one(e.cli.p, sc, 1, s);
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_EMSGSIZE);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_EMSGSIZE);
+    tdp_pipe_recv_async(e.srv.p, r); /* the peer is told with BYE */
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    env_down(&e);
+
+    /* sends complete inside ops->send: the session takes it in its stride */
+    env_up(&e, 1, 2);
+    fake_cfg_of(fake_link_of(e.cli.p))->sent_inline = true;
+    tdp_op *ss[4];
+    for (int i = 0; i < 4; i++) {
+        ss[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, ss[i]);
+    }
+    assert_int_equal(tdp_op_result(ss[0]), TDP_OK);
+    assert_int_equal(tdp_op_result(ss[1]), TDP_OK);
+    for (uint64_t seq = 1; seq <= 4; seq++)
+        tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, seq));
+    WAIT(&e, done(ss[3]));
+    assert_int_equal(tdp_op_result(ss[3]), TDP_OK);
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
+    env_down(&e);
+    for (int i = 0; i < 4; i++)
+        tdp_op_free(ss[i]);
+
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/* ---- a hostile peer plane ----------------------------------------------------------- */
+
+enum prime { NONE, ONE_MSG };
+
+typedef struct hostile {
+    const char *name;
+    enum prime prime; /* ONE_MSG: seq 1 delivered (and kept lent) first */
+    bool to_cli;      /* the frame goes to the sender's link instead */
+    uint32_t depth;   /* the victim's receive depth */
+    uint8_t type;
+    enum { H_OK, H_HASH, H_ZERO } hash; /* the schema's hash, a wrong one, 0 */
+    uint64_t seq;
+    int64_t length; /* -1: the payload's size */
+    int64_t arg;    /* -1: the schema's total bytes */
+    enum { P_JSON, P_DATA, P_BIG, P_SHORT, P_GARBAGE, P_NONE } payload;
+    tdp_err want;
+} hostile;
+
+static const hostile cases[] = {
+    {"data before schema", NONE, false, 2, TDP_AM_DATA, H_OK, 1, -1, 0, P_DATA, TDP_EMISMATCH},
+    {"schema wrong hash", NONE, false, 2, TDP_AM_SCHEMA, H_HASH, 1, -1, -1, P_JSON, TDP_ESCHEMA},
+    {"schema wrong size", NONE, false, 2, TDP_AM_SCHEMA, H_OK, 1, -1, 5, P_JSON, TDP_ESCHEMA},
+    {"schema garbage", NONE, false, 2, TDP_AM_SCHEMA, H_ZERO, 1, -1, 8, P_GARBAGE, TDP_ESCHEMA},
+    {"schema out of seq", NONE, false, 2, TDP_AM_SCHEMA, H_OK, 2, -1, -1, P_JSON, TDP_EPROTO},
+    {"schema cut short", NONE, false, 2, TDP_AM_SCHEMA, H_OK, 1, 4096, -1, P_JSON, TDP_EPROTO},
+    {"schema over limits", NONE, false, 2, TDP_AM_SCHEMA, H_OK, 1, -1, INT64_MAX, P_JSON,
+     TDP_EMSGSIZE},
+    {"data duplicate seq", ONE_MSG, false, 2, TDP_AM_DATA, H_OK, 1, -1, 0, P_DATA, TDP_EPROTO},
+    {"data seq gap", ONE_MSG, false, 2, TDP_AM_DATA, H_OK, 3, -1, 0, P_DATA, TDP_EPROTO},
+    {"data oversized", ONE_MSG, false, 2, TDP_AM_DATA, H_OK, 2, -1, 0, P_BIG, TDP_EMSGSIZE},
+    {"data undersized", ONE_MSG, false, 2, TDP_AM_DATA, H_OK, 2, -1, 0, P_SHORT, TDP_EMSGSIZE},
+    {"data length lies", ONE_MSG, false, 2, TDP_AM_DATA, H_OK, 2, INT64_MAX, 0, P_DATA,
+     TDP_EMSGSIZE},
+    {"data other schema", ONE_MSG, false, 2, TDP_AM_DATA, H_HASH, 2, -1, 0, P_DATA, TDP_EMISMATCH},
+    {"data beyond credit", ONE_MSG, false, 1, TDP_AM_DATA, H_OK, 2, -1, 0, P_DATA, TDP_EPROTO},
+    {"credit beyond sent", NONE, true, 2, TDP_AM_CREDIT, H_ZERO, 0, 0, 5, P_NONE, TDP_EPROTO},
+    {"credit backwards", ONE_MSG, true, 2, TDP_AM_CREDIT, H_ZERO, 0, 0, 0, P_NONE, TDP_EPROTO},
+    {"unknown frame type", NONE, false, 2, 9, H_ZERO, 1, 0, 0, P_NONE, TDP_EPROTO},
+};
+
+static void run_hostile(const hostile *c)
+{
+    env e = {0};
+    tdp_schema *sc = bytes_schema(200), *other = bytes_schema(201);
+    tdp_op *s = new_op(), *r = new_op(), *pr = new_op();
+    tdp_td *kept = NULL;
+    print_message("hostile: %s\n", c->name);
+    env_up(&e, 2, c->depth);
+    if (c->prime == ONE_MSG) {
+        send_one(e.cli.p, sc, 1, s);
+        kept = tdp_td_ref(recv_one(&e, e.srv.p, r, 1)); /* lent, not released */
+        WAIT(&e, done(s));
+        if (c->to_cli) { /* the receiver gives the buffer back: credit 1 */
+            tdp_pipe_release(e.srv.p, kept);
+            WAIT(&e, stats(&e, false)->tx_credit == 1 && stats(&e, true)->rx_credit == 1);
+        }
+    }
+    side *victim = c->to_cli ? &e.cli : &e.srv, *peer = c->to_cli ? &e.srv : &e.cli;
+    /* depth 1 with a message lent: a receive would release it, so wait on the status */
+    bool watch_recv = !(c->depth == 1 && c->prime == ONE_MSG);
+    if (watch_recv)
+        tdp_pipe_recv_async(victim->p, r);
+    tdp_pipe_recv_async(peer->p, pr);
+
+    size_t jl;
+    const char *json = tdp_schema_json(sc, &jl);
+    size_t total = (size_t)tdp_schema_total_bytes(sc);
+    uint8_t data[1024];
+    assert_true(total + 64 <= sizeof(data));
+    memset(data, 0x5a, sizeof(data));
+    const void *payload = NULL;
+    size_t len = 0;
+    switch (c->payload) {
+    case P_JSON:
+        payload = json;
+        len = jl;
+        break;
+    case P_DATA:
+        payload = data;
+        len = total;
+        break;
+    case P_BIG:
+        payload = data;
+        len = total + 64;
+        break;
+    case P_SHORT:
+        payload = data;
+        len = total - 1;
+        break;
+    case P_GARBAGE:
+        payload = "{\"not\": a schema";
+        len = strlen(payload);
+        break;
+    case P_NONE:
+        break;
+    }
+    tdp__frame f = {
+        .type = c->type,
+        .seq = c->seq,
+        .hash = c->hash == H_OK     ? tdp_schema_hash(sc)
+                : c->hash == H_HASH ? tdp_schema_hash(other)
+                                    : 0,
+        .length = c->length < 0 ? len : (uint64_t)c->length,
+        .arg = c->arg < 0 ? tdp_schema_total_bytes(sc) : (uint64_t)c->arg,
+    };
+    fake_inject(fake_link_of(victim->p), &f, payload, len);
+
+    if (watch_recv) {
+        WAIT(&e, done(r));
+        assert_int_equal(tdp_op_result(r), c->want);
+        assert_null(tdp_op_td(r));
+    }
+    WAIT(&e, tdp_pipe_status(victim->p) != TDP_OK);
+    assert_int_equal(tdp_pipe_status(victim->p), c->want);
+    /* the peer is told why in BYE, and ends as reset */
+    WAIT(&e, done(pr));
+    assert_int_equal(tdp_op_result(pr), TDP_ECONNRESET);
+    /* what the application holds was not written */
+    if (kept != NULL) {
+        assert_true(verify(kept, 1));
+        tdp_td_unref(kept);
+    }
+    assert_int_equal(fake_guard_errors(), 0);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_op_free(pr);
+    tdp_schema_unref(sc);
+    tdp_schema_unref(other);
+}
+
+static void test_hostile_frames(void **state)
+{
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        run_hostile(&cases[i]);
+}
+
+/* A frame for a link that no longer exists is dropped; nothing reaches a freed pipe. */
+static void test_frames_after_end(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 1);
+    tdp_schema *sc = bytes_schema(50);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->hold_frames = true;
+    tdp_op *s = new_op();
+    send_one(e.cli.p, sc, 1, s);
+    WAIT(&e, done(s));
+    assert_int_equal(fake_stats_of(cl)->tx_data, 1);
+    tdp_pipe_free(e.srv.p);
+    e.srv.p = NULL;
+    spin(&e, 5);
+    assert_int_equal(fake_flush(cl), 2); /* to a link that is gone: dropped */
+    spin(&e, 5);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_schema_unref(sc);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_hello_opens_on_fake, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hello_no_common_plane, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hello_plane_refuses, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frames_before_hello, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_schema_once_then_data, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_both_directions, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_credit_blocks_at_depth, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_credit_depth1_blocking, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_credit_lost_rides_on_data, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_plane_without_credit_op, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lending_and_release, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_clean_close, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_close_waits_for_sends, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bye_before_last_frames, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bye_frames_never_come, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_close_deadline_with_sends_stuck, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_free_with_ops_pending, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_blocking_send_timeouts, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_plane_fails_mid_receive, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_landing_fails, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_plane_fails_idle_then_bye, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_plane_fails_idle_peer_silent, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_send_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hostile_frames, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frames_after_end, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
