@@ -871,6 +871,41 @@ static void test_blocking_send_timeouts(void **state)
 
 /* ---- failures of the plane ----------------------------------------------------------------- */
 
+/*
+ * The peer fails the pipe while this side holds a lent message and has
+ * another arrived but not yet received: both stay readable until
+ * released, after the plane's link is gone.
+ */
+static void test_lent_survives_failure(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 2);
+    tdp_schema *sc = bytes_schema(4096);
+    tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s1);
+    send_one(e.cli.p, sc, 2, s2);
+    tdp_td *t1 = recv_one(&e, e.srv.p, r, 1);
+    WAIT(&e, stats(&e, false)->rx_data == 2);
+    tdp_pipe_abort(e.cli.p, TDP_ECANCELED);
+    WAIT(&e, tdp_pipe_status(e.srv.p) != TDP_OK);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
+    WAIT(&e, fake_live_links() == 0); /* both links are gone */
+    assert_true(verify(t1, 1));
+    tdp_td *t2 = recv_one(&e, e.srv.p, r, 2); /* arrived before the end: still delivered */
+    tdp_pipe_recv_async(e.srv.p, r);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    assert_true(verify(t1, 1));
+    assert_true(verify(t2, 2));
+    tdp_pipe_release(e.srv.p, t1);
+    tdp_pipe_release(e.srv.p, t2);
+    env_down(&e);
+    tdp_op_free(s1);
+    tdp_op_free(s2);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
 static void test_plane_fails_mid_receive(void **state)
 {
     env e = {0};
@@ -1205,6 +1240,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_close_deadline_with_sends_stuck, setup, teardown),
         cmocka_unit_test_setup_teardown(test_free_with_ops_pending, setup, teardown),
         cmocka_unit_test_setup_teardown(test_blocking_send_timeouts, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lent_survives_failure, setup, teardown),
         cmocka_unit_test_setup_teardown(test_plane_fails_mid_receive, setup, teardown),
         cmocka_unit_test_setup_teardown(test_landing_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_plane_fails_idle_then_bye, setup, teardown),
