@@ -22,6 +22,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "fake_plane.h"
+#include "pipe/host.h"
 #include "pipe/session.h"
 #include "pipe/ucx_workers.h"
 #include "schema/schema_int.h"
@@ -341,6 +342,114 @@ static void test_hello_plane_refuses(void **state)
     env_down(&e);
 }
 
+/*
+ * A raw peer on the control socket: its HELLO offers `ids`; whatever the
+ * pipe sends back is collected until it hangs up (or the peer gives up).
+ */
+typedef struct raw_peer {
+    int fd;
+    uint8_t in[4096];
+    size_t nin;
+    bool eof;
+} raw_peer;
+
+static void raw_up(env *e, raw_peer *rp, const uint8_t *ids, uint32_t nids)
+{
+    memset(e, 0, sizeof(*e));
+    memset(rp, 0, sizeof(*rp));
+    assert_int_equal(tdp_loop_new(NULL, &e->loop), TDP_OK);
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(lfd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sl), 0);
+    assert_int_equal(listen(lfd, 4), 0);
+    assert_int_equal(getsockname(lfd, (struct sockaddr *)&sa, &sl), 0);
+    rp->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_int_equal(connect(rp->fd, (struct sockaddr *)&sa, sl), 0); /* the backlog takes it */
+    struct sockaddr_storage peer;
+    socklen_t pl = sizeof(peer);
+    int fd = accept4(lfd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    assert_true(fd >= 0);
+    close(lfd);
+
+    tdp_hello h = {.recv_depth = 1, .caps = TDP_CAP_MEM_HOST, .max_msg_bytes = 1u << 20};
+    tdp__host_id(h.host_id);
+    h.planes = ids;
+    h.nplanes = nids;
+    size_t n = tdp_wire_hello_size(&h);
+    assert_true(n > 0 && n <= 1024);
+    uint8_t buf[1024];
+    assert_int_equal(tdp_wire_hello_encode(buf, &h), TDP_OK);
+    assert_int_equal(send(rp->fd, buf, n, MSG_NOSIGNAL), (ssize_t)n);
+
+    tdp_pipe_opts o = fake_opts(1), ro;
+    tdp_schema_limits lim;
+    tdp__opts_resolve(&o, &ro, &lim);
+    tdp_err rc;
+    tdp_pipe *p = tdp__session_new(e->loop, &ro, &lim, &rc);
+    assert_non_null(p);
+    assert_int_equal(tdp__session_accept(p, fd, (struct sockaddr *)&peer, on_ready, &e->srv),
+                     TDP_OK);
+    WAIT(e, e->srv.ready);
+}
+
+static bool raw_read(raw_peer *rp)
+{
+    ssize_t n = recv(rp->fd, rp->in + rp->nin, sizeof(rp->in) - rp->nin, MSG_DONTWAIT);
+    if (n == 0)
+        rp->eof = true;
+    else if (n > 0)
+        rp->nin += (size_t)n;
+    return rp->eof || rp->nin == sizeof(rp->in);
+}
+
+/* The BYE among what the pipe sent (its HELLO first); false when there is none. */
+static bool raw_bye(const raw_peer *rp, tdp_bye *b)
+{
+    size_t at = 0;
+    while (rp->nin - at >= TDP_CTL_HDR_LEN) {
+        tdp_ctl_hdr hdr;
+        assert_int_equal(tdp_wire_ctl_hdr_decode(rp->in + at, &hdr), TDP_OK);
+        assert_true(rp->nin - at >= TDP_CTL_HDR_LEN + hdr.length);
+        if (hdr.type == TDP_CTL_BYE)
+            return tdp_wire_bye_decode(rp->in + at + TDP_CTL_HDR_LEN, hdr.length, b) == TDP_OK;
+        at += TDP_CTL_HDR_LEN + hdr.length;
+    }
+    return false;
+}
+
+/* The peer offers only planes this side does not allow: no pipe, and the peer is told. */
+static void test_hello_peer_lacks_plane(void **state)
+{
+    env e;
+    raw_peer rp;
+    const uint8_t ucx_only[] = {TDP_PLANE_UCX};
+    raw_up(&e, &rp, ucx_only, 1);
+    assert_null(e.srv.p);
+    assert_int_equal(e.srv.ready_rc, TDP_ENOTSUP);
+    WAIT(&e, raw_read(&rp));
+    assert_true(rp.eof);
+    tdp_bye b;
+    assert_true(raw_bye(&rp, &b));
+    assert_int_equal(b.reason, TDP_ENOTSUP);
+    close(rp.fd);
+    env_down(&e);
+
+    /* offered second, the one plane both allow is chosen */
+    const uint8_t both[] = {TDP_PLANE_UCX, TDP__PLANE_TEST};
+    raw_up(&e, &rp, both, 2);
+    assert_int_equal(e.srv.ready_rc, TDP_OK);
+    assert_int_equal(tdp_pipe_plane(e.srv.p), TDP__PLANE_TEST);
+    tdp_op *r = new_op();
+    tdp_pipe_recv_async(e.srv.p, r);
+    close(rp.fd); /* the peer vanishes without a word */
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    env_down(&e);
+    tdp_op_free(r);
+}
+
 /* A side that opens first sends at once: the frames reach a link the HELLO has not started. */
 static void test_frames_before_hello(void **state)
 {
@@ -624,6 +733,40 @@ static void test_lending_and_release(void **state)
     tdp_op_free(s);
     tdp_op_free(r);
     tdp_schema_unref(sc);
+}
+
+/* A new layout while messages of the old one are lent: they keep theirs, untouched. */
+static void test_schema_change_while_lent(void **state)
+{
+    env e = {0};
+    env_up(&e, 1, 3);
+    tdp_schema *a = bytes_schema(300), *b = bytes_schema(700);
+    tdp_op *s = new_op(), *r = new_op();
+    send_one(e.cli.p, a, 1, s);
+    tdp_td *t1 = recv_one(&e, e.srv.p, r, 1);
+    send_one(e.cli.p, b, 2, s);
+    tdp_td *t2 = recv_one(&e, e.srv.p, r, 2);
+    send_one(e.cli.p, a, 3, s);
+    tdp_td *t3 = recv_one(&e, e.srv.p, r, 3);
+    assert_true(tdp_schema_equal(tdp_td_schema(t1), a));
+    assert_true(tdp_schema_equal(tdp_td_schema(t2), b));
+    assert_true(tdp_schema_equal(tdp_td_schema(t3), a));
+    assert_true(verify(t1, 1));
+    assert_true(verify(t2, 2));
+    assert_int_equal(stats(&e, false)->rx_schema, 3);
+    tdp_pipe_release(e.srv.p, t2);
+    tdp_pipe_release(e.srv.p, t1);
+    send_one(e.cli.p, b, 4, s); /* into a buffer that held the other layout */
+    tdp_td *t4 = recv_one(&e, e.srv.p, r, 4);
+    assert_int_equal(tdp_td_nbytes(t4), tdp_schema_total_bytes(b));
+    assert_true(verify(t3, 3));
+    tdp_pipe_release(e.srv.p, t3);
+    tdp_pipe_release(e.srv.p, t4);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(a);
+    tdp_schema_unref(b);
 }
 
 /* ---- ending cleanly ----------------------------------------------------------------------- */
@@ -1225,6 +1368,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_hello_opens_on_fake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_no_common_plane, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_plane_refuses, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hello_peer_lacks_plane, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frames_before_hello, setup, teardown),
         cmocka_unit_test_setup_teardown(test_schema_once_then_data, setup, teardown),
         cmocka_unit_test_setup_teardown(test_both_directions, setup, teardown),
@@ -1233,6 +1377,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_credit_lost_rides_on_data, setup, teardown),
         cmocka_unit_test_setup_teardown(test_plane_without_credit_op, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lending_and_release, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_schema_change_while_lent, setup, teardown),
         cmocka_unit_test_setup_teardown(test_clean_close, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_waits_for_sends, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bye_before_last_frames, setup, teardown),
