@@ -28,7 +28,7 @@
 #include "schema/schema_int.h"
 
 #define TMO    5000 /* ms: bound of any single wait */
-#define LINGER 300  /* ms: linger deadline where a test waits for it */
+#define LINGER 500  /* ms: linger deadline where a test waits for it */
 
 static int64_t mono_ms(void)
 {
@@ -889,11 +889,11 @@ static void test_bye_frames_never_come(void **state)
     fake_cfg_of(cl)->hold_frames = true;
     tdp_op *s1 = new_op(), *r = new_op();
     send_one(e.cli.p, sc, 1, s1);
+    int64_t t0 = mono_ms(); /* the receiver may read the BYE while this side closes */
     assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
     tdp_pipe_recv_async(e.srv.p, r);
-    int64_t t0 = mono_ms();
     WAIT(&e, done(r));
-    assert_true(mono_ms() - t0 >= LINGER - 20);
+    assert_true(mono_ms() - t0 >= LINGER - 5); /* clock rounding */
     assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
     assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
     env_down(&e);
@@ -1133,10 +1133,10 @@ static void test_plane_fails_idle_peer_silent(void **state)
     env_up(&e, 1, 1);
     tdp_op *r = new_op();
     tdp_pipe_recv_async(e.srv.p, r);
-    fake_fail(fake_link_of(e.srv.p), TDP_ECONNRESET, "peer gone");
     int64_t t0 = mono_ms();
+    fake_fail(fake_link_of(e.srv.p), TDP_ECONNRESET, "peer gone");
     WAIT(&e, done(r));
-    assert_true(mono_ms() - t0 >= LINGER - 20);
+    assert_true(mono_ms() - t0 >= LINGER - 5); /* clock rounding */
     assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
     env_down(&e);
     tdp_op_free(r);
