@@ -350,6 +350,8 @@ static tdp_err f_credit(tdp__link *l, uint64_t total)
 {
     if (!l->st.started || l->closed)
         CONTRACT(l);
+    if (l->cfg.credit_rc != TDP_OK)
+        return l->cfg.credit_rc;
     credit_out(l, total);
     return TDP_OK;
 }

@@ -24,7 +24,7 @@
 
 /* Behaviour of a link; every new link starts from fake_defaults(). */
 typedef struct fake_cfg {
-    tdp_err fill_rc, start_rc, rx_schema_rc, loan_rc;
+    tdp_err fill_rc, start_rc, rx_schema_rc, loan_rc, credit_rc;
     tdp_err send_rc;     /* ops->send returns it (not TDP_OK: nothing taken) */
     tdp_err sent_status; /* status of each up->sent */
     bool sent_inline;    /* up->sent inside ops->send, as a transport that finished at once */

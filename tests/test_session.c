@@ -1203,6 +1203,46 @@ static void test_send_errors(void **state)
     tdp_schema_unref(sc);
 }
 
+/* The receiving side's plane cannot store a layout, or cannot send a credit. */
+static void test_plane_refuses_storage_or_credit(void **state)
+{
+    env e = {0};
+    tdp_schema *sc = bytes_schema(64);
+    tdp_op *s = new_op(), *r = new_op(), *pr = new_op();
+
+    env_up(&e, 1, 2);
+    fake_cfg_of(fake_link_of(e.srv.p))->rx_schema_rc = TDP_ENOMEM;
+    tdp_pipe_recv_async(e.srv.p, r);
+    tdp_pipe_recv_async(e.cli.p, pr);
+    send_one(e.cli.p, sc, 1, s);
+    WAIT(&e, done(r) && done(pr));
+    assert_int_equal(tdp_op_result(r), TDP_ENOMEM);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ENOMEM);
+    assert_int_equal(tdp_op_result(pr), TDP_ECONNRESET); /* told in BYE */
+    env_down(&e);
+
+    /* a credit that cannot go: the plane is taken as failed, the socket decides */
+    env_up(&e, 1, 2);
+    fake_cfg_of(fake_link_of(e.srv.p))->credit_rc = TDP_ECONNRESET;
+    send_one(e.cli.p, sc, 1, s);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    tdp_pipe_recv_async(e.srv.p, r);
+    spin(&e, 10);
+    assert_false(done(r));
+    send_one(e.srv.p, sc, 1, s);
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
+    WAIT(&e, done(r));
+    assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    env_down(&e);
+
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_op_free(pr);
+    tdp_schema_unref(sc);
+}
+
 /* ---- a hostile peer plane ----------------------------------------------------------- */
 
 enum prime { NONE, ONE_MSG };
@@ -1391,6 +1431,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_plane_fails_idle_then_bye, setup, teardown),
         cmocka_unit_test_setup_teardown(test_plane_fails_idle_peer_silent, setup, teardown),
         cmocka_unit_test_setup_teardown(test_send_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_plane_refuses_storage_or_credit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hostile_frames, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frames_after_end, setup, teardown),
     };
