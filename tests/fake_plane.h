@@ -12,7 +12,9 @@
  *
  * One loop, one thread: every pipe of a test shares a loop that only the
  * test's own thread runs (tdp__loop_run_until, or the blocking calls that
- * drive a loop nobody runs). Not thread-safe.
+ * drive a loop nobody runs). Not thread-safe. Force the plane
+ * (tdp_pipe_opts.plane = TDP__PLANE_TEST): its token uses the HELLO's token
+ * field, as the ucx plane does, so the two cannot be candidates together.
  */
 #ifndef TDP_TEST_FAKE_PLANE_H
 #define TDP_TEST_FAKE_PLANE_H
