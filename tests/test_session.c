@@ -1111,14 +1111,16 @@ static void test_plane_fails_idle_then_bye(void **state)
     spin(&e, 10);
     assert_false(done(r));
     assert_int_equal(tdp_pipe_status(e.srv.p), TDP_OK);
-    send_one(e.srv.p, sc, 1, s); /* nothing goes on a failed plane */
-    WAIT(&e, done(s));
-    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    send_one(e.srv.p, sc, 1, s); /* waits for the verdict: nothing goes on a failed plane */
+    spin(&e, 10);
+    assert_false(done(s));
+    assert_int_equal(stats(&e, false)->tx_data, 0);
     tdp_td *loan;
     assert_int_equal(tdp_pipe_loan(e.srv.p, sc, &loan), TDP_ECONNRESET);
     assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK); /* BYE: a clean end after all */
-    WAIT(&e, done(r));
+    WAIT(&e, done(r) && done(s));
     assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    assert_int_equal(tdp_op_result(s), TDP_ECLOSED); /* the receiver closed the stream */
     WAIT(&e, tdp_pipe_status(e.srv.p) != TDP_OK);
     assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECLOSED);
     env_down(&e);
@@ -1131,15 +1133,21 @@ static void test_plane_fails_idle_peer_silent(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_op *r = new_op();
+    tdp_schema *sc = bytes_schema(10);
+    tdp_op *r = new_op(), *s = new_op();
     tdp_pipe_recv_async(e.srv.p, r);
     int64_t t0 = mono_ms();
     fake_fail(fake_link_of(e.srv.p), TDP_ECONNRESET, "peer gone");
-    WAIT(&e, done(r));
+    send_one(e.srv.p, sc, 1, s); /* waits for the verdict, which never comes */
+    WAIT(&e, done(r) && done(s));
     assert_true(mono_ms() - t0 >= LINGER - 5); /* clock rounding */
     assert_int_equal(tdp_op_result(r), TDP_ECONNRESET);
+    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    assert_int_equal(tdp_pipe_status(e.srv.p), TDP_ECONNRESET);
     env_down(&e);
     tdp_op_free(r);
+    tdp_op_free(s);
+    tdp_schema_unref(sc);
 }
 
 static void test_send_errors(void **state)
@@ -1226,15 +1234,16 @@ static void test_plane_refuses_storage_or_credit(void **state)
     fake_cfg_of(fake_link_of(e.srv.p))->credit_rc = TDP_ECONNRESET;
     send_one(e.cli.p, sc, 1, s);
     tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    WAIT(&e, done(s));
     tdp_pipe_recv_async(e.srv.p, r);
+    send_one(e.srv.p, sc, 1, s); /* waits for the verdict */
     spin(&e, 10);
     assert_false(done(r));
-    send_one(e.srv.p, sc, 1, s);
-    WAIT(&e, done(s));
-    assert_int_equal(tdp_op_result(s), TDP_ECONNRESET);
+    assert_false(done(s));
     assert_int_equal(tdp_pipe_close(e.cli.p, TMO), TDP_OK);
-    WAIT(&e, done(r));
+    WAIT(&e, done(r) && done(s));
     assert_int_equal(tdp_op_result(r), TDP_ECLOSED);
+    assert_int_equal(tdp_op_result(s), TDP_ECLOSED);
     env_down(&e);
 
     tdp_op_free(s);
