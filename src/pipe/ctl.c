@@ -246,6 +246,12 @@ static void event_cb(struct bufferevent *bev, short what, void *arg)
     if (!(what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)))
         return;
     int e = EVUTIL_SOCKET_ERROR();
+    if (!c->connected && ((what & BEV_EVENT_EOF) || e == ECONNRESET || e == EPIPE)) {
+        /* the connection was made and the peer hung up at once (libevent may
+         * report that before it reports the connect): closed during handshake */
+        fail(c, TDP_ECONNRESET);
+        return;
+    }
     if (!c->connected) {
         bufferevent_free(c->bev);
         c->bev = NULL;

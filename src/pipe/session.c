@@ -553,9 +553,10 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
         proto_fail(p, st, why);
         return;
     }
-    /* a transfer in flight was lost, or nothing is left to say how it ended */
+    /* a transfer in flight was lost, or nothing is left to say how it ended
+     * (sends still waiting for credit were never handed over: they wait too) */
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0 ||
-        p->tx_inflight > 0 || p->sendq.head != NULL) {
+        p->tx_inflight > 0) {
         pipe_fail(p, p->peer_bye ? TDP_ECLOSED : st, why);
         return;
     }
