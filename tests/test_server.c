@@ -994,12 +994,17 @@ static void test_connect_cycles(void **state)
         one_cycle(&e, td, i + 100);
     int64_t dt = mono_ms() - t0;
     assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
-    /* the last peers' endpoints may take a moment to go */
+    /*
+     * The last peers' endpoints may take a moment to go. No growth, not
+     * equality: the baseline can still count warm-up pipes whose memory
+     * goes on a later loop turn (deferred destruction), so the end may be
+     * lower than the start.
+     */
     bool same =
         WAIT_FOR((tdp_mem_stats_get(&m1),
                   count_fds() <= fd0 &&
-                      m1.small_allocs - m1.small_frees == m0.small_allocs - m0.small_frees &&
-                      m1.live_bytes[TDP_MEM_HOST] == m0.live_bytes[TDP_MEM_HOST]),
+                      m1.small_allocs - m1.small_frees <= m0.small_allocs - m0.small_frees &&
+                      m1.live_bytes[TDP_MEM_HOST] <= m0.live_bytes[TDP_MEM_HOST]),
                  5000);
     print_message("%d cycles in %" PRId64 " ms; fds %d -> %d; small live %" PRIu64 " -> %" PRIu64
                   "; host bytes %" PRIu64 " -> %" PRIu64 "\n",
