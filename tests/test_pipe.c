@@ -10,6 +10,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -622,18 +623,22 @@ static void test_kill_receiver(void **state)
 
 /* ---- hostile peers ------------------------------------------------------------- */
 
-/* On the client's loop thread: send one raw AM to the server pipe. */
+/*
+ * On the client's loop thread: send one raw AM to the server pipe. done is
+ * atomic: the sender polls it from its own thread, and its release orders
+ * UCX's last read of hdr and payload before the caller's stack moves on.
+ */
 typedef struct rogue {
     tdp_pipe *cli;
     uint8_t hdr[TDP_AM_HDR_LEN];
     const void *payload;
     size_t len;
-    bool done;
+    atomic_bool done;
 } rogue;
 
 static void rogue_cb(void *req, ucs_status_t st, void *user)
 {
-    ((rogue *)user)->done = true;
+    atomic_store(&((rogue *)user)->done, true);
     ucp_request_free(req);
 }
 
@@ -648,7 +653,7 @@ static void rogue_task(void *arg)
     void *q = ucp_am_send_nbx(tdp__ucx_link_ep(tdp__session_link(r->cli)), TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
                               &prm);
     if (q == NULL || UCS_PTR_IS_ERR(q))
-        r->done = true;
+        atomic_store(&r->done, true);
     tdp__loop_kick(tdp__session_loop(r->cli));
 }
 
@@ -656,12 +661,14 @@ static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t 
                        bool corrupt_magic)
 {
     rogue r = {.cli = e->cli, .payload = payload, .len = len};
+    atomic_init(&r.done, false);
     tdp_wire_am_encode(r.hdr, h);
     if (corrupt_magic)
         r.hdr[0] ^= 0xff;
     tdp__call_on_loop(e->cl, rogue_task, &r);
-    for (int i = 0; i < 2000 && !r.done; i++)
+    for (int i = 0; i < TMO && !atomic_load(&r.done); i++)
         usleep(1000);
+    assert_true(atomic_load(&r.done)); /* UCX is done with r before it leaves scope */
 }
 
 /* The same attacks, made by a hostile same-host sender on the shm plane. */
@@ -1141,9 +1148,13 @@ static void test_gather(void **state)
     tdp_schema_unref(s);
 }
 
-/* Async API on a loop the caller drives: callbacks on the loop thread. */
+/*
+ * Async API on a loop the caller drives: callbacks on the loop thread. The
+ * main thread reads what the callbacks wrote: the counter is the release /
+ * acquire pair that publishes last and on_thread.
+ */
 typedef struct actx {
-    int sends_done, recvs_done;
+    atomic_int sends_done, recvs_done;
     tdp_err last;
     tdp_loop *loop;
     bool on_thread;
@@ -1152,16 +1163,16 @@ typedef struct actx {
 static void a_send_cb(tdp_op *op, void *arg)
 {
     actx *c = arg;
-    c->sends_done++;
     c->last = tdp_op_result(op);
     c->on_thread = tdp_loop_on_thread(c->loop);
+    atomic_fetch_add_explicit(&c->sends_done, 1, memory_order_release);
 }
 
 static void a_recv_cb(tdp_op *op, void *arg)
 {
     actx *c = arg;
-    c->recvs_done++;
     c->last = tdp_op_result(op);
+    atomic_fetch_add_explicit(&c->recvs_done, 1, memory_order_release);
 }
 
 static void test_async_ops(void **state)
@@ -1192,9 +1203,9 @@ static void test_async_ops(void **state)
         assert_true(verify(tdp_op_td(rop), i));
         tdp_pipe_release(e.srv, tdp_op_td(rop));
     }
-    for (int k = 0; k < 5000 && c.sends_done < 8; k++)
+    for (int k = 0; k < 5000 && atomic_load_explicit(&c.sends_done, memory_order_acquire) < 8; k++)
         usleep(1000);
-    assert_int_equal(c.sends_done, 8);
+    assert_int_equal(atomic_load_explicit(&c.sends_done, memory_order_acquire), 8);
     assert_int_equal(c.last, TDP_OK);
     assert_true(c.on_thread);
     /* a receive pending when the pipe is freed completes with ECANCELED */
@@ -1435,6 +1446,79 @@ static void test_view_outlives_sender(void **state)
     env_down(&e);
 }
 
+/*
+ * Blocking calls from several threads on one loop that nobody runs: a
+ * sender thread, the receiving main thread and a thread asking for stats
+ * and status. Whoever waits drives the loop, and a waiter whose call is not
+ * done yet takes over when the driver's own call ends.
+ */
+typedef struct poller {
+    pthread_t th;
+    tdp_pipe *pipe;
+    atomic_bool stop;
+    int rounds;
+} poller;
+
+static void *poller_main(void *arg)
+{
+    poller *q = arg;
+    while (!atomic_load(&q->stop) && q->rounds < 100000) {
+        tdp_pipe_stats st;
+        tdp_pipe_stats_get(q->pipe, &st);
+        (void)tdp_pipe_status(q->pipe);
+        (void)tdp_pipe_recv_schema(q->pipe);
+        q->rounds++;
+        usleep(500);
+    }
+    return NULL;
+}
+
+static void test_threads_no_runner(void **state)
+{
+    enum { N = 300 };
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *c, *p;
+    tdp_pipe_opts so, sb, cb;
+    tdp_pipe_opts_default(&so);
+    so.recv_depth = 4;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, mode_opts(&so, &sb), NULL, NULL, &l),
+                     TDP_OK);
+    assert_int_equal(
+        tdp_pipe_connect(loop, "127.0.0.1", tdp_listener_port(l), mode_opts(NULL, &cb), &c),
+        TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    tdp_schema *s = bytes_schema(100000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    sender snd = {.pipe = c, .tds = &td, .ntds = 1, .count = N, .close = true};
+    sender_start(&snd);
+    poller q = {.pipe = p};
+    atomic_init(&q.stop, false);
+    assert_int_equal(pthread_create(&q.th, NULL, poller_main, &q), 0);
+    for (uint64_t i = 1; i <= N; i++) {
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, i));
+        tdp_pipe_release(p, got);
+    }
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED);
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+    atomic_store(&q.stop, true);
+    pthread_join(q.th, NULL);
+    assert_true(q.rounds > 0);
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(p, &st);
+    assert_int_equal(st.msgs_recv, N);
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
 /* UCX failing is a pipe's or listener's error, not the loop's; a later call retries. */
 static void test_ucx_unavailable(void **state)
 {
@@ -1499,10 +1583,18 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_gather),
         cmocka_unit_test(test_async_ops),
         cmocka_unit_test(test_single_thread),
+        cmocka_unit_test(test_threads_no_runner),
         cmocka_unit_test(test_ucx_unavailable),
         cmocka_unit_test(test_loans),
         cmocka_unit_test(test_view_outlives_sender),
         cmocka_unit_test(test_shm_hostile_descriptors),
     };
+    /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
+     * leaves the matching ones out (cmocka wildcards) */
+    const char *filter = getenv("TDP_TEST_FILTER"), *skip = getenv("TDP_TEST_SKIP");
+    if (filter != NULL && *filter != '\0')
+        cmocka_set_test_filter(filter);
+    if (skip != NULL && *skip != '\0')
+        cmocka_set_skip_filter(skip);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

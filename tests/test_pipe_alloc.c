@@ -5,8 +5,10 @@
  * own counters (tdp_mem_total_allocs: every buffer and small object the
  * library makes), and every malloc/calloc/realloc in the whole process —
  * UCX, libevent and libc included — through interposition of the allocator
- * symbols. Under AddressSanitizer the allocator belongs to the sanitizer, so
- * only the library counters are checked there.
+ * symbols. Under AddressSanitizer and ThreadSanitizer the allocator belongs
+ * to the sanitizer (replacing it would hide every allocation from the
+ * sanitizer, and crashes before main), so only the library counters are
+ * checked there.
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -23,10 +25,10 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define HAVE_INTERPOSE 0
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 #define HAVE_INTERPOSE 0
 #endif
 #endif

@@ -192,9 +192,9 @@ typedef struct srv_ctx {
     enum mode mode;
     atomic_int connects, closes, msgs, bad;
     atomic_int close_clean;
-    atomic_int reject;          /* on_connect turns away while > 0 (counts down) */
-    int64_t fail_cid, fail_seq; /* on_message fails for this message */
-    int ring_ok, ring_eagain;   /* MODE_RING results */
+    atomic_int reject;               /* on_connect turns away while > 0 (counts down) */
+    int64_t fail_cid, fail_seq;      /* on_message fails for this message */
+    atomic_int ring_ok, ring_eagain; /* MODE_RING results (read by the test thread) */
     tdp_td *ring_td;
     _Atomic int status[MAX_IDS]; /* on_close status per client id (1 = not yet) */
     _Atomic int64_t cid_of[MAX_IDS];
@@ -300,14 +300,14 @@ static tdp_err h_message(tdp_client *c, tdp_td *td, void *arg)
         return tdp_client_send(c, r->rep);
     }
     case MODE_RING:
-        if (x->ring_ok == 0 && x->ring_eagain == 0) {
+        if (atomic_load(&x->ring_ok) == 0 && atomic_load(&x->ring_eagain) == 0) {
             for (int i = 0; i < 20; i++) {
                 td_fill(x->ring_td, 77, i + 1);
                 tdp_err rc = tdp_client_send(c, x->ring_td);
                 if (rc == TDP_OK)
-                    x->ring_ok++;
+                    atomic_fetch_add(&x->ring_ok, 1);
                 else if (rc == TDP_EAGAIN)
-                    x->ring_eagain++;
+                    atomic_fetch_add(&x->ring_eagain, 1);
                 else
                     return rc;
             }
@@ -691,8 +691,10 @@ static void test_reply_ring(void **state)
         assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
         assert_int_equal(tdp_td_nbytes(got), tdp_td_nbytes(e.x->ring_td));
     }
-    assert_int_equal(e.x->ring_ok, 4);
-    assert_int_equal(e.x->ring_eagain, 16);
+    /* the replies can arrive before the handler's loop has counted them all */
+    assert_true(WAIT_FOR(atomic_load(&e.x->ring_ok) + atomic_load(&e.x->ring_eagain) == 20, TMO));
+    assert_int_equal(atomic_load(&e.x->ring_ok), 4);
+    assert_int_equal(atomic_load(&e.x->ring_eagain), 16);
     assert_int_equal(tdp_pipe_recv(p, 200, &got), TDP_ETIMEDOUT); /* nothing more */
     assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
     tdp_pipe_free(p);
@@ -1002,12 +1004,17 @@ static void test_connect_cycles(void **state)
         one_cycle(&e, td, i + 100);
     int64_t dt = mono_ms() - t0;
     assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
-    /* the last peers' endpoints may take a moment to go */
+    /*
+     * The last peers' endpoints may take a moment to go. No growth, not
+     * equality: the baseline can still count warm-up pipes whose memory
+     * goes on a later loop turn (deferred destruction), so the end may be
+     * lower than the start.
+     */
     bool same =
         WAIT_FOR((tdp_mem_stats_get(&m1),
                   count_fds() <= fd0 &&
-                      m1.small_allocs - m1.small_frees == m0.small_allocs - m0.small_frees &&
-                      m1.live_bytes[TDP_MEM_HOST] == m0.live_bytes[TDP_MEM_HOST]),
+                      m1.small_allocs - m1.small_frees <= m0.small_allocs - m0.small_frees &&
+                      m1.live_bytes[TDP_MEM_HOST] <= m0.live_bytes[TDP_MEM_HOST]),
                  5000);
     print_message("%d cycles in %" PRId64 " ms; fds %d -> %d; small live %" PRIu64 " -> %" PRIu64
                   "; host bytes %" PRIu64 " -> %" PRIu64 "\n",
@@ -1135,5 +1142,12 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_handler_error),     cmocka_unit_test(test_connect_cycles),
         cmocka_unit_test(test_kill_client),       cmocka_unit_test(test_shutdown),
     };
+    /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
+     * leaves the matching ones out (cmocka wildcards) */
+    const char *filter = getenv("TDP_TEST_FILTER"), *skip = getenv("TDP_TEST_SKIP");
+    if (filter != NULL && *filter != '\0')
+        cmocka_set_test_filter(filter);
+    if (skip != NULL && *skip != '\0')
+        cmocka_set_skip_filter(skip);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

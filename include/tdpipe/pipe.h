@@ -9,10 +9,15 @@
  *
  * Threading: every pipe belongs to one tdp_loop and all its callbacks run on
  * that loop's thread. The async calls (tdp_pipe_send_async,
- * tdp_pipe_recv_async) may be made from any thread. The blocking calls may
- * be made from any thread except the loop thread: when the loop runs on a
- * thread of its own they wait for it; when nobody runs the loop they drive
- * it on the calling thread until done.
+ * tdp_pipe_recv_async), tdp_pipe_release, tdp_pipe_close_async,
+ * tdp_pipe_abort, tdp_pipe_loan and the queries may be made from any
+ * thread. The blocking calls may be made from any thread except the loop
+ * thread: when the loop runs on a thread of its own they wait for it; when
+ * nobody runs the loop they drive it on the calling thread until done —
+ * from several threads at once too: one drives, the others wait, and one of
+ * them takes over when the driver's call is done. An op's result, tensordict
+ * and sequence number are published to every thread when tdp_op_result
+ * stops returning TDP_EAGAIN.
  *
  * Errors: TDP_ECLOSED is a clean end (the peer closed after its last
  * message), TDP_ECONNRESET a peer that died or vanished, TDP_ETIMEDOUT a
@@ -293,7 +298,12 @@ TDP_API void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out);
 /* Error that ended the pipe (TDP_OK while it is open). */
 TDP_API tdp_err tdp_pipe_status(const tdp_pipe *pipe);
 
-/* The schema of the last message received (NULL before the first). */
+/*
+ * The schema of the last message received (NULL before the first). Any
+ * thread. Borrowed: valid until the pipe receives another schema or is
+ * freed; the schema of a lent tensordict, tdp_td_schema(td), lives as long
+ * as the tensordict.
+ */
 TDP_API tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe);
 
 /* Peer address as "ip:port" into buf. */

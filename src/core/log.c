@@ -7,7 +7,7 @@
 #include <string.h>
 #include <strings.h>
 
-int tdp__log_level = TDP_LOG_OFF;
+_Atomic int tdp__log_level = TDP_LOG_OFF;
 
 static tdp_log_fn log_fn;
 static void *log_arg;
@@ -33,7 +33,7 @@ __attribute__((constructor)) static void log_init_from_env(void)
     const char *env = getenv("TDP_LOG_LEVEL");
     tdp_log_level lvl;
     if (env != NULL && tdp_log_level_parse(env, &lvl) == TDP_OK)
-        tdp__log_level = (int)lvl;
+        atomic_store_explicit(&tdp__log_level, (int)lvl, memory_order_relaxed);
 }
 
 void tdp_log_set_handler(tdp_log_fn fn, void *arg)
@@ -49,12 +49,12 @@ void tdp_log_set_level(tdp_log_level level)
         l = TDP_LOG_OFF;
     if (l > TDP_LOG_TRACE)
         l = TDP_LOG_TRACE;
-    tdp__log_level = l;
+    atomic_store_explicit(&tdp__log_level, l, memory_order_relaxed);
 }
 
 tdp_log_level tdp_log_get_level(void)
 {
-    return (tdp_log_level)tdp__log_level;
+    return (tdp_log_level)atomic_load_explicit(&tdp__log_level, memory_order_relaxed);
 }
 
 void tdp__log(tdp_log_level level, const char *file, int line, const char *fmt, ...)

@@ -2,16 +2,21 @@
 #ifndef TDP_CORE_LOG_H
 #define TDP_CORE_LOG_H
 
+#include <stdatomic.h>
 #include <tdpipe/log.h>
 
-extern int tdp__log_level; /* read without a lock: a stale level only drops or keeps one line */
+/*
+ * Read on every log call from any thread, set by tdp_log_set_level at any
+ * time: atomic, relaxed (a stale level only drops or keeps one line).
+ */
+extern _Atomic int tdp__log_level;
 
 void tdp__log(tdp_log_level level, const char *file, int line, const char *fmt, ...)
     TDP_CHECK_FMT(4, 5);
 
 #define TDP_LOG(lvl, ...)                                                                          \
     do {                                                                                           \
-        if ((int)(lvl) <= tdp__log_level)                                                          \
+        if ((int)(lvl) <= atomic_load_explicit(&tdp__log_level, memory_order_relaxed))             \
             tdp__log((lvl), __FILE__, __LINE__, __VA_ARGS__);                                      \
     } while (0)
 

@@ -76,14 +76,28 @@ struct tdp_loop {
     bool deadline_hit;
     volatile bool *until_done; /* run_until's flag while it runs, else NULL */
 
-    /* lock guards everything below; busy is also read without it. */
+    /* lock guards everything below; holder is also read without it. */
     pthread_mutex_t lock;
-    pthread_cond_t idle; /* signalled when busy drops to false */
+    pthread_cond_t idle; /* signalled when holder drops to HOLD_NONE */
     tdp__task *head, *tail;
     bool stop_requested; /* consumed by the run it ends, or by the next run */
     bool has_thread;     /* thread must be joined */
     pthread_t thread;
-    atomic_bool busy; /* run, run_until or a loop thread owns the loop */
+    _Atomic int holder; /* enum hold: who owns the loop now; written under lock */
+};
+
+/*
+ * Who holds the loop. Only the holder touches what belongs to the loop
+ * thread (sources, timers, every pipe's state); the kind tells the others
+ * whether a posted task will run: a loop run until stopped runs it, a
+ * blocking call driving the loop runs it only until its own call is done,
+ * and an inline hold lasts one internal function.
+ */
+enum hold {
+    HOLD_NONE,
+    HOLD_RUN,    /* tdp_loop_run or the loop thread: until tdp_loop_stop */
+    HOLD_UNTIL,  /* tdp__loop_run_until: a blocking call drives it until done */
+    HOLD_INLINE, /* tdp__loop_run_inline: one call on an idle loop */
 };
 
 /*
@@ -470,15 +484,28 @@ void tdp_loop_stop(tdp_loop *loop)
     event_active(loop->ev_stop, 0, 0);
 }
 
-/* Take the loop for the calling thread; false if someone runs it already. */
-static bool acquire(tdp_loop *loop)
+/*
+ * An inline hold ends within one internal call: wait it out rather than
+ * fail (lock held). Not when this thread holds a loop itself: a thread
+ * holding a loop never waits for another one's, so two threads can never
+ * wait for each other.
+ */
+static void wait_inline_hold(tdp_loop *loop)
+{
+    while (atomic_load(&loop->holder) == HOLD_INLINE && tls_frames == NULL)
+        pthread_cond_wait(&loop->idle, &loop->lock);
+}
+
+/* Take the loop for the calling thread as kind; false if someone holds it. */
+static bool acquire(tdp_loop *loop, enum hold kind)
 {
     bool ok;
 
     pthread_mutex_lock(&loop->lock);
-    ok = !atomic_load(&loop->busy);
+    wait_inline_hold(loop);
+    ok = atomic_load(&loop->holder) == HOLD_NONE;
     if (ok)
-        atomic_store(&loop->busy, true);
+        atomic_store(&loop->holder, kind);
     pthread_mutex_unlock(&loop->lock);
     return ok;
 }
@@ -486,7 +513,7 @@ static bool acquire(tdp_loop *loop)
 static void release(tdp_loop *loop)
 {
     pthread_mutex_lock(&loop->lock);
-    atomic_store(&loop->busy, false);
+    atomic_store(&loop->holder, HOLD_NONE);
     pthread_cond_broadcast(&loop->idle);
     pthread_mutex_unlock(&loop->lock);
 }
@@ -519,7 +546,7 @@ static tdp_err run_loop(tdp_loop *loop)
 
 tdp_err tdp_loop_run(tdp_loop *loop)
 {
-    if (loop == NULL || !acquire(loop))
+    if (loop == NULL || !acquire(loop, HOLD_RUN))
         return TDP_EINVAL;
     tdp_err rc = run_loop(loop);
     release(loop);
@@ -542,7 +569,8 @@ tdp_err tdp_loop_start_thread(tdp_loop *loop)
     if (loop == NULL)
         return TDP_EINVAL;
     pthread_mutex_lock(&loop->lock);
-    if (atomic_load(&loop->busy)) {
+    wait_inline_hold(loop);
+    if (atomic_load(&loop->holder) != HOLD_NONE) {
         rc = TDP_EINVAL;
         goto out_unlock;
     }
@@ -551,12 +579,12 @@ tdp_err tdp_loop_start_thread(tdp_loop *loop)
         pthread_join(loop->thread, NULL);
         loop->has_thread = false;
     }
-    /* busy before the thread exists, so run / run_until cannot slip in */
-    atomic_store(&loop->busy, true);
+    /* held before the thread exists, so run / run_until cannot slip in */
+    atomic_store(&loop->holder, HOLD_RUN);
     int err = pthread_create(&loop->thread, NULL, thread_main, loop);
     if (err != 0) {
         tdp_log_error("pthread_create: %s", strerror(err));
-        atomic_store(&loop->busy, false);
+        atomic_store(&loop->holder, HOLD_NONE);
         rc = err == EAGAIN ? TDP_ENOMEM : TDP_EINTERNAL;
         goto out_unlock;
     }
@@ -617,11 +645,12 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
 
     if (loop == NULL || done == NULL)
         return TDP_EINVAL;
-    if (*done)
-        return TDP_OK;
-    if (!acquire(loop))
+    if (!acquire(loop, HOLD_UNTIL))
         return TDP_EINVAL;
     frame_push(&frame, loop);
+    /* read only now: the flag is set by whoever held the loop before us */
+    if (*done)
+        goto out_release;
     loop->until_done = done;
     loop->deadline_hit = false;
     if (loop->busy_poll_us > 0) {
@@ -678,7 +707,29 @@ bool tdp_loop_on_thread(const tdp_loop *loop)
 
 bool tdp__loop_running(const tdp_loop *loop)
 {
-    return loop != NULL && atomic_load(&((tdp_loop *)loop)->busy);
+    return loop != NULL && atomic_load(&((tdp_loop *)loop)->holder) != HOLD_NONE;
+}
+
+bool tdp__loop_has_runner(const tdp_loop *loop)
+{
+    return loop != NULL && atomic_load(&((tdp_loop *)loop)->holder) == HOLD_RUN;
+}
+
+bool tdp__loop_run_inline(tdp_loop *loop, tdp_loop_fn fn, void *arg)
+{
+    run_frame frame;
+
+    if (on_thread(loop)) {
+        fn(arg);
+        return true;
+    }
+    if (!acquire(loop, HOLD_INLINE))
+        return false;
+    frame_push(&frame, loop);
+    fn(arg);
+    frame_pop(&frame);
+    release(loop);
+    return true;
 }
 
 /* ---- create and free ------------------------------------------------------- */
@@ -750,7 +801,7 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
     if (loop == NULL)
         return TDP_ENOMEM;
     opts_resolve(opts, loop);
-    atomic_init(&loop->busy, false);
+    atomic_init(&loop->holder, HOLD_NONE);
     if (pthread_mutex_init(&loop->lock, NULL) != 0) {
         rc = TDP_ENOMEM;
         goto err_free_loop;
@@ -811,7 +862,7 @@ void tdp_loop_free(tdp_loop *loop)
         pthread_mutex_lock(&loop->lock);
     }
     /* a tdp_loop_run or run_until on another thread: the stop ends the first */
-    while (atomic_load(&loop->busy))
+    while (atomic_load(&loop->holder) != HOLD_NONE)
         pthread_cond_wait(&loop->idle, &loop->lock);
     /* before the finis: queued intrusive tasks live in objects a fini frees */
     free_pending(loop);

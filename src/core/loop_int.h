@@ -65,14 +65,36 @@ void tdp__loop_kick(tdp_loop *loop);
 
 /*
  * Drive the loop on the calling thread until *done becomes true or
- * timeout_ms passes (-1: no timeout). Only when no other thread runs the
- * loop. Returns TDP_OK when done, TDP_ETIMEDOUT otherwise. Used by blocking
- * wrappers when the caller owns the loop.
+ * timeout_ms passes (-1: no timeout). Returns TDP_OK when done,
+ * TDP_ETIMEDOUT otherwise, TDP_EINVAL at once when another thread holds the
+ * loop. *done is read only while holding the loop: it must be set only by
+ * the loop's holder (a completion on the loop thread). Blocking wrappers
+ * use tdp__loop_wait, which picks between this and sleeping.
  */
 tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout_ms);
 
-/* True when a thread (a loop thread or tdp_loop_run) is running the loop now. */
+/*
+ * True when a thread holds the loop now: a loop thread or tdp_loop_run, a
+ * blocking call driving it (run_until), or an inline call (run_inline).
+ */
 bool tdp__loop_running(const tdp_loop *loop);
+
+/*
+ * True when a loop thread or tdp_loop_run holds the loop: it runs posted
+ * tasks until stopped. A blocking call that drives the loop runs them only
+ * until its own call is done; whoever waits on such a loop must be ready to
+ * take over (tdp__loop_wait does).
+ */
+bool tdp__loop_has_runner(const tdp_loop *loop);
+
+/*
+ * Run fn(arg) as the loop's holder, now: directly on the loop thread; on an
+ * idle loop, on the calling thread while holding the loop for the call (so
+ * nobody else drives it meanwhile, and tdp_loop_on_thread is true inside).
+ * False, without calling fn, when another thread holds the loop: post a
+ * task instead. Waits out another thread's inline call rather than fail.
+ */
+bool tdp__loop_run_inline(tdp_loop *loop, tdp_loop_fn fn, void *arg);
 
 /*
  * Per-loop extension slots for the layers above (each sets its own, at most

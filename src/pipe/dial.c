@@ -73,7 +73,7 @@ static void waiter_cb(tdp_pipe *pipe, tdp_err status, void *arg)
     w->pipe = pipe;
     w->rc = status;
     w->done = true;
-    pthread_cond_signal(&w->cond);
+    pthread_cond_broadcast(&w->cond);
     pthread_mutex_unlock(&w->mtx);
 }
 
@@ -87,15 +87,8 @@ tdp_err tdp_pipe_connect(tdp_loop *loop, const char *host, uint16_t port,
     pthread_cond_init(&w.cond, NULL);
     tdp_err rc = tdp_pipe_connect_async(loop, host, port, opts, waiter_cb, &w);
     if (rc == TDP_OK) {
-        if (tdp__loop_running(loop)) {
-            pthread_mutex_lock(&w.mtx);
-            while (!w.done)
-                pthread_cond_wait(&w.cond, &w.mtx); /* the pipe's own deadline ends it */
-            pthread_mutex_unlock(&w.mtx);
-        } else {
-            tdp__loop_run_until(loop, &w.done, -1);
-        }
         pthread_mutex_lock(&w.mtx);
+        tdp__loop_wait(loop, &w.mtx, &w.cond, &w.done, -1); /* the pipe's own deadline ends it */
         rc = w.rc;
         pthread_mutex_unlock(&w.mtx);
     }

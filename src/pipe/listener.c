@@ -229,15 +229,8 @@ tdp_err tdp_listener_accept(tdp_listener *l, int64_t timeout_ms, tdp_pipe **out)
         (tdp__loop_running(l->loop) && tdp_loop_on_thread(l->loop)))
         return TDP_EINVAL;
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
-    if (!tdp__loop_running(l->loop)) {
-        if (!l->has_ready && tdp__loop_run_until(l->loop, &l->has_ready, timeout_ms) != TDP_OK)
-            return TDP_ETIMEDOUT;
-        pthread_mutex_lock(&l->mtx);
-    } else {
-        pthread_mutex_lock(&l->mtx);
-        while (!l->has_ready && tdp__cond_wait_until(&l->cond, &l->mtx, deadline))
-            ;
-    }
+    pthread_mutex_lock(&l->mtx);
+    tdp__loop_wait(l->loop, &l->mtx, &l->cond, &l->has_ready, deadline);
     pend *e = l->ready;
     if (e != NULL) {
         l->ready = e->next;

@@ -99,10 +99,9 @@ void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
 {
     op->done = false;
     atomic_store_explicit(&op->state, OP_PENDING, memory_order_release);
-    if (tdp_loop_on_thread(loop) || !tdp__loop_running(loop)) {
-        start(op);
+    /* inline only while holding the loop: "nobody runs it" can change under us */
+    if (tdp__loop_run_inline(loop, start, op))
         return;
-    }
     op->task = (tdp__task){.fn = start, .arg = op};
     tdp__loop_post_task(loop, &op->task);
 }
@@ -179,13 +178,46 @@ bool tdp__cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mtx, int64_t de
     return true;
 }
 
+/* Slices of sleep while another thread holds the loop (see tdp__loop_wait). */
+#define WAIT_SLICE_DRIVER_MS 1
+#define WAIT_SLICE_RUNNER_MS 100
+
+bool tdp__loop_wait(tdp_loop *loop, pthread_mutex_t *mtx, pthread_cond_t *cond, volatile bool *done,
+                    int64_t deadline_ms)
+{
+    while (!*done) {
+        int64_t now = tdp__now_ms();
+        if (deadline_ms >= 0 && now >= deadline_ms)
+            return false;
+        if (!tdp__loop_running(loop)) {
+            /* nobody runs it: drive it here (TDP_EINVAL if another thread took
+             * it first: then go round and sleep instead) */
+            pthread_mutex_unlock(mtx);
+            tdp__loop_run_until(loop, done, deadline_ms < 0 ? -1 : deadline_ms - now);
+            pthread_mutex_lock(mtx);
+            continue;
+        }
+        /*
+         * Someone else holds it. A blocking call driving it lets go when its
+         * own call is done, so look again soon and take over; a loop thread
+         * runs until stopped, so only a stop is looked for, rarely.
+         */
+        int64_t slice = tdp__loop_has_runner(loop) ? WAIT_SLICE_RUNNER_MS : WAIT_SLICE_DRIVER_MS;
+        int64_t until = now + slice;
+        if (deadline_ms >= 0 && deadline_ms < until)
+            until = deadline_ms;
+        tdp__cond_wait_until(cond, mtx, until);
+    }
+    return true;
+}
+
 static void op_cancel(void *arg)
 {
     tdp_op *op = arg;
     if (tdp__op_pending(op) && op->take_back != NULL)
         op->take_back(op); /* completes it with TDP_ETIMEDOUT if it could */
     pthread_mutex_lock(&op->waiter->mtx);
-    op->cancel_pending = false; /* the waiter may return: this task is done with op */
+    op->cancel_done = true; /* the waiter may return: this task is done with op */
     pthread_cond_broadcast(&op->waiter->cond);
     pthread_mutex_unlock(&op->waiter->mtx);
 }
@@ -193,21 +225,18 @@ static void op_cancel(void *arg)
 tdp_err tdp__op_wait(tdp_loop *loop, tdp_op *op, int64_t timeout_ms)
 {
     tdp__waiter *w = op->waiter;
-    if (!tdp__loop_running(loop) || tdp_loop_on_thread(loop)) {
-        if (tdp__loop_run_until(loop, &op->done, timeout_ms) != TDP_OK && !op->done)
-            op_cancel(op);
-        return op->result;
-    }
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
-    bool canceled = false;
     pthread_mutex_lock(&w->mtx);
-    while (!op->done || op->cancel_pending) {
-        if (!tdp__cond_wait_until(&w->cond, &w->mtx, canceled ? -1 : deadline)) {
-            canceled = true;
-            op->cancel_pending = true;
+    if (!tdp__loop_wait(loop, &w->mtx, &w->cond, &op->done, deadline)) {
+        /* the deadline: take the op back on the loop thread, and wait for that */
+        op->cancel_done = false;
+        pthread_mutex_unlock(&w->mtx);
+        if (!tdp__loop_run_inline(loop, op_cancel, op)) {
             op->cancel_task = (tdp__task){.fn = op_cancel, .arg = op};
             tdp__loop_post_task(loop, &op->cancel_task);
         }
+        pthread_mutex_lock(&w->mtx);
+        tdp__loop_wait(loop, &w->mtx, &w->cond, &op->cancel_done, -1);
     }
     tdp_err rc = op->result;
     pthread_mutex_unlock(&w->mtx);
@@ -220,7 +249,7 @@ typedef struct loop_call {
     tdp__task task;
     tdp_loop_fn fn;
     void *arg;
-    bool done;
+    volatile bool done; /* under mtx */
     pthread_mutex_t mtx;
     pthread_cond_t cond;
 } loop_call;
@@ -231,16 +260,14 @@ static void loop_call_run(void *arg)
     c->fn(c->arg);
     pthread_mutex_lock(&c->mtx);
     c->done = true;
-    pthread_cond_signal(&c->cond);
+    pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->mtx);
 }
 
 void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg)
 {
-    if (tdp_loop_on_thread(loop) || !tdp__loop_running(loop)) {
-        fn(arg);
+    if (tdp__loop_run_inline(loop, fn, arg))
         return;
-    }
     /* the request lives on this stack, so fn may free the object it works on */
     loop_call c = {.task = {.fn = loop_call_run}, .fn = fn, .arg = arg};
     c.task.arg = &c;
@@ -248,8 +275,7 @@ void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg)
     pthread_cond_init(&c.cond, NULL);
     tdp__loop_post_task(loop, &c.task);
     pthread_mutex_lock(&c.mtx);
-    while (!c.done)
-        pthread_cond_wait(&c.cond, &c.mtx);
+    tdp__loop_wait(loop, &c.mtx, &c.cond, &c.done, -1);
     pthread_mutex_unlock(&c.mtx);
     pthread_mutex_destroy(&c.mtx);
     pthread_cond_destroy(&c.cond);

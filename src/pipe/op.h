@@ -42,9 +42,9 @@ struct tdp_op {
     struct tdp_op *next;
     /* blocking wrappers: completion wakes the waiter instead of calling cb */
     tdp__waiter *waiter;
-    volatile bool done; /* under waiter->mtx for sleepers; same-thread for run_until */
+    volatile bool done; /* set under waiter->mtx by the loop's holder */
     tdp__task cancel_task;
-    bool cancel_pending; /* under waiter->mtx */
+    volatile bool cancel_done;     /* a timed-out op taken back; as done */
     void (*take_back)(tdp_op *op); /* session: remove from its queues (loop thread) */
 };
 
@@ -60,11 +60,22 @@ void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start);
 /* Loop thread: finish op with rc (drops a send's td reference) and tell its owner. */
 void tdp__op_complete(tdp_op *op, tdp_err rc);
 /*
- * Wait for a blocking op: on another thread's loop, sleep on its waiter;
- * on a loop nobody runs, run it here. A deadline takes the op back
+ * Wait for a blocking op (tdp__loop_wait). A deadline takes the op back
  * (op->take_back) and completes it with TDP_ETIMEDOUT.
  */
 tdp_err tdp__op_wait(tdp_loop *loop, tdp_op *op, int64_t timeout_ms);
+
+/*
+ * Wait, with mtx held, until *done (set under mtx by the loop's holder,
+ * which then signals cond) or until deadline_ms on the tdp__now_ms clock
+ * (-1: none); false at the deadline. Someone must progress the loop
+ * meanwhile: on a loop nobody holds, this thread drives it; while another
+ * blocking call drives it, this one sleeps in short slices and takes over
+ * when that call is done; while a loop thread runs it, this one sleeps
+ * (and takes over if the loop is stopped). Not from the loop thread.
+ */
+bool tdp__loop_wait(tdp_loop *loop, pthread_mutex_t *mtx, pthread_cond_t *cond, volatile bool *done,
+                    int64_t deadline_ms);
 
 /* Intrusive FIFO of ops. */
 typedef struct tdp__opq {
@@ -74,7 +85,10 @@ void tdp__opq_push(tdp__opq *q, tdp_op *op);
 tdp_op *tdp__opq_pop(tdp__opq *q);
 bool tdp__opq_remove(tdp__opq *q, tdp_op *op);
 
-/* Run fn(arg) on the loop thread and wait (inline on the loop thread or an idle loop). */
+/*
+ * Run fn(arg) on the loop thread and wait (inline on the loop thread or,
+ * holding it, on an idle loop).
+ */
 void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg);
 int64_t tdp__now_ms(void);
 /*

@@ -1057,19 +1057,30 @@ static void release_task(void *arg)
     }
 }
 
+typedef struct release_req {
+    tdp_pipe *p;
+    tdp_td *td;
+} release_req;
+
+static void release_now(void *arg)
+{
+    release_req *r = arg;
+    for (uint32_t i = 0; i < r->p->depth; i++) {
+        if (r->p->slots[i].td == r->td && r->p->slots[i].state == SLOT_LENT) {
+            slot_release(r->p, &r->p->slots[i], false);
+            return;
+        }
+    }
+}
+
 void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td)
 {
     if (pipe == NULL || td == NULL)
         return;
-    if (tdp_loop_on_thread(pipe->loop) || !tdp__loop_running(pipe->loop)) {
-        for (uint32_t i = 0; i < pipe->depth; i++) {
-            if (pipe->slots[i].td == td && pipe->slots[i].state == SLOT_LENT) {
-                slot_release(pipe, &pipe->slots[i], false);
-                return;
-            }
-        }
+    /* at once on the loop thread, or holding an idle loop */
+    release_req r = {pipe, td};
+    if (tdp__loop_run_inline(pipe->loop, release_now, &r))
         return;
-    }
     /* another thread: the slots belong to the loop thread; queue it there */
     pthread_mutex_lock(&pipe->w.mtx);
     bool dup = false;
@@ -1152,17 +1163,14 @@ tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms)
     close_req r = {pipe, -1};
     tdp__call_on_loop(pipe->loop, close_task, &r);
     tdp_err st;
-    if (!tdp__loop_running(pipe->loop)) {
+    while ((st = state_now(pipe)) == TDP_EAGAIN) {
+        int64_t left = deadline < 0 ? 20 : deadline - tdp__now_ms();
+        if (left <= 0)
+            break;
+        /* nobody runs the loop: run it here a while; else (close is rare)
+         * check again in a millisecond */
         volatile bool never = false;
-        while ((st = state_now(pipe)) == TDP_EAGAIN) {
-            int64_t left = deadline < 0 ? 20 : deadline - tdp__now_ms();
-            if (left <= 0)
-                break;
-            tdp__loop_run_until(pipe->loop, &never, left < 20 ? left : 20);
-        }
-    } else {
-        /* close is rare: check on the loop thread every millisecond */
-        while ((st = state_now(pipe)) == TDP_EAGAIN && (deadline < 0 || tdp__now_ms() < deadline)) {
+        if (tdp__loop_run_until(pipe->loop, &never, left < 20 ? left : 20) == TDP_EINVAL) {
             struct timespec ts = {0, 1000000};
             nanosleep(&ts, NULL);
         }
@@ -1201,9 +1209,7 @@ static void post_async(tdp_pipe *p, tdp_loop_fn fn, int64_t arg)
     }
     *r = (async_req){.task = {.fn = fn}, .p = p, .arg = arg};
     r->task.arg = r;
-    if (tdp_loop_on_thread(p->loop) || !tdp__loop_running(p->loop))
-        fn(r); /* frees r */
-    else
+    if (!tdp__loop_run_inline(p->loop, fn, r)) /* fn frees r */
         tdp__loop_post_task(p->loop, &r->task);
 }
 
@@ -1458,9 +1464,21 @@ tdp_err tdp_pipe_status(const tdp_pipe *pipe)
     return st;
 }
 
+static void recv_schema_task(void *arg)
+{
+    void **a = arg;
+    *(tdp_schema **)a[1] = ((tdp_pipe *)a[0])->rx_schema;
+}
+
 tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe)
 {
-    return pipe ? pipe->rx_schema : NULL;
+    if (pipe == NULL)
+        return NULL;
+    /* read on the loop thread: it replaces the schema when a new one arrives */
+    tdp_schema *sc = NULL;
+    void *a[2] = {(void *)pipe, &sc};
+    tdp__call_on_loop(pipe->loop, recv_schema_task, a);
+    return sc;
 }
 
 const char *tdp_pipe_peer(const tdp_pipe *pipe, char *buf, size_t len)

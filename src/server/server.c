@@ -731,18 +731,11 @@ tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms)
     }
     tdp__call_on_loop(s->loop, shutdown_begin_task, s);
 
-    /* clients close cleanly: replies drain, BYE, the peer hangs up */
-    if (!tdp__loop_running(s->loop)) {
-        /* nobody runs the loop: run it here until the clients are gone */
-        int64_t left = deadline < 0 ? -1 : deadline - tdp__now_ms();
-        if (deadline < 0 || left > 0)
-            tdp__loop_run_until(s->loop, &s->all_gone, left);
-    } else {
-        pthread_mutex_lock(&s->mtx);
-        while (!s->all_gone && tdp__cond_wait_until(&s->cond, &s->mtx, deadline))
-            ;
-        pthread_mutex_unlock(&s->mtx);
-    }
+    /* clients close cleanly: replies drain, BYE, the peer hangs up (if
+     * nobody runs the loop, it runs here meanwhile) */
+    pthread_mutex_lock(&s->mtx);
+    tdp__loop_wait(s->loop, &s->mtx, &s->cond, &s->all_gone, deadline);
+    pthread_mutex_unlock(&s->mtx);
     force_req r = {.s = s};
     tdp__call_on_loop(s->loop, shutdown_force_task, &r);
     s->shut_done = true;
