@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
@@ -1519,6 +1520,102 @@ static void test_threads_no_runner(void **state)
     tdp_schema_unref(s);
 }
 
+/*
+ * A listener out of file descriptors pauses accepting instead of spinning
+ * on the connection that waits in its backlog, says so once, and accepts
+ * again once descriptors free up.
+ */
+static atomic_int fd_warnings;
+
+static void count_fd_warnings(tdp_log_level level, const char *file, int line, const char *msg,
+                              void *arg)
+{
+    if (strstr(msg, "accept") != NULL)
+        atomic_fetch_add(&fd_warnings, 1);
+}
+
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
+}
+
+static void test_accept_out_of_fds(void **state)
+{
+    tdp_loop *loop, *cl;
+    tdp_listener *l;
+    tdp_pipe *p, *c;
+    struct rlimit saved, low;
+    atomic_store(&fd_warnings, 0);
+    tdp_log_level lvl = tdp_log_get_level();
+    tdp_log_set_level(TDP_LOG_WARN);
+    tdp_log_set_handler(count_fd_warnings, NULL);
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    tdp_pipe_opts ob;
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, mode_opts(NULL, &ob), NULL, NULL, &l),
+                     TDP_OK);
+    uint16_t port = tdp_listener_port(l);
+    /* a child holds 32 connections open in the listener's backlog */
+    int ctl[2];
+    assert_int_equal(pipe(ctl), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(ctl[1]);
+        struct sockaddr_in sa = {.sin_family = AF_INET,
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                                 .sin_port = htons(port)};
+        for (int i = 0; i < 32; i++) {
+            int fd = socket(AF_INET, SOCK_STREAM, 0);
+            if (fd >= 0)
+                (void)connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+        }
+        char b;
+        (void)read(ctl[0], &b, 1); /* until the parent says so (or dies) */
+        _exit(0);
+    }
+    close(ctl[0]);
+    /* this process may open only a few more descriptors */
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    low = saved;
+    low.rlim_cur = (rlim_t)open_fds() + 2;
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
+    struct timespec a, b;
+    usleep(200 * 1000); /* the backlog fills, accept hits the limit */
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+    usleep(1000 * 1000);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+    double cpu = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    print_message("out of fds: %.0f ms of CPU in 1 s, %d log line(s)\n", cpu * 1e3,
+                  atomic_load(&fd_warnings));
+    assert_true(cpu < 0.3);                     /* a spinning accept burns the whole second */
+    assert_true(atomic_load(&fd_warnings) >= 1); /* it did run out, and said so */
+    assert_true(atomic_load(&fd_warnings) <= 3); /* once per episode, not per try */
+    /* descriptors back: the strangers go, a real client gets in */
+    close(ctl[1]);
+    int st;
+    waitpid(pid, &st, 0);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, mode_opts(NULL, &ob), &c), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(loop);
+    tdp_log_set_handler(NULL, NULL);
+    tdp_log_set_level(lvl);
+}
+
 /* UCX failing is a pipe's or listener's error, not the loop's; a later call retries. */
 static void test_ucx_unavailable(void **state)
 {
@@ -1588,6 +1685,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_loans),
         cmocka_unit_test(test_view_outlives_sender),
         cmocka_unit_test(test_shm_hostile_descriptors),
+        cmocka_unit_test(test_accept_out_of_fds),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

@@ -32,6 +32,9 @@ struct tdp_listener {
     pend *pending; /* handshaking */
     uint32_t npending;
     tdp__listener_hooks hooks;
+    struct event *resume; /* accepting paused: out of fds or memory */
+    int64_t pause_ms;
+    uint64_t pauses;
     tdp__refusals refusals;
     pend *ready, *ready_tail; /* under mtx */
     volatile bool has_ready;
@@ -84,6 +87,7 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
                       int salen, void *arg)
 {
     tdp_listener *l = arg;
+    l->pause_ms = 0; /* accepting works (again) */
     /* a server at its limit turns the socket away before any handshake */
     if (l->hooks.admit != NULL && !l->hooks.admit(l->hooks.arg, l->npending)) {
         int64_t ms = l->opts.connect_timeout_ms < REFUSAL_MS ? l->opts.connect_timeout_ms
@@ -114,10 +118,45 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
     }
 }
 
+static void resume_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_listener *l = arg;
+    (void)fd;
+    (void)what;
+    if (l->evl != NULL)
+        evconnlistener_enable(l->evl); /* an accept that fails again pauses again */
+}
+
+/*
+ * accept failed. Out of descriptors or memory, the pending connection stays
+ * in the backlog and the socket stays readable: accepting again at once
+ * would spin (and log) without end. Pause, with a backoff up to a second,
+ * and say so once per episode; the backlog keeps what arrives meanwhile.
+ * Other errors (a connection aborted before it was accepted) are the
+ * peer's and cost nothing.
+ */
 static void accept_error_cb(struct evconnlistener *evl, void *arg)
 {
+    tdp_listener *l = arg;
     int e = EVUTIL_SOCKET_ERROR();
-    tdp_log_warn("accept: %s", strerror(e));
+    if (e != EMFILE && e != ENFILE && e != ENOBUFS && e != ENOMEM) {
+        tdp_log_debug("accept: %s", strerror(e));
+        return;
+    }
+    evconnlistener_disable(evl);
+    if (l->pause_ms == 0) {
+        tdp_log_warn("accept: %s: not accepting new connections until descriptors free up",
+                     strerror(e));
+        l->pause_ms = 10;
+    } else if (l->pause_ms < 1000) {
+        l->pause_ms *= 2;
+    }
+    l->pauses++;
+    if (l->resume == NULL)
+        l->resume = evtimer_new(tdp__loop_base(l->loop), resume_cb, l);
+    struct timeval tv = {l->pause_ms / 1000, (l->pause_ms % 1000) * 1000};
+    if (l->resume == NULL || evtimer_add(l->resume, &tv) != 0)
+        evconnlistener_enable(evl); /* cannot time a pause: better to spin than to stop */
 }
 
 typedef struct listen_req {
@@ -252,6 +291,10 @@ static void listener_free_task(void *arg)
     tdp_listener *l = arg;
     if (l->evl != NULL)
         evconnlistener_free(l->evl);
+    l->evl = NULL;
+    if (l->resume != NULL)
+        event_free(l->resume);
+    l->resume = NULL;
     tdp__ctl_refusals_free(&l->refusals);
     while (l->pending != NULL) {
         pend *e = l->pending;

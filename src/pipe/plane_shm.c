@@ -193,6 +193,7 @@ struct shm_ext {
     int lfd;
     char name[TDP__SHM_NAME_LEN];
     struct event *lev;
+    struct event *resume; /* accepting paused: out of descriptors */
     struct tdp__link *links;
     pending_conn *conns;
     uint32_t nconns;
@@ -1116,6 +1117,14 @@ static void conn_cb(evutil_socket_t fd, short what, void *arg)
     link_ready(l);
 }
 
+static void resume_cb(evutil_socket_t fd, short what, void *arg)
+{
+    shm_ext *x = arg;
+    (void)fd;
+    (void)what;
+    event_add(x->lev, NULL);
+}
+
 static void accept_cb(evutil_socket_t lfd, short what, void *arg)
 {
     shm_ext *x = arg;
@@ -1123,8 +1132,19 @@ static void accept_cb(evutil_socket_t lfd, short what, void *arg)
     for (int i = 0; i < 16; i++) {
         int fd;
         tdp_err rc = tdp__shm_accept(lfd, true, &fd, NULL);
-        if (rc != TDP_OK)
+        if (rc == TDP_EAGAIN || rc == TDP_ECONNREFUSED)
+            return; /* nothing more, or a stranger turned away */
+        if (rc != TDP_OK) {
+            /* out of descriptors: the connection waits in the backlog and
+             * the socket stays readable; pause rather than spin */
+            static const struct timeval pause = {0, 100000};
+            event_del(x->lev);
+            if (x->resume == NULL)
+                x->resume = evtimer_new(tdp__loop_base(x->loop), resume_cb, x);
+            if (x->resume == NULL || evtimer_add(x->resume, &pause) != 0)
+                event_add(x->lev, NULL);
             return;
+        }
         if (x->nconns >= ACCEPT_PENDING) {
             /* strangers of our uid hold the queue: the oldest go */
             pending_conn *o = x->conns;
@@ -1230,6 +1250,8 @@ static void ext_fini(void *ext)
         link_destroy(x->links);
     if (x->lev != NULL)
         event_free(x->lev);
+    if (x->resume != NULL)
+        event_free(x->resume);
     if (x->lfd >= 0)
         close(x->lfd);
     tdp__free(x);

@@ -281,8 +281,10 @@ tdp_err tdp__shm_accept(int lfd, bool nonblock, int *fd, pid_t *peer_pid)
         if (errno == ECONNABORTED) /* gone before we took it: nothing to accept */
             return TDP_EAGAIN;
         tdp_err e = sock_err(errno);
-        if (e != TDP_EAGAIN)
+        if (e != TDP_EAGAIN && errno != EMFILE && errno != ENFILE)
             tdp_log_error("shm listener: accept: %s", strerror(errno));
+        else if (e != TDP_EAGAIN) /* the caller pauses; the TCP listener says it once */
+            tdp_log_debug("shm listener: accept: %s", strerror(errno));
         return e == TDP_ECONNRESET ? TDP_EINTERNAL : e;
     }
     tdp_err err = check_peer(s, "accept", peer_pid);
