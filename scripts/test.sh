@@ -11,8 +11,8 @@
 #                  transport configuration, the server, the loop, the
 #                  shared-memory rings and the allocation counts
 #   6. fuzz        libFuzzer build in build-fuzz/ (clang), then timed runs of
-#                  the schema and frame decoder fuzzers over scratch copies of
-#                  their corpora
+#                  the schema and frame decoder fuzzers and of the HELLO
+#                  handler fuzzer over scratch copies of their corpora
 #
 # Every stage runs even if an earlier one failed (except that nothing runs
 # without setup); the script exits non-zero if any stage failed and ends
@@ -191,13 +191,14 @@ stage_tsan() {
     ctest --test-dir build-tsan --output-on-failure -j"$JOBS" -R "$TSAN_TESTS"
 }
 
-# fuzz_one NAME SECONDS: run build-fuzz/fuzz/NAME over a scratch copy of
+# fuzz_one NAME SECONDS [FLAGS...]: run build-fuzz/fuzz/NAME over a scratch copy of
 # fuzz/corpus/<corpus of NAME>. libFuzzer writes new inputs into its first
 # corpus directory: that is a fresh temporary one, so the repository's corpus
 # is never written. New inputs are kept in build-fuzz/corpus-new/NAME and
 # crash reproducers in build-fuzz/artifacts/<time>/ for inspection.
 fuzz_one() {
     local name=$1 secs=$2 corpus=${1#fuzz_} rc=0
+    shift 2
     local artifacts scratch
     artifacts="$ROOT/build-fuzz/artifacts/$(date +%Y%m%d-%H%M%S)-$name"
     scratch=$(mktemp -d "${TMPDIR:-/tmp}/tdp-fuzz.XXXXXX")
@@ -207,7 +208,7 @@ fuzz_one() {
     fi
     echo ">> $name for ${secs}s over $(find "$scratch/seed" -type f | wc -l) seed inputs"
     "build-fuzz/fuzz/$name" -max_total_time="$secs" -timeout=10 \
-        -print_final_stats=1 -artifact_prefix="$artifacts/" \
+        -print_final_stats=1 -artifact_prefix="$artifacts/" "$@" \
         "$scratch/new" "$scratch/seed" || rc=$?
     # Keep what was found (outside the source tree) for a deliberate merge:
     #   build-fuzz/fuzz/NAME -merge=1 fuzz/corpus/CORPUS build-fuzz/corpus-new/NAME
@@ -231,13 +232,20 @@ stage_fuzz() {
         -DTDP_BUILD_TESTS=OFF -DTDP_BUILD_EXAMPLES=OFF -DTDP_BUILD_BENCH=OFF \
         -DTDP_BUILD_TOOLS=OFF
     cmake --build build-fuzz -j"$JOBS"
-    # the schema decoder gets two thirds of the time, the frame decoders the rest
-    local s1=$(( FUZZ_SECONDS * 2 / 3 )) s2
+    # the schema decoder gets half the time, the frame decoders and the
+    # HELLO handler a quarter each
+    local s1=$(( FUZZ_SECONDS / 2 )) s2 s3
     (( s1 > 0 )) || s1=1
-    s2=$(( FUZZ_SECONDS - s1 ))
+    s2=$(( FUZZ_SECONDS / 4 ))
     (( s2 > 0 )) || s2=1
+    s3=$(( FUZZ_SECONDS - s1 - s2 ))
+    (( s3 > 0 )) || s3=1
     fuzz_one fuzz_schema "$s1"
     fuzz_one fuzz_frames "$s2"
+    # the HELLO handler drives real UCX workers: leak checks are left to the
+    # asan stage, which replays fuzz/corpus/hello (UCX keeps the unpaired half
+    # of a connection a worker makes to itself, which this fuzzer does often)
+    fuzz_one fuzz_hello "$s3" -detect_leaks=0
 }
 
 # ---- main ------------------------------------------------------------------------
@@ -257,7 +265,7 @@ if [[ "$SKIP_FUZZ" == 1 ]]; then
 elif ! command -v clang >/dev/null 2>&1; then
     skip_stage fuzz "fuzz: build-fuzz/" "clang not found"
 else
-    run_stage fuzz "fuzz: build-fuzz/, schema and frame decoders for ${FUZZ_SECONDS}s" stage_fuzz
+    run_stage fuzz "fuzz: build-fuzz/, schema and frame decoders, HELLO handler for ${FUZZ_SECONDS}s" stage_fuzz
 fi
 
 section "summary"

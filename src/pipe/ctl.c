@@ -60,6 +60,48 @@ static void name_peer(tdp__ctl *c, const struct sockaddr *sa)
     }
 }
 
+static bool addr_loopback(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *s4 = (const void *)ss;
+        return (ntohl(s4->sin_addr.s_addr) >> 24) == 127;
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *s6 = (const void *)ss;
+        const uint8_t *b = s6->sin6_addr.s6_addr;
+        return IN6_IS_ADDR_LOOPBACK(&s6->sin6_addr) ||
+               (IN6_IS_ADDR_V4MAPPED(&s6->sin6_addr) && b[12] == 127);
+    }
+    return false;
+}
+
+static bool addr_equal(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+{
+    if (a->ss_family != b->ss_family)
+        return false;
+    if (a->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)(const void *)a)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)(const void *)b)->sin_addr.s_addr;
+    if (a->ss_family == AF_INET6)
+        return memcmp(&((const struct sockaddr_in6 *)(const void *)a)->sin6_addr,
+                      &((const struct sockaddr_in6 *)(const void *)b)->sin6_addr,
+                      sizeof(struct in6_addr)) == 0;
+    return false;
+}
+
+/* See tdp__ctl.peer_local. */
+static bool socket_peer_local(evutil_socket_t fd)
+{
+    struct sockaddr_storage me, peer;
+    socklen_t ml = sizeof(me), pl = sizeof(peer);
+    if (fd < 0 || getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
+        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0)
+        return false;
+    if (me.ss_family == AF_UNIX)
+        return true;
+    return (addr_loopback(&me) && addr_loopback(&peer)) || addr_equal(&me, &peer);
+}
+
 static tdp_err dial_next(tdp__ctl *c)
 {
     const struct sockaddr *sa = (const struct sockaddr *)&c->addrs[c->iaddr];
@@ -189,6 +231,8 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 return;
             }
             c->hello_seen = true;
+            /* asked now: a dialed socket's HELLO can be read before its connect event */
+            c->peer_local = socket_peer_local(bufferevent_getfd(c->bev));
             c->up->hello(c->owner, &h);
         } else {
             tdp_bye bye;

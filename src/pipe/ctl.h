@@ -56,6 +56,13 @@ typedef struct tdp__ctl {
     tdp__ctl_opts opts;
     char peer_name[64];
     bool hello_seen, bye_sent, connected;
+    /*
+     * The socket's two ends prove the peer shares this host's network
+     * stack: a Unix socket, a loopback address, or the peer's address equal
+     * to ours (the kernel routes that inside the host). A HELLO's host id
+     * is only a claim; this is what a remote peer cannot fake.
+     */
+    bool peer_local;
     struct sockaddr_storage addrs[TDP_CTL_MAX_ADDRS]; /* dial: tried in turn */
     socklen_t addrlens[TDP_CTL_MAX_ADDRS];
     int naddr, iaddr;

@@ -65,7 +65,8 @@ typedef struct tdp__plane_up {
 /* What a plane learns at link_start. */
 typedef struct tdp__link_peer {
     const tdp_hello *hello; /* the peer's (records valid during the call) */
-    bool same_host;
+    bool same_host;      /* the host ids match and the control socket proves it (local) */
+    bool local;          /* the control socket proves one network stack (tdp__ctl.peer_local) */
     uint32_t peer_depth; /* buffers the peer holds: most sends in flight */
     uint32_t depth;      /* buffers this side holds */
     tdp_peer_mode mode;  /* this side's option */

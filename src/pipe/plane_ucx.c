@@ -5,7 +5,9 @@
  *
  * Per loop (TDP__EXT_PIPE): the table that maps the token in every
  * incoming frame to its link, the AM handler of each worker, the workers'
- * addresses, and one UCX endpoint per remote worker shared by every link
+ * addresses and what they look like (a peer's address is checked against
+ * that and rebuilt before UCX sees it: ucx_addr.h), and one UCX endpoint
+ * per remote worker shared by every link
  * between the same two workers (UCX pairs the endpoints two workers create
  * to each other in creation order, which two sides opening several pipes
  * at once need not agree on).
@@ -23,6 +25,7 @@
 #include "plane_ucx.h"
 #include "op.h"
 #include "session.h"
+#include "ucx_addr.h"
 #include "ucx_workers.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
@@ -115,6 +118,7 @@ struct ucx_ext {
     } args[TDP_LOOP_WORKERS];
     ucp_address_t *addr[TDP_LOOP_WORKERS];
     size_t addr_len[TDP_LOOP_WORKERS];
+    tdp__ucxa_profile *profile[TDP_LOOP_WORKERS];
 };
 
 static void link_maybe_free(struct tdp__link *l);
@@ -217,6 +221,8 @@ static void ext_fini(void *ext)
             tdp__free(e);
         }
     }
+    for (int i = 0; i < TDP_LOOP_WORKERS; i++)
+        tdp__free(x->profile[i]);
     tdp__free(x->closing);
     tdp__free(x->tab);
     tdp__free(x);
@@ -224,6 +230,36 @@ static void ext_fini(void *ext)
 
 static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
                           size_t length, const ucp_am_recv_param_t *param);
+static tdp_err worker_address(ucx_ext *x, int wi, const void **addr, size_t *len);
+
+/* What each worker's address looks like: the shapes a peer's may take. */
+static tdp_err learn_profiles(ucx_ext *x)
+{
+    for (int i = 0; i < x->ucx->nworkers; i++) {
+        const void *a;
+        size_t len;
+        tdp_err rc = worker_address(x, i, &a, &len);
+        if (rc != TDP_OK)
+            return rc;
+        if (a == NULL)
+            continue; /* no such worker: no link uses it */
+        if ((x->profile[i] = tdp__malloc(sizeof(*x->profile[i]))) == NULL)
+            return TDP_ENOMEM;
+        if ((rc = tdp__ucxa_profile_init(x->profile[i], a, len)) != TDP_OK)
+            return rc;
+    }
+    return TDP_OK;
+}
+
+static void ext_free_unregistered(ucx_ext *x)
+{
+    for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
+        if (x->addr[i] != NULL)
+            ucp_worker_release_address(x->ucx->worker[i], x->addr[i]);
+        tdp__free(x->profile[i]);
+    }
+    tdp__free(x);
+}
 
 static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
 {
@@ -241,6 +277,11 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
         return TDP_ENOMEM;
     x->loop = loop;
     x->ucx = ucx;
+    /* before any handler points at x: a failure here leaves nothing behind */
+    if ((rc = learn_profiles(x)) != TDP_OK) {
+        ext_free_unregistered(x);
+        return rc;
+    }
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -255,7 +296,7 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
         ucs_status_t st = ucp_worker_set_am_recv_handler(ucx->worker[i], &hp);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
-            tdp__free(x);
+            ext_free_unregistered(x);
             return TDP_EUCX;
         }
     }
@@ -377,7 +418,8 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
         }
     }
     shared_ep *e = tdp__calloc(1, sizeof(*e));
-    if (e == NULL || (e->addr = tdp__malloc(alen)) == NULL) {
+    /* zeros after the address: a transport that reads a little past it reads them */
+    if (e == NULL || (e->addr = tdp__calloc(1, alen + TDP_UCXA_PAD)) == NULL) {
         tdp__free(e);
         return TDP_ENOMEM;
     }
@@ -878,6 +920,37 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
     return TDP_OK;
 }
 
+/*
+ * The endpoint to the peer's worker, made from the canonical form of the
+ * address in its HELLO: UCX never sees a byte of the peer's own.
+ */
+static tdp_err link_ep(struct tdp__link *l, const tdp__link_peer *peer)
+{
+    const tdp_hello *h = peer->hello;
+    bool loc = l->wi == TDP_WORKER_LOCAL;
+    const void *raw = loc ? h->local_addr : h->addr;
+    size_t rlen = loc ? h->local_addr_len : h->addr_len;
+    const tdp__ucxa_profile *prof = l->x->profile[l->wi];
+    const char *why = "no address";
+    size_t clen = 0;
+    tdp_err rc = TDP_EPROTO;
+    if (prof == NULL)
+        return TDP_EINTERNAL; /* ext_get made one for every worker a link can pick */
+    uint8_t *canon = tdp__malloc(rlen + TDP_UCXA_PAD);
+    if (canon == NULL)
+        return TDP_ENOMEM;
+    if (raw != NULL && rlen > 0)
+        rc = tdp__ucxa_canonical(prof, raw, rlen, peer->local, canon, rlen + TDP_UCXA_PAD,
+                                 &clen, &why);
+    if (rc == TDP_OK)
+        rc = ep_acquire(l, canon, clen);
+    else
+        tdp_log_info("the peer's %s in its HELLO is refused: %s",
+                     loc ? "UCX_LOCAL_ADDR" : "UCX_ADDR", why);
+    tdp__free(canon);
+    return rc;
+}
+
 static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
 {
     const tdp_hello *h = peer->hello;
@@ -928,8 +1001,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
             if (!l->rx[i].lent && l->rx[i].req == NULL)
                 rx_buf_drop(l, &l->rx[i]);
     }
-    tdp_err rc = l->wi == TDP_WORKER_LOCAL ? ep_acquire(l, h->local_addr, h->local_addr_len)
-                                           : ep_acquire(l, h->addr, h->addr_len);
+    tdp_err rc = link_ep(l, peer);
     if (rc != TDP_OK)
         return rc;
     l->started = true;

@@ -451,7 +451,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         return;
     uint8_t host[TDP_HOST_ID_LEN];
     tdp__host_id(host);
-    p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0;
+    /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
+    p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0 && p->ctl.peer_local;
     p->peer_depth = h->recv_depth;
 
     /* both sides compute the same choice: the same lists, the same filter */
@@ -499,6 +500,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     tdp__link_peer lp = {
         .hello = h,
         .same_host = p->same_host,
+        .local = p->ctl.peer_local,
         .peer_depth = p->peer_depth,
         .depth = p->depth,
         .mode = p->opts.peer_mode,

@@ -114,6 +114,12 @@ static tdp_err worker_init(ucx_state *u, int i, const char *tls)
         ucp_config_release(config);
         return ucx_fail("ucp_config_modify(TLS)", st);
     }
+    /* never unified mode: its addresses index this side's resources with
+     * numbers a peer chooses, and ucx_addr.c checks the other layout only */
+    if ((st = ucp_config_modify(config, "UNIFIED_MODE", "n")) != UCS_OK) {
+        ucp_config_release(config);
+        return ucx_fail("ucp_config_modify(UNIFIED_MODE)", st);
+    }
     ucp_params_t params = {
         .field_mask = UCP_PARAM_FIELD_FEATURES,
         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
