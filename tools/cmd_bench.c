@@ -586,6 +586,7 @@ static int run_producer(bench_cfg *cfg)
         return TDP_EXIT_CONNECT;
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
@@ -628,7 +629,6 @@ static int run_producer(bench_cfg *cfg)
         rc_exit = TDP_EXIT_FAIL;
     }
     if (done > 0) {
-        bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
         printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
                loaned ? " (loaned slots: no copy)" : "", cfg->depth,
                cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
