@@ -1570,18 +1570,14 @@ static void test_accept_out_of_fds(void **state)
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
+        /* a fresh process (exec): a bare fork of this threaded one may
+         * inherit a lock some thread held */
+        char ps[16];
         close(ctl[1]);
-        struct sockaddr_in sa = {.sin_family = AF_INET,
-                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
-                                 .sin_port = htons(port)};
-        for (int i = 0; i < 32; i++) {
-            int fd = socket(AF_INET, SOCK_STREAM, 0);
-            if (fd >= 0)
-                (void)connect(fd, (struct sockaddr *)&sa, sizeof(sa));
-        }
-        char b;
-        (void)read(ctl[0], &b, 1); /* until the parent says so (or dies) */
-        _exit(0);
+        dup2(ctl[0], 0);
+        snprintf(ps, sizeof(ps), "%u", port);
+        execl("/proc/self/exe", "test_pipe", "--hold", ps, (char *)NULL);
+        _exit(127);
     }
     close(ctl[0]);
     /* this process may open only a few more descriptors */
@@ -1648,8 +1644,26 @@ static void test_ucx_unavailable(void **state)
     tdp_loop_free(loop);
 }
 
+/* test_accept_out_of_fds's child: 32 connections held until stdin ends. */
+static void child_hold(uint16_t port)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                             .sin_port = htons(port)};
+    for (int i = 0; i < 32; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd >= 0)
+            (void)connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+    }
+    char b;
+    (void)read(0, &b, 1); /* until the parent says so (or dies) */
+    _exit(0);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 3 && strcmp(argv[1], "--hold") == 0)
+        child_hold((uint16_t)atoi(argv[2]));
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
         child_stream((uint16_t)atoi(argv[2]), strcmp(argv[3], "send") == 0);
     const char *tls = getenv("UCX_TLS"), *mode = getenv("TDP_TEST_PEER_MODE"),
