@@ -161,6 +161,7 @@ struct tdp__link {
     tdp__shm_seg *tx_ctl;
     tdp__source *tx_src; /* the release ring */
     bool tx_armed;       /* its doorbell may hold a wakeup to reset */
+    uint32_t tx_skips, rx_skips;
     tx_pool *pool;       /* current generation; older ones in pool->next */
     uint32_t next_gen;
     uint64_t last_seq, released;
@@ -505,8 +506,11 @@ static unsigned tx_progress(void *arg)
     tdp__shm_ring *r = tdp__shm_seg_rx(l->tx_ctl);
     unsigned n = 0;
     if (l->tx_armed) {
+        /* reset the doorbell if it rang (and every 64th time regardless:
+         * a peer that rings while claiming not to cannot make us spin) */
         l->tx_armed = false;
-        tdp__shm_ring_drain(r);
+        if (tdp__shm_ring_rung(r) || (++l->tx_skips & 63) == 0)
+            tdp__shm_ring_drain(r);
     }
     tdp__shm_desc d;
     tdp_err rc = TDP_OK;
@@ -837,8 +841,11 @@ static unsigned rx_progress(void *arg)
     tdp__shm_ring *r = tdp__shm_seg_rx(l->rx_ctl);
     unsigned n = 0;
     if (l->rx_armed) {
+        /* reset the doorbell if it rang (and every 64th time regardless:
+         * a peer that rings while claiming not to cannot make us spin) */
         l->rx_armed = false;
-        tdp__shm_ring_drain(r);
+        if (tdp__shm_ring_rung(r) || (++l->rx_skips & 63) == 0)
+            tdp__shm_ring_drain(r);
     }
     tdp__shm_desc d;
     tdp_err rc = TDP_OK;

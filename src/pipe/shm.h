@@ -228,6 +228,15 @@ int tdp__shm_ring_arm(tdp__shm_ring *r);
 /* rx: reset the doorbell after poll said it is readable (never blocks). */
 void tdp__shm_ring_drain(tdp__shm_ring *r);
 
+/*
+ * rx, after an arm that said 0 and a wakeup: false when the sender has not
+ * rung this ring's doorbell since (the waiting word is still set), so there
+ * is nothing to drain. The peer can lie either way: a false "rung" costs a
+ * needless read, a false "not rung" leaves its own write undrained (a
+ * spurious wakeup, which a caller bounds by draining now and then anyway).
+ */
+bool tdp__shm_ring_rung(const tdp__shm_ring *r);
+
 /* rx: the fd to poll for POLLIN. Owned by the segment. */
 int tdp__shm_ring_fd(const tdp__shm_ring *r);
 

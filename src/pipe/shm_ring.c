@@ -166,6 +166,11 @@ void tdp__shm_ring_drain(tdp__shm_ring *r)
     (void)n; /* EAGAIN: nothing was pending, which is fine */
 }
 
+bool tdp__shm_ring_rung(const tdp__shm_ring *r)
+{
+    return atomic_load_explicit(&r->ctl->waiting, memory_order_acquire) == 0;
+}
+
 int tdp__shm_ring_fd(const tdp__shm_ring *r)
 {
     return r->efd;
