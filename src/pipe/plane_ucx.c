@@ -74,6 +74,9 @@ typedef struct rx_buf {
     tdp_td *td; /* wraps store for the schema it was built for */
     void *req;  /* rendezvous receive in flight */
     bool lent;  /* given to the session, not yet released */
+    bool posting;     /* inside ucp_am_recv_data_nbx */
+    bool posted_done; /* ...and its callback already ran, with posted_rc */
+    tdp_err posted_rc;
 } rx_buf;
 
 struct tdp__link {
@@ -580,10 +583,25 @@ static void recv_cb(void *req, ucs_status_t st, size_t length, void *user)
 {
     rx_buf *b = user;
     struct tdp__link *l = b->l;
+    tdp_err rc = st == UCS_OK && length == b->td->nbytes ? TDP_OK : TDP_ECONNRESET;
     ucp_request_free(req);
+    if (b->posting) {
+        /*
+         * UCX 1.13 completes a rendezvous receive inside ucp_am_recv_data_nbx
+         * when the endpoint failed before the RTS was handled (a peer killed
+         * mid-transfer), and still returns the request: u_recv reports it.
+         * Counting it and telling the session from here, before u_recv
+         * returned, left the freed request in b->req, dropped the buffer's
+         * td under the plane and kept the link, with its other buffers,
+         * until the loop was freed (which freed the request again).
+         */
+        tdp_log_debug("rendezvous receive ended as it was posted: %s", ucs_status_string(st));
+        b->posted_done = true;
+        b->posted_rc = rc;
+        return;
+    }
     b->req = NULL;
     l->reqs--;
-    tdp_err rc = st == UCS_OK && length == b->td->nbytes ? TDP_OK : TDP_ECONNRESET;
     if (!l->closed)
         l->up->landed(l->owner, l, (uint32_t)(b - l->rx), rc);
     link_maybe_free(l);
@@ -628,8 +646,16 @@ static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = UCS_MEMORY_TYPE_CUDA;
     }
+    b->posting = true;
+    b->posted_done = false;
     void *r = ucp_am_recv_data_nbx(l->x->ucx->worker[l->wi], d->data, b->td->data, d->length,
                                    &prm);
+    b->posting = false;
+    if (b->posted_done) { /* recv_cb ran and freed the request: r is not ours */
+        if (b->posted_rc != TDP_OK)
+            b->lent = false;
+        return b->posted_rc;
+    }
     if (r == NULL)
         return TDP_OK;
     if (UCS_PTR_IS_ERR(r)) {
