@@ -38,11 +38,11 @@
 #      the plane forced), each killed with SIGKILL MIN..MAX ms after it
 #      printed "connected", so most die in the middle of a message;
 #      samples every K clients and at the end, after a settle;
-#   4. runs one good client (10 messages, checked by the sink) and requires
-#      exit status 0;
+#   4. runs one good client (10 messages) and requires exit status 0; the
+#      sink checks the pattern of every message that arrives whole;
 #   5. stops the server (SIGTERM), prints a table and one JSON line.
-# Exit status: 0 done, the good client passed and the server exited 0;
-# 1 otherwise; 2 usage.
+# Exit status: 0 done, the good client passed, the server exited 0 and
+# its pattern check says ok; 1 otherwise; 2 usage.
 # Every loop is bounded in count and in time; an EXIT trap kills every
 # child still alive (server and clients) and removes the scratch folder.
 set -uo pipefail
@@ -255,6 +255,7 @@ SERVER_RC=0
 wait "$SERVER_PID" || SERVER_RC=$?
 SERVER_PID=
 SERVED=$(grep -h '^served' "$DIR/server.out" "$DIR/server.err" | tail -1)
+VERIFY=$(sed -n 's/.*; verify \([A-Za-z]*\).*/\1/p' <<<"$SERVED")
 if ((SERVER_RC != 0)); then
     echo "rss_killed_clients: the server exited with status $SERVER_RC; its last words:" >&2
     grep -v 'was not returned to mpool' "$DIR/server.err" | tail -20 >&2
@@ -270,7 +271,7 @@ for s in "${SAMPLES[@]}"; do
     # shellcheck disable=SC2086
     printf '%8s %10s %10s %10s %10s %10s %6s %6s %6s\n' $s
 done
-echo "good client: exit $GOOD_RC; server: exit $SERVER_RC"
+echo "good client: exit $GOOD_RC; server: exit $SERVER_RC, pattern check ${VERIFY:-unknown}"
 echo "server: $SERVED"
 
 json_samples=
@@ -279,7 +280,7 @@ for s in "${SAMPLES[@]}"; do
     [[ $c =~ ^[0-9]+$ ]] || c="\"$c\""
     json_samples+="${json_samples:+,}{\"clients\":$c,\"vmrss_kb\":$rss,\"vmhwm_kb\":$hwm,\"rss_anon_kb\":$anon,\"rss_file_kb\":$file,\"rss_shmem_kb\":$shm,\"fds\":$fds,\"maps\":$maps,\"memfd_maps\":$memfd}"
 done
-JSON="{\"bench\":\"rss_killed_clients\",\"plane\":\"${PLANE_USED:-$PLANE}\",\"ucx_tls\":\"${UCX_TLS:-default}\",\"depth\":$DEPTH,\"size\":\"$SIZE\",\"clients\":$STARTED,\"killed_streaming\":$KILLED_CONNECTED,\"ended_early\":$DIED_EARLY,\"not_connected\":$NOT_CONNECTED,\"kill_ms\":[$MIN_MS,$MAX_MS],\"parallel\":$PAR,\"good_client_rc\":$GOOD_RC,\"server_rc\":$SERVER_RC,\"seconds\":$(($(now_s) - T0)),\"samples\":[$json_samples]}"
+JSON="{\"bench\":\"rss_killed_clients\",\"plane\":\"${PLANE_USED:-$PLANE}\",\"ucx_tls\":\"${UCX_TLS:-default}\",\"depth\":$DEPTH,\"size\":\"$SIZE\",\"clients\":$STARTED,\"killed_streaming\":$KILLED_CONNECTED,\"ended_early\":$DIED_EARLY,\"not_connected\":$NOT_CONNECTED,\"kill_ms\":[$MIN_MS,$MAX_MS],\"parallel\":$PAR,\"good_client_rc\":$GOOD_RC,\"server_rc\":$SERVER_RC,\"verify\":\"${VERIFY:-unknown}\",\"seconds\":$(($(now_s) - T0)),\"samples\":[$json_samples]}"
 echo "$JSON"
 [[ -n $JSON_OUT ]] && echo "$JSON" >>"$JSON_OUT"
-((GOOD_RC == 0 && SERVER_RC == 0))
+((GOOD_RC == 0 && SERVER_RC == 0)) && [[ $VERIFY == ok ]]

@@ -57,16 +57,19 @@ static int parse(int argc, char **argv, args *a)
     int c;
 
     *a = (args){.plane = TDP_PLANE_AUTO, .size = 100 * 1000 * 1000, .timeout_ms = 10000};
-    while ((c = getopt_long(argc, argv, "P:s:n:t:h", opts, NULL)) != -1) {
+    tdp_cli_getopt_reset();
+    while ((c = getopt_long(argc, argv, ":P:s:n:t:h", opts, NULL)) != -1) {
         switch (c) {
         case 'P':
             if (tdp_plane_parse(optarg, &a->plane) != TDP_OK)
                 return tdp_cli_usage_error(cmd, "unknown plane '%s'", optarg);
             break;
-        case 's':
-            if (!tdp_cli_parse_size(optarg, &a->size) || a->size == 0)
-                return tdp_cli_usage_error(cmd, "bad size '%s'", optarg);
+        case 's': {
+            const char *why = "zero";
+            if (!tdp_cli_parse_size(optarg, &a->size, &why) || a->size == 0)
+                return tdp_cli_usage_error(cmd, "invalid size '%s': %s", optarg, why);
             break;
+        }
         case 'n':
             if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
                 return tdp_cli_usage_error(cmd, "bad count '%s'", optarg);
@@ -103,7 +106,8 @@ int main(int argc, char **argv)
 
     if (ec >= 0)
         return ec;
-    if ((rc = tdp_cli_synth_schema(a.size, (tdp_device){.type = TDP_DEVICE_CPU}, &s)) != TDP_OK)
+    /* `tdpipe send`'s schema, marked as reading no replies: serve checks the pattern */
+    if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, false, &s)) != TDP_OK)
         goto fail;
     rc = tdp_td_new(s, &td);
     tdp_schema_unref(s); /* td holds it */
