@@ -770,10 +770,10 @@ static void test_source_remove_in_progress(void **state)
     fake_init(&s3, loop, false);
     fake_init(&s4, loop, true);
     fake_init(&s5, loop, false);
-    fake_add(&s4);
-    fake_add(&s3);
+    fake_add(&s1);
     fake_add(&s2);
-    fake_add(&s1); /* walked s1, s2, s3, s4 */
+    fake_add(&s3);
+    fake_add(&s4); /* walked in the order added: s1, s2, s3, s4 */
     s1.remove_self = true;
     s2.remove_other = &s4; /* not walked yet */
     s3.remove_other = &s2; /* walked already */

@@ -300,9 +300,18 @@ tdp_err tdp__loop_source_add(tdp_loop *loop, int fd, const tdp__source_ops *ops,
             return TDP_ENOMEM;
         }
     }
-    /* at the head: a walk in progress does not visit it, the kick below does */
-    s->next = loop->sources;
-    loop->sources = s;
+    /*
+     * At the tail: sources are progressed and armed in the order they were
+     * added, which is the order their owner chose (the UCX workers: general
+     * first, same-host second; the other way round doubles UCX's wake-up
+     * signals). A walk in progress may visit it; progressing or arming a
+     * new source early is harmless, and the kick below covers the rest.
+     */
+    tdp__source **tail = &loop->sources;
+    while (*tail != NULL)
+        tail = &(*tail)->next;
+    s->next = NULL;
+    *tail = s;
     /* its fd wakes the loop only once armed: progress and arm it before sleeping */
     schedule_again(loop);
     *out = s;
