@@ -835,6 +835,12 @@ static rx_slot *rx_slot_of(struct tdp__link *l, const tdp__shm_desc *d)
     return &p->slots[d->slot];
 }
 
+/* Whether the pool and schema in force are the ones descriptor d names. */
+static bool rx_fits(const struct tdp__link *l, const tdp__shm_desc *d)
+{
+    return l->rpool != NULL && DESC_GEN(d->type) == l->rpool->gen && d->hash == l->rx_hash;
+}
+
 static unsigned rx_progress(void *arg)
 {
     struct tdp__link *l = arg;
@@ -856,16 +862,22 @@ static unsigned rx_progress(void *arg)
             link_fail(l, TDP_EPROTO, "invalid data descriptor");
             return n;
         }
-        /* its announcements may still sit in the socket */
-        if ((l->npend == 0 || l->pend[l->pend_head].m.seq != d.seq) &&
-            (l->rpool == NULL || DESC_GEN(d.type) != l->rpool->gen || d.hash != l->rx_hash)) {
+        /*
+         * The sender puts a DATA's announcements in the socket before the
+         * descriptor in the ring, so they are there to read now — but maybe
+         * only some of them read so far (a POOL made at loan time, its
+         * SCHEMA with the DATA): when what is in force does not fit the
+         * descriptor, read the socket before deciding.
+         */
+        if ((rc = apply_pending(l, d.seq)) == TDP_OK && !l->closed && !rx_fits(l, &d)) {
             tdp_err sr = sock_read_all(l);
             if (sr != TDP_OK && sr != TDP_ECLOSED) {
                 link_fail(l, sr, "invalid message on the shared-memory socket");
                 return n;
             }
+            rc = apply_pending(l, d.seq);
         }
-        if ((rc = apply_pending(l, d.seq)) != TDP_OK) {
+        if (rc != TDP_OK) {
             link_fail(l, rc, "pool or schema announced out of order");
             return n;
         }
@@ -1448,6 +1460,18 @@ tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d)
 uint32_t tdp__shm_desc_word(uint32_t type, uint32_t gen)
 {
     return DESC_WORD(type, gen);
+}
+
+void tdp__shm_step_socket(tdp__link *l)
+{
+    if (l->sock >= 0)
+        sock_cb(l->sock, EV_READ, l);
+}
+
+void tdp__shm_step_ring(tdp__link *l)
+{
+    if (l->rx_ctl != NULL)
+        rx_progress(l);
 }
 
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p)

@@ -27,6 +27,14 @@ tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d);
 /* A descriptor's type word: type in the low byte, pool generation above. */
 uint32_t tdp__shm_desc_word(uint32_t type, uint32_t gen);
 
+/*
+ * Run one piece of a loop turn for l, so a test can order them: read what
+ * its socket holds now (as the socket's event does), or pop its data ring
+ * (as the doorbell's progress does).
+ */
+void tdp__shm_step_socket(tdp__link *l);
+void tdp__shm_step_ring(tdp__link *l);
+
 /* True when p lies in a pool segment the link has mapped (zero-copy proof). */
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
 
