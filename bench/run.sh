@@ -103,7 +103,7 @@ cpu_idle() {
 }
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL != 0 ]] && echo "-bp$BUSY_POLL")}
+OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL == 0 ]] || echo "-bp$BUSY_POLL")}
 mkdir -p "$OUT"
 JSON=${JSON:-$OUT/results.json}
 COMMON=(--sizes "$SIZES")

@@ -36,6 +36,7 @@ struct tdp__source {
     void *arg;
     struct event *ev; /* its fd readable; NULL without an fd */
     bool dead;        /* removed during a walk: unlinked when the walk ends */
+    bool unwatched;   /* ev left out of the event base (tdp__loop_source_watch) */
     bool arm_error_logged;
     struct tdp__source *next;
 };
@@ -338,6 +339,17 @@ void tdp__loop_source_remove(tdp_loop *loop, tdp__source *s)
         }
     }
     tdp__free(s);
+}
+
+void tdp__loop_source_watch(tdp__source *s, bool on)
+{
+    if (s == NULL || s->ev == NULL || s->unwatched == !on)
+        return;
+    if (on ? event_add(s->ev, NULL) : event_del(s->ev)) {
+        tdp_log_error("cannot %s a loop source's fd", on ? "watch" : "stop watching");
+        return; /* as it was: watched too long is a wasted wakeup, not a lost one */
+    }
+    s->unwatched = !on;
 }
 
 /* Forget every source (loop free): their owners' fini already let them go. */
@@ -819,14 +831,15 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
         rc = TDP_ENOMEM;
         goto err_destroy_lock;
     }
-    /* precise timers: deadlines are kept to the millisecond, not the
-     * coarse clock's few-millisecond tick */
-    struct event_config *cfg = event_config_new();
-    if (cfg != NULL) {
-        event_config_set_flag(cfg, EVENT_BASE_FLAG_PRECISE_TIMER);
-        loop->base = event_base_new_with_config(cfg);
-        event_config_free(cfg);
-    }
+    /*
+     * Not EVENT_BASE_FLAG_PRECISE_TIMER: with it, libevent's epoll backend
+     * keeps its timeouts in a timerfd and resets it (a system call) before
+     * nearly every wait, on the path of every event-driven message. Without
+     * it the wait's own millisecond timeout bounds the sleep, and libevent
+     * reads a clock of at most a millisecond's resolution: deadlines are
+     * still kept to the millisecond.
+     */
+    loop->base = event_base_new();
     if (loop->base == NULL) {
         tdp_log_error("event_base_new failed");
         rc = TDP_ENOMEM;

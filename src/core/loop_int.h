@@ -56,6 +56,15 @@ tdp_err tdp__loop_source_add(tdp_loop *loop, int fd, const tdp__source_ops *ops,
 void tdp__loop_source_remove(tdp_loop *loop, tdp__source *s);
 
 /*
+ * Stop or resume watching a source's fd. An unwatched source is still
+ * progressed on every drain and by the safety timer; this is for a source
+ * with nothing to wake up for now, whose fd may be readable for reasons it
+ * does not care about (left watched, that would make the loop spin). Loop
+ * thread (or an idle loop); safe inside any source's callbacks.
+ */
+void tdp__loop_source_watch(tdp__source *s, bool on);
+
+/*
  * Call after work on a source done outside its progress (e.g. a UCP send
  * posted from a timer or a task): makes the loop progress all sources before
  * it sleeps again, so completions are not left waiting for a wakeup that

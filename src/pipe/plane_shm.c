@@ -165,6 +165,7 @@ struct tdp__link {
     tx_pool *pool;       /* current generation; older ones in pool->next */
     uint32_t next_gen;
     uint64_t last_seq, released;
+    bool loan_starved; /* a loan was refused for want of a free slot */
     early_tx *early;
     uint32_t nearly, capearly;
 
@@ -528,6 +529,7 @@ static unsigned tx_progress(void *arg)
         p->slots[d.slot].in_flight = false;
         p->nflight--;
         l->released++;
+        l->loan_starved = false;
         if (p != l->pool && p->nflight == 0) {
             tx_pool **pp = &l->pool->next;
             while (*pp != p)
@@ -553,6 +555,14 @@ static unsigned tx_progress(void *arg)
 static int tx_arm(void *arg)
 {
     struct tdp__link *l = arg;
+    /*
+     * Ask to be woken by a release only while a send or a loan waits for
+     * one: with credit left, releases are picked up on the next turn anyway
+     * and the receiver is spared an eventfd write per message (and this
+     * side a wakeup). The safety timer bounds how stale they can get.
+     */
+    if (l->last_seq - l->released < l->peer_depth && !l->loan_starved)
+        return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
     l->tx_armed |= a == 0;
     return a < 0 ? 1 : a; /* a broken ring: progress reports it */
@@ -580,8 +590,10 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
         }
     }
     uint32_t credit_left = p->nflight < l->peer_depth ? l->peer_depth - p->nflight : 0;
-    if (s == NULL || nfree <= credit_left)
+    if (s == NULL || nfree <= credit_left) {
+        l->loan_starved = true; /* a release may end this: be woken by one */
         return TDP_EAGAIN;
+    }
     if (s->td == NULL || s->td->schema != sc) {
         /* a new layout: the views of every free slot, made once for the loans to come */
         for (uint32_t i = 0; i < p->nslots; i++) {

@@ -211,6 +211,7 @@ static void link_destroy(struct tdp__link *l);
 static void ext_fini(void *ext)
 {
     ucx_ext *x = ext;
+    x->ucx->in_use = NULL;
     while (x->links != NULL) {
         x->links->sep = NULL; /* its endpoint went with the worker */
         link_destroy(x->links);
@@ -264,6 +265,13 @@ static void ext_free_unregistered(ucx_ext *x)
     tdp__free(x);
 }
 
+/* Whether UCX may have anything for this loop (ucx_workers.h). */
+static bool ext_in_use(void *arg)
+{
+    const ucx_ext *x = arg;
+    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0;
+}
+
 static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
 {
     ucx_ext *x = tdp__loop_ext(loop, TDP__EXT_PIPE);
@@ -303,6 +311,8 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
             return TDP_EUCX;
         }
     }
+    ucx->in_use = ext_in_use;
+    ucx->in_use_arg = x;
     tdp__loop_set_ext(loop, TDP__EXT_PIPE, x, ext_pre_fini, ext_fini);
     *out = x;
     return TDP_OK;
@@ -925,6 +935,7 @@ static tdp_err u_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     if (x->links != NULL)
         x->links->prev = l;
     x->links = l;
+    tdp__loop_kick(loop); /* the workers may be unwatched: arm them before the next sleep */
     *out = l;
     return TDP_OK;
 }

@@ -874,6 +874,8 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
     if (p->state != PIPE_OPEN)
         return;
     p->released++;
+    if (p->plane->credit == NULL)
+        return; /* the plane's own release is the credit (shm): nothing to send */
     if (defer_credit && p->credit_ev != NULL) {
         static const struct timeval zero = {0, 0};
         event_add(p->credit_ev, &zero);

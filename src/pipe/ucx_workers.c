@@ -14,6 +14,8 @@
 
 typedef struct ucx_worker_src {
     ucp_worker_h worker;
+    const tdp__ucx *u;
+    tdp__source *const *src; /* its loop source, once added */
     bool arm_error_logged;
 } ucx_worker_src;
 
@@ -41,6 +43,14 @@ static unsigned worker_progress(void *arg)
 static int worker_arm(void *arg)
 {
     ucx_worker_src *w = arg;
+    if (w->u->in_use == NULL || !w->u->in_use(w->u->in_use_arg)) {
+        /* nothing to wake up for: sleep without arming, and without
+         * watching its fd (unarmed, UCX's shared-memory transports leave
+         * their signal sockets readable, which would make the loop spin) */
+        tdp__loop_source_watch(*w->src, false);
+        return 0;
+    }
+    tdp__loop_source_watch(*w->src, true);
     ucs_status_t st = ucp_worker_arm(w->worker);
 
     if (st == UCS_OK)
@@ -145,7 +155,7 @@ static tdp_err worker_init(ucx_state *u, int i, const char *tls)
         rc = ucx_fail("ucp_worker_get_efd", st);
         goto err_destroy_worker;
     }
-    u->ws[i] = (ucx_worker_src){.worker = u->pub.worker[i]};
+    u->ws[i] = (ucx_worker_src){.worker = u->pub.worker[i], .u = &u->pub, .src = &u->src[i]};
     rc = tdp__loop_source_add(u->loop, efd, &worker_ops, &u->ws[i], &u->src[i]);
     if (rc != TDP_OK)
         goto err_destroy_worker;

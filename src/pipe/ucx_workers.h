@@ -25,6 +25,16 @@ typedef struct tdp__ucx {
     ucp_context_h context[TDP_LOOP_WORKERS];
     ucp_worker_h worker[TDP_LOOP_WORKERS]; /* worker[1] NULL when unavailable */
     int nworkers;
+    /*
+     * Set by the layer that makes endpoints on these workers: false while
+     * it has nothing UCX could deliver or must progress (no link, no
+     * endpoint, no close in flight). The workers are then not armed, which
+     * spares each loop turn a system call or two when every pipe of the
+     * loop uses another plane; the loop's safety timer still progresses
+     * them. NULL: nobody has made an endpoint yet, so not in use either.
+     */
+    bool (*in_use)(void *arg);
+    void *in_use_arg;
 } tdp__ucx;
 
 /*
