@@ -554,8 +554,9 @@ static void maybe_free(struct tdp__link *l)
     tdp__reap_later(l->loop, &l->reap, link_free, l);
 }
 
-static void f_link_close(tdp__link *l)
+static void f_link_close(tdp__link *l, bool peer_gone)
 {
+    (void)peer_gone;
     if (l->closed)
         CONTRACT(l);
     l->closed = true;

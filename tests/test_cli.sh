@@ -100,6 +100,36 @@ port_of() {
     return 1
 }
 
+# ---- a peer killed: the survivor ends at once ----------------------------------
+
+test_peer_killed() {
+    local port rpid spid pl t0 ms
+    for pl in ucx shm; do
+        # the receiver is SIGKILLed mid-stream: the sender reports the reset
+        # and exits without waiting for anything the dead process held (it
+        # once waited a second for UCX endpoint closes that never end)
+        start kill_recv_$pl 30 "$TDPIPE" recv --bind 127.0.0.1 --plane "$pl" --quiet
+        rpid=$PID
+        port=$(port_of kill_recv_$pl) || return
+        start kill_send_$pl 30 "$TDPIPE" send "127.0.0.1:$port" --plane "$pl" --size 10MB \
+            --count 1000000 --quiet
+        spid=$PID
+        sleep 1
+        pkill -KILL -P "$rpid" # the receiver itself, not the timeout around it
+        t0=$(date +%s%N)
+        finish kill_send_$pl "$spid"
+        ms=$((($(date +%s%N) - t0) / 1000000))
+        wait "$rpid" 2>/dev/null || true
+        expect_rc kill_send_$pl 4
+        expect_in kill_send_$pl err "connection reset"
+        CHECKS=$((CHECKS + 1))
+        if ((ms > 500)); then
+            fail "kill_send_$pl: the sender took $ms ms to exit after its receiver died"
+            dump "$WORK/kill_send_$pl.out" "$WORK/kill_send_$pl.err"
+        fi
+    done
+}
+
 # ---- usage and help ------------------------------------------------------------
 
 test_usage() {
@@ -600,6 +630,7 @@ test_signals() {
 
 test_usage
 test_signals
+test_peer_killed
 test_defaults
 test_recv_send
 test_recv_count

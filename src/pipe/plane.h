@@ -98,7 +98,9 @@ typedef struct tdp__plane_ops {
 
     tdp_err (*link_new)(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out);
     tdp_err (*link_start)(tdp__link *l, const tdp__link_peer *peer);
-    void (*link_close)(tdp__link *l);
+    /* peer_gone: the control channel says the peer process or host is
+     * gone (nothing it holds will ever be given back: do not wait for it) */
+    void (*link_close)(tdp__link *l, bool peer_gone);
     /* True while the transport still holds send or receive buffers. */
     bool (*link_busy)(const tdp__link *l);
 

@@ -1412,8 +1412,9 @@ static bool s_link_busy(const tdp__link *l)
     return false; /* nothing is held by a transport: the peer reads our pages */
 }
 
-static void s_link_close(tdp__link *l)
+static void s_link_close(tdp__link *l, bool peer_gone)
 {
+    (void)peer_gone; /* nothing here waits for the peer */
     if (l->closed)
         return;
     l->closed = true;

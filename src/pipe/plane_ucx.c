@@ -39,6 +39,7 @@ typedef struct shared_ep {
     int wi;
     bool peer_mode;
     bool failed;
+    bool peer_gone; /* a link's control channel saw the peer die */
     uint32_t refs;
     ucp_ep_h ep;
     size_t alen;
@@ -481,6 +482,11 @@ static void ep_unref(shared_ep *e)
     void *req = ucp_ep_close_nbx(e->ep, &prm);
     if (UCS_PTR_IS_ERR(req))
         tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(req)));
+    else if (req != NULL && e->peer_gone && !e->peer_mode)
+        /* a flush towards a dead process never ends (and a forced close
+         * needs peer-failure mode, which same-host endpoints cannot have):
+         * UCX frees it when done or with the worker; nobody waits for it */
+        ucp_request_free(req);
     else if (req != NULL)
         track_close(x, req); /* finished before the worker goes */
     tdp__loop_kick(x->loop);
@@ -1085,11 +1091,13 @@ static void link_maybe_free(struct tdp__link *l)
     tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
 }
 
-static void u_link_close(tdp__link *l)
+static void u_link_close(tdp__link *l, bool peer_gone)
 {
     if (l->closed)
         return;
     l->closed = true;
+    if (peer_gone && l->sep != NULL)
+        l->sep->peer_gone = true;
     tab_remove(l); /* no frame finds it any more */
     /* the last link on an endpoint closes it: in peer-failure mode that
      * completes (with an error) what UCX still holds for this link */

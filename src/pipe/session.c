@@ -227,9 +227,11 @@ static void drain_ops(tdp_pipe *p)
 
 static void close_link(tdp_pipe *p)
 {
+    /* a reset or a timeout: the peer is gone, or as good as */
+    bool gone = p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT;
     for (int i = 0; i < p->ncand; i++) {
         if (p->links[i] != NULL) {
-            p->cand[i]->link_close(p->links[i]);
+            p->cand[i]->link_close(p->links[i], gone);
             p->links[i] = NULL;
         }
     }
@@ -478,7 +480,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     }
     for (int i = 0; i < p->ncand; i++) {
         if (i != ci && p->links[i] != NULL) {
-            p->cand[i]->link_close(p->links[i]);
+            p->cand[i]->link_close(p->links[i], false);
             p->links[i] = NULL;
         }
     }
