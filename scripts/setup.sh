@@ -14,6 +14,7 @@ PACKAGES=(
     libevent-dev         # event loop
     libxxhash-dev        # XXH3 schema hash and payload checksum
     libjansson-dev       # JSON schema codec
+    libsodium-dev        # HMAC-SHA256 and constant-time compare: shared-secret authentication
     libcmocka-dev        # unit and integration tests
     libdlpack-dev        # DLPack header (zero-copy hand-off to frameworks)
     clang                # libFuzzer targets and sanitizer builds

@@ -1412,6 +1412,146 @@ static void test_loans(void **state)
     env_down(&e);
 }
 
+/* ---- shared-secret authentication ----------------------------------------------- */
+
+/* One connect against a listener, each side with its own secret (NULL: none). */
+static tdp_err auth_try(const char *srv_secret, const char *cli_secret, tdp_err *accepted,
+                        int64_t *ms)
+{
+    tdp_pipe_opts so, co;
+    tdp_pipe_opts_default(&so);
+    tdp_pipe_opts_default(&co);
+    if (srv_secret != NULL) {
+        so.secret = srv_secret;
+        so.secret_len = strlen(srv_secret);
+    }
+    if (cli_secret != NULL) {
+        co.secret = cli_secret;
+        co.secret_len = strlen(cli_secret);
+    }
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *c = NULL, *p = NULL;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, &so, NULL, NULL, &l), TDP_OK);
+    int64_t t0 = mono_ms();
+    tdp_err rc = tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &co, &c);
+    *ms = mono_ms() - t0;
+    *accepted = tdp_listener_accept(l, rc == TDP_OK ? TMO : 300, &p);
+    if (rc == TDP_OK && *accepted == TDP_OK) {
+        /* and the pipe works */
+        tdp_schema *s = bytes_schema(4096);
+        tdp_td *td, *got;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        fill(td, 5);
+        assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, 5));
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+    }
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+    return rc;
+}
+
+/* Read one whole control frame (bounded wait); its length, or -1. */
+static ssize_t read_frame(int fd, uint8_t *buf, size_t cap)
+{
+    size_t got = 0, want = TDP_CTL_HDR_LEN;
+    int64_t end = mono_ms() + 5000;
+    while (got < want && mono_ms() < end) {
+        ssize_t n = recv(fd, buf + got, want - got, MSG_DONTWAIT);
+        if (n == 0)
+            return -1;
+        if (n < 0) {
+            usleep(1000);
+            continue;
+        }
+        got += (size_t)n;
+        if (got == TDP_CTL_HDR_LEN) {
+            tdp_ctl_hdr h;
+            if (tdp_wire_ctl_hdr_decode(buf, &h) != TDP_OK || TDP_CTL_HDR_LEN + h.length > cap)
+                return -1;
+            want = TDP_CTL_HDR_LEN + h.length;
+        }
+    }
+    return got == want ? (ssize_t)got : -1;
+}
+
+/*
+ * Both sides with the same secret: a working pipe. Wrong, missing on either
+ * side: TDP_EAUTH at once, and no pipe on the listener's side. A stranger
+ * that echoes the listener's own HELLO and proof back (a reflection) gets
+ * a BYE saying TDP_EAUTH, never a pipe.
+ */
+static void test_auth(void **state)
+{
+    tdp_err acc;
+    int64_t ms;
+    assert_int_equal(auth_try("correct horse battery", "correct horse battery", &acc, &ms),
+                     TDP_OK);
+    assert_int_equal(acc, TDP_OK);
+    const char *cases[][2] = {
+        {"correct horse battery", "correct horse batterY"},
+        {"correct horse battery", NULL},
+        {NULL, "correct horse battery"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        assert_int_equal(auth_try(cases[i][0], cases[i][1], &acc, &ms), TDP_EAUTH);
+        print_message("auth case %zu: TDP_EAUTH after %" PRId64 " ms\n", i, ms);
+        assert_true(ms < 2000);
+        assert_int_equal(acc, TDP_ETIMEDOUT);
+    }
+    /* secrets out of bounds are the caller's mistake */
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.secret = "short";
+    o.secret_len = 5;
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_EINVAL);
+    assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 9, &o, &p), TDP_EINVAL);
+    tdp_loop_free(loop);
+
+    /* reflection: send the listener its own HELLO, then its own proof */
+    static const char secret[] = "a secret the stranger lacks";
+    tdp_pipe_opts_default(&o);
+    o.secret = secret;
+    o.secret_len = sizeof(secret) - 1;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
+                             .sin_port = htons(tdp_listener_port(l))};
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    static uint8_t buf[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
+    ssize_t n = read_frame(fd, buf, sizeof(buf));
+    assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
+    assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* its HELLO, echoed */
+    n = read_frame(fd, buf, sizeof(buf));
+    assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN); /* its proof... */
+    assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* ...echoed */
+    n = read_frame(fd, buf, sizeof(buf));
+    assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_BYE_LEN);
+    tdp_bye bye;
+    assert_int_equal(tdp_wire_bye_decode(buf + TDP_CTL_HDR_LEN, TDP_BYE_LEN, &bye), TDP_OK);
+    assert_int_equal(bye.reason, TDP_EAUTH);
+    assert_int_equal(tdp_listener_accept(l, 200, &p), TDP_ETIMEDOUT);
+    close(fd);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+}
+
 /*
  * shm plane: descriptors naming what they may not — a slot past the pool, a
  * pool that was never announced, a slot the receiver still holds — end the
@@ -1747,6 +1887,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_view_outlives_sender),
         cmocka_unit_test(test_shm_hostile_descriptors),
         cmocka_unit_test(test_accept_out_of_fds),
+        cmocka_unit_test(test_auth),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

@@ -40,7 +40,8 @@ extern "C" {
     X(EADDR, -17, "address invalid or unresolvable")                                               \
     X(ECANCELED, -18, "operation canceled")                                                        \
     X(ELIMIT, -19, "peer limit reached")                                                           \
-    X(EINTERNAL, -20, "internal error")
+    X(EINTERNAL, -20, "internal error")                                                            \
+    X(EAUTH, -21, "authentication failed (shared secret wrong or missing)")
 
 typedef enum tdp_err {
 #define TDP__ERR_ENUM(name, value, msg) TDP_##name = (value),

@@ -119,7 +119,20 @@ typedef struct tdp_pipe_opts {
     tdp_plane plane;
     /* Planes this side refuses: bit (1u << TDP_PLANE_x). */
     uint32_t planes_forbidden;
+    /*
+     * Shared secret (NULL: none): both sides must hold the same bytes, or
+     * the handshake ends with TDP_EAUTH on both. TDP_SECRET_MIN..MAX bytes,
+     * copied when the pipe or listener is made. It authenticates the peer
+     * and the HELLO exchange (HMAC-SHA256 over both HELLOs, nonces
+     * included) before any plane is started; it does not encrypt anything
+     * (docs/security.md).
+     */
+    const void *secret;
+    size_t secret_len;
 } tdp_pipe_opts;
+
+#define TDP_SECRET_MIN 16
+#define TDP_SECRET_MAX 256
 
 /* Fill *o with the defaults (size included). */
 TDP_API void tdp_pipe_opts_default(tdp_pipe_opts *o);

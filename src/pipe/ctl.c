@@ -12,6 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #include "ctl.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
@@ -130,6 +132,7 @@ tdp_err tdp__ctl_dial(tdp__ctl *c, const struct sockaddr_storage *addrs, const s
     memcpy(c->addrlens, lens, (size_t)n * sizeof(*lens));
     c->naddr = n;
     c->iaddr = 0;
+    c->dialer = true;
     tdp_err rc;
     while ((rc = dial_next(c)) != TDP_OK && c->iaddr + 1 < c->naddr)
         c->iaddr++;
@@ -156,6 +159,61 @@ bool tdp__ctl_open(const tdp__ctl *c)
     return c->bev != NULL;
 }
 
+/* ---- authentication ---------------------------------------------------------- */
+
+static void hmac_len(crypto_auth_hmacsha256_state *st, uint64_t n)
+{
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(n >> (8 * i));
+    crypto_auth_hmacsha256_update(st, b, sizeof(b));
+}
+
+/*
+ * The proof a side sends: HMAC-SHA256, keyed with the secret, over a label,
+ * the side's role (so a peer cannot reflect our own proof back) and both
+ * HELLOs as sent — their nonces make every proof fresh, and an on-path
+ * change to either HELLO makes both proofs fail.
+ */
+static void auth_tag(const tdp__ctl *c, bool of_dialer, uint8_t out[TDP_AUTH_TAG_LEN])
+{
+    static const char label[] = "tdpipe HELLO auth v1";
+    const uint8_t role = of_dialer ? 'D' : 'A';
+    const uint8_t *dh = c->dialer ? c->my_hello : c->peer_hello;
+    const uint8_t *ah = c->dialer ? c->peer_hello : c->my_hello;
+    size_t dl = c->dialer ? c->my_hello_len : c->peer_hello_len;
+    size_t al = c->dialer ? c->peer_hello_len : c->my_hello_len;
+    crypto_auth_hmacsha256_state st;
+    crypto_auth_hmacsha256_init(&st, c->opts.secret, c->opts.secret_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, sizeof(label) - 1);
+    crypto_auth_hmacsha256_update(&st, &role, 1);
+    hmac_len(&st, dl);
+    crypto_auth_hmacsha256_update(&st, dh, dl);
+    hmac_len(&st, al);
+    crypto_auth_hmacsha256_update(&st, ah, al);
+    crypto_auth_hmacsha256_final(&st, out);
+    sodium_memzero(&st, sizeof(st));
+}
+
+/* Our proof, once both HELLOs are known. */
+static tdp_err send_auth(tdp__ctl *c)
+{
+    uint8_t tag[TDP_AUTH_TAG_LEN], buf[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN];
+    if (c->auth_sent || c->my_hello == NULL || c->peer_hello == NULL || c->bev == NULL)
+        return TDP_OK;
+    auth_tag(c, c->dialer, tag);
+    tdp_wire_auth_encode(buf, tag);
+    c->auth_sent = true;
+    return bufferevent_write(c->bev, buf, sizeof(buf)) == 0 ? TDP_OK : TDP_ENOMEM;
+}
+
+static void auth_drop(tdp__ctl *c)
+{
+    tdp__free(c->my_hello);
+    tdp__free(c->peer_hello);
+    c->my_hello = c->peer_hello = NULL;
+}
+
 tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
 {
     if (c->bev == NULL)
@@ -172,6 +230,13 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
         return rc;
     }
     int r = bufferevent_write(c->bev, buf, n);
+    if (r == 0 && c->opts.secret != NULL && c->my_hello == NULL && !c->authed) {
+        /* kept for the proofs; the header is not part of them */
+        memmove(buf, buf + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN);
+        c->my_hello = buf;
+        c->my_hello_len = n - TDP_CTL_HDR_LEN;
+        return send_auth(c); /* the peer's HELLO may be here already */
+    }
     tdp__free(buf);
     return r == 0 ? TDP_OK : TDP_ENOMEM;
 }
@@ -179,7 +244,7 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
 /* End the channel and tell the owner (once). */
 static void fail(tdp__ctl *c, tdp_err why)
 {
-    if (why == TDP_EPROTO || why == TDP_EVERSION) {
+    if (why == TDP_EPROTO || why == TDP_EVERSION || why == TDP_EAUTH) {
         /* tell the peer why; tdp__ctl_close pushes it out */
         tdp_bye b = {.last_seq = 0, .reason = why};
         tdp__ctl_send_bye(c, &b);
@@ -233,7 +298,57 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
             c->hello_seen = true;
             /* asked now: a dialed socket's HELLO can be read before its connect event */
             c->peer_local = socket_peer_local(bufferevent_getfd(c->bev));
-            c->up->hello(c->owner, &h);
+            if (c->opts.secret == NULL && h.auth == 0) {
+                c->up->hello(c->owner, &h);
+            } else if (c->opts.secret == NULL || h.auth != TDP_AUTH_HMAC_SHA256) {
+                tdp_log_warn("peer %s: %s", c->peer_name,
+                             c->opts.secret == NULL ? "requires a shared secret; this side has none"
+                             : h.auth == 0          ? "has no shared secret; this side requires one"
+                                                    : "asks for an unknown authentication method");
+                fail(c, TDP_EAUTH);
+                return;
+            } else {
+                /* held back until the peer proves it holds the secret */
+                c->peer_hello = tdp__malloc(hdr.length);
+                if (c->peer_hello == NULL) {
+                    fail(c, TDP_ENOMEM);
+                    return;
+                }
+                memcpy(c->peer_hello, f + TDP_CTL_HDR_LEN, hdr.length);
+                c->peer_hello_len = hdr.length;
+                if (send_auth(c) != TDP_OK) {
+                    fail(c, TDP_ENOMEM);
+                    return;
+                }
+            }
+        } else if (hdr.type == TDP_CTL_AUTH) {
+            uint8_t want[TDP_AUTH_TAG_LEN];
+            if (c->opts.secret == NULL || c->peer_hello == NULL || c->my_hello == NULL ||
+                c->authed) {
+                tdp_log_info("peer %s: unexpected AUTH frame", c->peer_name);
+                fail(c, TDP_EPROTO);
+                return;
+            }
+            auth_tag(c, !c->dialer, want);
+            if (crypto_verify_32(want, f + TDP_CTL_HDR_LEN) != 0) {
+                tdp_log_warn("peer %s: wrong shared secret", c->peer_name);
+                fail(c, TDP_EAUTH);
+                return;
+            }
+            c->authed = true;
+            uint8_t *ph = c->peer_hello; /* the records point into it during the call */
+            size_t pl = c->peer_hello_len;
+            c->peer_hello = NULL;
+            auth_drop(c);
+            tdp_hello h;
+            rc = tdp_wire_hello_decode(ph, pl, &h);
+            if (rc == TDP_OK)
+                c->up->hello(c->owner, &h);
+            tdp__free(ph);
+            if (rc != TDP_OK) { /* it decoded before: cannot happen */
+                fail(c, TDP_EINTERNAL);
+                return;
+            }
         } else {
             tdp_bye bye;
             if (tdp_wire_bye_decode(f + TDP_CTL_HDR_LEN, hdr.length, &bye) != TDP_OK) {
@@ -331,6 +446,7 @@ void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
 
 void tdp__ctl_close(tdp__ctl *c)
 {
+    auth_drop(c);
     if (c->greeting != NULL) {
         event_free(c->greeting);
         c->greeting = NULL;

@@ -44,6 +44,9 @@ typedef struct tdp__ctl_up {
 
 typedef struct tdp__ctl_opts {
     int keepalive_idle_s, keepalive_intvl_s, keepalive_cnt;
+    /* shared secret (NULL: none); the owner keeps the bytes alive */
+    const uint8_t *secret;
+    size_t secret_len;
 } tdp__ctl_opts;
 
 /* Embedded in its owner; fields are the channel's own. */
@@ -56,6 +59,15 @@ typedef struct tdp__ctl {
     tdp__ctl_opts opts;
     char peer_name[64];
     bool hello_seen, bye_sent, connected;
+    bool dialer; /* this side connected (the other accepted) */
+    /*
+     * With a secret: both HELLOs as they went over the wire (the payloads)
+     * until the peer has proven it holds the secret; its HELLO goes up only
+     * then. auth_sent: our proof is out.
+     */
+    uint8_t *my_hello, *peer_hello;
+    size_t my_hello_len, peer_hello_len;
+    bool auth_sent, authed;
     /*
      * The socket's two ends prove the peer shares this host's network
      * stack: a Unix socket, a loopback address, or the peer's address equal

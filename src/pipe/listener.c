@@ -25,6 +25,7 @@ struct tdp_listener {
     tdp_loop *loop;
     tdp_pipe_opts opts;
     tdp_schema_limits limits;
+    uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
     struct evconnlistener *evl;
     uint16_t port;
     tdp_pipe_cb on_accept;
@@ -239,6 +240,14 @@ tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
         return TDP_ENOMEM;
     l->loop = loop;
     tdp__opts_resolve(opts, &l->opts, &l->limits);
+    if (l->opts.secret != NULL) {
+        if (l->opts.secret_len < TDP_SECRET_MIN || l->opts.secret_len > TDP_SECRET_MAX) {
+            tdp__free(l);
+            return TDP_EINVAL;
+        }
+        memcpy(l->secret, l->opts.secret, l->opts.secret_len);
+        l->opts.secret = l->secret;
+    }
     l->on_accept = on_accept;
     l->arg = arg;
     if (hooks != NULL)

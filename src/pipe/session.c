@@ -9,6 +9,7 @@
  * hop to it (ops through op.c, the rest through tdp__call_on_loop).
  */
 #include <inttypes.h>
+#include <sodium.h>
 #include <sys/random.h>
 #include <string.h>
 #include <time.h>
@@ -95,6 +96,8 @@ struct tdp_pipe {
     uint64_t rx_hash, rx_seq;
     uint64_t released, credit_sent;
     struct event *credit_ev; /* deferred credit: end of the loop turn */
+    uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
+    size_t secret_len;
     uint32_t rx_inflight;
     bool peer_bye;
     uint64_t peer_last_seq;
@@ -158,6 +161,8 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(keepalive_cnt)
     TAKE(plane)
     TAKE(planes_forbidden)
+    TAKE(secret)
+    TAKE(secret_len)
 #undef TAKE
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
@@ -328,7 +333,8 @@ static void on_ctl_closed(void *owner, tdp_err why)
     tdp_pipe *p = owner;
     if (p->state == PIPE_CONNECTING) {
         pipe_fail(p, why, why == TDP_ECONNRESET ? "closed during the handshake"
-                                                : "cannot connect");
+                          : why == TDP_EAUTH   ? "authentication failed"
+                                               : "cannot connect");
         return;
     }
     if (p->state == PIPE_DEAD) {
@@ -355,7 +361,7 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
         return;
     if (bye->reason != TDP_OK) {
         tdp_err e = bye->reason == TDP_ELIMIT || bye->reason == TDP_EVERSION ||
-                            bye->reason == TDP_ENOTSUP
+                            bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH
                         ? bye->reason
                         : TDP_ECONNRESET;
         pipe_fail(p, e, "peer ended the pipe with an error");
@@ -409,6 +415,7 @@ static void send_hello(tdp_pipe *p)
     }
     h.planes = ids;
     h.nplanes = n;
+    h.auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0;
     if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce))
         memset(h.nonce, 0, sizeof(h.nonce)); /* unused yet: room for a challenge */
     tdp__host_id(h.host_id);
@@ -1295,6 +1302,21 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     p->loop = loop;
     p->opts = *opts;
     p->limits = *lim;
+    if (opts->secret != NULL) {
+        /* a copy: the caller's bytes may go once the pipe is made */
+        if (opts->secret_len < TDP_SECRET_MIN || opts->secret_len > TDP_SECRET_MAX ||
+            sodium_init() < 0) {
+            *err = opts->secret_len < TDP_SECRET_MIN || opts->secret_len > TDP_SECRET_MAX
+                       ? TDP_EINVAL
+                       : TDP_EINTERNAL;
+            tdp__free(p);
+            return NULL;
+        }
+        memcpy(p->secret, opts->secret, opts->secret_len);
+        p->secret_len = opts->secret_len;
+    }
+    p->opts.secret = p->secret_len > 0 ? p->secret : NULL;
+    p->opts.secret_len = p->secret_len;
     p->depth = p->opts.recv_depth;
     p->lent1 = -1;
     p->status = TDP_OK;
@@ -1303,7 +1325,7 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     p->rel_task = (tdp__task){.fn = release_task, .arg = p};
     tdp__waiter_init(&p->w);
     tdp__ctl_opts co = {p->opts.keepalive_idle_s, p->opts.keepalive_intvl_s,
-                        p->opts.keepalive_cnt};
+                        p->opts.keepalive_cnt, p->opts.secret, p->opts.secret_len};
     tdp__ctl_init(&p->ctl, loop, &co, &ctl_up, p);
     p->timer = evtimer_new(tdp__loop_base(loop), linger_cb, p);
     p->credit_ev = evtimer_new(tdp__loop_base(loop), credit_ev_cb, p);

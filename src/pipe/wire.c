@@ -68,6 +68,8 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
         return TDP_OK;
     case TDP_CTL_BYE:
         return hdr->length == TDP_BYE_LEN ? TDP_OK : TDP_EPROTO;
+    case TDP_CTL_AUTH:
+        return hdr->length == TDP_AUTH_TAG_LEN ? TDP_OK : TDP_EPROTO;
     default:
         return TDP_EPROTO;
     }
@@ -134,6 +136,11 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
             return TDP_EINVAL;
         n += TDP_HX_HDR_LEN + hx_span(TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
     }
+    if (h->auth != 0) {
+        if (h->auth != TDP_AUTH_HMAC_SHA256)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(1);
+    }
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
     *out = n;
@@ -154,7 +161,8 @@ static uint8_t *hx_put(uint8_t **pp, uint16_t type, uint32_t vlen)
     uint8_t *p = *pp;
     uint64_t span = hx_span(vlen);
     put16(p, type);
-    put16(p + 2, 0);
+    /* a peer that cannot authenticate must refuse, not skip, the request */
+    put16(p + 2, type == TDP_HX_AUTH ? TDP_HX_CRITICAL : 0);
     put32(p + 4, vlen);
     memset(p + TDP_HX_HDR_LEN + vlen, 0, (size_t)(span - vlen));
     *pp = p + TDP_HX_HDR_LEN + span;
@@ -192,6 +200,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         put16(v + TDP_SHM_KEY_LEN, h->shm.name_len);
         memcpy(v + TDP_SHM_KEY_LEN + 2, h->shm.name, h->shm.name_len);
     }
+    if (h->auth != 0)
+        *hx_put(&p, TDP_HX_AUTH, 1) = h->auth;
     return TDP_OK;
 }
 
@@ -229,6 +239,12 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         h->shm.name_len = name_len;
         return TDP_OK;
     }
+    case TDP_HX_AUTH:
+        /* another method (a later version) is this side's to refuse, with TDP_EAUTH */
+        if (h->auth != 0 || vlen != 1 || v[0] == 0)
+            return TDP_EPROTO;
+        h->auth = v[0];
+        return TDP_OK;
     case 0:
         return TDP_EPROTO;
     default:
@@ -315,6 +331,13 @@ int tdp_wire_plane_choose(const uint8_t *a, size_t na, const uint8_t *b, size_t 
         }
     }
     return best;
+}
+
+void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
+                          const uint8_t tag[TDP_AUTH_TAG_LEN])
+{
+    tdp_wire_ctl_hdr_encode(out, TDP_CTL_AUTH, TDP_AUTH_TAG_LEN);
+    memcpy(out + TDP_CTL_HDR_LEN, tag, TDP_AUTH_TAG_LEN);
 }
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b)

@@ -27,7 +27,11 @@
 enum tdp_ctl_type {
     TDP_CTL_HELLO = 1,
     TDP_CTL_BYE = 2,
+    TDP_CTL_AUTH = 3, /* tag[32]: the sender's proof that it holds the shared secret */
 };
+
+#define TDP_AUTH_TAG_LEN   32u
+#define TDP_AUTH_HMAC_SHA256 1u /* the one method: TDP_HX_AUTH's value */
 
 /* Capability bits of HELLO; unknown bits are ignored. */
 #define TDP_CAP_MEM_HOST (1u << 0)
@@ -64,6 +68,7 @@ enum tdp_hx_type {
     TDP_HX_UCX_ADDR = 2,       /* worker address for any peer */
     TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
+    TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
 };
 
 /*
@@ -109,6 +114,7 @@ typedef struct tdp_hello {
         const char *name;   /* abstract socket name, not NUL-terminated */
         uint16_t name_len;  /* 1..TDP_SHM_NAME_MAX */
     } shm;
+    uint8_t auth; /* TDP_HX_AUTH: 0 (none) or TDP_AUTH_HMAC_SHA256 */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */
@@ -167,6 +173,9 @@ int tdp_wire_plane_choose(const uint8_t *a, size_t na, const uint8_t *b, size_t 
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b);
 tdp_err tdp_wire_bye_decode(const uint8_t *in, size_t len, tdp_bye *b);
+
+void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
+                          const uint8_t tag[TDP_AUTH_TAG_LEN]);
 
 /* ---- active-message frames ------------------------------------------------ */
 
