@@ -204,7 +204,23 @@ static tdp_err send_auth(tdp__ctl *c)
     auth_tag(c, c->dialer, tag);
     tdp_wire_auth_encode(buf, tag);
     c->auth_sent = true;
-    return bufferevent_write(c->bev, buf, sizeof(buf)) == 0 ? TDP_OK : TDP_ENOMEM;
+    /*
+     * Out now when nothing is queued before it, not on a later loop turn:
+     * the peer's proof may be in the same read, and the pipe then opens and
+     * its blocking call returns — nobody may run this loop again for a
+     * while, and the peer would wait for our proof until its deadline.
+     * (The bufferevent's own buffer cannot be written from here: libevent
+     * freezes its front.)
+     */
+    size_t off = 0;
+    if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) {
+        ssize_t n = send(bufferevent_getfd(c->bev), buf, sizeof(buf), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0)
+            off = (size_t)n;
+    }
+    if (off < sizeof(buf) && bufferevent_write(c->bev, buf + off, sizeof(buf) - off) != 0)
+        return TDP_ENOMEM;
+    return TDP_OK;
 }
 
 static void auth_drop(tdp__ctl *c)
