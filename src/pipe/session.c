@@ -131,9 +131,11 @@ void tdp_pipe_opts_default(tdp_pipe_opts *o)
         .connect_timeout_ms = 10000,
         .linger_ms = 5000,
         .peer_mode = TDP_PEER_AUTO,
-        .keepalive_idle_s = 1,
+        /* a dead host is seen within 5 + 1 x 15 = 20 s of its last answer,
+         * and a link down for less than 10 s is ridden out (docs/pipe.md) */
+        .keepalive_idle_s = 5,
         .keepalive_intvl_s = 1,
-        .keepalive_cnt = 3,
+        .keepalive_cnt = 15,
         .plane = TDP_PLANE_AUTO,
     };
 }
