@@ -797,13 +797,15 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         p->credit_sent = p->released;
     if (new_schema)
         p->stats.schemas_sent++;
+    /* the plane may fail the pipe inside send, completing op (its td gone) */
+    uint64_t nbytes = op->td->nbytes;
     p->stats.msgs_sent++;
-    p->stats.bytes_sent += op->td->nbytes;
+    p->stats.bytes_sent += nbytes;
     tdp_err rc = p->plane->send(p->link, &tx);
     if (rc != TDP_OK) {
         /* the plane took nothing: the ticket and the op come back now */
         p->stats.msgs_sent--;
-        p->stats.bytes_sent -= op->td->nbytes;
+        p->stats.bytes_sent -= nbytes;
         up_sent(p, p->link, t, rc);
         pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
                   "send failed");
