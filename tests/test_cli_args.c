@@ -182,9 +182,9 @@ static void test_keepalive(void **state)
     assert_int_equal(o.keepalive_intvl_s, 1);
     assert_int_equal(o.keepalive_cnt, 15);
     assert_true(tdp_cli_parse_keepalive("32767,32767,127", &o));
-    static const char *bad[] = {"",      "5",      "5,1",     "5,1,15,1", "0,1,1", "1,0,1",
-                                "1,1,0", "1,1,128", "32768,1,1", "a,1,1",  "5,,15", "5, 1,15",
-                                "-1,1,1", "5,1,15,", ",5,1,15"};
+    static const char *bad[] = {"",      "5",       "5,1",     "5,1,15,1",  "0,1,1",
+                                "1,0,1", "1,1,0",   "1,1,128", "32768,1,1", "a,1,1",
+                                "5,,15", "5, 1,15", "-1,1,1",  "5,1,15,",   ",5,1,15"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         o = (tdp_pipe_opts){0};
         assert_false(tdp_cli_parse_keepalive(bad[i], &o));

@@ -197,7 +197,8 @@ typedef struct recv_args {
     bool verify, quiet;
 } recv_args;
 
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE }; /* long options without a short form */
+/* long options without a short form */
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)

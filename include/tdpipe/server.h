@@ -156,9 +156,9 @@ TDP_API tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms);
 TDP_API void tdp_server_free(tdp_server *s);
 
 typedef struct tdp_server_stats {
-    uint64_t clients_now;       /* clients holding a slot (connected or being closed) */
-    uint64_t clients_total;     /* clients accepted (on_connect said yes) */
-    uint64_t refused;           /* over max_clients or max_per_source, or turned away by on_connect */
+    uint64_t clients_now;   /* clients holding a slot (connected or being closed) */
+    uint64_t clients_total; /* clients accepted (on_connect said yes) */
+    uint64_t refused;       /* over max_clients or max_per_source, or turned away by on_connect */
     uint64_t handshakes_failed; /* timed out, garbage, version mismatch, hung up early, evicted */
     uint64_t handler_errors;    /* on_message returned an error */
     uint64_t client_errors;     /* clients whose pipe failed (not a clean end) */

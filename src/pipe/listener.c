@@ -134,8 +134,7 @@ static void evict_oldest(tdp_listener *l)
     while (e->next != NULL)
         e = e->next;
     unlink_pending(l, e);
-    tdp_log_debug("dropping the oldest handshake (%s) for a newer one",
-                  tdp__session_peer(e->p));
+    tdp_log_debug("dropping the oldest handshake (%s) for a newer one", tdp__session_peer(e->p));
     if (l->hooks.handshake_failed != NULL)
         l->hooks.handshake_failed(l->hooks.arg, TDP_ELIMIT);
     tdp__session_destroy(e->p);

@@ -58,10 +58,10 @@ struct tdp_client {
     bool pipe_ended;    /* the pipe is over and its socket closed */
     bool linger_armed;  /* the timer now bounds the wait for the peer to hang up */
     bool timer_fired;
-    bool unpin; /* a reply that referenced a lent td completed */
-    bool active;          /* a message came or went since the last idle check */
-    bool idle;            /* closed for idleness: on_close says TDP_ETIMEDOUT */
-    int64_t quiet_since;  /* when the idle check last saw it active, ms */
+    bool unpin;          /* a reply that referenced a lent td completed */
+    bool active;         /* a message came or went since the last idle check */
+    bool idle;           /* closed for idleness: on_close says TDP_ETIMEDOUT */
+    int64_t quiet_since; /* when the idle check last saw it active, ms */
     bool dirty;
     bool in_rop, rop_again;
     bool recv_wait; /* depth 1: the next receive waits for replies to the lent td */
