@@ -89,10 +89,10 @@ if ! ns_setup 2>"$WORK/setup.err"; then
     cat "$WORK/setup.err" >&2
     skip "cannot create the namespaces and veth pair"
 fi
-link_up "$NS_A" "$IF_A" && link_up "$NS_B" "$IF_B" || {
+if ! link_up "$NS_A" "$IF_A" || ! link_up "$NS_B" "$IF_B"; then
     fail "the veth pair did not come up"
     exit 1
-}
+fi
 
 # UCX over TCP on the veth, so that the data also crosses the link that fails
 export UCX_TLS=tcp UCX_NET_DEVICES=all
