@@ -217,6 +217,21 @@ test_usage() {
         expect_in "badplane_${sub%% *}" err "unknown plane 'warp' (valid: auto, ucx"
     done
 
+    # --keepalive IDLE,INTVL,CNT on every pipe-making subcommand; server limits
+    for sub in "send 127.0.0.1:1" recv inspect serve; do
+        # shellcheck disable=SC2086 # the address is a separate word
+        run "badka_${sub%% *}" 10 "$TDPIPE" $sub --keepalive 5,1
+        expect_rc "badka_${sub%% *}" 2
+        expect_in "badka_${sub%% *}" err "invalid keepalive '5,1' (IDLE,INTVL,CNT)"
+    done
+    run badka_cnt 10 "$TDPIPE" serve --keepalive 5,1,128
+    expect_rc badka_cnt 2
+    run badidle 10 "$TDPIPE" serve --idle-timeout 0
+    expect_rc badidle 2
+    expect_in badidle err "invalid idle-timeout '0'"
+    run badpending 10 "$TDPIPE" serve --max-pending 0
+    expect_rc badpending 2
+
     run version 10 "$TDPIPE" version
     expect_rc version 0
     expect_in version out "protocol: 2"
@@ -518,6 +533,19 @@ test_serve() {
     finish serve_one "$spid"
     expect_rc serve_one 0
     expect_in serve_one out "stopping: 4 s elapsed"
+
+    # the limits and keepalive flags reach a working server and client
+    start serve_lim 60 "$TDPIPE" serve --bind 127.0.0.1 --mode sink --max-pending 4 \
+        --max-per-source 2 --idle-timeout 2000 --keepalive 2,1,3 --quiet
+    spid=$PID
+    port=$(port_of serve_lim) || return
+    run lim_send 30 "$TDPIPE" send "127.0.0.1:$port" --count 10 --rate 50 --size 1KB \
+        --keepalive 2,1,3 --quiet
+    expect_rc lim_send 0
+    kill -INT "$spid"
+    finish serve_lim "$spid"
+    expect_rc serve_lim 0
+    expect_in serve_lim out "10 messages in"
 }
 
 # ---- defaults that work together ---------------------------------------------------

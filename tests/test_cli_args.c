@@ -172,12 +172,32 @@ static void test_host_addresses(void **state)
     }
 }
 
+/* --keepalive IDLE,INTVL,CNT: three numbers in Linux's ranges, nothing else. */
+static void test_keepalive(void **state)
+{
+    (void)state;
+    tdp_pipe_opts o = {0};
+    assert_true(tdp_cli_parse_keepalive("5,1,15", &o));
+    assert_int_equal(o.keepalive_idle_s, 5);
+    assert_int_equal(o.keepalive_intvl_s, 1);
+    assert_int_equal(o.keepalive_cnt, 15);
+    assert_true(tdp_cli_parse_keepalive("32767,32767,127", &o));
+    static const char *bad[] = {"",      "5",       "5,1",     "5,1,15,1",  "0,1,1",
+                                "1,0,1", "1,1,0",   "1,1,128", "32768,1,1", "a,1,1",
+                                "5,,15", "5, 1,15", "-1,1,1",  "5,1,15,",   ",5,1,15"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        o = (tdp_pipe_opts){0};
+        assert_false(tdp_cli_parse_keepalive(bad[i], &o));
+        assert_int_equal(o.keepalive_idle_s, 0); /* untouched */
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_size_grammar),   cmocka_unit_test(test_size_lists),
         cmocka_unit_test(test_rounding),       cmocka_unit_test(test_plurals_and_planes),
-        cmocka_unit_test(test_host_addresses),
+        cmocka_unit_test(test_host_addresses), cmocka_unit_test(test_keepalive),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

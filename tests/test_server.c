@@ -715,6 +715,10 @@ static void test_max_clients(void **state)
     tdp_pipe *a, *b, *c;
     assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &a), TDP_OK);
     assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &b), TDP_OK);
+    /* their HELLOs may still be on their way when connect returns: the server
+     * is full once it has taken both (before, a third is turned away only
+     * when its own handshake completes) */
+    assert_true(WAIT_FOR(stats(&e).clients_now == 2, TMO));
     int64_t t0 = mono_ms();
     assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &c), TDP_ELIMIT);
     assert_true(mono_ms() - t0 < 2000); /* told at once, not timed out */
@@ -755,14 +759,47 @@ static void test_max_clients(void **state)
     env_down(&e);
 }
 
-static int raw_connect(uint16_t port)
+/* A plain TCP socket to the server from 127.0.0.<from> (all of 127/8 is loopback). */
+static int raw_connect_from(uint16_t port, int from)
 {
     struct sockaddr_in sa = {
         .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK), .sin_port = htons(port)};
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000000u | from)};
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
+    assert_int_equal(bind(fd, (struct sockaddr *)&me, sizeof(me)), 0);
     assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
     return fd;
+}
+
+static int raw_connect(uint16_t port)
+{
+    return raw_connect_from(port, 1);
+}
+
+/*
+ * The first frame the server sends on fd (bounded wait): its type
+ * (TDP_CTL_HELLO: a handshake began; TDP_CTL_BYE: refused), or -1. The
+ * whole frame is copied to buf when it fits (*len: its size).
+ */
+static int raw_first_frame(int fd, uint8_t *buf, size_t cap, size_t *len)
+{
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    uint8_t h[TDP_CTL_HDR_LEN];
+    if (recv(fd, h, sizeof(h), MSG_WAITALL) != (ssize_t)sizeof(h))
+        return -1;
+    tdp_ctl_hdr hdr;
+    if (tdp_wire_ctl_hdr_decode(h, &hdr) != TDP_OK)
+        return -1;
+    size_t n = TDP_CTL_HDR_LEN + (size_t)hdr.length;
+    if (buf != NULL && n <= cap) {
+        memcpy(buf, h, sizeof(h));
+        if (recv(fd, buf + sizeof(h), hdr.length, MSG_WAITALL) != (ssize_t)hdr.length)
+            return -1;
+        *len = n;
+    }
+    return hdr.type;
 }
 
 /* Read until the server closes (bounded); returns ms waited. */
@@ -779,7 +816,10 @@ static int64_t raw_wait_closed(int fd)
     return mono_ms() - t0;
 }
 
-/* A socket that says nothing holds a slot only until the handshake deadline. */
+/*
+ * A socket that says nothing is dropped at the handshake deadline, and
+ * meanwhile takes no client's place.
+ */
 static void test_handshake_timeout(void **state)
 {
     env e;
@@ -789,25 +829,27 @@ static void test_handshake_timeout(void **state)
     o.handshake_timeout_ms = 200;
     env_up(&e, MODE_ECHO, &o);
     int fd = raw_connect(e.port);
-    /* wait for the server to take it (its HELLO arrives), then it is full */
+    /* wait for the server to take it (its HELLO arrives) */
     char hb[16];
     struct timeval tv = {5, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     assert_int_equal(read(fd, hb, sizeof(hb)), (ssize_t)sizeof(hb));
     assert_memory_equal(hb, "TDPC", 4);
     int64_t t0 = mono_ms();
+    /* the only client slot is free all the same: a real client gets in */
     tdp_pipe *p;
-    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_ELIMIT);
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    /* (its HELLO may still be on its way when connect returns: let it land) */
+    assert_true(WAIT_FOR(stats(&e).clients_total == 1, TMO));
     raw_wait_closed(fd);
     int64_t dt = mono_ms() - t0;
     close(fd);
     print_message("silent socket dropped after about %" PRId64 " ms\n", dt);
     assert_true(dt < 5000);
     assert_true(WAIT_FOR(stats(&e).handshakes_failed == 1, TMO));
-    /* the slot is free: a real client gets in */
-    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
-    /* (its HELLO may still be on its way when connect returns: let it land) */
-    assert_true(WAIT_FOR(stats(&e).clients_total == 1, TMO));
+    /* the server is full now: the next one is refused */
+    tdp_pipe *q;
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &q), TDP_ELIMIT);
     tdp_pipe_free(p);
     assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
     /* junk on the control socket: dropped at once, counted */
@@ -822,6 +864,163 @@ static void test_handshake_timeout(void **state)
     assert_int_equal(st.handshakes_failed, 2);
     assert_int_equal(st.refused, 1);
     assert_int_equal(st.clients_total, 1);
+    env_down(&e);
+}
+
+/* One message out and back on p. */
+static void echo_once(tdp_pipe *p, int64_t cid)
+{
+    tdp_schema *s = stream_schema(1, 0, 100);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    td_fill(td, cid, 1);
+    assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    assert_true(td_check(got, NULL, NULL));
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+#define NSTRANGERS 40
+
+/*
+ * Strangers that open sockets and say nothing: they hold neither client
+ * slots nor, beyond max_per_source, handshake slots; past max_pending the
+ * oldest goes. Good clients get in and work all along.
+ */
+static void test_strangers(void **state)
+{
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.max_clients = 2;
+    o.max_pending = 8;
+    o.max_per_source = 3;
+    o.handshake_timeout_ms = 20000; /* strangers stay until evicted */
+    env_up(&e, MODE_ECHO, &o);
+
+    /* per source: three handshakes from 127.0.0.1, the fourth is refused */
+    int mine[3];
+    for (int i = 0; i < 3; i++) {
+        mine[i] = raw_connect_from(e.port, 1);
+        assert_int_equal(raw_first_frame(mine[i], NULL, 0, NULL), TDP_CTL_HELLO);
+    }
+    assert_true(WAIT_FOR(stats(&e).pending_now == 3, TMO));
+    int fd = raw_connect_from(e.port, 1);
+    assert_int_equal(raw_first_frame(fd, NULL, 0, NULL), TDP_CTL_BYE);
+    close(fd);
+    tdp_pipe *a, *b, *c;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &a), TDP_ELIMIT);
+    /* another source still gets in */
+    fd = raw_connect_from(e.port, 2);
+    assert_int_equal(raw_first_frame(fd, NULL, 0, NULL), TDP_CTL_HELLO);
+    close(fd);
+    assert_int_equal(stats(&e).refused, 2);
+
+    /* more strangers than handshake and client slots, from other sources:
+     * each evicts the oldest handshake (127.0.0.1's three first) */
+    int many[NSTRANGERS];
+    for (int i = 0; i < NSTRANGERS; i++) {
+        many[i] = raw_connect_from(e.port, 2 + i % 3);
+        assert_int_equal(raw_first_frame(many[i], NULL, 0, NULL), TDP_CTL_HELLO);
+    }
+    for (int i = 0; i < 3; i++) {
+        raw_wait_closed(mine[i]);
+        close(mine[i]);
+    }
+    tdp_server_stats st = stats(&e);
+    assert_int_equal(st.pending_now, 8);
+    assert_int_equal(st.clients_now, 0);
+    assert_int_equal(st.refused, 2);
+
+    /* good clients get in and work while the strangers keep up their sockets */
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &a), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &b), TDP_OK);
+    echo_once(a, 1);
+    echo_once(b, 2);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 2, TMO));
+    /* max_clients is for clients: the third is refused */
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &c), TDP_ELIMIT);
+    st = stats(&e);
+    print_message("strangers: %" PRIu64 " handshakes dropped, %" PRIu64 " refused\n",
+                  st.handshakes_failed, st.refused);
+    assert_true(st.pending_now <= 8);
+    assert_int_equal(st.refused, 3);
+    /* every stranger but the newest eight lost its place */
+    assert_true(st.handshakes_failed >= 3 + NSTRANGERS + 1 - 8);
+    for (int i = 0; i < NSTRANGERS; i++)
+        close(many[i]);
+    assert_true(WAIT_FOR(stats(&e).pending_now == 0, TMO));
+    tdp_pipe_free(a);
+    tdp_pipe_free(b);
+    env_down(&e);
+}
+
+/*
+ * A client that neither sends nor receives is closed after idle_timeout_ms;
+ * one that talks is not. A stranger that sends the server's own HELLO back
+ * does not keep a client slot either.
+ */
+static void test_idle_timeout(void **state)
+{
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.max_clients = 1;
+    o.idle_timeout_ms = 300;
+    /* on the ucx plane a mirror completes its handshake (the server's
+     * endpoint reaches its own worker): only the idle timeout ends it */
+    o.pipe.plane = TDP_PLANE_UCX;
+    o.pipe.linger_ms = 1000; /* how long a mirror has to hang up once closed */
+    env_up(&e, MODE_ECHO, &o);
+
+    /* silent: closed after 300 to 375 ms (plus scheduling) */
+    tdp_pipe *p;
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    int64_t t0 = mono_ms();
+    tdp_err rc = tdp_pipe_recv(p, 5000, &got);
+    int64_t dt = mono_ms() - t0;
+    print_message("idle client closed after %" PRId64 " ms (%s)\n", dt, tdp_strerror(rc));
+    assert_true(rc == TDP_ECONNRESET || rc == TDP_ECLOSED);
+    assert_true(dt >= 250 && dt < 3000);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    assert_int_equal(stats(&e).idle_closed, 1);
+    assert_int_equal(atomic_load(&e.x->status[1]), TDP_ETIMEDOUT);
+    tdp_pipe_free(p);
+
+    /* talking every 100 ms for a second: stays */
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    for (int i = 0; i < 10; i++) {
+        echo_once(p, 1);
+        sleep_ms(100);
+    }
+    assert_int_equal(stats(&e).idle_closed, 1);
+    assert_int_equal(tdp_pipe_close(p, TMO), TDP_OK);
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+
+    /* a mirror: the server's HELLO, sent back as ours */
+    static uint8_t hello[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
+    size_t n = 0;
+    int fd = raw_connect_from(e.port, 2);
+    assert_int_equal(raw_first_frame(fd, hello, sizeof(hello), &n), TDP_CTL_HELLO);
+    assert_int_equal(write(fd, hello, n), (ssize_t)n);
+    t0 = mono_ms();
+    raw_wait_closed(fd);
+    dt = mono_ms() - t0;
+    close(fd);
+    tdp_server_stats st = stats(&e);
+    print_message("mirror dropped after %" PRId64 " ms (%" PRIu64 " idle closes, %" PRIu64
+                  " failed handshakes)\n",
+                  dt, st.idle_closed, st.handshakes_failed);
+    assert_true(dt < 300 + 75 + 1000 + 2000); /* idle timeout, then the linger at most */
+    assert_true(st.idle_closed + st.handshakes_failed == 2);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    /* its slot is free: a real client gets in and works */
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    echo_once(p, 1);
+    tdp_pipe_free(p);
     env_down(&e);
 }
 
@@ -1160,6 +1359,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_handshake_timeout), cmocka_unit_test(test_hostile_clients),
         cmocka_unit_test(test_handler_error),     cmocka_unit_test(test_connect_cycles),
         cmocka_unit_test(test_kill_client),       cmocka_unit_test(test_shutdown),
+        cmocka_unit_test(test_strangers),         cmocka_unit_test(test_idle_timeout),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

@@ -90,6 +90,27 @@ bool tdp_cli_parse_timeout(const char *s, int64_t *ms)
     return true;
 }
 
+bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o)
+{
+    static const uint64_t max[3] = {32767, 32767, 127};
+    uint64_t v[3];
+    char part[24];
+    for (int i = 0; i < 3; i++) {
+        const char *end = i < 2 ? strchr(s, ',') : s + strlen(s);
+        if (end == NULL || (size_t)(end - s) >= sizeof(part))
+            return false;
+        memcpy(part, s, (size_t)(end - s));
+        part[end - s] = '\0';
+        if (!tdp_cli_parse_u64(part, 1, max[i], &v[i]))
+            return false;
+        s = end + (i < 2);
+    }
+    o->keepalive_idle_s = (int)v[0];
+    o->keepalive_intvl_s = (int)v[1];
+    o->keepalive_cnt = (int)v[2];
+    return true;
+}
+
 bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why)
 {
     return tdp_bm_parse_size_why(s, out, why);

@@ -71,6 +71,14 @@ bool tdp_cli_parse_double(const char *s, double *out);
 bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
 
 /*
+ * Parse a --keepalive value "IDLE,INTVL,CNT": seconds before the first
+ * probe (1..32767), seconds between probes (1..32767), probes (1..127), the
+ * ranges Linux takes; into the pipe options' keepalive fields. False on
+ * anything else; *o is written only on success.
+ */
+bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o);
+
+/*
  * Parse a byte count, the one grammar of every subcommand
  * (tdp_bm_parse_size_why in bench_method.h): a number, integer or decimal
  * fraction, and an optional unit, with or without a space:

@@ -34,6 +34,7 @@ typedef struct listen_args {
     uint32_t depth;
     tdp_plane plane;
     int64_t timeout_ms; /* for the producer to connect; -1 forever */
+    tdp_pipe_opts ka;   /* --keepalive: its three fields (0: the library's default) */
 } listen_args;
 
 /*
@@ -55,6 +56,11 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
     opts.plane = a->plane;
+    if (a->ka.keepalive_idle_s != 0) {
+        opts.keepalive_idle_s = a->ka.keepalive_idle_s;
+        opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
+        opts.keepalive_cnt = a->ka.keepalive_cnt;
+    }
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
@@ -176,6 +182,10 @@ static const char recv_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "      --keepalive I,N,C\n"
+    "                      dead-peer detection: probe the control socket after I s\n"
+    "                      idle, then every N s; a peer silent for I + N x C s is\n"
+    "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
     "  -q, --quiet         no progress lines on stderr\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
@@ -187,7 +197,8 @@ typedef struct recv_args {
     bool verify, quiet;
 } recv_args;
 
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE }; /* long options without a short form */
+/* long options without a short form */
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -200,6 +211,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"timeout", required_argument, NULL, 't'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"plane", required_argument, NULL, OPT_PLANE},
+        {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -239,6 +251,11 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
                 return TDP_EXIT_USAGE;
+            break;
+        case OPT_KEEPALIVE:
+            if (!tdp_cli_parse_keepalive(optarg, &a->listen.ka))
+                return tdp_cli_usage_error("recv", "invalid keepalive '%s' (IDLE,INTVL,CNT)",
+                                           optarg);
             break;
         case 'q':
             a->quiet = true;
@@ -387,6 +404,11 @@ static const char send_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
+    "      --keepalive I,N,C\n"
+    "                      dead-peer detection: probe the control socket after I s\n"
+    "                      idle, then every N s; a peer silent for I + N x C s is\n"
+    "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
+
     "  -q, --quiet         no progress lines on stderr\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
@@ -398,6 +420,7 @@ typedef struct send_args {
     double rate;
     int64_t timeout_ms;
     tdp_plane plane;
+    tdp_pipe_opts ka; /* --keepalive: its three fields (0: the library's default) */
     bool echo, depth_hint, quiet;
 } send_args;
 
@@ -412,6 +435,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"depth-hint", no_argument, NULL, OPT_DEPTH_HINT},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
+        {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -452,6 +476,11 @@ static int send_parse(int argc, char **argv, send_args *a)
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("send", optarg, &a->plane))
                 return TDP_EXIT_USAGE;
+            break;
+        case OPT_KEEPALIVE:
+            if (!tdp_cli_parse_keepalive(optarg, &a->ka))
+                return tdp_cli_usage_error("send", "invalid keepalive '%s' (IDLE,INTVL,CNT)",
+                                           optarg);
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
@@ -650,6 +679,11 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
+    if (a->ka.keepalive_idle_s != 0) {
+        opts.keepalive_idle_s = a->ka.keepalive_idle_s;
+        opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
+        opts.keepalive_cnt = a->ka.keepalive_cnt;
+    }
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
     else
@@ -746,6 +780,10 @@ static const char inspect_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "      --keepalive I,N,C\n"
+    "                      dead-peer detection: probe the control socket after I s\n"
+    "                      idle, then every N s; a peer silent for I + N x C s is\n"
+    "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
@@ -762,6 +800,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         {"count", required_argument, NULL, 'n'},
         {"timeout", required_argument, NULL, 't'},
         {"plane", required_argument, NULL, OPT_PLANE},
+        {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -790,6 +829,11 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
                 return TDP_EXIT_USAGE;
+            break;
+        case OPT_KEEPALIVE:
+            if (!tdp_cli_parse_keepalive(optarg, &a->listen.ka))
+                return tdp_cli_usage_error("inspect", "invalid keepalive '%s' (IDLE,INTVL,CNT)",
+                                           optarg);
             break;
         case 'v':
             tdp_cli_more_verbose();

@@ -38,6 +38,19 @@ static const char serve_help[] =
     "  -p, --port PORT       port (default 0: any free port, printed)\n"
     "  -m, --mode MODE       auto (default), echo or sink\n"
     "  -c, --max-clients N   clients at once; more are refused (default 1024)\n"
+    "      --max-pending N   handshakes under way at once; one more drops the oldest\n"
+    "                        (default 256)\n"
+    "      --max-per-source N\n"
+    "                        handshakes under way from one address (IPv6: one /64)\n"
+    "                        at once; one more is refused (default 32; 0: no limit)\n"
+    "      --idle-timeout MS\n"
+    "                        close a client that sent and received nothing for MS\n"
+    "                        (default 300000: 5 min; -1: never)\n"
+    "      --keepalive I,N,C\n"
+    "                        dead-peer detection: probe a client's control socket\n"
+    "                        after I s idle, then every N s; a client silent for\n"
+    "                        I + N x C s is dead (default 5,1,15: 20 s; outages\n"
+    "                        under 10 s pass)\n"
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
     "  -d, --depth D         receive buffers per client, 1..64 (default 4)\n"
@@ -61,6 +74,9 @@ typedef struct serve_args {
     serve_mode mode;
     bool verify, quiet;
     uint32_t max_clients, depth;
+    uint32_t max_pending, max_per_source; /* 0: the library's default */
+    int64_t idle_timeout_ms;              /* 0: the library's default */
+    tdp_pipe_opts ka;                     /* --keepalive: its three fields */
     tdp_plane plane;
     uint64_t count;
     double duration_s;
@@ -83,7 +99,14 @@ typedef struct client_state {
     bool refused;               /* told it cannot be served as it asks */
 } client_state;
 
-enum { OPT_NO_VERIFY = 0x100, OPT_PLANE };
+enum {
+    OPT_NO_VERIFY = 0x100,
+    OPT_PLANE,
+    OPT_MAX_PENDING,
+    OPT_MAX_PER_SOURCE,
+    OPT_IDLE_TIMEOUT,
+    OPT_KEEPALIVE,
+};
 
 static int serve_parse(int argc, char **argv, serve_args *a)
 {
@@ -92,6 +115,10 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"port", required_argument, NULL, 'p'},
         {"mode", required_argument, NULL, 'm'},
         {"max-clients", required_argument, NULL, 'c'},
+        {"max-pending", required_argument, NULL, OPT_MAX_PENDING},
+        {"max-per-source", required_argument, NULL, OPT_MAX_PER_SOURCE},
+        {"idle-timeout", required_argument, NULL, OPT_IDLE_TIMEOUT},
+        {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"count", required_argument, NULL, 'n'},
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
@@ -131,6 +158,26 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             if (!tdp_cli_parse_u64(optarg, 1, UINT32_MAX, &v))
                 return tdp_cli_usage_error("serve", "invalid max-clients '%s'", optarg);
             a->max_clients = (uint32_t)v;
+            break;
+        case OPT_MAX_PENDING:
+            if (!tdp_cli_parse_u64(optarg, 1, UINT32_MAX, &v))
+                return tdp_cli_usage_error("serve", "invalid max-pending '%s'", optarg);
+            a->max_pending = (uint32_t)v;
+            break;
+        case OPT_MAX_PER_SOURCE:
+            if (!tdp_cli_parse_u64(optarg, 0, UINT32_MAX, &v))
+                return tdp_cli_usage_error("serve", "invalid max-per-source '%s'", optarg);
+            a->max_per_source = v == 0 ? UINT32_MAX : (uint32_t)v;
+            break;
+        case OPT_IDLE_TIMEOUT:
+            if (!tdp_cli_parse_timeout(optarg, &a->idle_timeout_ms) || a->idle_timeout_ms == 0)
+                return tdp_cli_usage_error("serve", "invalid idle-timeout '%s' (ms > 0, or -1)",
+                                           optarg);
+            break;
+        case OPT_KEEPALIVE:
+            if (!tdp_cli_parse_keepalive(optarg, &a->ka))
+                return tdp_cli_usage_error("serve", "invalid keepalive '%s' (IDLE,INTVL,CNT)",
+                                           optarg);
             break;
         case 'n':
             if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
@@ -368,6 +415,17 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
     opts.pipe.plane = a->plane;
     if (a->max_clients != 0)
         opts.max_clients = a->max_clients;
+    if (a->max_pending != 0)
+        opts.max_pending = a->max_pending;
+    if (a->max_per_source != 0)
+        opts.max_per_source = a->max_per_source;
+    if (a->idle_timeout_ms != 0)
+        opts.idle_timeout_ms = a->idle_timeout_ms;
+    if (a->ka.keepalive_idle_s != 0) {
+        opts.pipe.keepalive_idle_s = a->ka.keepalive_idle_s;
+        opts.pipe.keepalive_intvl_s = a->ka.keepalive_intvl_s;
+        opts.pipe.keepalive_cnt = a->ka.keepalive_cnt;
+    }
     if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||
         (rc = tdp_loop_start_thread(*loop)) != TDP_OK) {
         tdp_cli_error("serve", "cannot start the event loop: %s", tdp_strerror(rc));

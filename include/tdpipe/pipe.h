@@ -106,8 +106,11 @@ typedef struct tdp_pipe_opts {
     tdp_peer_mode peer_mode;
     /*
      * Dead-link detection across hosts: TCP keepalive idle/interval seconds
-     * and probe count on the control socket (default 1, 1, 3: about 4 s). A
-     * process that dies on a live host is seen at once (its socket closes).
+     * and probe count on the control socket, and TCP_USER_TIMEOUT set to
+     * idle + intvl x cnt. Default 5, 1, 15: a host that stops answering ends
+     * the pipe (TDP_ECONNRESET) within 20 s of its last answer, idle or not,
+     * and a link down for less than 10 s is ridden out. A process that dies
+     * on a live host is seen at once (its socket closes). See docs/pipe.md.
      */
     int keepalive_idle_s, keepalive_intvl_s, keepalive_cnt;
     /*

@@ -11,11 +11,16 @@
  *
  * Isolation: a handler that returns an error closes only its own client;
  * the server counts it and reports it through on_close. Limits protect the
- * server: a client over max_clients is refused before any handshake (its
- * tdp_pipe_connect fails with TDP_ELIMIT), a client that connects and never
- * completes its handshake is dropped after handshake_timeout_ms, and a
- * client that sends garbage or a hostile schema is disconnected (it sees
- * TDP_ECONNRESET) while the others carry on.
+ * server (docs/server.md, "Limits"): handshakes under way and clients are
+ * counted apart, so sockets that never complete a handshake cannot take the
+ * clients' places. A socket over max_clients or over max_per_source is
+ * refused before any handshake (its tdp_pipe_connect fails with
+ * TDP_ELIMIT); one over max_pending makes room by dropping the oldest
+ * handshake; a socket that never completes its handshake is dropped after
+ * handshake_timeout_ms; a client from which nothing arrives and to which
+ * nothing is sent for idle_timeout_ms is closed; a client that sends
+ * garbage or a hostile schema is disconnected (it sees TDP_ECONNRESET)
+ * while the others carry on.
  *
  * Allocation: a client's receive op and reply ops are allocated once, when
  * it connects; receiving, calling the handler and replying allocate nothing.
@@ -77,7 +82,11 @@ typedef struct tdp_server_opts {
      * connect_timeout_ms is replaced by handshake_timeout_ms.
      */
     tdp_pipe_opts pipe;
-    /* Clients at once, handshakes under way included; default 1024. */
+    /*
+     * Clients at once (handshakes under way not included); default 1024.
+     * A handshake that completes while the server is full is turned away
+     * with TDP_ELIMIT.
+     */
     uint32_t max_clients;
     /* A client must complete its HELLO within this, ms; default 5000. */
     int64_t handshake_timeout_ms;
@@ -87,6 +96,26 @@ typedef struct tdp_server_opts {
      * a full receive ring never runs out).
      */
     uint32_t max_replies_queued;
+    /*
+     * Handshakes under way at once; default 256. One more drops the oldest
+     * (counted in handshakes_failed): a good client's handshake takes a
+     * round trip, a stranger's lasts until the deadline.
+     */
+    uint32_t max_pending;
+    /*
+     * Handshakes under way from one source (one IPv4 address, one IPv6
+     * /64) at once; one more is refused with TDP_ELIMIT. Default 32;
+     * UINT32_MAX: no limit. Clients that completed their handshake do not
+     * count: many clients may share a host or a NAT.
+     */
+    uint32_t max_per_source;
+    /*
+     * A client with no message received and none sent for this long, ms, is
+     * closed as by tdp_client_close (its peer sees TDP_ECLOSED; on_close
+     * gets TDP_ETIMEDOUT; counted in idle_closed). Default 300000 (5 min); -1: never. Checked
+     * at a quarter of this period: a client goes after 1 to 1.25 times it.
+     */
+    int64_t idle_timeout_ms;
 } tdp_server_opts;
 
 /* Fill *o with the defaults (size and pipe.size included). */
@@ -127,14 +156,16 @@ TDP_API tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms);
 TDP_API void tdp_server_free(tdp_server *s);
 
 typedef struct tdp_server_stats {
-    uint64_t clients_now;       /* clients holding a slot (connected or being closed) */
-    uint64_t clients_total;     /* clients accepted (on_connect said yes) */
-    uint64_t refused;           /* over max_clients, or turned away by on_connect */
-    uint64_t handshakes_failed; /* timed out, garbage, version mismatch, hung up early */
+    uint64_t clients_now;   /* clients holding a slot (connected or being closed) */
+    uint64_t clients_total; /* clients accepted (on_connect said yes) */
+    uint64_t refused;       /* over max_clients or max_per_source, or turned away by on_connect */
+    uint64_t handshakes_failed; /* timed out, garbage, version mismatch, hung up early, evicted */
     uint64_t handler_errors;    /* on_message returned an error */
     uint64_t client_errors;     /* clients whose pipe failed (not a clean end) */
     /* payload messages and bytes over all clients' pipes, schemas received */
     uint64_t msgs_recv, msgs_sent, bytes_recv, bytes_sent, schemas_recv;
+    uint64_t pending_now; /* handshakes under way */
+    uint64_t idle_closed; /* clients closed by idle_timeout_ms */
 } tdp_server_stats;
 
 /*

@@ -5,6 +5,7 @@
  */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <event2/buffer.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -41,10 +42,15 @@ static void set_sockopts(tdp__ctl *c, evutil_socket_t fd)
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &c->opts.keepalive_idle_s, sizeof(int));
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &c->opts.keepalive_intvl_s, sizeof(int));
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &c->opts.keepalive_cnt, sizeof(int));
-    /* unacknowledged data also ends the connection after the same time */
-    unsigned int ums = (unsigned int)(c->opts.keepalive_idle_s +
-                                      c->opts.keepalive_intvl_s * c->opts.keepalive_cnt) *
-                       1000u;
+    /*
+     * Unacknowledged data also ends the connection after the same time.
+     * With TCP_USER_TIMEOUT set, Linux also ends an idle connection by it
+     * (time since the peer last answered, once a probe is out) rather than
+     * by the probe count: either way, idle or not, the bound is this.
+     */
+    int64_t secs = (int64_t)c->opts.keepalive_idle_s +
+                   (int64_t)c->opts.keepalive_intvl_s * c->opts.keepalive_cnt;
+    unsigned int ums = secs > 0 && secs < UINT_MAX / 1000u ? (unsigned int)secs * 1000u : 0;
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ums, sizeof(ums));
 }
 

@@ -14,10 +14,17 @@
 
 #define REFUSAL_MS 2000 /* at most this long, or the handshake deadline */
 
+/* Where a socket comes from, for per-source limits: an IPv4 address or an IPv6 /64. */
+typedef struct source {
+    uint8_t len; /* 4 or 8 bytes of b; 0: unknown (never equal) */
+    uint8_t b[8];
+} source;
+
 /* A pipe handshaking or ready to be claimed. */
 typedef struct pend {
     tdp_listener *l;
     tdp_pipe *p;
+    source src;
     struct pend *prev, *next;
 } pend;
 
@@ -30,7 +37,7 @@ struct tdp_listener {
     uint16_t port;
     tdp_pipe_cb on_accept;
     void *arg;
-    pend *pending; /* handshaking */
+    pend *pending; /* handshaking, newest first */
     uint32_t npending;
     tdp__listener_hooks hooks;
     struct event *resume; /* accepting paused: out of fds or memory */
@@ -53,6 +60,8 @@ static void unlink_pending(tdp_listener *l, pend *e)
         e->next->prev = e->prev;
     e->prev = e->next = NULL;
     l->npending--;
+    if (l->hooks.pending != NULL)
+        l->hooks.pending(l->hooks.arg, l->npending);
 }
 
 /* The handshake of e->p ended. */
@@ -84,18 +93,73 @@ static void on_ready(tdp_pipe *p, tdp_err status, void *arg)
     pthread_mutex_unlock(&l->mtx);
 }
 
+static source source_of(const struct sockaddr *sa)
+{
+    source s = {0};
+    if (sa->sa_family == AF_INET) {
+        s.len = 4;
+        memcpy(s.b, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, 4);
+    } else if (sa->sa_family == AF_INET6) {
+        const uint8_t *a = ((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr.s6_addr;
+        if (IN6_IS_ADDR_V4MAPPED((const struct in6_addr *)(const void *)a)) {
+            s.len = 4; /* a dual-stack socket's IPv4 peer is the same source as over IPv4 */
+            memcpy(s.b, a + 12, 4);
+        } else {
+            s.len = 8;
+            memcpy(s.b, a, 8);
+        }
+    }
+    return s;
+}
+
+static uint32_t count_source(const tdp_listener *l, const source *s)
+{
+    uint32_t n = 0;
+    if (s->len == 0)
+        return 0;
+    for (const pend *e = l->pending; e != NULL; e = e->next)
+        n += e->src.len == s->len && memcmp(e->src.b, s->b, s->len) == 0;
+    return n;
+}
+
+/*
+ * Make room for a newcomer: the oldest handshake goes. A real client
+ * completes its handshake in a round trip or two; a socket still silent
+ * after all the newer ones is the likeliest stranger.
+ */
+static void evict_oldest(tdp_listener *l)
+{
+    pend *e = l->pending;
+    if (e == NULL)
+        return;
+    while (e->next != NULL)
+        e = e->next;
+    unlink_pending(l, e);
+    tdp_log_debug("dropping the oldest handshake (%s) for a newer one", tdp__session_peer(e->p));
+    if (l->hooks.handshake_failed != NULL)
+        l->hooks.handshake_failed(l->hooks.arg, TDP_ELIMIT);
+    tdp__session_destroy(e->p);
+    tdp__free(e);
+}
+
 static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct sockaddr *sa,
                       int salen, void *arg)
 {
     tdp_listener *l = arg;
     l->pause_ms = 0; /* accepting works (again) */
+    source src = source_of(sa);
     /* a server at its limit turns the socket away before any handshake */
-    if (l->hooks.admit != NULL && !l->hooks.admit(l->hooks.arg, l->npending)) {
+    enum tdp__admit adm = l->hooks.admit != NULL
+                              ? l->hooks.admit(l->hooks.arg, l->npending, count_source(l, &src))
+                              : TDP__ADMIT;
+    if (adm == TDP__REFUSE) {
         int64_t ms = l->opts.connect_timeout_ms < REFUSAL_MS ? l->opts.connect_timeout_ms
                                                              : REFUSAL_MS;
         tdp__ctl_refuse(&l->refusals, l->loop, fd, TDP_ELIMIT, ms);
         return;
     }
+    if (adm == TDP__ADMIT_EVICT)
+        evict_oldest(l);
     tdp_err rc;
     pend *e = tdp__calloc(1, sizeof(*e));
     tdp_pipe *p = e != NULL ? tdp__session_new(l->loop, &l->opts, &l->limits, &rc) : NULL;
@@ -106,11 +170,14 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
     }
     e->l = l;
     e->p = p;
+    e->src = src;
     e->next = l->pending;
     if (l->pending != NULL)
         l->pending->prev = e;
     l->pending = e;
     l->npending++;
+    if (l->hooks.pending != NULL)
+        l->hooks.pending(l->hooks.arg, l->npending);
     rc = tdp__session_accept(p, fd, sa, on_ready, e);
     if (rc != TDP_OK) { /* nothing was called back */
         unlink_pending(l, e);

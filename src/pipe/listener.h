@@ -8,11 +8,23 @@
 
 #include <tdpipe/pipe.h>
 
+enum tdp__admit {
+    TDP__ADMIT,       /* handshake with it */
+    TDP__ADMIT_EVICT, /* handshake with it, dropping the oldest handshake first */
+    TDP__REFUSE,      /* BYE with TDP_ELIMIT instead of HELLO */
+};
+
 typedef struct tdp__listener_hooks {
-    /* false: refuse the socket (BYE with TDP_ELIMIT instead of HELLO) */
-    bool (*admit)(void *arg, uint32_t npending);
-    /* a handshake ended without a pipe (timed out, garbage, version) */
+    /*
+     * A socket was accepted: npending handshakes are under way, nsource of
+     * them from the same source (the same IPv4 address, or the same IPv6
+     * /64: one host's share of addresses).
+     */
+    enum tdp__admit (*admit)(void *arg, uint32_t npending, uint32_t nsource);
+    /* a handshake ended without a pipe (timed out, garbage, version, evicted) */
     void (*handshake_failed)(void *arg, tdp_err why);
+    /* the number of handshakes under way changed (may be NULL) */
+    void (*pending)(void *arg, uint32_t npending);
     void *arg;
 } tdp__listener_hooks;
 

@@ -134,9 +134,11 @@ void tdp_pipe_opts_default(tdp_pipe_opts *o)
         .connect_timeout_ms = 10000,
         .linger_ms = 5000,
         .peer_mode = TDP_PEER_AUTO,
-        .keepalive_idle_s = 1,
+        /* a dead host is seen within 5 + 1 x 15 = 20 s of its last answer,
+         * and a link down for less than 10 s is ridden out (docs/pipe.md) */
+        .keepalive_idle_s = 5,
         .keepalive_intvl_s = 1,
-        .keepalive_cnt = 3,
+        .keepalive_cnt = 15,
         .plane = TDP_PLANE_AUTO,
     };
 }
@@ -804,13 +806,15 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         p->credit_sent = p->released;
     if (new_schema)
         p->stats.schemas_sent++;
+    /* the plane may fail the pipe inside send, completing op (its td gone) */
+    uint64_t nbytes = op->td->nbytes;
     p->stats.msgs_sent++;
-    p->stats.bytes_sent += op->td->nbytes;
+    p->stats.bytes_sent += nbytes;
     tdp_err rc = p->plane->send(p->link, &tx);
     if (rc != TDP_OK) {
         /* the plane took nothing: the ticket and the op come back now */
         p->stats.msgs_sent--;
-        p->stats.bytes_sent -= op->td->nbytes;
+        p->stats.bytes_sent -= nbytes;
         up_sent(p, p->link, t, rc);
         pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
                   "send failed");

@@ -21,6 +21,9 @@
 #include "../core/log.h"
 
 #define DEFAULT_MAX_CLIENTS  1024u
+#define DEFAULT_MAX_PENDING  256u
+#define DEFAULT_PER_SOURCE   32u
+#define DEFAULT_IDLE_MS      300000
 #define DEFAULT_HANDSHAKE_MS 5000
 #define DEFAULT_REPLIES      4u
 #define MAX_REPLIES          1024u
@@ -55,7 +58,10 @@ struct tdp_client {
     bool pipe_ended;    /* the pipe is over and its socket closed */
     bool linger_armed;  /* the timer now bounds the wait for the peer to hang up */
     bool timer_fired;
-    bool unpin; /* a reply that referenced a lent td completed */
+    bool unpin;          /* a reply that referenced a lent td completed */
+    bool active;         /* a message came or went since the last idle check */
+    bool idle;           /* closed for idleness: on_close says TDP_ETIMEDOUT */
+    int64_t quiet_since; /* when the idle check last saw it active, ms */
     bool dirty;
     bool in_rop, rop_again;
     bool recv_wait; /* depth 1: the next receive waits for replies to the lent td */
@@ -83,6 +89,7 @@ struct tdp_server {
     uint32_t depth;
     int64_t linger_ms;
     struct event *work; /* runs client_step for the dirty queue on a clean stack */
+    struct event *idle; /* the idle check, every idle_timeout_ms / 4 */
     tdp_client *clients;
     uint32_t nclients; /* client objects alive: each holds a slot */
     tdp_client *dhead, *dtail;
@@ -110,6 +117,9 @@ void tdp_server_opts_default(tdp_server_opts *o)
         .max_clients = DEFAULT_MAX_CLIENTS,
         .handshake_timeout_ms = DEFAULT_HANDSHAKE_MS,
         .max_replies_queued = 0, /* 4, or the receive depth when larger */
+        .max_pending = DEFAULT_MAX_PENDING,
+        .max_per_source = DEFAULT_PER_SOURCE,
+        .idle_timeout_ms = DEFAULT_IDLE_MS,
     };
     tdp_pipe_opts_default(&o->pipe);
 }
@@ -126,11 +136,16 @@ static void opts_resolve(const tdp_server_opts *in, tdp_server_opts *out)
     TAKE(max_clients)
     TAKE(handshake_timeout_ms)
     TAKE(max_replies_queued)
+    TAKE(max_pending)
+    TAKE(max_per_source)
+    TAKE(idle_timeout_ms)
 #undef TAKE
     if (offsetof(tdp_server_opts, pipe) + sizeof(in->pipe) <= n && in->pipe.size != 0)
         out->pipe = in->pipe;
     if (out->handshake_timeout_ms < 0)
         out->handshake_timeout_ms = DEFAULT_HANDSHAKE_MS;
+    if (out->idle_timeout_ms < 0)
+        out->idle_timeout_ms = -1; /* never */
     if (out->max_replies_queued > MAX_REPLIES)
         out->max_replies_queued = MAX_REPLIES;
 }
@@ -313,7 +328,7 @@ static void client_end(tdp_client *c, tdp_err status)
     if (c->state >= CL_ENDED)
         return;
     c->state = CL_ENDED;
-    c->status = status;
+    c->status = c->idle && status == TDP_ECLOSED ? TDP_ETIMEDOUT : status;
     mark_dirty(c);
 }
 
@@ -420,6 +435,7 @@ static void rop_handle(tdp_client *c)
     if (c->state >= CL_ENDED)
         return;
     stats_sync(c);
+    c->active = true;
     if (rc != TDP_OK) {
         if (rc != TDP_ECLOSED) {
             STAT_ADD(s, client_errors, 1);
@@ -482,6 +498,7 @@ static void tx_cb(tdp_op *op, void *arg)
     if (c->state == CL_FREEING)
         return;
     stats_sync(c);
+    c->active = true;
     if (pin != NULL && !pinned(c, pin)) {
         c->unpin = true;
         mark_dirty(c); /* not here: this runs inside the pipe's send path */
@@ -537,16 +554,35 @@ void *tdp_client_get_data(const tdp_client *c)
 
 /* ---- listener hooks ------------------------------------------------------------ */
 
-static bool srv_admit(void *arg, uint32_t npending)
+/*
+ * Handshakes and clients are counted apart: sockets that never complete a
+ * handshake take no client's place, and one source cannot take every
+ * handshake's place either.
+ */
+static enum tdp__admit srv_admit(void *arg, uint32_t npending, uint32_t nsource)
 {
     tdp_server *s = arg;
-    /* handshakes under way count: half-open sockets cannot exceed the limit */
-    if (!s->stopping && (uint64_t)s->nclients + npending < s->opts.max_clients)
-        return true;
+    const char *why = NULL;
+    if (s->stopping)
+        why = "stopping";
+    else if (s->nclients >= s->opts.max_clients)
+        why = "max clients";
+    else if (nsource >= s->opts.max_per_source)
+        why = "max handshakes from one source";
+    if (why == NULL)
+        return npending >= s->opts.max_pending ? TDP__ADMIT_EVICT : TDP__ADMIT;
     STAT_ADD(s, refused, 1);
-    tdp_log_debug("server: refusing a client (%u clients, %u handshaking, max %u)", s->nclients,
-                  npending, s->opts.max_clients);
-    return false;
+    tdp_log_debug("server: refusing a client: %s (%u clients, %u handshaking, %u from its source)",
+                  why, s->nclients, npending, nsource);
+    return TDP__REFUSE;
+}
+
+static void srv_pending(void *arg, uint32_t npending)
+{
+    tdp_server *s = arg;
+    pthread_mutex_lock(&s->mtx);
+    s->st.pending_now = npending;
+    pthread_mutex_unlock(&s->mtx);
 }
 
 static void srv_handshake_failed(void *arg, tdp_err why)
@@ -569,6 +605,15 @@ static void srv_on_accept(tdp_pipe *p, tdp_err status, void *arg)
     tdp_server *s = arg;
     if (status != TDP_OK || p == NULL)
         return;
+    /* handshakes are not counted in max_clients: the server may have filled meanwhile */
+    if (s->nclients >= s->opts.max_clients) {
+        STAT_ADD(s, refused, 1);
+        tdp_log_debug("server: refusing a client: max clients (%u) after its handshake",
+                      s->nclients);
+        tdp_pipe_abort(p, TDP_ELIMIT);
+        tdp_pipe_free(p); /* safe inside its own callback: the memory goes later */
+        return;
+    }
     tdp_client *c = client_new(s, p);
     if (c == NULL) {
         STAT_ADD(s, refused, 1);
@@ -582,6 +627,7 @@ static void srv_on_accept(tdp_pipe *p, tdp_err status, void *arg)
         s->clients->prev = c;
     s->clients = c;
     s->nclients++;
+    c->quiet_since = tdp__now_ms();
     pthread_mutex_lock(&s->mtx);
     s->st.clients_now = s->nclients;
     pthread_mutex_unlock(&s->mtx);
@@ -603,15 +649,53 @@ static void srv_on_accept(tdp_pipe *p, tdp_err status, void *arg)
 
 /* ---- the server ------------------------------------------------------------------ */
 
+/*
+ * Close the clients that neither sent nor received anything for
+ * idle_timeout_ms. One timer for all: a message marks its client active
+ * and costs nothing more.
+ */
+static void idle_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_server *s = arg;
+    int64_t now = tdp__now_ms();
+    for (tdp_client *c = s->clients; c != NULL; c = c->next) {
+        if (c->active) {
+            c->active = false;
+            c->quiet_since = now;
+        } else if (c->state == CL_OPEN && now - c->quiet_since >= s->opts.idle_timeout_ms) {
+            STAT_ADD(s, idle_closed, 1);
+            tdp_log_info("server: client %llu (%s): idle for %lld ms: closing it",
+                         (unsigned long long)c->id, tdp_pipe_peer(c->pipe, (char[64]){0}, 64),
+                         (long long)(now - c->quiet_since));
+            /* a clean close: the peer hears at once (TDP_ECLOSED), not at its keepalive */
+            c->idle = true;
+            c->state = CL_CLOSING;
+            mark_dirty(c);
+        }
+    }
+}
+
 static void work_new_task(void *arg)
 {
     tdp_server *s = arg;
     s->work = event_new(tdp__loop_base(s->loop), -1, 0, work_cb, s);
+    if (s->work == NULL || s->opts.idle_timeout_ms < 0)
+        return;
+    int64_t ms = s->opts.idle_timeout_ms / 4 > 0 ? s->opts.idle_timeout_ms / 4 : 1;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    s->idle = event_new(tdp__loop_base(s->loop), -1, EV_PERSIST, idle_cb, s);
+    if (s->idle == NULL || event_add(s->idle, &tv) != 0) {
+        event_free(s->work); /* the caller sees no work event: out of memory */
+        s->work = NULL;
+    }
 }
 
 static void work_free_task(void *arg)
 {
     tdp_server *s = arg;
+    if (s->idle != NULL)
+        event_free(s->idle);
+    s->idle = NULL;
     if (s->work != NULL)
         event_free(s->work);
     s->work = NULL;
@@ -619,7 +703,7 @@ static void work_free_task(void *arg)
 
 static void server_release(tdp_server *s)
 {
-    if (s->work != NULL)
+    if (s->work != NULL || s->idle != NULL)
         tdp__call_on_loop(s->loop, work_free_task, s);
     pthread_mutex_destroy(&s->mtx);
     pthread_cond_destroy(&s->cond);
@@ -663,6 +747,7 @@ tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const td
     tdp__listener_hooks hooks = {
         .admit = srv_admit,
         .handshake_failed = srv_handshake_failed,
+        .pending = srv_pending,
         .arg = s,
     };
     tdp_err rc = tdp__listener_new(loop, host, port, &po, srv_on_accept, s, &hooks, &s->lis);
