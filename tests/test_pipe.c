@@ -1521,7 +1521,8 @@ static void test_auth(void **state)
     assert_int_equal(tdp_pipe_connect(loop, "127.0.0.1", 9, &o, &p), TDP_EINVAL);
     tdp_loop_free(loop);
 
-    /* reflection: send the listener its own HELLO, then its own proof */
+    /* reflection: send the listener its own HELLO (its nonce changed: the
+     * HELLO as it is is refused at once as an echo), then its own proof */
     static const char secret[] = "a secret the stranger lacks";
     tdp_pipe_opts_default(&o);
     o.secret = secret;
@@ -1537,6 +1538,7 @@ static void test_auth(void **state)
     static uint8_t buf[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
     ssize_t n = read_frame(fd, buf, sizeof(buf));
     assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
+    buf[TDP_CTL_HDR_LEN + 56] ^= 1; /* the nonce's first byte */
     assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* its HELLO, echoed */
     n = read_frame(fd, buf, sizeof(buf));
     assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN); /* its proof... */

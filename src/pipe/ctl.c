@@ -252,6 +252,8 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
         return rc;
     }
     int r = bufferevent_write(c->bev, buf, n);
+    memcpy(c->my_nonce, h->nonce, TDP_HELLO_NONCE_LEN);
+    c->nonce_sent = r == 0;
     if (r == 0 && c->opts.secret != NULL && c->my_hello == NULL && !c->authed) {
         /* kept for the proofs; the header is not part of them */
         memmove(buf, buf + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN);
@@ -315,6 +317,12 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                              rc == TDP_EVERSION ? "its HELLO needs an extension this side lacks"
                                                 : "malformed or repeated HELLO");
                 fail(c, rc == TDP_EVERSION ? TDP_EVERSION : TDP_EPROTO);
+                return;
+            }
+            if (c->nonce_sent && memcmp(h.nonce, c->my_nonce, TDP_HELLO_NONCE_LEN) == 0) {
+                /* our own HELLO sent back: a mirror, not a peer */
+                tdp_log_info("peer %s: echoed our own HELLO (not a tdpipe peer)", c->peer_name);
+                fail(c, TDP_EPROTO);
                 return;
             }
             c->hello_seen = true;

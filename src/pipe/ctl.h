@@ -68,6 +68,8 @@ typedef struct tdp__ctl {
     uint8_t *my_hello, *peer_hello;
     size_t my_hello_len, peer_hello_len;
     bool auth_sent, authed;
+    uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
+    bool nonce_sent;
     /*
      * The socket's two ends prove the peer shares this host's network
      * stack: a Unix socket, a loopback address, or the peer's address equal

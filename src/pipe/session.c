@@ -418,8 +418,14 @@ static void send_hello(tdp_pipe *p)
     h.planes = ids;
     h.nplanes = n;
     h.auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0;
-    if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce))
-        memset(h.nonce, 0, sizeof(h.nonce)); /* unused yet: room for a challenge */
+    if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce)) {
+        /* never seen; still unique enough to tell an echo (ctl.c) from a peer */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t a = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30), b = (uintptr_t)p;
+        memcpy(h.nonce, &a, 8);
+        memcpy(h.nonce + 8, &b, 8);
+    }
     tdp__host_id(h.host_id);
     tdp_err rc = tdp__ctl_send_hello(&p->ctl, &h);
     if (rc != TDP_OK)
