@@ -150,6 +150,41 @@ test_clean_end_tcp() {
     done
 }
 
+# ---- --secret-file -----------------------------------------------------------------
+
+test_secret() {
+    local port rpid
+    head -c 32 /dev/urandom >"$WORK/secret1"
+    head -c 32 /dev/urandom >"$WORK/secret2"
+    echo short >"$WORK/secret_short"
+    # the same secret on both sides: a normal stream
+    start sec_recv 30 "$TDPIPE" recv --bind 127.0.0.1 --secret-file "$WORK/secret1" --quiet
+    rpid=$PID
+    port=$(port_of sec_recv) || return
+    run sec_send 30 "$TDPIPE" send "127.0.0.1:$port" --secret-file "$WORK/secret1" --count 5 \
+        --size 1KB --quiet
+    finish sec_recv "$rpid"
+    expect_rc sec_send 0
+    expect_rc sec_recv 0
+    expect_in sec_recv out "received 5 messages"
+    # another secret, or none: refused at the handshake, and said so
+    start sec_recv2 30 "$TDPIPE" recv --bind 127.0.0.1 --secret-file "$WORK/secret1" \
+        --timeout 3000 --quiet
+    rpid=$PID
+    port=$(port_of sec_recv2) || return
+    run sec_wrong 10 "$TDPIPE" send "127.0.0.1:$port" --secret-file "$WORK/secret2" --count 1
+    expect_rc sec_wrong 3
+    expect_in sec_wrong err "authentication failed"
+    run sec_none 10 "$TDPIPE" send "127.0.0.1:$port" --count 1
+    expect_rc sec_none 3
+    expect_in sec_none err "authentication failed"
+    finish sec_recv2 "$rpid"
+    # a file too short to be a secret is a usage error
+    run sec_short 10 "$TDPIPE" send "127.0.0.1:$port" --secret-file "$WORK/secret_short"
+    expect_rc sec_short 2
+    expect_in sec_short err "too short"
+}
+
 # ---- usage and help ------------------------------------------------------------
 
 test_usage() {
@@ -680,6 +715,7 @@ test_usage
 test_signals
 test_peer_killed
 test_clean_end_tcp
+test_secret
 test_defaults
 test_recv_send
 test_recv_count

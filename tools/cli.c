@@ -33,6 +33,7 @@ int tdp_cli_exit_for(tdp_err err)
     case TDP_ECONNREFUSED:
     case TDP_EADDR:
     case TDP_ELIMIT: /* a server at max_clients refuses: we could not get in */
+    case TDP_EAUTH:  /* nor with the wrong secret, or none */
         return TDP_EXIT_CONNECT;
     case TDP_ECLOSED:
     case TDP_ECONNRESET:
@@ -108,6 +109,30 @@ bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o)
     o->keepalive_idle_s = (int)v[0];
     o->keepalive_intvl_s = (int)v[1];
     o->keepalive_cnt = (int)v[2];
+    return true;
+}
+
+bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o)
+{
+    static uint8_t buf[TDP_SECRET_MAX + 1];
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        tdp_cli_error(cmd, "cannot read the secret file '%s': %s", path, strerror(errno));
+        return false;
+    }
+    size_t n = fread(buf, 1, sizeof(buf), f);
+    bool bad = ferror(f);
+    fclose(f);
+    if (bad || n < TDP_SECRET_MIN || n > TDP_SECRET_MAX) {
+        tdp_cli_error(cmd, "the secret file '%s' %s", path,
+                      bad ? "cannot be read"
+                          : n < TDP_SECRET_MIN ? "is too short: at least 16 bytes (e.g. head -c 32 "
+                                                 "/dev/urandom > FILE)"
+                                               : "is too long: at most 256 bytes");
+        return false;
+    }
+    o->secret = buf;
+    o->secret_len = n;
     return true;
 }
 

@@ -79,6 +79,14 @@ bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
 bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o);
 
 /*
+ * --secret-file PATH: the file's bytes, as they are (a trailing newline
+ * included), become o->secret (kept for the life of the process). On
+ * failure prints why for cmd and returns false: unreadable, or not
+ * TDP_SECRET_MIN..TDP_SECRET_MAX bytes.
+ */
+bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o);
+
+/*
  * Parse a byte count, the one grammar of every subcommand
  * (tdp_bm_parse_size_why in bench_method.h): a number, integer or decimal
  * fraction, and an optional unit, with or without a space:

@@ -56,6 +56,10 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
     opts.plane = a->plane;
+    if (a->ka.secret != NULL) {
+        opts.secret = a->ka.secret;
+        opts.secret_len = a->ka.secret_len;
+    }
     if (a->ka.keepalive_idle_s != 0) {
         opts.keepalive_idle_s = a->ka.keepalive_idle_s;
         opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
@@ -182,6 +186,8 @@ static const char recv_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
+    "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
@@ -198,7 +204,7 @@ typedef struct recv_args {
 } recv_args;
 
 /* long options without a short form */
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE };
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE, OPT_SECRET };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -212,6 +218,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
+        {"secret-file", required_argument, NULL, OPT_SECRET},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -250,6 +257,10 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
+            break;
+        case OPT_SECRET:
+            if (!tdp_cli_read_secret("recv", optarg, &a->listen.ka))
                 return TDP_EXIT_USAGE;
             break;
         case OPT_KEEPALIVE:
@@ -404,6 +415,8 @@ static const char send_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
+    "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
+    "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
@@ -436,6 +449,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
+        {"secret-file", required_argument, NULL, OPT_SECRET},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -475,6 +489,10 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("send", optarg, &a->plane))
+                return TDP_EXIT_USAGE;
+            break;
+        case OPT_SECRET:
+            if (!tdp_cli_read_secret("send", optarg, &a->ka))
                 return TDP_EXIT_USAGE;
             break;
         case OPT_KEEPALIVE:
@@ -679,6 +697,10 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
+    if (a->ka.secret != NULL) {
+        opts.secret = a->ka.secret;
+        opts.secret_len = a->ka.secret_len;
+    }
     if (a->ka.keepalive_idle_s != 0) {
         opts.keepalive_idle_s = a->ka.keepalive_idle_s;
         opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
@@ -780,6 +802,8 @@ static const char inspect_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
+    "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
+    "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
@@ -801,6 +825,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         {"timeout", required_argument, NULL, 't'},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
+        {"secret-file", required_argument, NULL, OPT_SECRET},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -828,6 +853,10 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
             break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
+                return TDP_EXIT_USAGE;
+            break;
+        case OPT_SECRET:
+            if (!tdp_cli_read_secret("inspect", optarg, &a->listen.ka))
                 return TDP_EXIT_USAGE;
             break;
         case OPT_KEEPALIVE:

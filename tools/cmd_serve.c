@@ -46,6 +46,8 @@ static const char serve_help[] =
     "      --idle-timeout MS\n"
     "                        close a client that sent and received nothing for MS\n"
     "                        (default 300000: 5 min; -1: never)\n"
+    "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
+    "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
     "                        dead-peer detection: probe a client's control socket\n"
     "                        after I s idle, then every N s; a client silent for\n"
@@ -106,6 +108,7 @@ enum {
     OPT_MAX_PER_SOURCE,
     OPT_IDLE_TIMEOUT,
     OPT_KEEPALIVE,
+    OPT_SECRET,
 };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
@@ -119,6 +122,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"max-per-source", required_argument, NULL, OPT_MAX_PER_SOURCE},
         {"idle-timeout", required_argument, NULL, OPT_IDLE_TIMEOUT},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
+        {"secret-file", required_argument, NULL, OPT_SECRET},
         {"count", required_argument, NULL, 'n'},
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
@@ -173,6 +177,10 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             if (!tdp_cli_parse_timeout(optarg, &a->idle_timeout_ms) || a->idle_timeout_ms == 0)
                 return tdp_cli_usage_error("serve", "invalid idle-timeout '%s' (ms > 0, or -1)",
                                            optarg);
+            break;
+        case OPT_SECRET:
+            if (!tdp_cli_read_secret("serve", optarg, &a->ka))
+                return TDP_EXIT_USAGE;
             break;
         case OPT_KEEPALIVE:
             if (!tdp_cli_parse_keepalive(optarg, &a->ka))
@@ -421,6 +429,10 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         opts.max_per_source = a->max_per_source;
     if (a->idle_timeout_ms != 0)
         opts.idle_timeout_ms = a->idle_timeout_ms;
+    if (a->ka.secret != NULL) {
+        opts.pipe.secret = a->ka.secret;
+        opts.pipe.secret_len = a->ka.secret_len;
+    }
     if (a->ka.keepalive_idle_s != 0) {
         opts.pipe.keepalive_idle_s = a->ka.keepalive_idle_s;
         opts.pipe.keepalive_intvl_s = a->ka.keepalive_intvl_s;
