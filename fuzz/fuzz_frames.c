@@ -76,7 +76,8 @@ static void check_reencode(const tdp_hello *h)
         !same_bytes(h2.local_addr, h2.local_addr_len, h->local_addr, h->local_addr_len) ||
         !same_bytes(h2.shm.key, h2.shm.key ? TDP_SHM_KEY_LEN : 0, h->shm.key,
                     h->shm.key ? TDP_SHM_KEY_LEN : 0) ||
-        !same_bytes(h2.shm.name, h2.shm.name_len, h->shm.name, h->shm.name_len) || h2.nskipped != 0)
+        !same_bytes(h2.shm.name, h2.shm.name_len, h->shm.name, h->shm.name_len) ||
+        h2.auth != h->auth || h2.resume != h->resume || h2.nskipped != 0)
         abort();
     free(re);
 }
@@ -131,11 +132,14 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
             if (hello.planes != NULL)
                 check_planes(hello.planes, hello.nplanes);
         } else if (rc == TDP_EVERSION) {
-            if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_SHM)
+            if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_RESUME)
                 abort();
         } else if (rc != TDP_EPROTO) {
             abort();
         }
+    } else if (h.type == TDP_CTL_AUTH) {
+        if (h.length != TDP_AUTH_TAG_LEN)
+            abort();
     } else if (h.type == TDP_CTL_BYE) {
         tdp_bye bye;
         if (tdp_wire_bye_decode(pl, n, &bye) == TDP_OK && bye.reason > 0)

@@ -1412,6 +1412,129 @@ static void test_loans(void **state)
     env_down(&e);
 }
 
+/* ---- reconnecting ------------------------------------------------------------------ */
+
+typedef struct late_listener {
+    pthread_t th;
+    tdp_loop *loop;
+    uint16_t port;
+    int delay_ms;
+    tdp_listener *l;
+    tdp_err rc;
+} late_listener;
+
+static void *late_listen(void *arg)
+{
+    late_listener *ll = arg;
+    usleep((useconds_t)ll->delay_ms * 1000);
+    ll->rc = tdp_listener_new(ll->loop, "127.0.0.1", ll->port, NULL, NULL, NULL, &ll->l);
+    return NULL;
+}
+
+static uint64_t stat_reconnects(tdp_pipe *p)
+{
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(p, &st);
+    return st.reconnects;
+}
+
+/*
+ * A producer with reconnect_ms: its consumer goes away mid-stream and a new
+ * one listens on the same port a little later; the stream goes on there,
+ * its first message says where it resumed, and the schema comes again.
+ * Before that, the first connect waits for a consumer that is not there
+ * yet; after, a consumer that never comes back ends the pipe in bounded time.
+ */
+static void test_reconnect(void **state)
+{
+    tdp_loop *sl, *cl;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    /* a free port: bound, then let go */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl_len = sizeof(sa);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl_len), 0);
+    uint16_t port = ntohs(sa.sin_port);
+    close(fd);
+
+    /* the first connect waits for the consumer (up to connect_timeout_ms) */
+    late_listener ll = {.loop = sl, .port = port, .delay_ms = 300};
+    assert_int_equal(pthread_create(&ll.th, NULL, late_listen, &ll), 0);
+    tdp_pipe_opts ob, o = *mode_opts(NULL, &ob); /* the suite's plane and peer mode */
+    o.reconnect_ms = 5000;
+    o.connect_timeout_ms = 5000;
+    tdp_pipe *c, *p;
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, &o, &c), TDP_OK);
+    print_message("connected %" PRId64 " ms after a consumer appeared 300 ms late\n",
+                  mono_ms() - t0);
+    pthread_join(ll.th, NULL);
+    assert_int_equal(ll.rc, TDP_OK);
+    assert_int_equal(tdp_listener_accept(ll.l, TMO, &p), TDP_OK);
+
+    tdp_schema *s = bytes_schema(64 << 10);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= 3; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, i));
+        tdp_pipe_release(p, got); /* depth 1: the credit for the next send */
+    }
+    /* the consumer goes; the producer notices and starts reconnecting */
+    tdp_pipe_free(p);
+    tdp_listener_free(ll.l);
+    for (int i = 0; i < 2000 && stat_reconnects(c) == 0; i++)
+        usleep(1000);
+    assert_int_equal(stat_reconnects(c), 1);
+    assert_int_equal(tdp_pipe_status(c), TDP_OK); /* not ended: reconnecting */
+    /* a send now waits for the next consumer, which comes 300 ms later */
+    ll = (late_listener){.loop = sl, .port = port, .delay_ms = 300};
+    assert_int_equal(pthread_create(&ll.th, NULL, late_listen, &ll), 0);
+    fill(td, 4);
+    t0 = mono_ms();
+    assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    pthread_join(ll.th, NULL);
+    assert_int_equal(ll.rc, TDP_OK);
+    assert_int_equal(tdp_listener_accept(ll.l, TMO, &p), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    print_message("message 4 arrived %" PRId64 " ms after its send began\n", mono_ms() - t0);
+    assert_true(verify(got, 4));
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(p, &st);
+    assert_int_equal(st.resumed_from, 4); /* 1..3 went to the consumer that left */
+    assert_int_equal(st.schemas_recv, 1); /* the schema came again */
+    tdp_pipe_release(p, got);
+    fill(td, 5);
+    assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    assert_true(verify(got, 5));
+
+    /* gone for good: the pipe ends once reconnect_ms has passed */
+    tdp_pipe_free(p);
+    tdp_listener_free(ll.l);
+    for (int i = 0; i < 2000 && stat_reconnects(c) < 2; i++)
+        usleep(1000);
+    t0 = mono_ms();
+    fill(td, 6);
+    tdp_err rc = tdp_pipe_send(c, td, 20000);
+    int64_t dt = mono_ms() - t0;
+    print_message("no consumer: send ended with %s after %" PRId64 " ms\n", tdp_errname(rc), dt);
+    assert_true(rc == TDP_ECONNRESET || rc == TDP_ECLOSED);
+    assert_true(dt < 5000 + 2000);
+    assert_true(tdp_pipe_status(c) == TDP_ECONNRESET || tdp_pipe_status(c) == TDP_ECLOSED);
+    tdp_pipe_free(c);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
 /* ---- shared-secret authentication ----------------------------------------------- */
 
 /* One connect against a listener, each side with its own secret (NULL: none). */
@@ -1890,6 +2013,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_shm_hostile_descriptors),
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
+        cmocka_unit_test(test_reconnect),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

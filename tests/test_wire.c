@@ -416,6 +416,67 @@ static void test_records_any_order(void **state)
     buf_free(&b);
 }
 
+/* AUTH and RESUME: round trip, flagged critical, values checked; the AUTH frame's size. */
+static void test_auth_and_resume_records(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 4, .auth = TDP_AUTH_HMAC_SHA256, .resume = 5}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    assert_true(n > 0);
+    uint8_t *out = malloc(n);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g),
+                     TDP_OK);
+    assert_int_equal(g.auth, TDP_AUTH_HMAC_SHA256);
+    assert_int_equal(g.resume, 5);
+    /* both critical: a peer that does not know them refuses, never skips */
+    const uint8_t *r = out + TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN;
+    for (int i = 0; i < 2; i++) {
+        uint16_t flags = (uint16_t)(r[2] | r[3] << 8);
+        uint32_t vlen = (uint32_t)(r[4] | r[5] << 8 | r[6] << 16 | (uint32_t)r[7] << 24);
+        assert_true(flags & TDP_HX_CRITICAL);
+        r += TDP_HX_HDR_LEN + ((vlen + 7) & ~7u);
+    }
+    free(out);
+    /* resume 1 (a fresh stream needs none) and past the bound are refused */
+    h.resume = 1;
+    assert_int_equal(tdp_wire_hello_size(&h), 0);
+    const uint64_t bad[] = {0, 1, TDP_RESUME_MAX + 1};
+    for (size_t i = 0; i < 3; i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        uint8_t v[8];
+        for (int k = 0; k < 8; k++)
+            v[k] = (uint8_t)(bad[i] >> (8 * k));
+        put_rec(&b, TDP_HX_RESUME, TDP_HX_CRITICAL, v, 8);
+        assert_int_equal(dec(&b, &g), TDP_EPROTO);
+        buf_free(&b);
+    }
+    /* an AUTH record of another size, or method 0 */
+    const uint8_t two[2] = {1, 1}, zero[1] = {0};
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_AUTH, TDP_HX_CRITICAL, two, 2);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_AUTH, TDP_HX_CRITICAL, zero, 1);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+    /* the AUTH frame is exactly a 32-byte tag */
+    uint8_t tag[TDP_AUTH_TAG_LEN] = {7}, fr[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN];
+    tdp_wire_auth_encode(fr, tag);
+    tdp_ctl_hdr hdr;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(fr, &hdr), TDP_OK);
+    assert_int_equal(hdr.type, TDP_CTL_AUTH);
+    assert_memory_equal(fr + TDP_CTL_HDR_LEN, tag, TDP_AUTH_TAG_LEN);
+    tdp_wire_ctl_hdr_encode(fr, TDP_CTL_AUTH, TDP_AUTH_TAG_LEN - 1);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(fr, &hdr), TDP_EPROTO);
+}
+
 static void test_duplicate_known_record(void **state)
 {
     (void)state;
@@ -895,6 +956,7 @@ int main(void)
         cmocka_unit_test(test_unknown_critical_refused),
         cmocka_unit_test(test_records_any_order),
         cmocka_unit_test(test_duplicate_known_record),
+        cmocka_unit_test(test_auth_and_resume_records),
         cmocka_unit_test(test_truncated_every_prefix),
         cmocka_unit_test(test_record_length_overflow),
         cmocka_unit_test(test_padding),

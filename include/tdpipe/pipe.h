@@ -132,6 +132,19 @@ typedef struct tdp_pipe_opts {
      */
     const void *secret;
     size_t secret_len;
+    /*
+     * Reconnect (a dialed pipe only; 0: off). When the peer fails, closes
+     * or cannot be reached, the pipe dials the same address again, backing
+     * off from 50 ms to 1 s, until a peer answers or reconnect_ms passed
+     * (then it ends with the error that started the outage). Meanwhile
+     * sends wait (each bounded by its own timeout); sends the old link held
+     * end with TDP_ECONNRESET (they may or may not have arrived); sequence
+     * numbers go on, so the new peer's first message says what it missed
+     * (tdp_pipe_stats.resumed_from); the schema is sent again. Also waits
+     * for a peer that is not there yet: the first connect retries a
+     * refused connection until connect_timeout_ms. docs/pipe.md#reconnect.
+     */
+    int64_t reconnect_ms;
 } tdp_pipe_opts;
 
 #define TDP_SECRET_MIN 16
@@ -307,6 +320,13 @@ typedef struct tdp_pipe_stats {
     uint64_t bytes_sent, bytes_recv; /* payload bytes */
     uint64_t schemas_sent, schemas_recv;
     uint64_t credit_waits; /* sends that had to wait for the receiver */
+    uint64_t reconnects;   /* outages a reconnecting pipe went through */
+    /*
+     * Receiving: the sequence number the peer said it goes on from (its
+     * first message's), when it reconnected after an outage — messages
+     * before it were sent to a peer that is gone; 0 for a fresh stream.
+     */
+    uint64_t resumed_from;
 } tdp_pipe_stats;
 
 TDP_API void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out);

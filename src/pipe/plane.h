@@ -71,6 +71,9 @@ typedef struct tdp__link_peer {
     uint32_t depth;      /* buffers this side holds */
     tdp_peer_mode mode;  /* this side's option */
     uint64_t max_json_bytes, max_total_bytes; /* this side's schema limits */
+    /* seq of the last DATA this side sent before this link (a reconnected
+     * pipe goes on from there; 0 for a fresh one): the next is sent_seq + 1 */
+    uint64_t sent_seq;
 } tdp__link_peer;
 
 /* A send: the session has checked credit and order. */

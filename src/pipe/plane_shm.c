@@ -164,7 +164,8 @@ struct tdp__link {
     uint32_t tx_skips, rx_skips;
     tx_pool *pool;       /* current generation; older ones in pool->next */
     uint32_t next_gen;
-    uint64_t last_seq, released;
+    uint64_t last_seq, released; /* released: counted from this link's start */
+    uint64_t seq0;               /* seq of the last DATA sent before this link */
     bool loan_starved; /* a loan was refused for want of a free slot */
     early_tx *early;
     uint32_t nearly, capearly;
@@ -561,7 +562,7 @@ static int tx_arm(void *arg)
      * and the receiver is spared an eventfd write per message (and this
      * side a wakeup). The safety timer bounds how stale they can get.
      */
-    if (l->last_seq - l->released < l->peer_depth && !l->loan_starved)
+    if (l->last_seq - l->seq0 - l->released < l->peer_depth && !l->loan_starved)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
     l->tx_armed |= a == 0;
@@ -1371,6 +1372,7 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     memcpy(l->peer_key, h->shm.key, TDP_SHM_KEY_LEN);
     l->depth = peer->depth;
     l->peer_depth = peer->peer_depth;
+    l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
     l->max_json = peer->max_json_bytes;
     l->max_total = peer->max_total_bytes;
     l->capearly = 2 * peer->peer_depth + 1;

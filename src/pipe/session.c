@@ -31,6 +31,7 @@ typedef struct rx_slot {
     enum slot_state state;
     tdp_td *td; /* the message's view while READY or LENT */
     uint64_t seq;
+    uint32_t epoch; /* the link it came by (reconnecting pipes have several) */
     tdp_pipe *pipe;
 } rx_slot;
 
@@ -113,7 +114,32 @@ struct tdp_pipe {
     tdp_op *sync_send, *sync_recv;
 
     tdp_pipe_stats stats;
+
+    /*
+     * Reconnecting (opts.reconnect_ms, a dialed pipe): the addresses to dial
+     * again, and the outage in progress. epoch counts links; a buffer lent
+     * from an earlier one is not the current link's to give back.
+     * credit_base: send_seq when the current link started (its peer counts
+     * credit from there).
+     */
+    struct sockaddr_storage addrs[TDP_CTL_MAX_ADDRS];
+    socklen_t addrlens[TDP_CTL_MAX_ADDRS];
+    int naddr;
+    bool was_open, reconnecting;
+    tdp_err lost;           /* what started the outage */
+    uint64_t outage_end_ns; /* give up then */
+    int64_t backoff_ms;
+    struct event *retry_ev;
+    uint32_t epoch;
+    uint64_t credit_base;
 };
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 
 static void send_kick(tdp_pipe *p);
 static void deliver(tdp_pipe *p);
@@ -165,6 +191,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(planes_forbidden)
     TAKE(secret)
     TAKE(secret_len)
+    TAKE(reconnect_ms)
 #undef TAKE
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
@@ -232,10 +259,8 @@ static void drain_ops(tdp_pipe *p)
 
 /* ---- ending -------------------------------------------------------------- */
 
-static void close_link(tdp_pipe *p)
+static void close_links(tdp_pipe *p, bool gone)
 {
-    /* a reset or a timeout: the peer is gone, or as good as */
-    bool gone = p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT;
     for (int i = 0; i < p->ncand; i++) {
         if (p->links[i] != NULL) {
             p->cand[i]->link_close(p->links[i], gone);
@@ -244,6 +269,15 @@ static void close_link(tdp_pipe *p)
     }
     p->link = NULL;
 }
+
+static void close_link(tdp_pipe *p)
+{
+    /* a reset or a timeout: the peer is gone, or as good as */
+    close_links(p, p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT);
+}
+
+static bool want_reconnect(const tdp_pipe *p, tdp_err err);
+static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
 
 static void timer_del(tdp_pipe *p)
 {
@@ -267,7 +301,21 @@ static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
 {
     if (p->state == PIPE_DEAD)
         return;
-    bool was_connecting = p->state == PIPE_CONNECTING;
+    if (want_reconnect(p, err)) {
+        begin_reconnect(p, err, why);
+        return;
+    }
+    if (p->reconnecting) {
+        /* given up: the outage's cause is the pipe's end */
+        tdp_log_info("pipe %s: no peer again within the reconnect time (%s)", p->ctl.peer_name,
+                     why);
+        p->reconnecting = false;
+        if (err != TDP_ECLOSED && err != TDP_ECANCELED)
+            err = p->lost;
+        if (err == TDP_ECLOSED)
+            p->peer_bye = true; /* the last peer said goodbye and none came after */
+    }
+    bool was_connecting = p->state == PIPE_CONNECTING && !p->was_open;
     p->state = PIPE_DEAD;
     p->status = err;
     if (err != TDP_ECLOSED && err != TDP_ECANCELED)
@@ -373,6 +421,12 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
         pipe_fail(p, TDP_EPROTO, "inconsistent BYE");
         return;
     }
+    if (want_reconnect(p, TDP_ECLOSED)) {
+        /* a reconnecting pipe waits for the next peer instead (what this
+         * one still had on its way here is dropped: its sender is closing) */
+        begin_reconnect(p, TDP_ECLOSED, "peer closed");
+        return;
+    }
     p->peer_bye = true;
     p->peer_last_seq = bye->last_seq;
     /* the peer reads no more: sends waiting for it can never go */
@@ -418,6 +472,14 @@ static void send_hello(tdp_pipe *p)
     h.planes = ids;
     h.nplanes = n;
     h.auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0;
+    /* a reconnected stream goes on where it was: the peer is told from where */
+    h.resume = p->send_seq > 0 ? p->send_seq + 1 : 0;
+    /* buffers still lent from an earlier link hold receive slots: fewer credits */
+    uint32_t held = 0;
+    for (uint32_t i = 0; i < p->depth; i++)
+        held += p->slots[i].state != SLOT_FREE;
+    if (held > 0 && held < p->depth)
+        h.recv_depth = p->depth - held;
     if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce)) {
         /* never seen; still unique enough to tell an echo (ctl.c) from a peer */
         struct timespec ts;
@@ -448,6 +510,12 @@ static int link_index(const tdp_pipe *p, const tdp__link *l)
 static void become_open(tdp_pipe *p)
 {
     p->state = PIPE_OPEN;
+    p->was_open = true;
+    if (p->reconnecting) {
+        p->reconnecting = false;
+        tdp_log_info("pipe %s: reconnected; sending goes on from message %" PRIu64,
+                     p->ctl.peer_name, p->send_seq + 1);
+    }
     timer_del(p);
     tdp_log_debug("pipe %s open: plane=%s same_host=%d depth=%u/%u", p->ctl.peer_name,
                   p->plane->name, p->same_host, p->depth, p->peer_depth);
@@ -471,6 +539,16 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
     p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0 && p->ctl.peer_local;
     p->peer_depth = h->recv_depth;
+    if (p->stats.resumed_from != 0 && h->resume != p->stats.resumed_from) {
+        pipe_fail(p, TDP_EPROTO, "the peer's first message does not start where its HELLO says");
+        return;
+    }
+    if (h->resume != 0 && p->stats.resumed_from == 0) {
+        /* the peer reconnected: its messages go on from there (the ones
+         * before went to a peer that is gone) */
+        p->rx_seq = h->resume - 1;
+        p->stats.resumed_from = h->resume;
+    }
 
     /* both sides compute the same choice: the same lists, the same filter */
     uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANES];
@@ -523,6 +601,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .mode = p->opts.peer_mode,
         .max_json_bytes = p->limits.max_json_bytes,
         .max_total_bytes = p->limits.max_total_bytes,
+        .sent_seq = p->send_seq,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {
@@ -595,7 +674,7 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
 
 static bool take_credit(tdp_pipe *p, uint64_t total)
 {
-    if (total < p->peer_credit || total > p->send_seq) {
+    if (total < p->peer_credit || total > p->send_seq - p->credit_base) {
         proto_fail(p, TDP_EPROTO, "credit beyond what was sent");
         return false;
     }
@@ -623,6 +702,13 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
 
     if (ops == NULL)
         return;
+    if (f->seq != p->rx_seq + 1 && length == f->length && p->state == PIPE_CONNECTING &&
+        p->rx_seq == 0 && p->stats.schemas_recv == 0 && f->seq >= 2 && f->seq <= TDP_RESUME_MAX) {
+        /* a reconnected peer's first SCHEMA, ahead of the HELLO that says
+         * where it resumes (the HELLO must then agree: on_ctl_hello) */
+        p->rx_seq = f->seq - 1;
+        p->stats.resumed_from = f->seq;
+    }
     if (f->seq != p->rx_seq + 1 || length != f->length) {
         proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
         return;
@@ -717,6 +803,7 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
     }
     p->rx_seq = f->seq;
     s->seq = f->seq;
+    s->epoch = p->epoch;
     s->state = SLOT_FILLING;
     tdp_err rc = ops->recv(l, desc, (uint32_t)(s - p->slots), &s->td);
     if (rc == TDP_OK || rc == TDP_EAGAIN)
@@ -830,7 +917,8 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
 static void send_kick(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
-        if (p->send_seq - p->peer_credit >= p->peer_depth || p->free_tickets == NULL) {
+        if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
+            p->free_tickets == NULL) {
             if (!p->sendq.head->waited) { /* count each waiting send once */
                 p->sendq.head->waited = true;
                 p->stats.credit_waits++;
@@ -887,10 +975,11 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
         return;
     if (p->lent1 == (int32_t)(s - p->slots))
         p->lent1 = -1;
-    if (p->link != NULL)
+    bool ours = s->epoch == p->epoch; /* not from a link gone since */
+    if (p->link != NULL && ours)
         p->plane->release(p->link, (uint32_t)(s - p->slots));
     slot_free(s);
-    if (p->state != PIPE_OPEN)
+    if (p->state != PIPE_OPEN || !ours)
         return;
     p->released++;
     if (p->plane->credit == NULL)
@@ -1302,6 +1391,161 @@ tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out)
 
 /* ---- creating and freeing ---------------------------------------------------------- */
 
+/* A fresh control channel (at creation, and for each reconnect). */
+static void ctl_setup(tdp_pipe *p)
+{
+    tdp__ctl_opts co = {p->opts.keepalive_idle_s, p->opts.keepalive_intvl_s,
+                        p->opts.keepalive_cnt, p->opts.secret, p->opts.secret_len};
+    tdp__ctl_init(&p->ctl, p->loop, &co, &ctl_up, p);
+}
+
+/* A link per candidate plane, in this side's order of preference. */
+static tdp_err make_links(tdp_pipe *p)
+{
+    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP__PLANE_TEST};
+    tdp_err err = TDP_ENOTSUP;
+    p->ncand = 0;
+    for (size_t i = 0; i < sizeof(order); i++) {
+        const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
+        if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
+            (p->opts.planes_forbidden & (1u << order[i])))
+            continue;
+        tdp_err rc = o->link_new(p->loop, p, &plane_up, &p->links[p->ncand]);
+        if (rc != TDP_OK) {
+            tdp_log_debug("plane %s unavailable: %s", o->name, tdp_strerror(rc));
+            err = rc;
+            continue;
+        }
+        p->cand[p->ncand++] = o;
+    }
+    if (p->ncand > 0)
+        return TDP_OK;
+    return err == TDP_ENOMEM ? TDP_ENOTSUP : err;
+}
+
+/* ---- reconnecting ------------------------------------------------------------ */
+
+/*
+ * A dialed pipe with reconnect_ms dials again after its peer failed, closed
+ * (a consumer restarting), or could not be reached (also before the first
+ * HELLO: waiting for a peer that is not there yet) — unless this side is
+ * closing, or the outage has lasted its time.
+ */
+static bool want_reconnect(const tdp_pipe *p, tdp_err err)
+{
+    if (p->opts.reconnect_ms <= 0 || p->naddr == 0 || p->close_requested || p->freed)
+        return false;
+    if (p->reconnecting && now_ns() >= p->outage_end_ns)
+        return false;
+    switch (err) {
+    case TDP_ECONNREFUSED:
+    case TDP_ECONNRESET:
+        return true;
+    case TDP_ETIMEDOUT: /* a handshake that never finished */
+        return p->state == PIPE_CONNECTING;
+    case TDP_ECLOSED: /* the peer said BYE: it may be back */
+        return p->was_open && p->state == PIPE_OPEN;
+    default:
+        return false;
+    }
+}
+
+static void retry_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_pipe *p = arg;
+    if (!p->reconnecting || p->state != PIPE_CONNECTING || p->freed)
+        return;
+    uint64_t now = now_ns();
+    if (now >= p->outage_end_ns) {
+        pipe_fail(p, p->lost, "reconnect time passed");
+        return;
+    }
+    tdp_err rc = make_links(p);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "no data plane to reconnect with");
+        return;
+    }
+    ctl_setup(p);
+    rc = tdp__ctl_dial(&p->ctl, p->addrs, p->addrlens, p->naddr);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "cannot dial");
+        return;
+    }
+    /* this attempt's handshake ends within the outage's time */
+    int64_t left = (int64_t)((p->outage_end_ns - now) / 1000000u) + 1;
+    arm_timer(p, left < p->opts.connect_timeout_ms ? left : p->opts.connect_timeout_ms);
+}
+
+/*
+ * The link is gone: put the pipe back to connecting, keep what the
+ * application holds (queued sends, messages lent), and dial again after a
+ * backoff. Sends the old link held end with TDP_ECONNRESET: they may or may
+ * not have arrived. The next HELLO says where the stream goes on.
+ */
+static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
+{
+    uint64_t now = now_ns();
+    if (!p->reconnecting) {
+        int64_t span = p->was_open ? p->opts.reconnect_ms : p->opts.connect_timeout_ms;
+        p->reconnecting = true;
+        p->lost = err;
+        p->outage_end_ns = now + (uint64_t)span * 1000000u;
+        p->backoff_ms = 50;
+        if (p->was_open) {
+            p->stats.reconnects++;
+            tdp_log_info("pipe %s: %s (%s); reconnecting for up to %" PRId64 " ms",
+                         p->ctl.peer_name, why, tdp_strerror(err), span);
+        }
+    } else {
+        tdp_log_debug("pipe %s: reconnect attempt failed: %s (%s)", p->ctl.peer_name, why,
+                      tdp_strerror(err));
+        p->backoff_ms = p->backoff_ms * 2 > 1000 ? 1000 : p->backoff_ms * 2;
+    }
+    p->state = PIPE_CONNECTING;
+    timer_del(p);
+    close_links(p, true);
+    tdp__ctl_close(&p->ctl);
+    if (p->credit_ev != NULL)
+        event_del(p->credit_ev);
+
+    /* sending: what the old link held is lost to us; the rest waits */
+    fail_ops_sent(p, TDP_ECONNRESET);
+    tdp__free(p->tickets);
+    p->tickets = NULL;
+    p->free_tickets = NULL;
+    p->nticket = 0;
+    p->tx_inflight = 0;
+    tdp_schema_unref(p->sent_schema);
+    p->sent_schema = NULL; /* the schema goes again */
+    p->credit_base = p->send_seq;
+    p->peer_credit = 0;
+
+    /* receiving: a new peer starts its own stream; views lent stay valid */
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+        rx_slot *s = &p->slots[i];
+        if (s->state == SLOT_FILLING || s->state == SLOT_READY) {
+            if (s->state == SLOT_READY)
+                p->stats.msgs_recv--; /* never handed out */
+            slot_free(s);
+        }
+    }
+    p->ready_count = 0;
+    p->ready_head = 0;
+    p->rx_inflight = 0;
+    p->rx_seq = 0;
+    p->rx_hash = 0; /* a DATA before the new peer's SCHEMA is refused */
+    p->released = p->credit_sent = 0;
+    p->peer_bye = false;
+    p->peer_last_seq = 0;
+    p->link_failed = false;
+    p->epoch++;
+
+    uint64_t left_ms = (p->outage_end_ns - now) / 1000000u;
+    int64_t wait = p->backoff_ms < (int64_t)left_ms ? p->backoff_ms : (int64_t)left_ms;
+    struct timeval tv = {(time_t)(wait / 1000), (suseconds_t)((wait % 1000) * 1000)};
+    evtimer_add(p->retry_ev, &tv);
+}
+
 tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
                            const tdp_schema_limits *lim, tdp_err *err)
 {
@@ -1334,9 +1578,7 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
         p->slots[i].pipe = p;
     p->rel_task = (tdp__task){.fn = release_task, .arg = p};
     tdp__waiter_init(&p->w);
-    tdp__ctl_opts co = {p->opts.keepalive_idle_s, p->opts.keepalive_intvl_s,
-                        p->opts.keepalive_cnt, p->opts.secret, p->opts.secret_len};
-    tdp__ctl_init(&p->ctl, loop, &co, &ctl_up, p);
+    ctl_setup(p);
     p->timer = evtimer_new(tdp__loop_base(loop), linger_cb, p);
     p->credit_ev = evtimer_new(tdp__loop_base(loop), credit_ev_cb, p);
     if (p->timer == NULL || p->credit_ev == NULL ||
@@ -1347,27 +1589,9 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     p->sync_send->owner = p->sync_recv->owner = p;
     p->sync_send->take_back = p->sync_recv->take_back = take_back;
 
-    /* the candidate planes, in this side's order of preference */
-    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP__PLANE_TEST};
-    for (size_t i = 0; i < sizeof(order); i++) {
-        const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
-        if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
-            (p->opts.planes_forbidden & (1u << order[i])))
-            continue;
-        tdp_err rc = o->link_new(loop, p, &plane_up, &p->links[p->ncand]);
-        if (rc != TDP_OK) {
-            tdp_log_debug("plane %s unavailable: %s", o->name, tdp_strerror(rc));
-            *err = rc;
-            continue;
-        }
-        p->cand[p->ncand++] = o;
-    }
-    if (p->ncand == 0) {
-        if (*err == TDP_ENOMEM)
-            *err = TDP_ENOTSUP;
+    p->retry_ev = evtimer_new(tdp__loop_base(loop), retry_cb, p);
+    if (p->retry_ev == NULL || (*err = make_links(p)) != TDP_OK)
         goto err_free;
-    }
-    *err = TDP_OK;
     return p;
 
 err_free:
@@ -1383,6 +1607,12 @@ static void ready_deadline(tdp_pipe *p)
 tdp_err tdp__session_dial(tdp_pipe *p, const struct sockaddr_storage *addrs,
                           const socklen_t *lens, int n, tdp_pipe_cb ready, void *arg)
 {
+    if (n <= 0 || n > TDP_CTL_MAX_ADDRS)
+        return TDP_EINVAL;
+    /* kept: a reconnecting pipe dials them again */
+    memcpy(p->addrs, addrs, (size_t)n * sizeof(*addrs));
+    memcpy(p->addrlens, lens, (size_t)n * sizeof(*lens));
+    p->naddr = n;
     tdp_err rc = tdp__ctl_dial(&p->ctl, addrs, lens, n);
     if (rc != TDP_OK)
         return rc;
@@ -1425,6 +1655,8 @@ static void destroy_now(void *arg)
         event_free(p->timer);
     if (p->credit_ev != NULL)
         event_free(p->credit_ev);
+    if (p->retry_ev != NULL)
+        event_free(p->retry_ev);
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
     tdp__waiter_fini(&p->w);
@@ -1444,6 +1676,8 @@ void tdp__session_destroy(tdp_pipe *p)
         evtimer_del(p->timer);
     if (p->credit_ev != NULL)
         event_del(p->credit_ev);
+    if (p->retry_ev != NULL)
+        event_del(p->retry_ev);
     tdp__reap_later(p->loop, &p->reap, destroy_now, p);
 }
 

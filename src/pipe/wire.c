@@ -136,10 +136,12 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
             return TDP_EINVAL;
         n += TDP_HX_HDR_LEN + hx_span(TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
     }
-    if (h->auth != 0) {
-        if (h->auth != TDP_AUTH_HMAC_SHA256)
-            return TDP_EINVAL;
+    if (h->auth != 0) /* the method: any but 0 goes on the wire (the session picks) */
         n += TDP_HX_HDR_LEN + hx_span(1);
+    if (h->resume != 0) {
+        if (h->resume < 2 || h->resume > TDP_RESUME_MAX)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(8);
     }
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
@@ -162,7 +164,7 @@ static uint8_t *hx_put(uint8_t **pp, uint16_t type, uint32_t vlen)
     uint64_t span = hx_span(vlen);
     put16(p, type);
     /* a peer that cannot authenticate must refuse, not skip, the request */
-    put16(p + 2, type == TDP_HX_AUTH ? TDP_HX_CRITICAL : 0);
+    put16(p + 2, type == TDP_HX_AUTH || type == TDP_HX_RESUME ? TDP_HX_CRITICAL : 0);
     put32(p + 4, vlen);
     memset(p + TDP_HX_HDR_LEN + vlen, 0, (size_t)(span - vlen));
     *pp = p + TDP_HX_HDR_LEN + span;
@@ -202,6 +204,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     }
     if (h->auth != 0)
         *hx_put(&p, TDP_HX_AUTH, 1) = h->auth;
+    if (h->resume != 0)
+        put64(hx_put(&p, TDP_HX_RESUME, 8), h->resume);
     return TDP_OK;
 }
 
@@ -244,6 +248,13 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         if (h->auth != 0 || vlen != 1 || v[0] == 0)
             return TDP_EPROTO;
         h->auth = v[0];
+        return TDP_OK;
+    case TDP_HX_RESUME:
+        if (h->resume != 0 || vlen != 8)
+            return TDP_EPROTO;
+        h->resume = get64(v);
+        if (h->resume < 2 || h->resume > TDP_RESUME_MAX)
+            return TDP_EPROTO;
         return TDP_OK;
     case 0:
         return TDP_EPROTO;

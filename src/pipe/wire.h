@@ -31,6 +31,7 @@ enum tdp_ctl_type {
 };
 
 #define TDP_AUTH_TAG_LEN   32u
+#define TDP_RESUME_MAX     (UINT64_C(1) << 62) /* far past any stream; room to add to */
 #define TDP_AUTH_HMAC_SHA256 1u /* the one method: TDP_HX_AUTH's value */
 
 /* Capability bits of HELLO; unknown bits are ignored. */
@@ -69,6 +70,7 @@ enum tdp_hx_type {
     TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
+    TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
 };
 
 /*
@@ -115,6 +117,7 @@ typedef struct tdp_hello {
         uint16_t name_len;  /* 1..TDP_SHM_NAME_MAX */
     } shm;
     uint8_t auth; /* TDP_HX_AUTH: 0 (none) or TDP_AUTH_HMAC_SHA256 */
+    uint64_t resume; /* TDP_HX_RESUME: 0 (a fresh stream) or 2..2^62 */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */
