@@ -1,0 +1,331 @@
+"""tdpipe: stream tensordicts between processes, received as zero-copy
+PyTorch tensors or NumPy arrays.
+
+    import tdpipe
+    with tdpipe.listen("127.0.0.1") as lst:        # lst.port: the bound port
+        pipe = lst.accept(timeout=10)
+        for msg in pipe:                           # ends at the peer's clean close
+            train(msg["obs"], msg["next"]["reward"])
+
+    pipe = tdpipe.connect("127.0.0.1", port)
+    pipe.send({"obs": torch.zeros(4, 84), "next": {"reward": np.ones(4)}})
+    pipe.close()
+
+See docs/python.md for lending rules, threading and asyncio.
+"""
+import asyncio
+import atexit
+
+from . import _tdpipe
+from .errors import (CanceledError, ClosedError, Error, PeerError, ProtocolError,
+                     RefusedError, TimeoutError)
+from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
+    consolidated_check
+
+__all__ = [
+    "connect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
+    "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
+    "RefusedError", "CanceledError", "Schema", "library_version",
+]
+
+Schema = _tdpipe.Schema
+library_version = _tdpipe.library_version
+__version__ = _tdpipe.library_version()
+
+# Nothing on the library's loop thread may take the GIL once the
+# interpreter is shutting down.
+atexit.register(_tdpipe._finalizing)
+
+_OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "plane", "peer_mode",
+         "keepalive")
+
+
+def _opts(kw):
+    for k in kw:
+        if k not in _OPTS:
+            raise TypeError("unknown option %r (known: %s)" % (k, ", ".join(_OPTS)))
+    return dict(kw)
+
+
+class Pipe:
+    """One end of a stream. Made by connect() or Listener.accept().
+
+    Blocking calls release the GIL while they wait. One blocking call at a
+    time per pipe (another thread's concurrent call raises RuntimeError).
+    """
+
+    def __init__(self, raw, as_="torch"):
+        self._raw = raw
+        self.as_ = as_
+        self._send_cache = SchemaCache()
+        self._unpack = Unpacker()
+        self._rop = None
+        self._rop_pending = False
+        self._sop = None
+
+    # -- sending
+
+    def _send_args(self, td):
+        """The Td to send as is, or (schema, addresses, keepalive) to gather."""
+        raw_td = consolidated_check(td)
+        if raw_td is not None:
+            return raw_td, None
+        schema, addrs, keep = self._send_cache.get(td)
+        return None, (schema, addrs, keep)
+
+    def send(self, td, timeout=None):
+        """Send a nested mapping of tensors / arrays / scalars.
+
+        Leaves in separate buffers are gathered (one copy) into a send
+        buffer the pipe keeps and reuses; a Consolidated (from consolidate(),
+        loan(), or a received Message being forwarded) goes without a copy.
+        Returns when the buffer may be reused (the transport took the bytes).
+        """
+        raw_td, gather = self._send_args(td)
+        if raw_td is not None:
+            self._raw.send_td(raw_td, timeout)
+        else:
+            schema, addrs, keep = gather
+            self._raw.send_gather(schema, addrs, timeout)
+            del keep
+
+    def loan(self, like):
+        """A Consolidated laid out like `like` (a nested mapping), in a send
+        buffer borrowed from the data plane (a slot of the shared pool on the
+        shm plane): fill its leaves in place and send it, copying nothing.
+        Once sent it is the receiver's: loan a new one for the next message."""
+        schema, _addrs, _keep = self._send_cache.get(like)
+        return self._unpack(self._raw.loan(schema), self.as_, Consolidated)
+
+    # -- receiving
+
+    def recv(self, timeout=None, as_=None):
+        """The next message: a Message (nested dict) of views into the
+        receive buffer. Raises ClosedError at the peer's clean end,
+        TimeoutError when `timeout` seconds pass (the pipe stays usable).
+
+        Depth 1: the message is lent until the next recv (which overwrites
+        it) or release(). Depth N: until release(), the end of its `with`
+        block, or until the Message object is garbage.
+        """
+        return self._unpack(self._raw.recv(timeout), as_ or self.as_)
+
+    def release(self, msg):
+        msg.release()
+
+    def __iter__(self):
+        """Messages until the peer's clean end; other errors raise."""
+        while True:
+            try:
+                msg = self.recv()
+            except ClosedError:
+                return
+            yield msg
+
+    # -- asyncio
+
+    async def _wait(self, op):
+        r = op.result()
+        if r is not None:
+            return r
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fd = op.fileno()
+
+        def ready():
+            if fut.done():
+                return
+            try:
+                res = op.result()
+            except BaseException as e:  # the op's error, raised in the coroutine
+                fut.set_exception(e)
+                return
+            if res is not None:
+                fut.set_result(res)
+
+        loop.add_reader(fd, ready)
+        try:
+            return await fut
+        finally:
+            loop.remove_reader(fd)
+
+    async def arecv(self, as_=None):
+        """recv() for asyncio: waits on an eventfd the library's completion
+        callback signals (loop.add_reader), never blocking the event loop.
+        A cancelled arecv leaves its receive pending; the next one takes it."""
+        if self._rop is None:
+            self._rop = _tdpipe.Op()
+        if not self._rop_pending:
+            self._rop.start_recv(self._raw)
+            self._rop_pending = True
+        try:
+            td = await self._wait(self._rop)
+        except Error:
+            self._rop_pending = False
+            raise
+        self._rop_pending = False
+        return self._unpack(td, as_ or self.as_)
+
+    async def asend(self, td):
+        """send() for asyncio. The data is referenced until it completes."""
+        if self._sop is None:
+            self._sop = _tdpipe.Op()
+        raw_td, gather = self._send_args(td)
+        if raw_td is None:
+            # gather into a fresh buffer: the op reads it after this returns
+            schema, addrs, keep = gather
+            raw_td = _tdpipe.Td.alloc(schema)
+            raw_td.fill(addrs)
+            del keep
+        self._sop.start_send(self._raw, raw_td)
+        await self._wait(self._sop)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.arecv()
+        except ClosedError:
+            raise StopAsyncIteration from None
+
+    # -- ending
+
+    def close(self, timeout=10.0):
+        """Clean end: queued sends go, then BYE; the peer's receives end
+        with ClosedError after the last message. The pipe is then freed;
+        messages still held stay readable (their memory is referenced)."""
+        try:
+            self._raw.close(timeout)
+        finally:
+            self._raw.free()
+
+    def abort(self):
+        """End at once; the peer sees PeerError."""
+        self._raw.abort()
+        self._raw.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    # -- queries
+
+    def stats(self):
+        return self._raw.stats()
+
+    @property
+    def plane(self):
+        """"ucx" or "shm": the data plane the handshake chose."""
+        return self._raw.plane
+
+    @property
+    def peer(self):
+        return self._raw.peer
+
+    @property
+    def depth(self):
+        return self._raw.depth
+
+
+def connect(host, port, *, as_="torch", **opts):
+    """Connect to a listener and handshake. Options (keyword): depth (alias
+    recv_depth, 1..64), connect_timeout and linger (seconds), plane ("auto",
+    "ucx", "shm"), peer_mode ("auto", "ucx", "socket"), keepalive
+    ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves."""
+    return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts)), as_)
+
+
+class Listener:
+    """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
+
+    def __init__(self, host, port=0, *, as_="torch", **opts):
+        self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts))
+        self.as_ = as_
+
+    @property
+    def port(self):
+        return self._raw.port
+
+    def accept(self, timeout=None):
+        """The next pipe whose handshake completed (TimeoutError after
+        `timeout` seconds). Connections that fail their handshake (garbage,
+        wrong version) are dropped by the library and never returned."""
+        return Pipe(self._raw.accept(timeout), self.as_)
+
+    def close(self):
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def listen(host="127.0.0.1", port=0, *, as_="torch", **opts):
+    """A Listener on host:port (port 0: a free one, read back as .port)."""
+    return Listener(host, port, as_=as_, **opts)
+
+
+class Server:
+    """Many clients, one handler: handler(request) -> reply or None.
+
+    request is a Message (nested dict of views) lent for the call only;
+    the reply is any nested mapping (another schema than the request's is
+    fine), copied into a new buffer and sent back on the client's pipe.
+    The handler runs on the library's loop thread, holding the GIL; an
+    exception in it is printed and closes that client only (it sees
+    PeerError). on_close(client_id, code) is called when a client goes.
+    """
+
+    def __init__(self, host, port, handler, *, as_="torch", on_close=None,
+                 max_clients=0, **opts):
+        self._handler = handler
+        self.as_ = as_
+        self._unpack = Unpacker()
+        self._cache = SchemaCache()
+        self._raw = _tdpipe.Server(host, int(port), self._on_message, on_close,
+                                   _opts(opts), int(max_clients))
+
+    def _on_message(self, td, client_id):
+        req = self._unpack(td, self.as_)
+        reply = self._handler(req)
+        if reply is None:
+            return None
+        raw_td = consolidated_check(reply)
+        if raw_td is not None:
+            return raw_td
+        schema, addrs, keep = self._cache.get(reply)
+        out = _tdpipe.Td.alloc(schema)
+        out.fill(addrs)
+        del keep
+        return out
+
+    @property
+    def port(self):
+        return self._raw.port
+
+    def stats(self):
+        return self._raw.stats()
+
+    def shutdown(self, timeout=5.0):
+        """Stop accepting, let queued replies go, close every client cleanly."""
+        self._raw.shutdown(timeout)
+
+    def close(self):
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
