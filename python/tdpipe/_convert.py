@@ -118,7 +118,7 @@ def _leaf_info(x):
 def _node_meta(x):
     """(cls, batch_size) of a tensordict-like node, or None for a plain mapping."""
     bs = getattr(x, "batch_size", None)
-    if bs is None or isinstance(x, dict):
+    if bs is None:
         return None
     return type(x).__name__, tuple(int(d) for d in bs)
 
