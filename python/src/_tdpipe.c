@@ -895,8 +895,15 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     tdp_err rc;
     tdp_td *t = NULL;
     tdp_pipe *p = self->pipe;
+    tdp_pipe_stats st = {0};
     self->busy = 1;
+    /*
+     * Queries made off the loop thread wait for it (they run there), so
+     * they are made without the GIL too: the loop thread may need it.
+     */
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_recv(p, ms, &t);
+    if (rc == TDP_OK)
+        tdp_pipe_stats_get(p, &st);
     Py_END_ALLOW_THREADS self->busy = 0;
     if (self->depth == 1 && self->last_lent != NULL && rc != TDP_ETIMEDOUT) {
         self->last_lent->released = 1;
@@ -904,8 +911,6 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     }
     if (rc != TDP_OK)
         return raise_tdp(rc, "recv");
-    tdp_pipe_stats st;
-    tdp_pipe_stats_get(p, &st);
     return pipe_lent_td(self, t, st.msgs_recv);
 }
 
@@ -918,7 +923,11 @@ static PyObject *pipe_loan(PipeObject *self, PyObject *arg)
     if (self->pipe == NULL)
         return raise_tdp(TDP_ECANCELED, "pipe freed");
     tdp_td *t;
-    tdp_err rc = tdp_pipe_loan(self->pipe, ((SchemaObject *)arg)->s, &t);
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    tdp_schema *s = ((SchemaObject *)arg)->s;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_loan(p, s, &t);
+    Py_END_ALLOW_THREADS
     if (rc != TDP_OK)
         return raise_tdp(rc, "loan");
     TdObject *o = td_new_obj(t);
@@ -950,8 +959,11 @@ static PyObject *pipe_close(PipeObject *self, PyObject *args)
 
 static PyObject *pipe_abort(PipeObject *self, PyObject *unused)
 {
-    if (self->pipe != NULL)
-        tdp_pipe_abort(self->pipe, TDP_ECANCELED);
+    tdp_pipe *p = self->pipe;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_abort(p, TDP_ECANCELED);
+        Py_END_ALLOW_THREADS
+    }
     Py_RETURN_NONE;
 }
 
@@ -988,7 +1000,9 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
     if (self->pipe == NULL)
         return raise_tdp(TDP_ECANCELED, "pipe freed");
     tdp_pipe_stats s;
-    tdp_pipe_stats_get(self->pipe, &s);
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &s);
+    Py_END_ALLOW_THREADS
     return Py_BuildValue("{sKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv",
                          s.msgs_recv, "bytes_sent", s.bytes_sent, "bytes_recv", s.bytes_recv,
                          "schemas_sent", s.schemas_sent, "schemas_recv", s.schemas_recv,
@@ -999,7 +1013,10 @@ static PyObject *pipe_plane(PipeObject *self, void *c)
 {
     if (self->pipe == NULL)
         Py_RETURN_NONE;
-    return PyUnicode_FromString(tdp_plane_name(tdp_pipe_plane(self->pipe)));
+    tdp_plane pl;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS pl = tdp_pipe_plane(p);
+    Py_END_ALLOW_THREADS return PyUnicode_FromString(tdp_plane_name(pl));
 }
 
 static PyObject *pipe_peer(PipeObject *self, void *c)
@@ -1007,12 +1024,21 @@ static PyObject *pipe_peer(PipeObject *self, void *c)
     if (self->pipe == NULL)
         Py_RETURN_NONE;
     char buf[128];
-    return PyUnicode_FromString(tdp_pipe_peer(self->pipe, buf, sizeof buf));
+    const char *r;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS r = tdp_pipe_peer(p, buf, sizeof buf);
+    Py_END_ALLOW_THREADS return PyUnicode_FromString(r ? r : "");
 }
 
 static PyObject *pipe_status(PipeObject *self, void *c)
 {
-    return PyLong_FromLong(self->pipe ? tdp_pipe_status(self->pipe) : TDP_ECANCELED);
+    tdp_err rc = TDP_ECANCELED;
+    tdp_pipe *p = self->pipe;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_status(p);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(rc);
 }
 
 static PyObject *pipe_depth(PipeObject *self, void *c)
@@ -1481,7 +1507,9 @@ static PyObject *server_stats(ServerObject *self, PyObject *unused)
     if (self->srv == NULL)
         Py_RETURN_NONE;
     tdp_server_stats s;
-    tdp_server_stats_get(self->srv, &s);
+    tdp_server *srv = self->srv;
+    Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
+    Py_END_ALLOW_THREADS
     return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now,
                          "clients_total", s.clients_total, "refused", s.refused,
                          "handshakes_failed", s.handshakes_failed, "handler_errors",
