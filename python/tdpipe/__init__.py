@@ -15,6 +15,7 @@ See docs/python.md for lending rules, threading and asyncio.
 """
 import asyncio
 import atexit
+import time
 
 from . import _tdpipe
 from .errors import (CanceledError, ClosedError, Error, PeerError, ProtocolError,
@@ -59,6 +60,7 @@ class Pipe:
         self.as_ = as_
         self._send_cache = SchemaCache()
         self._unpack = Unpacker()
+        self._loan_unpack = Unpacker()
         self._rop = None
         self._rop_pending = False
         self._sop = None
@@ -89,13 +91,29 @@ class Pipe:
             self._raw.send_gather(schema, addrs, timeout)
             del keep
 
-    def loan(self, like):
+    def loan(self, like, timeout=None):
         """A Consolidated laid out like `like` (a nested mapping), in a send
         buffer borrowed from the data plane (a slot of the shared pool on the
         shm plane): fill its leaves in place and send it, copying nothing.
-        Once sent it is the receiver's: loan a new one for the next message."""
+        Once sent it is the receiver's: loan a new one for the next message.
+        When every slot is out (the receiver holds them, or sends are in
+        flight) this waits, polling, up to `timeout` seconds (None: forever),
+        then raises TimeoutError."""
         schema, _addrs, _keep = self._send_cache.get(like)
-        return self._unpack(self._raw.loan(schema), self.as_, Consolidated)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 20e-6
+        while True:
+            try:
+                td = self._raw.loan(schema)
+                break
+            except Error as e:
+                if e.errname != "EAGAIN":
+                    raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("loan: every slot is in use (ETIMEDOUT)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return self._loan_unpack(td, self.as_, Consolidated)
 
     # -- receiving
 

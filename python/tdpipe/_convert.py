@@ -180,7 +180,7 @@ def consolidated_check(obj):
     if td is None or not isinstance(obj, Consolidated):
         return None
     for container, key, view in obj._views:
-        if container.get(key) is not view:
+        if (obj if container is None else container).get(key) is not view:
             return None
     return td
 
@@ -256,7 +256,9 @@ def unpack(td, plan, as_, cls):
         v = conv(caps[i], is_bool)
         d = dicts[parent]
         d[key] = v
-        views.append((d, key, v))
+        # the root is named None, not itself: no reference cycle, so a
+        # message is freed (and at depth N given back) as soon as it is dropped
+        views.append((d if parent else None, key, v))
     for parent, key, value in plan.values:
         dicts[parent][key] = value
     root._views = views

@@ -309,3 +309,22 @@ def test_values_and_nested_nodes():
             tdpipe.connect("127.0.0.1", lst.port, no_such_option=1)
         tx.close(5)
         rx.close(5)
+
+
+def test_depth_n_message_dropped_is_given_back_without_gc():
+    import gc
+    gc.disable()
+    try:
+        with listen(depth=2) as lst:
+            tx = tdpipe.connect("127.0.0.1", lst.port)
+            rx = lst.accept(timeout=10)
+            for i in range(6):
+                tx.send({"i": torch.tensor([i]), "n": {"v": np.zeros(2)}}, timeout=5)
+                if i % 2 == 1:
+                    a, b = rx.recv(timeout=5), rx.recv(timeout=5)
+                    assert (a["i"].item(), b["i"].item()) == (i - 1, i)
+                    del a, b  # freed by refcount: both buffers go back
+            tx.close(5)
+            rx.close(5)
+    finally:
+        gc.enable()
