@@ -62,6 +62,29 @@ static PyObject *raise_tdp(tdp_err rc, const char *context)
     return NULL;
 }
 
+/*
+ * The second loop: nobody runs it, so every blocking call on its pipes
+ * drives it on the calling thread (several threads take turns: the C
+ * library's rule). No hand-off to another thread per call: the lowest
+ * latency for blocking use, but no async operations and no progress
+ * between calls.
+ */
+static tdp_loop *g_loop_caller;
+
+static tdp_loop *get_loop_caller(void)
+{
+    pthread_mutex_lock(&g_loop_mu);
+    tdp_err rc = TDP_OK;
+    if (g_loop_caller == NULL)
+        rc = tdp_loop_new(NULL, &g_loop_caller);
+    pthread_mutex_unlock(&g_loop_mu);
+    if (rc != TDP_OK) {
+        raise_tdp(rc, "loop");
+        return NULL;
+    }
+    return g_loop_caller;
+}
+
 static tdp_loop *get_loop(void)
 {
     pthread_mutex_lock(&g_loop_mu);
@@ -464,6 +487,7 @@ typedef struct {
 typedef struct PipeObject {
     PyObject_HEAD tdp_pipe *pipe;
     uint32_t depth;
+    int on_thread; /* on the loop thread's loop (async ops possible) */
     /* Depth 1: the message lent last (borrowed; it clears this when it dies). */
     TdObject *last_lent;
     /* The Schema object of the last message received, reused while it holds. */
@@ -731,7 +755,7 @@ static PyTypeObject TdType = {
 
 /* ---- Pipe ------------------------------------------------------------------ */
 
-static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth)
+static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth, int on_thread)
 {
     PipeObject *o = PyObject_New(PipeObject, &PipeType);
     if (o == NULL) {
@@ -740,6 +764,7 @@ static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth)
     }
     o->pipe = p;
     o->depth = depth ? depth : 1;
+    o->on_thread = on_thread;
     o->last_lent = NULL;
     o->recv_schema = NULL;
     o->busy = 0;
@@ -764,9 +789,9 @@ static int pipe_check(PipeObject *self)
 static PyObject *pipe_connect(PyObject *cls, PyObject *args)
 {
     const char *host;
-    int port;
+    int port, on_thread = 0;
     PyObject *d = NULL;
-    if (!PyArg_ParseTuple(args, "si|O", &host, &port, &d))
+    if (!PyArg_ParseTuple(args, "si|Op", &host, &port, &d, &on_thread))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
@@ -775,14 +800,14 @@ static PyObject *pipe_connect(PyObject *cls, PyObject *args)
     tdp_pipe_opts o;
     if (parse_opts(d, &o) < 0)
         return NULL;
-    tdp_loop *loop = get_loop();
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
     if (loop == NULL)
         return NULL;
     tdp_pipe *p;
     tdp_err rc;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_connect(loop, host, (uint16_t)port, &o, &p);
     Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "connect");
-    return (PyObject *)pipe_new_obj(p, o.recv_depth);
+    return (PyObject *)pipe_new_obj(p, o.recv_depth, on_thread);
 }
 
 static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
@@ -1046,6 +1071,11 @@ static PyObject *pipe_depth(PipeObject *self, void *c)
     return PyLong_FromUnsignedLong(self->depth);
 }
 
+static PyObject *pipe_on_thread(PipeObject *self, void *c)
+{
+    return PyBool_FromLong(self->on_thread);
+}
+
 static PyMethodDef pipe_methods[] = {
     {"connect", (PyCFunction)pipe_connect, METH_VARARGS | METH_CLASS, NULL},
     {"send_td", (PyCFunction)pipe_send_td, METH_VARARGS, NULL},
@@ -1064,6 +1094,7 @@ static PyGetSetDef pipe_getset[] = {
     {"peer", (getter)pipe_peer, NULL, NULL, NULL},
     {"status", (getter)pipe_status, NULL, NULL, NULL},
     {"depth", (getter)pipe_depth, NULL, NULL, NULL},
+    {"on_thread", (getter)pipe_on_thread, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -1081,15 +1112,15 @@ static PyTypeObject PipeType = {
 typedef struct {
     PyObject_HEAD tdp_listener *l;
     uint32_t depth;
-    int busy;
+    int busy, on_thread;
 } ListenerObject;
 
 static PyObject *listener_listen(PyObject *cls, PyObject *args)
 {
     const char *host;
-    int port = 0;
+    int port = 0, on_thread = 0;
     PyObject *d = NULL;
-    if (!PyArg_ParseTuple(args, "z|iO", &host, &port, &d))
+    if (!PyArg_ParseTuple(args, "z|iOp", &host, &port, &d, &on_thread))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
@@ -1098,7 +1129,7 @@ static PyObject *listener_listen(PyObject *cls, PyObject *args)
     tdp_pipe_opts o;
     if (parse_opts(d, &o) < 0)
         return NULL;
-    tdp_loop *loop = get_loop();
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
     if (loop == NULL)
         return NULL;
     tdp_listener *l;
@@ -1113,6 +1144,7 @@ static PyObject *listener_listen(PyObject *cls, PyObject *args)
     lo->l = l;
     lo->depth = o.recv_depth;
     lo->busy = 0;
+    lo->on_thread = on_thread;
     return (PyObject *)lo;
 }
 
@@ -1136,7 +1168,7 @@ static PyObject *listener_accept(ListenerObject *self, PyObject *args)
     Py_END_ALLOW_THREADS self->busy = 0;
     if (rc != TDP_OK)
         return raise_tdp(rc, "accept");
-    return (PyObject *)pipe_new_obj(p, self->depth);
+    return (PyObject *)pipe_new_obj(p, self->depth, self->on_thread);
 }
 
 static void listener_free_now(ListenerObject *self)
@@ -1237,8 +1269,13 @@ static PyObject *op_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)o;
 }
 
-static int op_check_idle(OpObject *self)
+static int op_check_idle(OpObject *self, PipeObject *p)
 {
+    if (!p->on_thread) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "async operations need a pipe on the loop thread (loop=\"thread\")");
+        return -1;
+    }
     if (self->pending) {
         PyErr_SetString(PyExc_RuntimeError, "operation already pending");
         return -1;
@@ -1253,7 +1290,7 @@ static PyObject *op_start_recv(OpObject *self, PyObject *arg)
         return NULL;
     }
     PipeObject *p = (PipeObject *)arg;
-    if (op_check_idle(self) < 0 || pipe_check(p) < 0)
+    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
         return NULL;
     if (p->depth == 1 && p->last_lent != NULL) {
         /* the receive releases the previous message */
@@ -1274,7 +1311,7 @@ static PyObject *op_start_send(OpObject *self, PyObject *args)
     TdObject *td;
     if (!PyArg_ParseTuple(args, "O!O!", &PipeType, &p, &TdType, &td))
         return NULL;
-    if (op_check_idle(self) < 0 || pipe_check(p) < 0)
+    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
         return NULL;
     Py_INCREF(p);
     Py_INCREF(td);

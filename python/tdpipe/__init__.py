@@ -15,6 +15,7 @@ See docs/python.md for lending rules, threading and asyncio.
 """
 import asyncio
 import atexit
+import threading
 import time
 
 from . import _tdpipe
@@ -41,6 +42,12 @@ _OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "plane", "peer_mode
          "keepalive")
 
 
+def _loop_flag(loop):
+    if loop not in ("caller", "thread"):
+        raise ValueError("loop must be 'caller' or 'thread'")
+    return loop == "thread"
+
+
 def _opts(kw):
     for k in kw:
         if k not in _OPTS:
@@ -64,6 +71,7 @@ class Pipe:
         self._rop = None
         self._rop_pending = False
         self._sop = None
+        self._bg_recv = None  # pending background receive (loop="caller" asyncio)
 
     # -- sending
 
@@ -167,10 +175,48 @@ class Pipe:
         finally:
             loop.remove_reader(fd)
 
+    def _in_thread(self, fn):
+        """An asyncio future of fn() run on a daemon thread (the blocking
+        call releases the GIL); for pipes on the caller-driven loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(res, exc):
+            if fut.cancelled():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(res)
+
+        def run():
+            try:
+                res, exc = fn(), None
+            except BaseException as e:  # delivered to the awaiting coroutine
+                res, exc = None, e
+            try:
+                loop.call_soon_threadsafe(done, res, exc)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody waits any more
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
     async def arecv(self, as_=None):
-        """recv() for asyncio: waits on an eventfd the library's completion
-        callback signals (loop.add_reader), never blocking the event loop.
-        A cancelled arecv leaves its receive pending; the next one takes it."""
+        """recv() for asyncio. On a loop="thread" pipe it waits on an
+        eventfd the library's completion callback signals (loop.add_reader);
+        on a loop="caller" pipe a daemon thread makes the blocking call.
+        Either way the event loop never blocks, and a cancelled arecv leaves
+        its receive pending: the next arecv takes its message."""
+        if not self._raw.on_thread:
+            if self._bg_recv is None:
+                self._bg_recv = self._in_thread(lambda: self._raw.recv(None))
+            try:
+                td = await asyncio.shield(self._bg_recv)
+            finally:
+                if self._bg_recv.done():
+                    self._bg_recv = None
+            return self._unpack(td, as_ or self.as_)
         if self._rop is None:
             self._rop = _tdpipe.Op()
         if not self._rop_pending:
@@ -186,6 +232,9 @@ class Pipe:
 
     async def asend(self, td):
         """send() for asyncio. The data is referenced until it completes."""
+        if not self._raw.on_thread:
+            await self._in_thread(lambda: self.send(td))
+            return
         if self._sop is None:
             self._sop = _tdpipe.Op()
         raw_td, gather = self._send_args(td)
@@ -251,20 +300,30 @@ class Pipe:
     def depth(self):
         return self._raw.depth
 
+    @property
+    def loop(self):
+        """"thread" or "caller": see connect()."""
+        return "thread" if self._raw.on_thread else "caller"
 
-def connect(host, port, *, as_="torch", **opts):
+
+def connect(host, port, *, as_="torch", loop="caller", **opts):
     """Connect to a listener and handshake. Options (keyword): depth (alias
     recv_depth, 1..64), connect_timeout and linger (seconds), plane ("auto",
     "ucx", "shm"), peer_mode ("auto", "ucx", "socket"), keepalive
-    ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves."""
-    return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts)), as_)
+    ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves.
+
+    loop: "caller" (default): blocking calls drive the pipe's event loop on
+    the calling thread, the fastest for blocking use; "thread": the pipe
+    runs on the library's loop thread, which keeps a depth-N receive ring
+    filling between calls and lets asyncio wait on an eventfd."""
+    return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts), _loop_flag(loop)), as_)
 
 
 class Listener:
     """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
 
-    def __init__(self, host, port=0, *, as_="torch", **opts):
-        self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts))
+    def __init__(self, host, port=0, *, as_="torch", loop="caller", **opts):
+        self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts), _loop_flag(loop))
         self.as_ = as_
 
     @property
@@ -288,9 +347,10 @@ class Listener:
         return False
 
 
-def listen(host="127.0.0.1", port=0, *, as_="torch", **opts):
-    """A Listener on host:port (port 0: a free one, read back as .port)."""
-    return Listener(host, port, as_=as_, **opts)
+def listen(host="127.0.0.1", port=0, *, as_="torch", loop="caller", **opts):
+    """A Listener on host:port (port 0: a free one, read back as .port).
+    Options as for connect(); accepted pipes take its loop and options."""
+    return Listener(host, port, as_=as_, loop=loop, **opts)
 
 
 class Server:

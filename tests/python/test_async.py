@@ -8,10 +8,11 @@ import torch
 import tdpipe
 
 
-def test_async_for_and_asend():
+@pytest.mark.parametrize("loop", ["thread", "caller"])
+def test_async_for_and_asend(loop):
     async def main():
-        lst = tdpipe.listen("127.0.0.1")
-        tx = tdpipe.connect("127.0.0.1", lst.port)
+        lst = tdpipe.listen("127.0.0.1", loop=loop)
+        tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
         rx = lst.accept(timeout=10)
 
         async def produce():
@@ -35,6 +36,7 @@ def test_async_for_and_asend():
         await asyncio.wait_for(prod, 10)
         tk.cancel()
         assert got == list(range(20))
+        assert rx.loop == loop
         assert ticks > 0
         rx.close(5)
         lst.close()
@@ -42,10 +44,11 @@ def test_async_for_and_asend():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_async_recv_timeout_and_cancel_then_resume():
+@pytest.mark.parametrize("loop", ["thread", "caller"])
+def test_async_recv_timeout_and_cancel_then_resume(loop):
     async def main():
-        lst = tdpipe.listen("127.0.0.1")
-        tx = tdpipe.connect("127.0.0.1", lst.port)
+        lst = tdpipe.listen("127.0.0.1", loop=loop)
+        tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
         rx = lst.accept(timeout=10)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(rx.arecv(), 0.2)

@@ -5,6 +5,7 @@ import time
 import tracemalloc
 
 import numpy as np
+import pytest
 import torch
 
 import tdpipe
@@ -20,12 +21,13 @@ def rss_kb():
     return 0
 
 
-def test_no_leak_over_10000_messages():
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+def test_no_leak_over_10000_messages(loop):
     payload = {"obs": torch.arange(256, dtype=torch.float32), "meta": {"id": np.arange(4)},
                "tag": "x"}
     sentinel = payload["obs"]
-    with tdpipe.listen("127.0.0.1", depth=2) as lst:
-        tx = tdpipe.connect("127.0.0.1", lst.port)
+    with tdpipe.listen("127.0.0.1", depth=2, loop=loop) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
         rx = lst.accept(timeout=10)
         errors = []
 

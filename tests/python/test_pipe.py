@@ -150,10 +150,11 @@ def test_garbage_server_raises(peer):
         tdpipe.connect("127.0.0.1", port, connect_timeout=5)
 
 
+@pytest.mark.parametrize("loop", ["caller", "thread"])
 @pytest.mark.parametrize("plane", ["shm", "ucx"])
-def test_in_process_planes_and_depth(plane):
-    with listen(depth=4, plane=plane) as lst:
-        tx = tdpipe.connect("127.0.0.1", lst.port, plane=plane)
+def test_in_process_planes_and_depth(plane, loop):
+    with listen(depth=4, plane=plane, loop=loop) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, plane=plane, loop=loop)
         rx = lst.accept(timeout=10)
         assert tx.plane == plane and rx.plane == plane and rx.depth == 4
         for i in range(4):
@@ -176,9 +177,10 @@ def test_in_process_planes_and_depth(plane):
         rx.close(5)
 
 
-def test_depth1_next_recv_releases_previous():
-    with listen() as lst:
-        tx = tdpipe.connect("127.0.0.1", lst.port)
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+def test_depth1_next_recv_releases_previous(loop):
+    with listen(loop=loop) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
         rx = lst.accept(timeout=10)
 
         def produce():
