@@ -818,7 +818,7 @@ static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!|O", &TdType, &td, &to) || timeout_ms(to, &ms) < 0 ||
         pipe_check(self) < 0)
         return NULL;
-    if (td->expired || (td->pipe == self && td->released)) {
+    if (td->expired || td->released) {
         td_check_live(td);
         return NULL;
     }
