@@ -206,7 +206,12 @@ def test_loan_zero_copy_shm():
     with listen(plane="shm") as lst:
         tx = tdpipe.connect("127.0.0.1", lst.port, plane="shm")
         rx = lst.accept(timeout=10)
-        loan = tx.loan({"x": torch.zeros(1024), "y": {"z": np.zeros(8, dtype=np.int32)}})
+        like = {"x": torch.zeros(1024), "y": {"z": np.zeros(8, dtype=np.int32)}}
+        # the first message of a schema sets up the pool (a loan made before
+        # may be of an older pool generation, copied into the current one)
+        tx.send(tx.loan(like), timeout=5)
+        rx.recv(timeout=5).release()
+        loan = tx.loan(like)
         loan["x"].fill_(7.0)
         loan["y"]["z"][:] = torch.arange(8, dtype=torch.int32)
         tx.send(loan, timeout=5)
