@@ -930,7 +930,8 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     if (rc == TDP_OK)
         tdp_pipe_stats_get(p, &st);
     Py_END_ALLOW_THREADS self->busy = 0;
-    if (self->depth == 1 && self->last_lent != NULL && rc != TDP_ETIMEDOUT) {
+    /* depth 1: the receive released the previous message first, whatever its outcome */
+    if (self->depth == 1 && self->last_lent != NULL) {
         self->last_lent->released = 1;
         self->last_lent = NULL;
     }
