@@ -80,7 +80,9 @@ class Pipe:
         raw_td = consolidated_check(td)
         if raw_td is not None:
             return raw_td, None
-        schema, addrs, keep = self._send_cache.get(td)
+        schema, addrs, keep, wrapped = self._send_cache.get_send(td)
+        if wrapped is not None:
+            return wrapped, None
         return None, (schema, addrs, keep)
 
     def send(self, td, timeout=None):
@@ -88,7 +90,9 @@ class Pipe:
 
         Leaves in separate buffers are gathered (one copy) into a send
         buffer the pipe keeps and reuses; a Consolidated (from consolidate(),
-        loan(), or a received Message being forwarded) goes without a copy.
+        loan(), or a received Message being forwarded) goes without a copy,
+        and so do leaves that are views into one allocation (a
+        TensorDict.consolidate() storage, say; see docs/python.md).
         Returns when the buffer may be reused (the transport took the bytes).
         """
         raw_td, gather = self._send_args(td)

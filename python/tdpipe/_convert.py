@@ -160,11 +160,13 @@ def flatten(obj):
 class SchemaCache:
     """The schema of the last layout sent (sends of one layout repeat)."""
 
-    __slots__ = ("key", "schema")
+    __slots__ = ("key", "schema", "fkey", "fschema")
 
     def __init__(self):
         self.key = None
         self.schema = None
+        self.fkey = None  # the last foreign layout (see shared_buffer)
+        self.fschema = None
 
     def get(self, obj):
         key, nodes, tensors, values, addrs, keep = flatten(obj)
@@ -172,6 +174,107 @@ class SchemaCache:
             self.schema = _tdpipe.Schema.build(nodes, tensors, values)
             self.key = key
         return self.schema, addrs, keep
+
+    def get_send(self, obj):
+        """(schema, None, None, td) when obj's tensor leaves already lie in
+        one buffer (sent as it is), else (schema, addrs, keep, None)."""
+        key, nodes, tensors, values, addrs, keep = flatten(obj)
+        shared = shared_buffer(tensors, addrs, keep)
+        if shared is not None:
+            base, total, offsets = shared
+            fkey = (key, base % 64, total, offsets)
+            if fkey != self.fkey:
+                self.fschema = _tdpipe.Schema.decode(
+                    foreign_json(nodes, tensors, values, offsets, total).encode())
+                self.fkey = fkey
+            return self.fschema, None, None, _tdpipe.Td.wrap(self.fschema, base, total, keep)
+        if key != self.key:
+            self.schema = _tdpipe.Schema.build(nodes, tensors, values)
+            self.key = key
+        return self.schema, addrs, keep, None
+
+
+_ITEMSIZE = {}
+
+
+def _storage_of(x):
+    """(start address, nbytes) of the allocation a leaf views, or None."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        st = x.untyped_storage() if hasattr(x, "untyped_storage") else x.storage()
+        return st.data_ptr(), st.nbytes()
+    if np is not None and isinstance(x, np.ndarray):
+        root = x
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.base is not None or not root.flags.c_contiguous:
+            return None  # a buffer numpy does not own: its extent is unknown
+        return root.__array_interface__["data"][0], root.nbytes
+    return None
+
+
+def shared_buffer(tensors, addrs, keep):
+    """(base, total_bytes, offsets) when every tensor leaf is a view into one
+    allocation, they do not overlap, fill at least half of the span they
+    cover, and the span starts 64-byte aligned (the library's rule for a
+    wrapped buffer); else None. Then the span is sent as it is."""
+    if len(tensors) < 2:
+        return None
+    st = _storage_of(keep[0])
+    if st is None:
+        return None
+    nbytes = []
+    for (path, dt, shape), x in zip(tensors, keep):
+        if _storage_of(x) != st:
+            return None
+        nbytes.append(x.element_size() * x.numel() if torch is not None and
+                      isinstance(x, torch.Tensor) else x.nbytes)
+    base = min(addrs)
+    end = max(a + n for a, n in zip(addrs, nbytes))
+    if base % 64 or base < st[0] or end > st[0] + st[1] or end - base > 2 * sum(nbytes):
+        return None
+    order = sorted(range(len(addrs)), key=lambda i: addrs[i])
+    for prev, nxt in zip(order, order[1:]):
+        if addrs[prev] + nbytes[prev] > addrs[nxt]:
+            return None  # overlapping leaves
+    return base, end - base, tuple((a - base, n) for a, n in zip(addrs, nbytes))
+
+
+def foreign_json(nodes, tensors, values, offsets, total):
+    """Schema JSON (docs/schema.md) of leaves at the given offsets."""
+    def node(cls="TensorDict", batch=()):
+        return {"cls": cls, "cls_metadata": {"batch_size": list(batch), "device": "cpu",
+                                             "is_locked": False, "names": None},
+                "leaves": {}, "non_tensors": {}}
+
+    root = node()
+    tree = {"": root}
+
+    def at(path):
+        if path in tree:
+            return tree[path]
+        parent, _, key = path.rpartition(".")
+        n = node()
+        at(parent)[key] = n
+        tree[path] = n
+        return n
+
+    for path, cls, batch in nodes:
+        n = at(path)
+        if cls is not None:
+            n["cls"] = cls
+            n["cls_metadata"]["batch_size"] = list(batch)
+    starts = sorted(o for o, _n in offsets)
+    nxt = {s: (starts[i + 1] if i + 1 < len(starts) else total) for i, s in enumerate(starts)}
+    for (path, dt, shape), (off, nb) in zip(tensors, offsets):
+        parent, _, key = path.rpartition(".")
+        name = dt if dt.startswith("torch.") else "torch." + dt
+        stop = nxt[off]
+        at(parent)["leaves"][key] = [name, list(shape), off, stop, stop - off - nb]
+    for path, vjson in values:
+        parent, _, key = path.rpartition(".")
+        at(parent)["non_tensors"][key] = json.loads(vjson)
+    return json.dumps({"format": "tdpipe.schema", "version": 1, "total_bytes": total,
+                       "device": "cpu", "td": root})
 
 
 def consolidated_check(obj):

@@ -335,3 +335,51 @@ def test_depth_n_message_dropped_is_given_back_without_gc():
             rx.close(5)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+def test_leaves_in_one_storage_are_sent_without_gather(loop):
+    # the shape of a TensorDict.consolidate() result: leaves viewing one
+    # storage at 8-byte-aligned offsets, not tdpipe's 64-byte layout
+    store = torch.zeros(4096, dtype=torch.uint8)
+    assert store.data_ptr() % 64 == 0
+    a = store[0:400].view(torch.float32).view(10, 10)
+    b = store[400:408].view(torch.int64)
+    c = store[408:412].view(torch.bool)
+    a.fill_(1.5)
+    b.fill_(7)
+    c.copy_(torch.tensor([True, False, True, False]))
+    td = {"a": a, "n": {"b": b, "c": c}, "v": "x"}
+    with listen(loop=loop) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
+        rx = lst.accept(timeout=10)
+        calls = []
+        raw = tx._raw
+
+        class Spy:
+            def send_td(self, t, timeout):
+                calls.append(("td", t.data_ptr, t.nbytes))
+                return raw.send_td(t, timeout)
+
+            def send_gather(self, *args):
+                calls.append(("gather",))
+                return raw.send_gather(*args)
+
+        tx._raw = Spy()
+        for _ in range(3):
+            tx.send(td, timeout=5)
+            with rx.recv(timeout=5) as m:
+                assert m["a"].tolist() == [[1.5] * 10] * 10
+                assert m["n"]["b"].tolist() == [7]
+                assert m["n"]["c"].tolist() == [True, False, True, False]
+                assert m["v"] == "x"
+        # the storage itself went to the pipe: no gather copy
+        assert calls == [("td", store.data_ptr(), 412)] * 3
+        assert rx.stats()["schemas_recv"] == 1
+        # leaves of separate allocations are gathered
+        tx.send({"a": a.clone(), "b": b.clone()}, timeout=5)
+        assert calls[-1] == ("gather",)
+        rx.recv(timeout=5).release()
+        tx._raw = raw
+        tx.close(5)
+        rx.close(5)
