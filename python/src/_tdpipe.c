@@ -419,8 +419,8 @@ static PyObject *schema_nodes(SchemaObject *self, PyObject *unused)
             Py_DECREF(list);
             return raise_tdp(rc, "node");
         }
-        PyObject *t = Py_BuildValue("(ssN)", ni.path, ni.cls,
-                                    int64_tuple(ni.batch_ndim, ni.batch_size));
+        PyObject *t =
+            Py_BuildValue("(ssN)", ni.path, ni.cls, int64_tuple(ni.batch_ndim, ni.batch_size));
         if (t == NULL) {
             Py_DECREF(list);
             return NULL;
@@ -617,8 +617,7 @@ static PyObject *td_release(TdObject *self, PyObject *unused)
 static PyObject *td_schema(TdObject *self, void *c)
 {
     tdp_schema *s = tdp_td_schema(self->td);
-    if (self->pipe != NULL && self->pipe->recv_schema != NULL &&
-        self->pipe->recv_schema->s == s) {
+    if (self->pipe != NULL && self->pipe->recv_schema != NULL && self->pipe->recv_schema->s == s) {
         Py_INCREF(self->pipe->recv_schema);
         return (PyObject *)self->pipe->recv_schema;
     }
@@ -778,8 +777,7 @@ static int pipe_check(PipeObject *self)
         return -1;
     }
     if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "another thread is in a blocking call on this pipe");
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
         return -1;
     }
     return 0;
@@ -953,9 +951,7 @@ static PyObject *pipe_loan(PipeObject *self, PyObject *arg)
     tdp_pipe *p = self->pipe;
     tdp_schema *s = ((SchemaObject *)arg)->s;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_loan(p, s, &t);
-    Py_END_ALLOW_THREADS
-    if (rc != TDP_OK)
-        return raise_tdp(rc, "loan");
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "loan");
     TdObject *o = td_new_obj(t);
     tdp_td_unref(t);
     return (PyObject *)o;
@@ -1028,11 +1024,10 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
     tdp_pipe_stats s;
     tdp_pipe *p = self->pipe;
     Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &s);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv",
-                         s.msgs_recv, "bytes_sent", s.bytes_sent, "bytes_recv", s.bytes_recv,
-                         "schemas_sent", s.schemas_sent, "schemas_recv", s.schemas_recv,
-                         "credit_waits", s.credit_waits);
+    Py_END_ALLOW_THREADS return Py_BuildValue(
+        "{sKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
+        s.bytes_sent, "bytes_recv", s.bytes_recv, "schemas_sent", s.schemas_sent, "schemas_recv",
+        s.schemas_recv, "credit_waits", s.credit_waits);
 }
 
 static PyObject *pipe_plane(PipeObject *self, void *c)
@@ -1480,8 +1475,8 @@ static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     o->handler = Py_NewRef(handler);
     o->on_close = on_close == Py_None ? NULL : Py_NewRef(on_close);
-    tdp_server_handler h = {.size = sizeof h, .on_message = srv_on_message,
-                            .on_close = srv_on_close};
+    tdp_server_handler h = {
+        .size = sizeof h, .on_message = srv_on_message, .on_close = srv_on_close};
     tdp_err rc;
     tdp_server *srv;
     Py_BEGIN_ALLOW_THREADS rc = tdp_server_new(loop, host, (uint16_t)port, &so, &h, o, &srv);
@@ -1547,13 +1542,12 @@ static PyObject *server_stats(ServerObject *self, PyObject *unused)
     tdp_server_stats s;
     tdp_server *srv = self->srv;
     Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now,
-                         "clients_total", s.clients_total, "refused", s.refused,
-                         "handshakes_failed", s.handshakes_failed, "handler_errors",
-                         s.handler_errors, "client_errors", s.client_errors, "msgs_recv",
-                         s.msgs_recv, "msgs_sent", s.msgs_sent, "bytes_recv", s.bytes_recv,
-                         "bytes_sent", s.bytes_sent, "schemas_recv", s.schemas_recv);
+    Py_END_ALLOW_THREADS return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total", s.clients_total,
+        "refused", s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors",
+        s.handler_errors, "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent",
+        s.msgs_sent, "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv",
+        s.schemas_recv);
 }
 
 static PyMethodDef server_methods[] = {
@@ -1628,15 +1622,14 @@ static struct PyModuleDef mod_def = {
 
 PyMODINIT_FUNC PyInit__tdpipe(void)
 {
-    PyTypeObject *types[] = {&SchemaType, &TdType, &PipeType, &ListenerType, &OpType,
-                             &ServerType};
+    PyTypeObject *types[] = {&SchemaType, &TdType, &PipeType, &ListenerType, &OpType, &ServerType};
     const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server"};
     PyObject *m = PyModule_Create(&mod_def);
     if (m == NULL)
         return NULL;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
-        if (PyType_Ready(types[i]) < 0 || PyModule_AddObjectRef(m, names[i],
-                                                                (PyObject *)types[i]) < 0) {
+        if (PyType_Ready(types[i]) < 0 ||
+            PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(m);
             return NULL;
         }
