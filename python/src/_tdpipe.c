@@ -181,6 +181,24 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
                 PyErr_Format(PyExc_ValueError, "unknown peer_mode %R (auto, ucx, socket)", v);
                 return -1;
             }
+#ifdef TDP_SECRET_MIN
+        } else if (!strcmp(key, "secret")) {
+            /*
+             * The library copies the secret when the pipe, listener or server
+             * is made; the bytes object lives in the options dict until then.
+             */
+            char *buf;
+            Py_ssize_t len;
+            if (PyBytes_AsStringAndSize(v, &buf, &len) < 0)
+                return -1;
+            if (len < TDP_SECRET_MIN || len > TDP_SECRET_MAX) {
+                PyErr_Format(PyExc_ValueError, "secret must be %d..%d bytes", TDP_SECRET_MIN,
+                             TDP_SECRET_MAX);
+                return -1;
+            }
+            o->secret = buf;
+            o->secret_len = (size_t)len;
+#endif
         } else if (!strcmp(key, "keepalive")) {
             int a, b, c;
             if (!PyArg_ParseTuple(v, "iii", &a, &b, &c))

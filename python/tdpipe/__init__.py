@@ -19,7 +19,7 @@ import threading
 import time
 
 from . import _tdpipe
-from .errors import (CanceledError, ClosedError, Error, PeerError, ProtocolError,
+from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
                      RefusedError, TimeoutError)
 from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
     consolidated_check
@@ -27,7 +27,7 @@ from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate,
 __all__ = [
     "connect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
-    "RefusedError", "CanceledError", "Schema", "library_version",
+    "RefusedError", "CanceledError", "AuthError", "Schema", "library_version",
 ]
 
 Schema = _tdpipe.Schema
@@ -39,7 +39,7 @@ __version__ = _tdpipe.library_version()
 atexit.register(_tdpipe._finalizing)
 
 _OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "plane", "peer_mode",
-         "keepalive")
+         "keepalive", "secret")
 
 
 def _loop_flag(loop):

@@ -41,7 +41,13 @@ class CanceledError(Error):
     """The operation was canceled: this side closed or freed the pipe (ECANCELED)."""
 
 
+class AuthError(Error, builtins.PermissionError):
+    """The shared secret did not match, or one side had none (EAUTH, with
+    libraries that have shared-secret authentication)."""
+
+
 _BY_NAME = {
+    "EAUTH": AuthError,
     "ECLOSED": ClosedError,
     "ECONNRESET": PeerError,
     "ETIMEDOUT": TimeoutError,
