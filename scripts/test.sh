@@ -2,7 +2,8 @@
 # test.sh: everything CI checks, from a fresh Debian bookworm machine.
 #
 #   1. setup       install missing Debian packages (scripts/setup.sh)
-#   2. build       RelWithDebInfo build in build/, then ctest
+#   2. build       RelWithDebInfo build in build/, then ctest (the Python
+#                  package's pytest suite included: the ctest test "python")
 #   3. install     install build/ into a scratch prefix and compile a small
 #                  program against it, through find_package and pkg-config
 #   4. asan        ASan + UBSan Debug build in build-asan/, then ctest

@@ -1,0 +1,1659 @@
+/*
+ * _tdpipe: the CPython binding of libtdpipe. The pure-Python package
+ * (tdpipe/__init__.py) builds the user-facing API on these types:
+ *
+ *   Schema    an immutable tdp_schema (built, decoded or received)
+ *   Td        a tdp_td: received (lent by a pipe), loaned, or wrapping a
+ *             Python buffer; exports its tensor leaves as DLPack capsules
+ *   Pipe      a tdp_pipe; blocking calls release the GIL while they wait
+ *   Listener  a tdp_listener
+ *   Op        a reusable tdp_op whose completion is signalled on an eventfd,
+ *             for asyncio (loop.add_reader)
+ *   Server    a tdp_server whose handler calls back into Python on the
+ *             library's loop thread (under PyGILState_Ensure)
+ *
+ * Every pipe, listener and server of the process runs on one tdp_loop that
+ * runs on its own thread, started with the first of them and never freed:
+ * the process exit ends it. Callbacks that need the interpreter check
+ * g_finalizing first, so nothing on the loop thread takes the GIL once the
+ * interpreter is going away.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlpack/dlpack.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <tdpipe/tdpipe.h>
+
+/* ---- globals -------------------------------------------------------------- */
+
+static tdp_loop *g_loop;
+static pthread_mutex_t g_loop_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int g_finalizing;
+/* tdpipe._errors.make_error(code, name, message) -> exception instance. */
+static PyObject *g_make_error;
+
+static PyTypeObject SchemaType, TdType, PipeType, ListenerType, OpType, ServerType;
+
+/* Raise the Python exception for a tdpipe error; returns NULL. */
+static PyObject *raise_tdp(tdp_err rc, const char *context)
+{
+    char msg[256];
+    if (context != NULL)
+        snprintf(msg, sizeof msg, "%s: %s (%s)", context, tdp_strerror(rc), tdp_errname(rc));
+    else
+        snprintf(msg, sizeof msg, "%s (%s)", tdp_strerror(rc), tdp_errname(rc));
+    if (g_make_error == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, msg);
+        return NULL;
+    }
+    PyObject *exc = PyObject_CallFunction(g_make_error, "iss", (int)rc, tdp_errname(rc), msg);
+    if (exc == NULL)
+        return NULL;
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+/*
+ * The second loop: nobody runs it, so every blocking call on its pipes
+ * drives it on the calling thread (several threads take turns: the C
+ * library's rule). No hand-off to another thread per call: the lowest
+ * latency for blocking use, but no async operations and no progress
+ * between calls.
+ */
+static tdp_loop *g_loop_caller;
+
+static tdp_loop *get_loop_caller(void)
+{
+    pthread_mutex_lock(&g_loop_mu);
+    tdp_err rc = TDP_OK;
+    if (g_loop_caller == NULL)
+        rc = tdp_loop_new(NULL, &g_loop_caller);
+    pthread_mutex_unlock(&g_loop_mu);
+    if (rc != TDP_OK) {
+        raise_tdp(rc, "loop");
+        return NULL;
+    }
+    return g_loop_caller;
+}
+
+static tdp_loop *get_loop(void)
+{
+    pthread_mutex_lock(&g_loop_mu);
+    if (g_loop == NULL) {
+        tdp_loop *l;
+        tdp_err rc = tdp_loop_new(NULL, &l);
+        if (rc == TDP_OK && (rc = tdp_loop_start_thread(l)) != TDP_OK) {
+            tdp_loop_free(l);
+        } else if (rc == TDP_OK) {
+            g_loop = l;
+        }
+        if (rc != TDP_OK) {
+            pthread_mutex_unlock(&g_loop_mu);
+            raise_tdp(rc, "loop");
+            return NULL;
+        }
+    }
+    pthread_mutex_unlock(&g_loop_mu);
+    return g_loop;
+}
+
+/* Seconds (None: forever) to the library's milliseconds (-1: forever). */
+static int timeout_ms(PyObject *o, int64_t *out)
+{
+    if (o == NULL || o == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    double s = PyFloat_AsDouble(o);
+    if (s == -1.0 && PyErr_Occurred())
+        return -1;
+    if (s < 0) {
+        *out = -1;
+        return 0;
+    }
+    if (s > 1e12)
+        s = 1e12;
+    *out = (int64_t)(s * 1000.0 + 0.5);
+    return 0;
+}
+
+/* Fill pipe options from a dict of keyword options (unknown keys: TypeError). */
+static int parse_opts(PyObject *d, tdp_pipe_opts *o)
+{
+    tdp_pipe_opts_default(o);
+    if (d == NULL || d == Py_None)
+        return 0;
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "options must be a dict");
+        return -1;
+    }
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        const char *key = PyUnicode_AsUTF8(k);
+        if (key == NULL)
+            return -1;
+        if (v == Py_None)
+            continue;
+        if (!strcmp(key, "depth") || !strcmp(key, "recv_depth")) {
+            long n = PyLong_AsLong(v);
+            if (n == -1 && PyErr_Occurred())
+                return -1;
+            if (n < 1 || n > 64) {
+                PyErr_SetString(PyExc_ValueError, "depth must be 1..64");
+                return -1;
+            }
+            o->recv_depth = (uint32_t)n;
+        } else if (!strcmp(key, "connect_timeout")) {
+            if (timeout_ms(v, &o->connect_timeout_ms) < 0)
+                return -1;
+        } else if (!strcmp(key, "linger")) {
+            if (timeout_ms(v, &o->linger_ms) < 0)
+                return -1;
+        } else if (!strcmp(key, "plane")) {
+            const char *s = PyUnicode_AsUTF8(v);
+            if (s == NULL)
+                return -1;
+            if (tdp_plane_parse(s, &o->plane) != TDP_OK) {
+                PyErr_Format(PyExc_ValueError, "unknown plane %R (auto, ucx, shm)", v);
+                return -1;
+            }
+        } else if (!strcmp(key, "peer_mode")) {
+            const char *s = PyUnicode_AsUTF8(v);
+            if (s == NULL)
+                return -1;
+            if (!strcmp(s, "auto"))
+                o->peer_mode = TDP_PEER_AUTO;
+            else if (!strcmp(s, "ucx"))
+                o->peer_mode = TDP_PEER_UCX;
+            else if (!strcmp(s, "socket"))
+                o->peer_mode = TDP_PEER_SOCKET;
+            else {
+                PyErr_Format(PyExc_ValueError, "unknown peer_mode %R (auto, ucx, socket)", v);
+                return -1;
+            }
+#ifdef TDP_SECRET_MIN
+        } else if (!strcmp(key, "secret")) {
+            /*
+             * The library copies the secret when the pipe, listener or server
+             * is made; the bytes object lives in the options dict until then.
+             */
+            char *buf;
+            Py_ssize_t len;
+            if (PyBytes_AsStringAndSize(v, &buf, &len) < 0)
+                return -1;
+            if (len < TDP_SECRET_MIN || len > TDP_SECRET_MAX) {
+                PyErr_Format(PyExc_ValueError, "secret must be %d..%d bytes", TDP_SECRET_MIN,
+                             TDP_SECRET_MAX);
+                return -1;
+            }
+            o->secret = buf;
+            o->secret_len = (size_t)len;
+#endif
+        } else if (!strcmp(key, "keepalive")) {
+            int a, b, c;
+            if (!PyArg_ParseTuple(v, "iii", &a, &b, &c))
+                return -1;
+            o->keepalive_idle_s = a;
+            o->keepalive_intvl_s = b;
+            o->keepalive_cnt = c;
+        } else {
+            PyErr_Format(PyExc_TypeError, "unknown pipe option %R", k);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- Schema ---------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD tdp_schema *s;
+} SchemaObject;
+
+static PyObject *schema_wrap(tdp_schema *s) /* takes a new reference on s */
+{
+    SchemaObject *o = PyObject_New(SchemaObject, &SchemaType);
+    if (o == NULL)
+        return NULL;
+    o->s = tdp_schema_ref(s);
+    return (PyObject *)o;
+}
+
+static void schema_dealloc(SchemaObject *self)
+{
+    tdp_schema_unref(self->s);
+    PyObject_Free(self);
+}
+
+/*
+ * Schema.build(nodes, tensors, values): nodes [(path, cls, batch_size)],
+ * tensors [(path, dtype_name, shape)] in buffer order, values [(path,
+ * json_text)].
+ */
+static PyObject *schema_build(PyObject *cls, PyObject *args)
+{
+    PyObject *nodes, *tensors, *values;
+    if (!PyArg_ParseTuple(args, "OOO", &nodes, &tensors, &values))
+        return NULL;
+    PyObject *res = NULL, *fn = NULL, *ft = NULL, *fv = NULL;
+    tdp_schema_builder *b = NULL;
+    tdp_err rc = tdp_schema_builder_new(&b);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "schema builder");
+    if ((fn = PySequence_Fast(nodes, "nodes")) == NULL ||
+        (ft = PySequence_Fast(tensors, "tensors")) == NULL ||
+        (fv = PySequence_Fast(values, "values")) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fn); i++) {
+        const char *path, *ncls;
+        PyObject *bs;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fn, i), "szO", &path, &ncls, &bs))
+            goto done;
+        int64_t dims[TDP_MAX_RANK];
+        Py_ssize_t nd = PySequence_Size(bs);
+        if (nd < 0 || nd > TDP_MAX_RANK) {
+            PyErr_SetString(PyExc_ValueError, "batch_size rank");
+            goto done;
+        }
+        for (Py_ssize_t d = 0; d < nd; d++) {
+            PyObject *x = PySequence_GetItem(bs, d);
+            if (x == NULL)
+                goto done;
+            dims[d] = PyLong_AsLongLong(x);
+            Py_DECREF(x);
+            if (dims[d] == -1 && PyErr_Occurred())
+                goto done;
+        }
+        if ((rc = tdp_schema_builder_node(b, path, ncls, (uint32_t)nd, dims)) != TDP_OK) {
+            raise_tdp(rc, path);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ft); i++) {
+        const char *path, *dtn;
+        PyObject *shape;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(ft, i), "ssO", &path, &dtn, &shape))
+            goto done;
+        tdp_dtype dt;
+        if (tdp_dtype_parse(dtn, &dt) != TDP_OK) {
+            PyErr_Format(PyExc_TypeError, "leaf %s: dtype %s is not supported by tdpipe", path,
+                         dtn);
+            goto done;
+        }
+        int64_t dims[TDP_MAX_RANK];
+        Py_ssize_t nd = PySequence_Size(shape);
+        if (nd < 0 || nd > TDP_MAX_RANK) {
+            PyErr_Format(PyExc_ValueError, "leaf %s: rank over %d", path, TDP_MAX_RANK);
+            goto done;
+        }
+        for (Py_ssize_t d = 0; d < nd; d++) {
+            PyObject *x = PySequence_GetItem(shape, d);
+            if (x == NULL)
+                goto done;
+            dims[d] = PyLong_AsLongLong(x);
+            Py_DECREF(x);
+            if (dims[d] == -1 && PyErr_Occurred())
+                goto done;
+        }
+        if ((rc = tdp_schema_builder_tensor(b, path, dt, (uint32_t)nd, dims)) != TDP_OK) {
+            raise_tdp(rc, path);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fv); i++) {
+        const char *path, *json;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fv, i), "ss", &path, &json))
+            goto done;
+        if ((rc = tdp_schema_builder_value(b, path, json)) != TDP_OK) {
+            raise_tdp(rc, path);
+            goto done;
+        }
+    }
+    char why[256] = "";
+    tdp_schema *s;
+    if ((rc = tdp_schema_builder_finish(b, &s, why, sizeof why)) != TDP_OK) {
+        raise_tdp(rc, why[0] ? why : "schema");
+        goto done;
+    }
+    res = schema_wrap(s);
+    tdp_schema_unref(s);
+done:
+    Py_XDECREF(fn);
+    Py_XDECREF(ft);
+    Py_XDECREF(fv);
+    tdp_schema_builder_free(b);
+    return res;
+}
+
+/* Schema.decode(json_bytes): validate untrusted JSON with the default limits. */
+static PyObject *schema_decode(PyObject *cls, PyObject *arg)
+{
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0)
+        return NULL;
+    char why[256] = "";
+    tdp_schema *s;
+    tdp_err rc = tdp_schema_decode(v.buf, (size_t)v.len, NULL, &s, why, sizeof why);
+    PyBuffer_Release(&v);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, why[0] ? why : "schema");
+    PyObject *res = schema_wrap(s);
+    tdp_schema_unref(s);
+    return res;
+}
+
+static PyObject *schema_json(SchemaObject *self, void *c)
+{
+    size_t len;
+    const char *j = tdp_schema_json(self->s, &len);
+    return PyUnicode_FromStringAndSize(j, (Py_ssize_t)len);
+}
+
+static PyObject *schema_hash_get(SchemaObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(tdp_schema_hash(self->s));
+}
+
+static PyObject *schema_total_bytes(SchemaObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(tdp_schema_total_bytes(self->s));
+}
+
+static PyObject *int64_tuple(uint32_t n, const int64_t *v)
+{
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (x == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+/*
+ * leaves() -> [(path, dtype_name or None, shape, offset, nbytes, value_json
+ * or None)] in the schema's order: tensors by offset, then values.
+ */
+static PyObject *schema_leaves(SchemaObject *self, PyObject *unused)
+{
+    uint32_t n = tdp_schema_num_leaves(self->s);
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_leaf lf;
+        tdp_err rc = tdp_schema_leaf_at(self->s, i, &lf);
+        if (rc != TDP_OK) {
+            Py_DECREF(list);
+            return raise_tdp(rc, "leaf");
+        }
+        PyObject *shape = int64_tuple(lf.ndim, lf.shape);
+        if (shape == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyObject *t;
+        if (lf.kind == TDP_LEAF_TENSOR)
+            t = Py_BuildValue("(ssNKKO)", lf.path, tdp_dtype_name(lf.dtype), shape,
+                              (unsigned long long)lf.offset, (unsigned long long)lf.nbytes,
+                              Py_None);
+        else
+            t = Py_BuildValue("(sONKKs)", lf.path, Py_None, shape, 0ULL, 0ULL, lf.value_json);
+        if (t == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
+/* nodes() -> [(path, cls, batch_size)] in depth-first pre-order. */
+static PyObject *schema_nodes(SchemaObject *self, PyObject *unused)
+{
+    uint32_t n = tdp_schema_num_nodes(self->s);
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_node_info ni;
+        tdp_err rc = tdp_schema_node_at(self->s, i, &ni);
+        if (rc != TDP_OK) {
+            Py_DECREF(list);
+            return raise_tdp(rc, "node");
+        }
+        PyObject *t =
+            Py_BuildValue("(ssN)", ni.path, ni.cls, int64_tuple(ni.batch_ndim, ni.batch_size));
+        if (t == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
+static PyObject *schema_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(b, &SchemaType))
+        Py_RETURN_NOTIMPLEMENTED;
+    bool eq = tdp_schema_equal(((SchemaObject *)a)->s, ((SchemaObject *)b)->s);
+    return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+}
+
+static Py_hash_t schema_pyhash(SchemaObject *self)
+{
+    Py_hash_t h = (Py_hash_t)tdp_schema_hash(self->s);
+    return h == -1 ? -2 : h;
+}
+
+static PyMethodDef schema_methods[] = {
+    {"build", (PyCFunction)schema_build, METH_VARARGS | METH_CLASS, NULL},
+    {"decode", (PyCFunction)schema_decode, METH_O | METH_CLASS, NULL},
+    {"leaves", (PyCFunction)schema_leaves, METH_NOARGS, NULL},
+    {"nodes", (PyCFunction)schema_nodes, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef schema_getset[] = {
+    {"json", (getter)schema_json, NULL, NULL, NULL},
+    {"hash", (getter)schema_hash_get, NULL, NULL, NULL},
+    {"total_bytes", (getter)schema_total_bytes, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject SchemaType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Schema",
+    .tp_basicsize = sizeof(SchemaObject),
+    .tp_dealloc = (destructor)schema_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = schema_methods,
+    .tp_getset = schema_getset,
+    .tp_richcompare = schema_richcompare,
+    .tp_hash = (hashfunc)schema_pyhash,
+};
+
+/* ---- Td -------------------------------------------------------------------- */
+
+struct PipeObject;
+
+typedef struct {
+    PyObject_HEAD tdp_td *td; /* one reference of ours */
+    /* The pipe that lent it (NULL: not lent, nothing to give back). */
+    struct PipeObject *pipe;
+    int released;
+    /* A message the server lent to its handler: valid during the call only. */
+    int expired;
+    uint64_t seq;
+} TdObject;
+
+typedef struct PipeObject {
+    PyObject_HEAD tdp_pipe *pipe;
+    uint32_t depth;
+    int on_thread; /* on the loop thread's loop (async ops possible) */
+    /* Depth 1: the message lent last (borrowed; it clears this when it dies). */
+    TdObject *last_lent;
+    /* The Schema object of the last message received, reused while it holds. */
+    SchemaObject *recv_schema;
+    int busy; /* a blocking call is under way (the C API allows one at a time) */
+} PipeObject;
+
+static TdObject *td_new_obj(tdp_td *td) /* takes a new reference on td */
+{
+    TdObject *o = PyObject_New(TdObject, &TdType);
+    if (o == NULL)
+        return NULL;
+    o->td = tdp_td_ref(td);
+    o->pipe = NULL;
+    o->released = 0;
+    o->expired = 0;
+    o->seq = 0;
+    return o;
+}
+
+static void td_give_back(TdObject *self)
+{
+    if (self->pipe != NULL && !self->released && self->pipe->pipe != NULL)
+        tdp_pipe_release(self->pipe->pipe, self->td);
+    self->released = 1;
+}
+
+static void td_dealloc(TdObject *self)
+{
+    if (self->pipe != NULL) {
+        /* At depth N an unreleased message is given back when it dies. */
+        if (self->pipe->depth > 1)
+            td_give_back(self);
+        if (self->pipe->last_lent == self)
+            self->pipe->last_lent = NULL;
+        Py_DECREF(self->pipe);
+    }
+    /* Dropping a wrapped Python buffer's last reference runs its release
+     * (which takes the GIL we hold: PyGILState_Ensure nests). */
+    tdp_td_unref(self->td);
+    PyObject_Free(self);
+}
+
+static int td_check_live(TdObject *self)
+{
+    if (self->released || self->expired) {
+        PyErr_SetString(PyExc_ValueError,
+                        "message released: its buffer may already hold another message");
+        return -1;
+    }
+    return 0;
+}
+
+static void capsule_free(PyObject *cap)
+{
+    /* Called when the capsule dies unconsumed ("used_dltensor" otherwise). */
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+        if (m != NULL && m->deleter != NULL)
+            m->deleter(m);
+    }
+}
+
+/* capsules() -> [DLPack capsule of each tensor leaf, in schema order]. */
+static PyObject *td_capsules(TdObject *self, PyObject *unused)
+{
+    if (td_check_live(self) < 0)
+        return NULL;
+    tdp_schema *s = tdp_td_schema(self->td);
+    uint32_t n = tdp_schema_num_tensors(s);
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_leaf lf;
+        DLManagedTensor *m;
+        tdp_err rc = tdp_schema_leaf_at(s, i, &lf);
+        if (rc == TDP_OK)
+            rc = tdp_td_to_dlpack(self->td, lf.path, &m);
+        if (rc != TDP_OK) {
+            Py_DECREF(list);
+            return raise_tdp(rc, "dlpack export");
+        }
+        PyObject *cap = PyCapsule_New(m, "dltensor", capsule_free);
+        if (cap == NULL) {
+            m->deleter(m);
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, cap);
+    }
+    return list;
+}
+
+/* capsule(i) -> one DLPack capsule of tensor leaf i. */
+static PyObject *td_capsule(TdObject *self, PyObject *arg)
+{
+    if (td_check_live(self) < 0)
+        return NULL;
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    tdp_schema *s = tdp_td_schema(self->td);
+    if (i < 0 || (uint32_t)i >= tdp_schema_num_tensors(s)) {
+        PyErr_SetString(PyExc_IndexError, "leaf index");
+        return NULL;
+    }
+    tdp_leaf lf;
+    DLManagedTensor *m;
+    tdp_err rc = tdp_schema_leaf_at(s, (uint32_t)i, &lf);
+    if (rc == TDP_OK)
+        rc = tdp_td_to_dlpack(self->td, lf.path, &m);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "dlpack export");
+    PyObject *cap = PyCapsule_New(m, "dltensor", capsule_free);
+    if (cap == NULL)
+        m->deleter(m);
+    return cap;
+}
+
+static PyObject *td_release(TdObject *self, PyObject *unused)
+{
+    td_give_back(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *td_schema(TdObject *self, void *c)
+{
+    tdp_schema *s = tdp_td_schema(self->td);
+    if (self->pipe != NULL && self->pipe->recv_schema != NULL && self->pipe->recv_schema->s == s) {
+        Py_INCREF(self->pipe->recv_schema);
+        return (PyObject *)self->pipe->recv_schema;
+    }
+    return schema_wrap(s);
+}
+
+static PyObject *td_data_ptr(TdObject *self, void *c)
+{
+    return PyLong_FromVoidPtr(tdp_td_data(self->td));
+}
+
+static PyObject *td_nbytes(TdObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(tdp_td_nbytes(self->td));
+}
+
+static PyObject *td_seq(TdObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->seq);
+}
+
+static PyObject *td_released(TdObject *self, void *c)
+{
+    return PyBool_FromLong(self->released || self->expired);
+}
+
+/* Td.alloc(schema): a new owned buffer (contents undefined). */
+static PyObject *td_alloc(PyObject *cls, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &SchemaType)) {
+        PyErr_SetString(PyExc_TypeError, "Schema expected");
+        return NULL;
+    }
+    tdp_td *td;
+    tdp_err rc = tdp_td_new(((SchemaObject *)arg)->s, &td);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "allocate");
+    TdObject *o = td_new_obj(td);
+    tdp_td_unref(td);
+    return (PyObject *)o;
+}
+
+/* fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). */
+static PyObject *td_fill(TdObject *self, PyObject *arg)
+{
+    PyObject *f = PySequence_Fast(arg, "ptrs");
+    if (f == NULL)
+        return NULL;
+    tdp_schema *s = tdp_td_schema(self->td);
+    uint32_t n = tdp_schema_num_tensors(s);
+    if ((uint32_t)PySequence_Fast_GET_SIZE(f) != n) {
+        Py_DECREF(f);
+        PyErr_SetString(PyExc_ValueError, "one address per tensor leaf");
+        return NULL;
+    }
+    char *base = tdp_td_data(self->td);
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_leaf lf;
+        void *p = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
+        if (p == NULL && PyErr_Occurred()) {
+            Py_DECREF(f);
+            return NULL;
+        }
+        tdp_schema_leaf_at(s, i, &lf);
+        if (lf.nbytes > 0)
+            memcpy(base + lf.offset, p, lf.nbytes);
+    }
+    Py_DECREF(f);
+    Py_RETURN_NONE;
+}
+
+static void wrap_release(void *buf, void *arg)
+{
+    if (atomic_load(&g_finalizing))
+        return; /* the interpreter is going: leak the owner rather than touch it */
+    PyGILState_STATE st = PyGILState_Ensure();
+    Py_DECREF((PyObject *)arg);
+    PyGILState_Release(st);
+}
+
+/*
+ * Td.wrap(schema, address, nbytes, owner): borrow a Python buffer (owner
+ * is kept alive until the library lets go of the buffer).
+ */
+static PyObject *td_wrap(PyObject *cls, PyObject *args)
+{
+    PyObject *schema, *addr, *owner;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "O!OKO", &SchemaType, &schema, &addr, &nbytes, &owner))
+        return NULL;
+    void *p = PyLong_AsVoidPtr(addr);
+    if (p == NULL && PyErr_Occurred())
+        return NULL;
+    tdp_td *td;
+    Py_INCREF(owner);
+    tdp_err rc = tdp_td_wrap(((SchemaObject *)schema)->s, p, nbytes, TDP_DEVICE_CPU_INIT,
+                             wrap_release, owner, &td);
+    if (rc != TDP_OK) {
+        Py_DECREF(owner);
+        return raise_tdp(rc, "wrap");
+    }
+    TdObject *o = td_new_obj(td);
+    tdp_td_unref(td);
+    return (PyObject *)o;
+}
+
+static PyMethodDef td_methods[] = {
+    {"capsules", (PyCFunction)td_capsules, METH_NOARGS, NULL},
+    {"capsule", (PyCFunction)td_capsule, METH_O, NULL},
+    {"release", (PyCFunction)td_release, METH_NOARGS, NULL},
+    {"fill", (PyCFunction)td_fill, METH_O, NULL},
+    {"alloc", (PyCFunction)td_alloc, METH_O | METH_CLASS, NULL},
+    {"wrap", (PyCFunction)td_wrap, METH_VARARGS | METH_CLASS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef td_getset[] = {
+    {"schema", (getter)td_schema, NULL, NULL, NULL},
+    {"data_ptr", (getter)td_data_ptr, NULL, NULL, NULL},
+    {"nbytes", (getter)td_nbytes, NULL, NULL, NULL},
+    {"seq", (getter)td_seq, NULL, NULL, NULL},
+    {"released", (getter)td_released, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject TdType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Td",
+    .tp_basicsize = sizeof(TdObject),
+    .tp_dealloc = (destructor)td_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = td_methods,
+    .tp_getset = td_getset,
+};
+
+/* ---- Pipe ------------------------------------------------------------------ */
+
+static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth, int on_thread)
+{
+    PipeObject *o = PyObject_New(PipeObject, &PipeType);
+    if (o == NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_free(p);
+        Py_END_ALLOW_THREADS return NULL;
+    }
+    o->pipe = p;
+    o->depth = depth ? depth : 1;
+    o->on_thread = on_thread;
+    o->last_lent = NULL;
+    o->recv_schema = NULL;
+    o->busy = 0;
+    return o;
+}
+
+static int pipe_check(PipeObject *self)
+{
+    if (self->pipe == NULL) {
+        raise_tdp(TDP_ECANCELED, "pipe freed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
+        return -1;
+    }
+    return 0;
+}
+
+/* Pipe.connect(host, port, opts) */
+static PyObject *pipe_connect(PyObject *cls, PyObject *args)
+{
+    const char *host;
+    int port, on_thread = 0;
+    PyObject *d = NULL;
+    if (!PyArg_ParseTuple(args, "si|Op", &host, &port, &d, &on_thread))
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
+        return NULL;
+    }
+    tdp_pipe_opts o;
+    if (parse_opts(d, &o) < 0)
+        return NULL;
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
+    if (loop == NULL)
+        return NULL;
+    tdp_pipe *p;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_connect(loop, host, (uint16_t)port, &o, &p);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "connect");
+    return (PyObject *)pipe_new_obj(p, o.recv_depth, on_thread);
+}
+
+static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
+{
+    TdObject *td;
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "O!|O", &TdType, &td, &to) || timeout_ms(to, &ms) < 0 ||
+        pipe_check(self) < 0)
+        return NULL;
+    if (td->expired || td->released) {
+        td_check_live(td);
+        return NULL;
+    }
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    tdp_td *t = td->td;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send(p, t, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "send");
+    Py_RETURN_NONE;
+}
+
+/* send_gather(schema, ptrs, timeout): leaf i from ptrs[i]; the pipe's own buffer. */
+static PyObject *pipe_send_gather(PipeObject *self, PyObject *args)
+{
+    SchemaObject *sch;
+    PyObject *ptrs, *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "O!O|O", &SchemaType, &sch, &ptrs, &to) ||
+        timeout_ms(to, &ms) < 0 || pipe_check(self) < 0)
+        return NULL;
+    PyObject *f = PySequence_Fast(ptrs, "ptrs");
+    if (f == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    if ((uint32_t)n != tdp_schema_num_tensors(sch->s)) {
+        Py_DECREF(f);
+        PyErr_SetString(PyExc_ValueError, "one address per tensor leaf");
+        return NULL;
+    }
+    const void *small[64];
+    const void **v = small;
+    if (n > 64 && (v = PyMem_Malloc(sizeof(*v) * (size_t)n)) == NULL) {
+        Py_DECREF(f);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        v[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
+        if (v[i] == NULL && PyErr_Occurred()) {
+            if (v != small)
+                PyMem_Free(v);
+            Py_DECREF(f);
+            return NULL;
+        }
+    }
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    tdp_schema *s = sch->s;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send_gather(p, s, (const void *const *)v, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (v != small)
+        PyMem_Free(v);
+    Py_DECREF(f);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "send");
+    Py_RETURN_NONE;
+}
+
+/* Wrap a td the pipe lent (recv or an async receive op). */
+static PyObject *pipe_lent_td(PipeObject *self, tdp_td *t, uint64_t seq)
+{
+    if (self->depth == 1 && self->last_lent != NULL) {
+        /* the receive that produced t released the previous message */
+        self->last_lent->released = 1;
+        self->last_lent = NULL;
+    }
+    TdObject *o = td_new_obj(t);
+    if (o == NULL) {
+        if (self->depth > 1)
+            tdp_pipe_release(self->pipe, t);
+        return NULL;
+    }
+    Py_INCREF(self);
+    o->pipe = self;
+    o->seq = seq;
+    if (self->depth == 1)
+        self->last_lent = o;
+    tdp_schema *s = tdp_td_schema(t);
+    if (self->recv_schema == NULL || self->recv_schema->s != s) {
+        PyObject *so = schema_wrap(s);
+        if (so == NULL) {
+            Py_DECREF(o);
+            return NULL;
+        }
+        Py_XSETREF(self->recv_schema, (SchemaObject *)so);
+    }
+    return (PyObject *)o;
+}
+
+static PyObject *pipe_recv(PipeObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0 || pipe_check(self) < 0)
+        return NULL;
+    tdp_err rc;
+    tdp_td *t = NULL;
+    tdp_pipe *p = self->pipe;
+    tdp_pipe_stats st = {0};
+    self->busy = 1;
+    /*
+     * Queries made off the loop thread wait for it (they run there), so
+     * they are made without the GIL too: the loop thread may need it.
+     */
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_recv(p, ms, &t);
+    if (rc == TDP_OK)
+        tdp_pipe_stats_get(p, &st);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    /* depth 1: the receive released the previous message first, whatever its outcome */
+    if (self->depth == 1 && self->last_lent != NULL) {
+        self->last_lent->released = 1;
+        self->last_lent = NULL;
+    }
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "recv");
+    return pipe_lent_td(self, t, st.msgs_recv);
+}
+
+static PyObject *pipe_loan(PipeObject *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &SchemaType)) {
+        PyErr_SetString(PyExc_TypeError, "Schema expected");
+        return NULL;
+    }
+    if (self->pipe == NULL)
+        return raise_tdp(TDP_ECANCELED, "pipe freed");
+    tdp_td *t;
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    tdp_schema *s = ((SchemaObject *)arg)->s;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_loan(p, s, &t);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "loan");
+    TdObject *o = td_new_obj(t);
+    tdp_td_unref(t);
+    return (PyObject *)o;
+}
+
+static PyObject *pipe_close(PipeObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0)
+        return NULL;
+    if (self->pipe == NULL)
+        Py_RETURN_NONE;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
+        return NULL;
+    }
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_close(p, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK && rc != TDP_ECLOSED)
+        return raise_tdp(rc, "close");
+    Py_RETURN_NONE;
+}
+
+static PyObject *pipe_abort(PipeObject *self, PyObject *unused)
+{
+    tdp_pipe *p = self->pipe;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_abort(p, TDP_ECANCELED);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static void pipe_free_now(PipeObject *self)
+{
+    tdp_pipe *p = self->pipe;
+    if (p == NULL)
+        return;
+    self->pipe = NULL;
+    /* Messages still lent stay valid (we hold references) but go back to nobody. */
+    Py_BEGIN_ALLOW_THREADS tdp_pipe_free(p);
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *pipe_free_m(PipeObject *self, PyObject *unused)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
+        return NULL;
+    }
+    pipe_free_now(self);
+    Py_RETURN_NONE;
+}
+
+static void pipe_dealloc(PipeObject *self)
+{
+    pipe_free_now(self);
+    Py_CLEAR(self->recv_schema);
+    PyObject_Free(self);
+}
+
+static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
+{
+    if (self->pipe == NULL)
+        return raise_tdp(TDP_ECANCELED, "pipe freed");
+    tdp_pipe_stats s;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &s);
+    Py_END_ALLOW_THREADS return Py_BuildValue(
+        "{sKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
+        s.bytes_sent, "bytes_recv", s.bytes_recv, "schemas_sent", s.schemas_sent, "schemas_recv",
+        s.schemas_recv, "credit_waits", s.credit_waits);
+}
+
+static PyObject *pipe_plane(PipeObject *self, void *c)
+{
+    if (self->pipe == NULL)
+        Py_RETURN_NONE;
+    tdp_plane pl;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS pl = tdp_pipe_plane(p);
+    Py_END_ALLOW_THREADS return PyUnicode_FromString(tdp_plane_name(pl));
+}
+
+static PyObject *pipe_peer(PipeObject *self, void *c)
+{
+    if (self->pipe == NULL)
+        Py_RETURN_NONE;
+    char buf[128];
+    const char *r;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS r = tdp_pipe_peer(p, buf, sizeof buf);
+    Py_END_ALLOW_THREADS return PyUnicode_FromString(r ? r : "");
+}
+
+static PyObject *pipe_status(PipeObject *self, void *c)
+{
+    tdp_err rc = TDP_ECANCELED;
+    tdp_pipe *p = self->pipe;
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_status(p);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *pipe_depth(PipeObject *self, void *c)
+{
+    return PyLong_FromUnsignedLong(self->depth);
+}
+
+static PyObject *pipe_on_thread(PipeObject *self, void *c)
+{
+    return PyBool_FromLong(self->on_thread);
+}
+
+static PyMethodDef pipe_methods[] = {
+    {"connect", (PyCFunction)pipe_connect, METH_VARARGS | METH_CLASS, NULL},
+    {"send_td", (PyCFunction)pipe_send_td, METH_VARARGS, NULL},
+    {"send_gather", (PyCFunction)pipe_send_gather, METH_VARARGS, NULL},
+    {"recv", (PyCFunction)pipe_recv, METH_VARARGS, NULL},
+    {"loan", (PyCFunction)pipe_loan, METH_O, NULL},
+    {"close", (PyCFunction)pipe_close, METH_VARARGS, NULL},
+    {"abort", (PyCFunction)pipe_abort, METH_NOARGS, NULL},
+    {"free", (PyCFunction)pipe_free_m, METH_NOARGS, NULL},
+    {"stats", (PyCFunction)pipe_stats, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef pipe_getset[] = {
+    {"plane", (getter)pipe_plane, NULL, NULL, NULL},
+    {"peer", (getter)pipe_peer, NULL, NULL, NULL},
+    {"status", (getter)pipe_status, NULL, NULL, NULL},
+    {"depth", (getter)pipe_depth, NULL, NULL, NULL},
+    {"on_thread", (getter)pipe_on_thread, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject PipeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Pipe",
+    .tp_basicsize = sizeof(PipeObject),
+    .tp_dealloc = (destructor)pipe_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = pipe_methods,
+    .tp_getset = pipe_getset,
+};
+
+/* ---- Listener -------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD tdp_listener *l;
+    uint32_t depth;
+    int busy, on_thread;
+} ListenerObject;
+
+static PyObject *listener_listen(PyObject *cls, PyObject *args)
+{
+    const char *host;
+    int port = 0, on_thread = 0;
+    PyObject *d = NULL;
+    if (!PyArg_ParseTuple(args, "z|iOp", &host, &port, &d, &on_thread))
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
+        return NULL;
+    }
+    tdp_pipe_opts o;
+    if (parse_opts(d, &o) < 0)
+        return NULL;
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
+    if (loop == NULL)
+        return NULL;
+    tdp_listener *l;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_listener_new(loop, host, (uint16_t)port, &o, NULL, NULL, &l);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "listen");
+    ListenerObject *lo = PyObject_New(ListenerObject, &ListenerType);
+    if (lo == NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_listener_free(l);
+        Py_END_ALLOW_THREADS return NULL;
+    }
+    lo->l = l;
+    lo->depth = o.recv_depth;
+    lo->busy = 0;
+    lo->on_thread = on_thread;
+    return (PyObject *)lo;
+}
+
+static PyObject *listener_accept(ListenerObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0)
+        return NULL;
+    if (self->l == NULL)
+        return raise_tdp(TDP_ECANCELED, "listener closed");
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is accepting on this listener");
+        return NULL;
+    }
+    tdp_pipe *p;
+    tdp_err rc;
+    tdp_listener *l = self->l;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_listener_accept(l, ms, &p);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "accept");
+    return (PyObject *)pipe_new_obj(p, self->depth, self->on_thread);
+}
+
+static void listener_free_now(ListenerObject *self)
+{
+    tdp_listener *l = self->l;
+    if (l == NULL)
+        return;
+    self->l = NULL;
+    Py_BEGIN_ALLOW_THREADS tdp_listener_free(l);
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *listener_close(ListenerObject *self, PyObject *unused)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is accepting on this listener");
+        return NULL;
+    }
+    listener_free_now(self);
+    Py_RETURN_NONE;
+}
+
+static void listener_dealloc(ListenerObject *self)
+{
+    listener_free_now(self);
+    PyObject_Free(self);
+}
+
+static PyObject *listener_port(ListenerObject *self, void *c)
+{
+    if (self->l == NULL)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(tdp_listener_port(self->l));
+}
+
+static PyMethodDef listener_methods[] = {
+    {"listen", (PyCFunction)listener_listen, METH_VARARGS | METH_CLASS, NULL},
+    {"accept", (PyCFunction)listener_accept, METH_VARARGS, NULL},
+    {"close", (PyCFunction)listener_close, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef listener_getset[] = {
+    {"port", (getter)listener_port, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject ListenerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Listener",
+    .tp_basicsize = sizeof(ListenerObject),
+    .tp_dealloc = (destructor)listener_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = listener_methods,
+    .tp_getset = listener_getset,
+};
+
+/* ---- Op (asyncio) ---------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD tdp_op *op;
+    int efd;
+    /* While an operation is pending: what it uses (kept alive). */
+    PipeObject *pipe;
+    TdObject *td;
+    int pending, is_recv;
+} OpObject;
+
+static void op_done(tdp_op *op, void *arg)
+{
+    /* Loop thread, no GIL: only wake the asyncio loop. */
+    int fd = (int)(intptr_t)arg;
+    uint64_t one = 1;
+    ssize_t n;
+    do {
+        n = write(fd, &one, sizeof one);
+    } while (n < 0 && errno == EINTR);
+}
+
+static PyObject *op_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    tdp_op *op;
+    tdp_err rc = tdp_op_new(op_done, (void *)(intptr_t)fd, &op);
+    if (rc != TDP_OK) {
+        close(fd);
+        return raise_tdp(rc, "op");
+    }
+    OpObject *o = (OpObject *)type->tp_alloc(type, 0);
+    if (o == NULL) {
+        tdp_op_free(op);
+        close(fd);
+        return NULL;
+    }
+    o->op = op;
+    o->efd = fd;
+    return (PyObject *)o;
+}
+
+static int op_check_idle(OpObject *self, PipeObject *p)
+{
+    if (!p->on_thread) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "async operations need a pipe on the loop thread (loop=\"thread\")");
+        return -1;
+    }
+    if (self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "operation already pending");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *op_start_recv(OpObject *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &PipeType)) {
+        PyErr_SetString(PyExc_TypeError, "Pipe expected");
+        return NULL;
+    }
+    PipeObject *p = (PipeObject *)arg;
+    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
+        return NULL;
+    if (p->depth == 1 && p->last_lent != NULL) {
+        /* the receive releases the previous message */
+        p->last_lent->released = 1;
+        p->last_lent = NULL;
+    }
+    Py_INCREF(p);
+    self->pipe = p;
+    self->pending = 1;
+    self->is_recv = 1;
+    tdp_pipe_recv_async(p->pipe, self->op);
+    Py_RETURN_NONE;
+}
+
+static PyObject *op_start_send(OpObject *self, PyObject *args)
+{
+    PipeObject *p;
+    TdObject *td;
+    if (!PyArg_ParseTuple(args, "O!O!", &PipeType, &p, &TdType, &td))
+        return NULL;
+    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
+        return NULL;
+    Py_INCREF(p);
+    Py_INCREF(td);
+    self->pipe = p;
+    self->td = td;
+    self->pending = 1;
+    self->is_recv = 0;
+    tdp_pipe_send_async(p->pipe, td->td, self->op);
+    Py_RETURN_NONE;
+}
+
+/*
+ * result() -> None while pending (call again after the fd is readable);
+ * else the received Td (receives), True (sends), or raises the error.
+ */
+static PyObject *op_result(OpObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    if (!self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "no operation started");
+        return NULL;
+    }
+    tdp_err rc = tdp_op_result(self->op);
+    if (rc == TDP_EAGAIN)
+        Py_RETURN_NONE;
+    PipeObject *p = self->pipe;
+    self->pipe = NULL;
+    self->pending = 0;
+    Py_CLEAR(self->td);
+    PyObject *res;
+    if (rc != TDP_OK)
+        res = raise_tdp(rc, self->is_recv ? "recv" : "send");
+    else if (self->is_recv)
+        res = pipe_lent_td(p, tdp_op_td(self->op), tdp_op_seq(self->op));
+    else
+        res = Py_NewRef(Py_True);
+    Py_DECREF(p);
+    return res;
+}
+
+static PyObject *op_fileno(OpObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->efd);
+}
+
+static void op_dealloc(OpObject *self)
+{
+    if (self->pending && tdp_op_result(self->op) == TDP_EAGAIN) {
+        /*
+         * Still pending (the coroutine was dropped without the pipe being
+         * closed): the library may still complete it, so the op, its fd and
+         * what it uses are leaked rather than freed under it.
+         */
+        PyObject_Free(self);
+        return;
+    }
+    Py_CLEAR(self->pipe);
+    Py_CLEAR(self->td);
+    tdp_op_free(self->op);
+    close(self->efd);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef op_methods[] = {
+    {"start_recv", (PyCFunction)op_start_recv, METH_O, NULL},
+    {"start_send", (PyCFunction)op_start_send, METH_VARARGS, NULL},
+    {"result", (PyCFunction)op_result, METH_NOARGS, NULL},
+    {"fileno", (PyCFunction)op_fileno, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyTypeObject OpType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Op",
+    .tp_basicsize = sizeof(OpObject),
+    .tp_dealloc = (destructor)op_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = op_new,
+    .tp_methods = op_methods,
+};
+
+/* ---- Server ---------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD tdp_server *srv;
+    /* handler(request: Td, client_id: int) -> Td or None; runs on the loop thread. */
+    PyObject *handler;
+    PyObject *on_close; /* on_close(client_id, code) or None */
+} ServerObject;
+
+static tdp_err srv_on_message(tdp_client *c, tdp_td *td, void *arg)
+{
+    if (atomic_load(&g_finalizing))
+        return TDP_ECANCELED;
+    ServerObject *self = arg;
+    tdp_err ret = TDP_OK;
+    PyGILState_STATE st = PyGILState_Ensure();
+    TdObject *req = td_new_obj(td);
+    if (req == NULL) {
+        PyErr_WriteUnraisable(self->handler);
+        PyGILState_Release(st);
+        return TDP_ENOMEM;
+    }
+    PyObject *reply = PyObject_CallFunction(self->handler, "OK", (PyObject *)req,
+                                            (unsigned long long)tdp_client_id(c));
+    req->expired = 1; /* lent for the call only */
+    Py_DECREF(req);
+    if (reply == NULL) {
+        PyErr_WriteUnraisable(self->handler);
+        ret = TDP_EINTERNAL;
+    } else if (reply != Py_None) {
+        if (!PyObject_TypeCheck(reply, &TdType)) {
+            PyErr_SetString(PyExc_TypeError, "server handler must return a Td or None");
+            PyErr_WriteUnraisable(self->handler);
+            ret = TDP_EINVAL;
+        } else {
+            tdp_err rc = tdp_client_send(c, ((TdObject *)reply)->td);
+            if (rc != TDP_OK && rc != TDP_ECLOSED)
+                ret = rc;
+        }
+    }
+    Py_XDECREF(reply);
+    PyGILState_Release(st);
+    return ret;
+}
+
+static void srv_on_close(tdp_client *c, tdp_err status, void *arg)
+{
+    ServerObject *self = arg;
+    if (atomic_load(&g_finalizing) || self->on_close == NULL)
+        return;
+    PyGILState_STATE st = PyGILState_Ensure();
+    PyObject *r = PyObject_CallFunction(self->on_close, "Ki", (unsigned long long)tdp_client_id(c),
+                                        (int)status);
+    if (r == NULL)
+        PyErr_WriteUnraisable(self->on_close);
+    Py_XDECREF(r);
+    PyGILState_Release(st);
+}
+
+/* Server(host, port, handler, on_close, opts, max_clients) */
+static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    const char *host;
+    int port, max_clients = 0;
+    PyObject *handler, *on_close = Py_None, *d = NULL;
+    if (!PyArg_ParseTuple(args, "ziO|OOi", &host, &port, &handler, &on_close, &d, &max_clients))
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
+        return NULL;
+    }
+    tdp_server_opts so;
+    tdp_server_opts_default(&so);
+    if (parse_opts(d, &so.pipe) < 0)
+        return NULL;
+    if (max_clients > 0)
+        so.max_clients = (uint32_t)max_clients;
+    tdp_loop *loop = get_loop();
+    if (loop == NULL)
+        return NULL;
+    ServerObject *o = (ServerObject *)type->tp_alloc(type, 0);
+    if (o == NULL)
+        return NULL;
+    o->handler = Py_NewRef(handler);
+    o->on_close = on_close == Py_None ? NULL : Py_NewRef(on_close);
+    tdp_server_handler h = {
+        .size = sizeof h, .on_message = srv_on_message, .on_close = srv_on_close};
+    tdp_err rc;
+    tdp_server *srv;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_server_new(loop, host, (uint16_t)port, &so, &h, o, &srv);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK)
+    {
+        Py_DECREF(o);
+        return raise_tdp(rc, "server");
+    }
+    o->srv = srv;
+    return (PyObject *)o;
+}
+
+static PyObject *server_shutdown(ServerObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0)
+        return NULL;
+    tdp_server *s = self->srv;
+    if (s == NULL)
+        Py_RETURN_NONE;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_server_shutdown(s, ms);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "shutdown");
+    Py_RETURN_NONE;
+}
+
+static void server_free_now(ServerObject *self)
+{
+    tdp_server *s = self->srv;
+    if (s == NULL)
+        return;
+    self->srv = NULL;
+    Py_BEGIN_ALLOW_THREADS tdp_server_free(s);
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *server_close(ServerObject *self, PyObject *unused)
+{
+    server_free_now(self);
+    Py_RETURN_NONE;
+}
+
+static void server_dealloc(ServerObject *self)
+{
+    server_free_now(self);
+    Py_CLEAR(self->handler);
+    Py_CLEAR(self->on_close);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *server_port(ServerObject *self, void *c)
+{
+    if (self->srv == NULL)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(tdp_server_port(self->srv));
+}
+
+static PyObject *server_stats(ServerObject *self, PyObject *unused)
+{
+    if (self->srv == NULL)
+        Py_RETURN_NONE;
+    tdp_server_stats s;
+    tdp_server *srv = self->srv;
+    Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
+    Py_END_ALLOW_THREADS return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total", s.clients_total,
+        "refused", s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors",
+        s.handler_errors, "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent",
+        s.msgs_sent, "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv",
+        s.schemas_recv);
+}
+
+static PyMethodDef server_methods[] = {
+    {"shutdown", (PyCFunction)server_shutdown, METH_VARARGS, NULL},
+    {"close", (PyCFunction)server_close, METH_NOARGS, NULL},
+    {"stats", (PyCFunction)server_stats, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef server_getset[] = {
+    {"port", (getter)server_port, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject ServerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.Server",
+    .tp_basicsize = sizeof(ServerObject),
+    .tp_dealloc = (destructor)server_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = server_new_py,
+    .tp_methods = server_methods,
+    .tp_getset = server_getset,
+};
+
+/* ---- module ---------------------------------------------------------------- */
+
+static PyObject *mod_set_error_factory(PyObject *m, PyObject *fn)
+{
+    Py_XSETREF(g_make_error, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_finalizing(PyObject *m, PyObject *unused)
+{
+    atomic_store(&g_finalizing, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_errname(PyObject *m, PyObject *arg)
+{
+    long c = PyLong_AsLong(arg);
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(tdp_errname((int)c));
+}
+
+static PyObject *mod_strerror(PyObject *m, PyObject *arg)
+{
+    long c = PyLong_AsLong(arg);
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(tdp_strerror((int)c));
+}
+
+static PyObject *mod_version(PyObject *m, PyObject *unused)
+{
+    return PyUnicode_FromString(tdp_version_string());
+}
+
+static PyMethodDef mod_methods[] = {
+    {"_set_error_factory", mod_set_error_factory, METH_O, NULL},
+    {"_finalizing", mod_finalizing, METH_NOARGS, NULL},
+    {"errname", mod_errname, METH_O, NULL},
+    {"strerror", mod_strerror, METH_O, NULL},
+    {"library_version", mod_version, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static struct PyModuleDef mod_def = {
+    PyModuleDef_HEAD_INIT, "_tdpipe", "CPython binding of libtdpipe", -1, mod_methods,
+};
+
+PyMODINIT_FUNC PyInit__tdpipe(void)
+{
+    PyTypeObject *types[] = {&SchemaType, &TdType, &PipeType, &ListenerType, &OpType, &ServerType};
+    const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server"};
+    PyObject *m = PyModule_Create(&mod_def);
+    if (m == NULL)
+        return NULL;
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        if (PyType_Ready(types[i]) < 0 ||
+            PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+#define X(name, value, msg) PyModule_AddIntConstant(m, #name, value);
+    TDP_ERR_TABLE(X)
+#undef X
+    return m;
+}

@@ -1,0 +1,395 @@
+"""Tensordicts to and from tdpipe buffers.
+
+Sending: a nested mapping is flattened into (path, leaf) pairs; the layout
+(paths, dtypes, shapes, values, node classes and batch sizes) is the cache
+key of the schema, so sends of one layout build the schema once.
+
+Receiving: a received buffer is turned into nested dicts of tensors that
+are DLPack views of it; the plan (which leaf goes where, the decoded
+non-tensor values) is made once per schema.
+"""
+import json
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is a dependency in practice
+    np = None
+
+try:
+    import torch
+    from torch.utils import dlpack as _torch_dlpack
+except ImportError:
+    torch = None
+    _torch_dlpack = None
+
+from . import _tdpipe
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class Consolidated(dict):
+    """A nested dict whose tensor leaves are views into one tdpipe buffer.
+
+    Sending it (Pipe.send) hands the buffer itself to the pipe: nothing is
+    copied, as long as its leaves are still the views it was made with
+    (write into them in place: ``buf["x"][:] = ...``); a leaf replaced by
+    another tensor makes the send gather (copy) instead.
+    """
+
+    __slots__ = ("_td", "_views")
+
+    @property
+    def buffer_address(self):
+        """Address of the buffer the leaves lie in (for tests and debugging)."""
+        return self._td.data_ptr
+
+    @property
+    def buffer_nbytes(self):
+        return self._td.nbytes
+
+    @property
+    def schema(self):
+        return self._td.schema
+
+
+class Message(Consolidated):
+    """A received tensordict: a nested dict of views into the pipe's
+    receive buffer. It is *lent*: see Pipe.recv and docs/python.md.
+
+    Use it as a context manager, or call release(), to give the buffer back.
+    """
+
+    __slots__ = ()
+
+    @property
+    def seq(self):
+        """Sequence number on the pipe (1 for the first message)."""
+        return self._td.seq
+
+    @property
+    def released(self):
+        return self._td.released
+
+    def release(self):
+        """Give the buffer back (a credit goes to the sender). The views
+        then point at memory the next message lands in."""
+        self._td.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._td.release()
+        return False
+
+
+# ---- leaves ------------------------------------------------------------------
+
+
+def _is_mapping(x):
+    return isinstance(x, dict) or (
+        hasattr(x, "keys") and hasattr(x, "__getitem__") and not hasattr(x, "__dlpack__")
+        and not hasattr(x, "__array_interface__"))
+
+
+def _leaf_info(x):
+    """(dtype_name, shape, address, keepalive) of a host tensor leaf, made
+    C-contiguous (a copy only if it was not)."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise NotImplementedError(
+                "tdpipe's Python binding sends host tensors only (got %s)" % x.device)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return str(x.dtype), tuple(x.shape), x.data_ptr(), x
+    if np is not None and isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return x.dtype.name, x.shape, x.__array_interface__["data"][0], x
+    if hasattr(x, "__dlpack__"):
+        if torch is not None:
+            return _leaf_info(torch.from_dlpack(x))
+        return _leaf_info(np.from_dlpack(x))
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        return _leaf_info(np.asarray(x))
+    raise TypeError("leaf of type %s is neither a tensor nor a scalar" % type(x).__name__)
+
+
+def _node_meta(x):
+    """(cls, batch_size) of a tensordict-like node, or None for a plain mapping."""
+    bs = getattr(x, "batch_size", None)
+    if bs is None:
+        return None
+    return type(x).__name__, tuple(int(d) for d in bs)
+
+
+def flatten(obj):
+    """key, nodes, tensors, values, addresses, keepalive of a nested mapping.
+
+    key is hashable and equal for equal layouts."""
+    nodes, tensors, values, addrs, keep = [], [], [], [], []
+    meta = _node_meta(obj)
+    if meta is not None:
+        nodes.append(("", meta[0], meta[1]))
+
+    def walk(m, prefix):
+        for k, v in m.items():
+            if not isinstance(k, str):
+                raise TypeError("keys must be strings, got %r" % (k,))
+            path = prefix + k
+            if isinstance(v, _SCALARS):
+                values.append((path, json.dumps(v)))
+            elif _is_mapping(v):
+                meta = _node_meta(v)
+                if meta is not None:
+                    nodes.append((path, meta[0], meta[1]))
+                elif len(v) == 0:
+                    nodes.append((path, None, ()))
+                walk(v, path + ".")
+            else:
+                dt, shape, addr, k2 = _leaf_info(v)
+                tensors.append((path, dt, shape))
+                addrs.append(addr)
+                keep.append(k2)
+
+    walk(obj, "")
+    key = (tuple(nodes), tuple(tensors), tuple(values))
+    return key, nodes, tensors, values, addrs, keep
+
+
+class SchemaCache:
+    """The schema of the last layout sent (sends of one layout repeat)."""
+
+    __slots__ = ("key", "schema", "fkey", "fschema")
+
+    def __init__(self):
+        self.key = None
+        self.schema = None
+        self.fkey = None  # the last foreign layout (see shared_buffer)
+        self.fschema = None
+
+    def get(self, obj):
+        key, nodes, tensors, values, addrs, keep = flatten(obj)
+        if key != self.key:
+            self.schema = _tdpipe.Schema.build(nodes, tensors, values)
+            self.key = key
+        return self.schema, addrs, keep
+
+    def get_send(self, obj):
+        """(schema, None, None, td) when obj's tensor leaves already lie in
+        one buffer (sent as it is), else (schema, addrs, keep, None)."""
+        key, nodes, tensors, values, addrs, keep = flatten(obj)
+        shared = shared_buffer(tensors, addrs, keep)
+        if shared is not None:
+            base, total, offsets = shared
+            fkey = (key, base % 64, total, offsets)
+            if fkey != self.fkey:
+                self.fschema = _tdpipe.Schema.decode(
+                    foreign_json(nodes, tensors, values, offsets, total).encode())
+                self.fkey = fkey
+            return self.fschema, None, None, _tdpipe.Td.wrap(self.fschema, base, total, keep)
+        if key != self.key:
+            self.schema = _tdpipe.Schema.build(nodes, tensors, values)
+            self.key = key
+        return self.schema, addrs, keep, None
+
+
+_ITEMSIZE = {}
+
+
+def _storage_of(x):
+    """(start address, nbytes) of the allocation a leaf views, or None."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        st = x.untyped_storage() if hasattr(x, "untyped_storage") else x.storage()
+        return st.data_ptr(), st.nbytes()
+    if np is not None and isinstance(x, np.ndarray):
+        root = x
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.base is not None or not root.flags.c_contiguous:
+            return None  # a buffer numpy does not own: its extent is unknown
+        return root.__array_interface__["data"][0], root.nbytes
+    return None
+
+
+def shared_buffer(tensors, addrs, keep):
+    """(base, total_bytes, offsets) when every tensor leaf is a view into one
+    allocation, they do not overlap, fill at least half of the span they
+    cover, and the span starts 64-byte aligned (the library's rule for a
+    wrapped buffer); else None. Then the span is sent as it is."""
+    if len(tensors) < 2:
+        return None
+    st = _storage_of(keep[0])
+    if st is None:
+        return None
+    nbytes = []
+    for (path, dt, shape), x in zip(tensors, keep):
+        if _storage_of(x) != st:
+            return None
+        nbytes.append(x.element_size() * x.numel() if torch is not None and
+                      isinstance(x, torch.Tensor) else x.nbytes)
+    base = min(addrs)
+    end = max(a + n for a, n in zip(addrs, nbytes))
+    if base % 64 or base < st[0] or end > st[0] + st[1] or end - base > 2 * sum(nbytes):
+        return None
+    order = sorted(range(len(addrs)), key=lambda i: addrs[i])
+    for prev, nxt in zip(order, order[1:]):
+        if addrs[prev] + nbytes[prev] > addrs[nxt]:
+            return None  # overlapping leaves
+    return base, end - base, tuple((a - base, n) for a, n in zip(addrs, nbytes))
+
+
+def foreign_json(nodes, tensors, values, offsets, total):
+    """Schema JSON (docs/schema.md) of leaves at the given offsets."""
+    def node(cls="TensorDict", batch=()):
+        return {"cls": cls, "cls_metadata": {"batch_size": list(batch), "device": "cpu",
+                                             "is_locked": False, "names": None},
+                "leaves": {}, "non_tensors": {}}
+
+    root = node()
+    tree = {"": root}
+
+    def at(path):
+        if path in tree:
+            return tree[path]
+        parent, _, key = path.rpartition(".")
+        n = node()
+        at(parent)[key] = n
+        tree[path] = n
+        return n
+
+    for path, cls, batch in nodes:
+        n = at(path)
+        if cls is not None:
+            n["cls"] = cls
+            n["cls_metadata"]["batch_size"] = list(batch)
+    starts = sorted(o for o, _n in offsets)
+    nxt = {s: (starts[i + 1] if i + 1 < len(starts) else total) for i, s in enumerate(starts)}
+    for (path, dt, shape), (off, nb) in zip(tensors, offsets):
+        parent, _, key = path.rpartition(".")
+        name = dt if dt.startswith("torch.") else "torch." + dt
+        stop = nxt[off]
+        at(parent)["leaves"][key] = [name, list(shape), off, stop, stop - off - nb]
+    for path, vjson in values:
+        parent, _, key = path.rpartition(".")
+        at(parent)["non_tensors"][key] = json.loads(vjson)
+    return json.dumps({"format": "tdpipe.schema", "version": 1, "total_bytes": total,
+                       "device": "cpu", "td": root})
+
+
+def consolidated_check(obj):
+    """The Td of a Consolidated whose leaves are still its own views, else None."""
+    td = getattr(obj, "_td", None)
+    if td is None or not isinstance(obj, Consolidated):
+        return None
+    for container, key, view in obj._views:
+        if (obj if container is None else container).get(key) is not view:
+            return None
+    return td
+
+
+# ---- views of a buffer ---------------------------------------------------------
+
+
+class _Cap:
+    """Hands a DLPack capsule to numpy.from_dlpack, which wants __dlpack__."""
+
+    __slots__ = ("c",)
+
+    def __init__(self, c):
+        self.c = c
+
+    def __dlpack__(self, stream=None):
+        return self.c
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+class Plan:
+    """How a schema's buffer becomes nested dicts: made once per schema."""
+
+    __slots__ = ("schema", "nodes", "tensors", "values")
+
+    def __init__(self, schema):
+        self.schema = schema
+        # node paths in pre-order (parents first), root excluded
+        self.nodes = [p for p, _cls, _bs in schema.nodes() if p]
+        self.tensors, self.values = [], []
+        for path, dt, _shape, _off, _nb, vjson in schema.leaves():
+            parent, _, key = path.rpartition(".")
+            if dt is None:
+                self.values.append((parent, key, json.loads(vjson)))
+            else:
+                self.tensors.append((parent, key, dt == "torch.bool"))
+
+
+def _to_torch(cap, is_bool):
+    t = _torch_dlpack.from_dlpack(cap)
+    # DLPack 0.6 has no bool type: the library exports bool as uint8
+    return t.view(torch.bool) if is_bool and t.dtype != torch.bool else t
+
+
+def _to_numpy(cap, is_bool):
+    a = np.from_dlpack(_Cap(cap))
+    return a.view(np.bool_) if is_bool and a.dtype != np.bool_ else a
+
+
+def unpack(td, plan, as_, cls):
+    """A `cls` (Message or Consolidated) of views into td's buffer."""
+    if as_ == "torch":
+        if torch is None:
+            raise ImportError("as_='torch' needs PyTorch")
+        conv = _to_torch
+    elif as_ == "numpy":
+        conv = _to_numpy
+    else:
+        raise ValueError("as_ must be 'torch' or 'numpy'")
+    root = cls()
+    root._td = td
+    dicts = {"": root}
+    for p in plan.nodes:
+        parent, _, key = p.rpartition(".")
+        d = {}
+        dicts[parent][key] = d
+        dicts[p] = d
+    views = []
+    caps = td.capsules()
+    for i, (parent, key, is_bool) in enumerate(plan.tensors):
+        v = conv(caps[i], is_bool)
+        d = dicts[parent]
+        d[key] = v
+        # the root is named None, not itself: no reference cycle, so a
+        # message is freed (and at depth N given back) as soon as it is dropped
+        views.append((d if parent else None, key, v))
+    for parent, key, value in plan.values:
+        dicts[parent][key] = value
+    root._views = views
+    return root
+
+
+class Unpacker:
+    """Caches the plan of the last schema received."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self):
+        self.plan = None
+
+    def __call__(self, td, as_, cls=Message):
+        schema = td.schema
+        plan = self.plan
+        if plan is None or (plan.schema is not schema and plan.schema != schema):
+            plan = self.plan = Plan(schema)
+        return unpack(td, plan, as_, cls)
+
+
+def consolidate(obj, as_="torch", _cache=None):
+    """Copy a nested mapping of tensors into one new tdpipe buffer and
+    return it as a Consolidated dict of views (send it without a copy)."""
+    cache = _cache or SchemaCache()
+    schema, addrs, keep = cache.get(obj)
+    td = _tdpipe.Td.alloc(schema)
+    td.fill(addrs)
+    del keep
+    return unpack(td, Plan(schema), as_, Consolidated)
