@@ -159,6 +159,9 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
         } else if (!strcmp(key, "linger")) {
             if (timeout_ms(v, &o->linger_ms) < 0)
                 return -1;
+        } else if (!strcmp(key, "reconnect")) {
+            if (timeout_ms(v, &o->reconnect_ms) < 0)
+                return -1;
         } else if (!strcmp(key, "plane")) {
             const char *s = PyUnicode_AsUTF8(v);
             if (s == NULL)
@@ -1043,9 +1046,10 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
     tdp_pipe *p = self->pipe;
     Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
-        "{sKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
+        "{sKsKsKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
         s.bytes_sent, "bytes_recv", s.bytes_recv, "schemas_sent", s.schemas_sent, "schemas_recv",
-        s.schemas_recv, "credit_waits", s.credit_waits);
+        s.schemas_recv, "credit_waits", s.credit_waits, "reconnects", s.reconnects,
+        "resumed_from", s.resumed_from);
 }
 
 static PyObject *pipe_plane(PipeObject *self, void *c)

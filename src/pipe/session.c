@@ -472,8 +472,10 @@ static void send_hello(tdp_pipe *p)
     h.planes = ids;
     h.nplanes = n;
     h.auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0;
-    /* a reconnected stream goes on where it was: the peer is told from where */
-    h.resume = p->send_seq > 0 ? p->send_seq + 1 : 0;
+    /* a reconnected stream goes on where it was: the peer is told from where
+     * (the link's start, not send_seq now: a dialer may open, and send, on
+     * the peer's HELLO before its own connect event has sent this one) */
+    h.resume = p->credit_base > 0 ? p->credit_base + 1 : 0;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
     for (uint32_t i = 0; i < p->depth; i++)
@@ -708,9 +710,9 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
          * where it resumes (the HELLO must then agree: on_ctl_hello) */
         p->rx_seq = f->seq - 1;
         p->stats.resumed_from = f->seq;
-    }
+        }
     if (f->seq != p->rx_seq + 1 || length != f->length) {
-        proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
+            proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
         return;
     }
     if (f->length > p->limits.max_json_bytes || f->arg > p->limits.max_total_bytes) {
