@@ -49,8 +49,12 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define MAX_SIZE   (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
 #define BENCH_TMO  120000
-#define SETUP_TMO  15000 /* a peer that does not answer SETUP is no bench peer */
-#define SLICE_MS   200   /* the server's waits, in slices to see a signal */
+/*
+ * A peer that does not answer SETUP in this time is no bench server, or one
+ * busy with another client (it serves one at a time).
+ */
+#define SETUP_TMO 10000
+#define SLICE_MS  200 /* the server's waits, in slices to see a signal */
 /* SETUP's ack, word 1: the peer is a bench consumer (any other answer is not) */
 #define BENCH_MAGIC   INT64_C(0x7464702d62656e63)
 #define SETUP_NO_LOAN 1 /* SETUP word 1: the producer sends plain buffers */
@@ -769,7 +773,8 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             }
         } else if (rc == TDP_ETIMEDOUT && cfg->client_of != NULL) {
             tdp_cli_error("bench",
-                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server'?",
+                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server', "
+                          "and not busy with another client?",
                           SETUP_TMO / 1000, cfg->client_of);
         }
         tdp_td_unref(std_);
