@@ -211,11 +211,11 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
             if (idx == warm)
                 t_start = tdp_cli_now_ns();
             tdp_pipe_release(pipe, td);
-            if (idx == count - 1) {
+            /* a peer's words: no arithmetic on them that can overflow */
+            if (count > 0 && idx == count - 1) {
                 hdr_of(ack)[0] = PH_STREAM;
                 hdr_of(ack)[1] = (int64_t)(tdp_cli_now_ns() - t_start);
-                /* messages timed; a peer's words, so no arithmetic that can overflow */
-                hdr_of(ack)[2] = count > warm ? count - 1 - warm : 0;
+                hdr_of(ack)[2] = warm >= 0 && warm < count ? count - 1 - warm : 0; /* timed */
                 rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
             }
             break;
