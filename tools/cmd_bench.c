@@ -7,7 +7,7 @@
  *                data) and a small acknowledgement back;
  *   latency      one-way time = half the round trip of a ping-pong in which
  *                the consumer sends each message straight back (the method
- *                of ucx_perftest's am_lat), mean, p50, p99;
+ *                of ucx_perftest's am_lat), mean, p50, p99, p99.9;
  *   throughput   messages streamed back to back, timed by the consumer from
  *                the completion of the first counted message to the last,
  *                repeated to show the spread.
@@ -98,7 +98,7 @@ typedef struct server_info {
 typedef struct size_result {
     uint64_t bytes;
     double first_us;
-    double lat_mean, lat_p50, lat_p99, lat_min;
+    double lat_mean, lat_p50, lat_p99, lat_p999, lat_min;
     int lat_n;
     double tp_bps[TP_REPEATS]; /* bytes per second, each repeat */
     double tp_median, tp_min, tp_max;
@@ -423,6 +423,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
         out->lat_min = l.min;
         out->lat_p50 = l.p50;
         out->lat_p99 = l.p99;
+        out->lat_p999 = l.p999;
         out->lat_n = l.n;
     }
     free(lat);
@@ -460,15 +461,17 @@ out:
 static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE *f)
 {
     char sz[32], tp[32], lo[32], hi[32];
-    fprintf(f, "%-10s %12s %12s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
-            "lat mean", "lat p50", "lat p99", "throughput", "(min..max of 3)");
+    fprintf(f, "%-10s %12s %12s %11s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
+            "lat mean", "lat p50", "lat p99", "lat p99.9", "throughput", "(min..max of 3)");
     for (int i = 0; i < n; i++) {
         tdp_cli_format_size(r[i].bytes, sz, sizeof(sz));
         tdp_cli_format_rate(r[i].tp_median, tp, sizeof(tp));
         tdp_cli_format_rate(r[i].tp_min, lo, sizeof(lo));
         tdp_cli_format_rate(r[i].tp_max, hi, sizeof(hi));
-        fprintf(f, "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n", sz,
-                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, tp, lo, hi);
+        fprintf(f,
+                "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n",
+                sz, r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99,
+                r[i].lat_p999, tp, lo, hi);
     }
 }
 
@@ -515,12 +518,12 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
         fprintf(f,
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
                 "     \"latency_us\": {\"mean\": %.3f, \"p50\": %.3f, \"p99\": %.3f, "
-                "\"min\": %.3f, \"n\": %d},\n"
+                "\"p999\": %.3f, \"min\": %.3f, \"n\": %d},\n"
                 "     \"throughput_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": %.0f, "
                 "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}}%s\n",
-                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, r[i].lat_min,
-                r[i].lat_n, r[i].tp_median, r[i].tp_min, r[i].tp_max, TP_REPEATS, r[i].tp_msgs,
-                i + 1 < n ? "," : "");
+                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, r[i].lat_p999,
+                r[i].lat_min, r[i].lat_n, r[i].tp_median, r[i].tp_min, r[i].tp_max, TP_REPEATS,
+                r[i].tp_msgs, i + 1 < n ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     bool ok = !ferror(f);
@@ -937,8 +940,8 @@ static void usage(FILE *f)
             "usage: tdpipe bench [options]\n"
             "\n"
             "Producer and consumer on loopback (this process and a child it starts):\n"
-            "first-send time, one-way latency (half a ping-pong: mean, p50, p99) and\n"
-            "throughput (timed on the receiver, 3 repeats) for each payload size.\n"
+            "first-send time, one-way latency (half a ping-pong: mean, p50, p99, p99.9)\n"
+            "and throughput (timed on the receiver, 3 repeats) for each payload size.\n"
             "\n"
             "  --sizes LIST       payload sizes, comma-separated (default 1KB,1MB,100MB;\n"
             "                     K/KB, M/MB, G/GB = 1000^n, Ki/KiB, Mi/MiB, Gi/GiB = 1024^n;\n"
