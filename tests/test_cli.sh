@@ -582,6 +582,27 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     kill "$spid" 2>/dev/null
     finish brecv "$spid"
 
+    # SIGTERM during a client's run: the server exits 143, the client 4
+    local cpid
+    start bsrv_term 60 "$TDPIPE" bench --server --bind 127.0.0.1
+    spid=$PID
+    port=$(port_of bsrv_term) || return
+    start bcli_term 60 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 2000000 \
+        --quiet
+    cpid=$PID
+    for _ in $(seq 100); do
+        grep -q "connected" "$WORK/bsrv_term.err" && break
+        sleep 0.1
+    done
+    sleep 0.3
+    kill -TERM "$spid"
+    finish bsrv_term "$spid"
+    finish bcli_term "$cpid"
+    expect_rc bsrv_term 143
+    expect_in bsrv_term err "interrupted (SIGTERM) after 1 client"
+    expect_rc bcli_term 4
+    expect_in bcli_term err "the server closed the pipe mid-run"
+
     # SIGINT while waiting for a client: 130
     start bsrv_int 60 "$TDPIPE" bench --server --bind 127.0.0.1
     spid=$PID

@@ -918,7 +918,10 @@ static int run_client(bench_cfg *cfg)
                 cfg->client_of, ucp_get_version_string(), tls ? tls : "default", plane, cfg->depth,
                 cfg->busy_poll_us ? "busy-poll" : "event-driven");
     rc = measure_all(cfg, p, res, &done, &srv);
-    if (rc != TDP_OK) {
+    if (rc == TDP_ECLOSED) {
+        fprintf(stderr, "tdpipe bench: the server closed the pipe mid-run (stopped?)\n");
+        rc_exit = TDP_EXIT_PEER;
+    } else if (rc != TDP_OK) {
         fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_cli_strerror(rc));
         rc_exit = tdp_cli_exit_for(rc);
     } else if ((rc = tdp_pipe_close(p, 10000)) != TDP_OK) {
