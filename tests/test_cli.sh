@@ -517,6 +517,102 @@ test_bench_outputs() {
     fi
 }
 
+# ---- bench --server / --client on loopback ----------------------------------------
+
+# The two-host mode on 127.0.0.1 (tests/test_netns_bench.sh runs it across
+# two network namespaces where it can): the same table, JSON saying mode
+# client, the options each side refuses, a client of something that is not a
+# bench server.
+test_bench_two_hosts() {
+    local port spid
+    start bsrv_once 60 "$TDPIPE" bench --server --bind 127.0.0.1 --once
+    spid=$PID
+    port=$(port_of bsrv_once) || return
+    run bcli 60 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB,200KB --rounds 20 \
+        --json "$WORK/bcli.json" --quiet
+    expect_rc bcli 0
+    expect_in bcli out "client of 127.0.0.1:$port: server depth 4"
+    expect_in bcli out "1.00 KB            1000"
+    expect_in bcli out "200 KB           200000"
+    finish bsrv_once "$spid"
+    expect_rc bsrv_once 0
+    expect_in bsrv_once err "tdpipe bench: client 127.0.0.1:"
+    CHECKS=$((CHECKS + 1))
+    if ! python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))
+assert d["mode"] == "client" and d["peer"] == sys.argv[2], d
+assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
+        "$WORK/bcli.json" "127.0.0.1:$port" 2>"$WORK/bcli_json.err"; then
+        fail "bcli: the JSON is not as expected"
+        dump "$WORK/bcli_json.err" "$WORK/bcli.json"
+    fi
+    # the loopback bench's JSON says its mode too
+    run bloop 60 "$TDPIPE" bench --sizes 1KB --rounds 20 --json "$WORK/bloop.json" --quiet
+    expect_rc bloop 0
+    CHECKS=$((CHECKS + 1))
+    python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["mode"] == "loopback"' \
+        "$WORK/bloop.json" 2>/dev/null || fail "bloop: the JSON does not say mode loopback"
+
+    # what goes with which side
+    run bsrv_sizes 10 "$TDPIPE" bench --server --sizes 1KB
+    expect_rc bsrv_sizes 2
+    expect_in bsrv_sizes err "--sizes is the client's to give"
+    run bsrv_json 10 "$TDPIPE" bench --server --json "$WORK/s.json"
+    expect_rc bsrv_json 2
+    expect_in bsrv_json err "--json is the client's to give"
+    run bboth 10 "$TDPIPE" bench --server --client 127.0.0.1:1
+    expect_rc bboth 2
+    expect_in bboth err "--server and --client exclude each other"
+    run bonce 10 "$TDPIPE" bench --once
+    expect_rc bonce 2
+    expect_in bonce err "--once goes with --server"
+    run bcli_clients 10 "$TDPIPE" bench --client 127.0.0.1:1 --clients 2
+    expect_rc bcli_clients 2
+    expect_in bcli_clients err "--clients starts its own server and clients on loopback"
+    run bcli_bad 10 "$TDPIPE" bench --client 127.0.0.1
+    expect_rc bcli_bad 2
+    expect_in bcli_bad err "--client wants HOST:PORT"
+
+    # a tdpipe peer that is not a bench server: recv takes SETUP and never answers
+    start brecv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    spid=$PID
+    port=$(port_of brecv) || return
+    run bcli_recv 40 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 20 --quiet
+    expect_rc bcli_recv 5
+    expect_in bcli_recv err "is 127.0.0.1:$port a 'tdpipe bench --server', and not busy"
+    kill "$spid" 2>/dev/null
+    finish brecv "$spid"
+
+    # SIGTERM during a client's run: the server exits 143, the client 4
+    local cpid
+    start bsrv_term 60 "$TDPIPE" bench --server --bind 127.0.0.1
+    spid=$PID
+    port=$(port_of bsrv_term) || return
+    start bcli_term 60 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 2000000 \
+        --quiet
+    cpid=$PID
+    for _ in $(seq 100); do
+        grep -q "connected" "$WORK/bsrv_term.err" && break
+        sleep 0.1
+    done
+    sleep 0.3
+    kill -TERM "$spid"
+    finish bsrv_term "$spid"
+    finish bcli_term "$cpid"
+    expect_rc bsrv_term 143
+    expect_in bsrv_term err "interrupted (SIGTERM) after 1 client"
+    expect_rc bcli_term 4
+    expect_in bcli_term err "the server closed the pipe mid-run"
+
+    # SIGINT while waiting for a client: 130
+    start bsrv_int 60 "$TDPIPE" bench --server --bind 127.0.0.1
+    spid=$PID
+    port=$(port_of bsrv_int) || return
+    kill -INT "$spid"
+    finish bsrv_int "$spid"
+    expect_rc bsrv_int 130
+    expect_in bsrv_int err "interrupted (SIGINT) after 0 clients"
+}
+
 # ---- serve -----------------------------------------------------------------------
 
 test_serve() {
@@ -726,6 +822,7 @@ test_not_a_peer
 test_verify_fail
 test_inspect
 test_bench_outputs
+test_bench_two_hosts
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

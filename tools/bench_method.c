@@ -52,6 +52,7 @@ void tdp_bm_lat_summary(double *samples, int n, tdp_bm_lat *out)
     out->min = samples[0];
     out->p50 = samples[n / 2];
     out->p99 = samples[(int)((n - 1) * 0.99)];
+    out->p999 = samples[(int)((n - 1) * 0.999)];
     out->n = n;
 }
 

@@ -21,9 +21,13 @@ int tdp_bm_tp_count(int rounds, uint64_t bytes);
 /* Messages of a repeat before the receiver's clock starts. */
 int tdp_bm_tp_warm(int count);
 
-/* Latency summary of n samples (sorted in place): mean, p50, p99, min. */
+/*
+ * Latency summary of n samples (sorted in place): mean, p50, p99, p99.9,
+ * min. A percentile is the sample at rank floor((n - 1) x p): below 100
+ * samples p99 is the maximum, below 1000 p99.9 is.
+ */
 typedef struct tdp_bm_lat {
-    double mean, p50, p99, min;
+    double mean, p50, p99, p999, min;
     int n;
 } tdp_bm_lat;
 void tdp_bm_lat_summary(double *samples, int n, tdp_bm_lat *out);

@@ -7,10 +7,15 @@
  *                data) and a small acknowledgement back;
  *   latency      one-way time = half the round trip of a ping-pong in which
  *                the consumer sends each message straight back (the method
- *                of ucx_perftest's am_lat), mean, p50, p99;
+ *                of ucx_perftest's am_lat), mean, p50, p99, p99.9;
  *   throughput   messages streamed back to back, timed by the consumer from
  *                the completion of the first counted message to the last,
  *                repeated to show the spread.
+ *
+ * Across two hosts the same two roles run in two commands: `bench --server`
+ * plays the consumer for one client after another, `bench --client
+ * HOST:PORT` the producer; the producer's settings travel in the SETUP
+ * message (see consume()), so the server needs no other protocol.
  *
  * Each message is exactly `size` bytes (a multiple of 4): the synthetic
  * schema of `tdpipe send` (one float32 leaf, docs/cli.md) whose first 32
@@ -38,12 +43,21 @@
 #include "cli.h"
 
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
-#define HDR_BYTES 32u /* four int64 control words at the start of each message */
-#define MAX_SIZES 16
+#define HDR_BYTES  32u /* four int64 control words at the start of each message */
+#define MAX_SIZES  16
 #define MIN_SIZE   128           /* room for the control words, and some payload */
 #define MAX_SIZE   (64ull << 30) /* 64 GiB */
 #define TP_REPEATS 3
-#define BENCH_TMO 120000
+#define BENCH_TMO  120000
+/*
+ * A peer that does not answer SETUP in this time is no bench server, or one
+ * busy with another client (it serves one at a time).
+ */
+#define SETUP_TMO 10000
+#define SLICE_MS  200 /* the server's waits, in slices to see a signal */
+/* SETUP's ack, word 1: the peer is a bench consumer (any other answer is not) */
+#define BENCH_MAGIC   INT64_C(0x7464702d62656e63)
+#define SETUP_NO_LOAN 1 /* SETUP word 1: the producer sends plain buffers */
 
 typedef struct bench_cfg {
     uint64_t sizes[MAX_SIZES];
@@ -58,19 +72,33 @@ typedef struct bench_cfg {
     const char *plot_path;
     bool quiet;
     bool progress;
-    int clients;      /* --clients N: many producers to one server */
-    bool no_loan;     /* --no-loan: plain sends on the shm plane too */
+    int clients;  /* --clients N: many producers to one server */
+    bool no_loan; /* --no-loan: plain sends on the shm plane too */
     bool sizes_given;
     /* child roles */
     bool consumer;
     bool server;
     const char *connect;
+    /* two hosts: --server [--bind --port --once], --client HOST:PORT */
+    bool serve;
+    bool once;
+    const char *bind;
+    uint16_t port;
+    bool bind_given, port_given;
+    const char *client_of;
+    char peer_host[TDP_CLI_HOST_LEN];
+    uint16_t peer_port;
 } bench_cfg;
+
+/* What a bench server said of itself in the SETUP ack (client mode). */
+typedef struct server_info {
+    int64_t depth, busy_poll_us;
+} server_info;
 
 typedef struct size_result {
     uint64_t bytes;
     double first_us;
-    double lat_mean, lat_p50, lat_p99, lat_min;
+    double lat_mean, lat_p50, lat_p99, lat_p999, lat_min;
     int lat_n;
     double tp_bps[TP_REPEATS]; /* bytes per second, each repeat */
     double tp_median, tp_min, tp_max;
@@ -107,8 +135,8 @@ static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, cons
     tdp_td *slot = NULL;
     tdp_err rc;
     /* every slot out for a moment: a release on its way frees one */
-    for (int i = 0; i < 100000 && (rc = tdp_pipe_loan(p, tdp_td_schema(proto), &slot)) == TDP_EAGAIN;
-         i++)
+    for (int i = 0;
+         i < 100000 && (rc = tdp_pipe_loan(p, tdp_td_schema(proto), &slot)) == TDP_EAGAIN; i++)
         sched_yield();
     if (rc != TDP_OK)
         return rc;
@@ -118,32 +146,48 @@ static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, cons
     return rc;
 }
 
-/* ---- the consumer (child process) -------------------------------------------- */
+/* ---- the consumer (child process, or bench --server) ------------------------- */
 
-static int run_consumer(const bench_cfg *cfg)
+/*
+ * The next message, waiting up to BENCH_TMO. With watch (the server), in
+ * slices, so that SIGINT/SIGTERM is seen: TDP_ECANCELED then.
+ */
+static tdp_err bench_recv(tdp_pipe *p, bool watch, tdp_td **out)
 {
-    char host[TDP_CLI_HOST_LEN];
-    uint16_t port;
-    tdp_loop *loop;
-    tdp_pipe *pipe;
-    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
-    tdp_pipe_opts po;
+    if (!watch)
+        return tdp_pipe_recv(p, BENCH_TMO, out);
+    uint64_t deadline = tdp_cli_now_ns() + (uint64_t)BENCH_TMO * 1000000u;
+    for (;;) {
+        if (tdp_cli_interrupted())
+            return TDP_ECANCELED;
+        tdp_err rc = tdp_pipe_recv(p, SLICE_MS, out);
+        /* a timed-out receive was canceled before it started: the pipe lives on */
+        if (rc != TDP_ETIMEDOUT || tdp_pipe_status(p) != TDP_OK || tdp_cli_now_ns() >= deadline)
+            return rc;
+    }
+}
 
-    if (!tdp_cli_parse_hostport(cfg->connect, false, host, sizeof(host), &port))
-        return TDP_EXIT_USAGE;
-    tdp_pipe_opts_default(&po);
-    po.recv_depth = cfg->depth;
-    po.peer_mode = cfg->peer_mode;
-    po.plane = cfg->plane;
-    if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
-        return TDP_EXIT_CONNECT;
+/*
+ * One producer's run on an open pipe: echo the pings, time the streams,
+ * acknowledge the rest, until the producer closes (TDP_ECLOSED) or
+ * something fails. SETUP carries the producer's settings (word 1: flags,
+ * SETUP_NO_LOAN; words 2, 3: its depth and busy-poll, for the record); the
+ * ack answers BENCH_MAGIC and this side's depth and busy-poll. The sizes
+ * need no setting: each is a new schema, which the pipe handles itself.
+ */
+static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
+{
+    bench_cfg c = *cfg_in; /* no_loan is the producer's choice */
+    const bench_cfg *cfg = &c;
     tdp_schema *as = bench_schema(128);
-    tdp_td *ack, *td, *echo = NULL;
-    if (as == NULL || tdp_td_new(as, &ack) != TDP_OK)
-        return TDP_EXIT_FAIL;
+    tdp_td *ack = NULL, *td, *echo = NULL;
+    if (as == NULL || tdp_td_new(as, &ack) != TDP_OK) {
+        tdp_schema_unref(as);
+        return TDP_ENOMEM;
+    }
     uint64_t t_start = 0;
     tdp_err rc;
-    while ((rc = tdp_pipe_recv(pipe, BENCH_TMO, &td)) == TDP_OK) {
+    while ((rc = bench_recv(pipe, watch, &td)) == TDP_OK) {
         int64_t *h = hdr_of(td);
         switch (h[0]) {
         case PH_PING:
@@ -167,15 +211,26 @@ static int run_consumer(const bench_cfg *cfg)
             if (idx == warm)
                 t_start = tdp_cli_now_ns();
             tdp_pipe_release(pipe, td);
-            if (idx == count - 1) {
+            /* a peer's words: no arithmetic on them that can overflow */
+            if (count > 0 && idx == count - 1) {
                 hdr_of(ack)[0] = PH_STREAM;
                 hdr_of(ack)[1] = (int64_t)(tdp_cli_now_ns() - t_start);
-                hdr_of(ack)[2] = count - 1 - warm; /* messages timed */
+                hdr_of(ack)[2] = warm >= 0 && warm < count ? count - 1 - warm : 0; /* timed */
                 rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
             }
             break;
         }
-        default: /* SETUP, FIRST: acknowledge */
+        case PH_SETUP:
+            if (h[1] & SETUP_NO_LOAN)
+                c.no_loan = true;
+            hdr_of(ack)[0] = PH_SETUP;
+            hdr_of(ack)[1] = BENCH_MAGIC;
+            hdr_of(ack)[2] = (int64_t)cfg->depth;
+            hdr_of(ack)[3] = (int64_t)cfg->busy_poll_us;
+            tdp_pipe_release(pipe, td);
+            rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
+            break;
+        default: /* FIRST: acknowledge */
             hdr_of(ack)[0] = h[0];
             tdp_pipe_release(pipe, td);
             rc = tdp_pipe_send(pipe, ack, BENCH_TMO);
@@ -185,11 +240,120 @@ static int run_consumer(const bench_cfg *cfg)
             break;
     }
     tdp_td_unref(echo);
-    tdp_pipe_free(pipe);
     tdp_td_unref(ack);
     tdp_schema_unref(as);
+    return rc;
+}
+
+static int run_consumer(const bench_cfg *cfg)
+{
+    char host[TDP_CLI_HOST_LEN];
+    uint16_t port;
+    tdp_loop *loop;
+    tdp_pipe *pipe;
+    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
+    tdp_pipe_opts po;
+
+    if (!tdp_cli_parse_hostport(cfg->connect, false, host, sizeof(host), &port))
+        return TDP_EXIT_USAGE;
+    tdp_pipe_opts_default(&po);
+    po.recv_depth = cfg->depth;
+    po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
+    if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
+        return TDP_EXIT_CONNECT;
+    tdp_err rc = consume(cfg, pipe, false);
+    tdp_pipe_free(pipe);
     tdp_loop_free(loop);
     return rc == TDP_ECLOSED ? TDP_EXIT_OK : tdp_cli_exit_for(rc);
+}
+
+static const char *signal_name(int sig)
+{
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal";
+}
+
+/*
+ * bench --server: listen, then be the consumer of one client after another
+ * (all of --once: only the first). A client that fails is reported and the
+ * next one served; SIGINT/SIGTERM ends it between or during clients.
+ */
+static int run_server(const bench_cfg *cfg)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
+    tdp_pipe_opts po;
+    int rc_exit = TDP_EXIT_OK, served = 0;
+    tdp_err rc;
+
+    tdp_pipe_opts_default(&po);
+    po.recv_depth = cfg->depth;
+    po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
+    if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
+        tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
+        return TDP_EXIT_FAIL;
+    }
+    rc = tdp_listener_new(loop, cfg->bind, cfg->port, &po, NULL, NULL, &l);
+    if (rc != TDP_OK) {
+        tdp_loop_free(loop);
+        return tdp_cli_listen_failed("bench", cfg->bind, cfg->port, rc);
+    }
+    tdp_cli_print_listening(cfg->bind, tdp_listener_port(l));
+    fflush(stdout);
+    for (;;) {
+        tdp_pipe *p = NULL;
+        char peer[80];
+        do
+            rc = tdp_listener_accept(l, SLICE_MS, &p);
+        while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted());
+        if (tdp_cli_interrupted()) {
+            if (rc == TDP_OK)
+                tdp_pipe_free(p);
+            break;
+        }
+        if (rc != TDP_OK) {
+            tdp_cli_error("bench", "accept: %s", tdp_strerror(rc));
+            rc_exit = tdp_cli_exit_for(rc);
+            break;
+        }
+        tdp_pipe_peer(p, peer, sizeof(peer));
+        if (!cfg->quiet)
+            fprintf(stderr, "tdpipe bench: client %s connected, plane %s, depth %u, %s\n", peer,
+                    tdp_cli_plane_of(p), cfg->depth,
+                    cfg->busy_poll_us ? "busy-poll" : "event-driven");
+        uint64_t t0 = tdp_cli_now_ns();
+        rc = consume(cfg, p, true);
+        served++;
+        int one = TDP_EXIT_OK;
+        if (rc == TDP_ECANCELED) {
+            tdp_pipe_close(p, 2000); /* tell the client, rather than vanish */
+        } else if (rc == TDP_ECLOSED) {
+            if (!cfg->quiet)
+                fprintf(stderr, "tdpipe bench: client %s done (%.1f s)\n", peer,
+                        (double)(tdp_cli_now_ns() - t0) / 1e9);
+        } else {
+            tdp_cli_error("bench", "client %s: %s", peer, tdp_cli_strerror(rc));
+            one = tdp_cli_exit_for(rc);
+        }
+        tdp_pipe_free(p);
+        if (rc == TDP_ECANCELED)
+            break;
+        if (cfg->once) {
+            rc_exit = one;
+            break;
+        }
+    }
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+    int sig = tdp_cli_interrupted();
+    if (sig != 0) {
+        fprintf(stderr, "tdpipe bench: interrupted (%s) after %d client%s\n", signal_name(sig),
+                served, served == 1 ? "" : "s");
+        return TDP_EXIT_SIGNAL(sig);
+    }
+    return rc_exit;
 }
 
 /* ---- the producer ------------------------------------------------------------- */
@@ -259,6 +423,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
         out->lat_min = l.min;
         out->lat_p50 = l.p50;
         out->lat_p99 = l.p99;
+        out->lat_p999 = l.p999;
         out->lat_n = l.n;
     }
     free(lat);
@@ -296,21 +461,23 @@ out:
 static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE *f)
 {
     char sz[32], tp[32], lo[32], hi[32];
-    fprintf(f, "%-10s %12s %12s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
-            "lat mean", "lat p50", "lat p99", "throughput", "(min..max of 3)");
+    fprintf(f, "%-10s %12s %12s %11s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
+            "lat mean", "lat p50", "lat p99", "lat p99.9", "throughput", "(min..max of 3)");
     for (int i = 0; i < n; i++) {
         tdp_cli_format_size(r[i].bytes, sz, sizeof(sz));
         tdp_cli_format_rate(r[i].tp_median, tp, sizeof(tp));
         tdp_cli_format_rate(r[i].tp_min, lo, sizeof(lo));
         tdp_cli_format_rate(r[i].tp_max, hi, sizeof(hi));
-        fprintf(f, "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n", sz,
-                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, tp, lo, hi);
+        fprintf(f,
+                "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n",
+                sz, r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99,
+                r[i].lat_p999, tp, lo, hi);
     }
 }
 
 /* False (and a message) when the file could not be written. */
 static bool write_json(const bench_cfg *cfg, const char *plane, const size_result *r, int n,
-                       const char *path)
+                       const server_info *srv, const char *path)
 {
     FILE *f = fopen(path, "w");
     if (f == NULL) {
@@ -323,24 +490,38 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     const char *tls = getenv("UCX_TLS");
     fprintf(f,
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
+            "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"plane\": \"%s\", \"loan\": %s, \"cpus\": %ld},\n  \"results\": [\n",
-            tdp_version_string(), date, ucp_get_version_string(), tls ? tls : "default",
-            cfg->depth, cfg->busy_poll_us,
+            "\"plane\": \"%s\", \"loan\": %s, \"cpus\": %ld},\n",
+            tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
+            ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
             plane, strcmp(plane, "shm") == 0 && !cfg->no_loan ? "true" : "false",
             sysconf(_SC_NPROCESSORS_ONLN));
+    if (cfg->client_of != NULL) {
+        /* the peer as given on the command line: a host name or literal, ':' and a port */
+        fprintf(f, "  \"peer\": \"");
+        for (const char *c = cfg->client_of; *c != '\0'; c++)
+            fprintf(f,
+                    *c == '"' || *c == '\\'    ? "\\%c"
+                    : (unsigned char)*c < 0x20 ? "?"
+                                               : "%c",
+                    *c);
+        fprintf(f, "\",\n  \"server\": {\"depth\": %" PRId64 ", \"busy_poll_us\": %" PRId64 "},\n",
+                srv->depth, srv->busy_poll_us);
+    }
+    fprintf(f, "  \"results\": [\n");
     for (int i = 0; i < n; i++) {
         fprintf(f,
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
                 "     \"latency_us\": {\"mean\": %.3f, \"p50\": %.3f, \"p99\": %.3f, "
-                "\"min\": %.3f, \"n\": %d},\n"
+                "\"p999\": %.3f, \"min\": %.3f, \"n\": %d},\n"
                 "     \"throughput_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": %.0f, "
                 "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}}%s\n",
-                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99,
+                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, r[i].lat_p999,
                 r[i].lat_min, r[i].lat_n, r[i].tp_median, r[i].tp_min, r[i].tp_max, TP_REPEATS,
                 r[i].tp_msgs, i + 1 < n ? "," : "");
     }
@@ -445,7 +626,7 @@ static void show_log(int fd)
  * that cannot be written is reported with the real cause. False with a
  * message (and no half-written file) on failure.
  */
-static bool write_plot(const size_result *r, int n, const char *path)
+static bool write_plot(const bench_cfg *cfg, const size_result *r, int n, const char *path)
 {
     char dat[] = "/tmp/tdpipe-bench-XXXXXX", log[] = "/tmp/tdpipe-gnuplot-XXXXXX";
     const char *term = plot_terminal(path);
@@ -486,18 +667,26 @@ static bool write_plot(const size_result *r, int n, const char *path)
         tdp_cli_error("bench", "--plot: cannot start gnuplot: %s", strerror(errno));
         goto out;
     }
+    /* the peer in the title; nothing in it may end gnuplot's quoted string */
+    char title[TDP_CLI_HOST_LEN + 16] = "loopback";
+    if (cfg->client_of != NULL) {
+        snprintf(title, sizeof(title), "client of %s", cfg->client_of);
+        for (char *c = title; *c != '\0'; c++)
+            if (*c == '\'' || *c == '\\' || (unsigned char)*c < 0x20)
+                *c = '?';
+    }
     FILE *g = fdopen(to_gp[1], "w");
     if (g != NULL) {
         fprintf(g,
                 "set terminal %s\n"
-                "set multiplot layout 1,2 title 'tdpipe bench (loopback)'\n"
+                "set multiplot layout 1,2 title 'tdpipe bench (%s)'\n"
                 "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
                 "set ylabel 'one-way latency (us)'\n"
                 "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with "
                 "linespoints title 'p99'\n"
                 "unset logscale y\nset ylabel 'throughput (GB/s)'\n"
                 "plot '%s' using 1:4 with linespoints title 'median of 3'\nunset multiplot\n",
-                term, dat, dat);
+                term, title, dat, dat);
         fclose(g); /* gnuplot ends at the end of its input */
     } else {
         close(to_gp[1]);
@@ -551,6 +740,88 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     return pid;
 }
 
+/*
+ * SETUP (which settles the acknowledgement's schema before anything is
+ * timed, and tells the consumer this side's settings), then each size.
+ * Returns the first error; *done says how many sizes were measured.
+ */
+static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *done,
+                           server_info *srv)
+{
+    tdp_schema *ss = bench_schema(128);
+    tdp_td *std_, *got;
+    tdp_err rc = ss ? tdp_td_new(ss, &std_) : TDP_ENOMEM;
+    *done = 0;
+    if (rc == TDP_OK) {
+        int64_t *h = hdr_of(std_);
+        h[0] = PH_SETUP;
+        h[1] = cfg->no_loan ? SETUP_NO_LOAN : 0;
+        h[2] = (int64_t)cfg->depth;
+        h[3] = (int64_t)cfg->busy_poll_us;
+        rc = tdp_pipe_send(p, std_, BENCH_TMO);
+        if (rc == TDP_OK)
+            rc = tdp_pipe_recv(p, SETUP_TMO, &got);
+        if (rc == TDP_OK) {
+            int64_t *a = hdr_of(got);
+            bool bench_peer =
+                tdp_td_nbytes(got) >= HDR_BYTES && a[0] == PH_SETUP && a[1] == BENCH_MAGIC;
+            if (bench_peer) {
+                srv->depth = a[2];
+                srv->busy_poll_us = a[3];
+            }
+            tdp_pipe_release(p, got);
+            if (!bench_peer) {
+                tdp_cli_error("bench", "the peer's answer to SETUP is not a bench server's");
+                rc = TDP_EPROTO;
+            }
+        } else if (rc == TDP_ETIMEDOUT && cfg->client_of != NULL) {
+            tdp_cli_error("bench",
+                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server', "
+                          "and not busy with another client?",
+                          SETUP_TMO / 1000, cfg->client_of);
+        }
+        tdp_td_unref(std_);
+    }
+    tdp_schema_unref(ss);
+    for (int i = 0; i < cfg->nsizes && rc == TDP_OK; i++) {
+        rc = measure_size(cfg, p, cfg->sizes[i], &res[i]);
+        if (rc != TDP_OK)
+            break;
+        ++*done;
+        if (!cfg->quiet) {
+            char sz[32], tp[32];
+            tdp_cli_format_size(res[i].bytes, sz, sizeof(sz));
+            tdp_cli_format_rate(res[i].tp_median, tp, sizeof(tp));
+            fprintf(stderr, "  %-9s first %.1f us, latency p50 %.2f us, throughput %s\n", sz,
+                    res[i].first_us, res[i].lat_p50, tp);
+        }
+    }
+    return rc;
+}
+
+/* The table (stdout), --json and --plot for the sizes done; the exit status. */
+static int report(const bench_cfg *cfg, const char *plane, bool loaned, const size_result *res,
+                  int done, const server_info *srv, int rc_exit)
+{
+    const char *tls = getenv("UCX_TLS");
+    if (done == 0)
+        return rc_exit;
+    if (cfg->client_of != NULL)
+        printf("client of %s: server depth %" PRId64 ", %s\n", cfg->client_of, srv->depth,
+               srv->busy_poll_us ? "busy-poll" : "event-driven");
+    printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
+           loaned ? " (loaned slots: no copy)" : "", cfg->depth,
+           cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
+    print_table(cfg, res, done, stdout);
+    if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, srv, cfg->json_path) &&
+        rc_exit == TDP_EXIT_OK)
+        rc_exit = TDP_EXIT_FAIL;
+    if (cfg->plot_path != NULL && !write_plot(cfg, res, done, cfg->plot_path) &&
+        rc_exit == TDP_EXIT_OK)
+        rc_exit = TDP_EXIT_FAIL;
+    return rc_exit;
+}
+
 static int run_producer(bench_cfg *cfg)
 {
     tdp_loop *loop;
@@ -559,7 +830,8 @@ static int run_producer(bench_cfg *cfg)
     tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
     tdp_pipe_opts po;
     size_result res[MAX_SIZES];
-    int rc_exit = TDP_EXIT_OK;
+    server_info srv = {0};
+    int rc_exit = TDP_EXIT_OK, done = 0;
 
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
@@ -593,26 +865,7 @@ static int run_producer(bench_cfg *cfg)
                 "UCX_TLS=%s, plane %s, depth %u, %s\n",
                 (int)getpid(), (int)child, ucp_get_version_string(), tls ? tls : "default", plane,
                 cfg->depth, cfg->busy_poll_us ? "busy-poll" : "event-driven");
-    /* settle the acknowledgement's schema before anything is timed */
-    tdp_schema *ss = bench_schema(128);
-    tdp_td *std_;
-    rc = ss ? tdp_td_new(ss, &std_) : TDP_ENOMEM;
-    if (rc == TDP_OK) {
-        rc = round_trip(p, std_, PH_SETUP);
-        tdp_td_unref(std_);
-    }
-    tdp_schema_unref(ss);
-    int done = 0;
-    for (int i = 0; i < cfg->nsizes && rc == TDP_OK; i++, done++) {
-        rc = measure_size(cfg, p, cfg->sizes[i], &res[i]);
-        if (rc == TDP_OK && !cfg->quiet) {
-            char sz[32], tp[32];
-            tdp_cli_format_size(res[i].bytes, sz, sizeof(sz));
-            tdp_cli_format_rate(res[i].tp_median, tp, sizeof(tp));
-            fprintf(stderr, "  %-9s first %.1f us, latency p50 %.2f us, throughput %s\n", sz,
-                    res[i].first_us, res[i].lat_p50, tp);
-        }
-    }
+    rc = measure_all(cfg, p, res, &done, &srv);
     if (rc != TDP_OK) {
         fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_strerror(rc));
         rc_exit = tdp_cli_exit_for(rc);
@@ -628,19 +881,60 @@ static int run_producer(bench_cfg *cfg)
         fprintf(stderr, "tdpipe bench: the consumer failed (status %d)\n", st);
         rc_exit = TDP_EXIT_FAIL;
     }
-    if (done > 0) {
-        printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
-               loaned ? " (loaned slots: no copy)" : "", cfg->depth,
-               cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
-        print_table(cfg, res, done, stdout);
-        if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, cfg->json_path) &&
-            rc_exit == TDP_EXIT_OK)
-            rc_exit = TDP_EXIT_FAIL;
-        if (cfg->plot_path != NULL && !write_plot(res, done, cfg->plot_path) &&
-            rc_exit == TDP_EXIT_OK)
-            rc_exit = TDP_EXIT_FAIL;
+    return report(cfg, plane, loaned, res, done, &srv, rc_exit);
+}
+
+/* bench --client HOST:PORT: the producer's part against a bench server. */
+static int run_client(bench_cfg *cfg)
+{
+    tdp_loop *loop;
+    tdp_pipe *p;
+    tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
+    tdp_pipe_opts po;
+    size_result res[MAX_SIZES];
+    server_info srv = {0};
+    int rc_exit = TDP_EXIT_OK, done = 0;
+    tdp_err rc;
+
+    tdp_pipe_opts_default(&po);
+    po.recv_depth = cfg->depth;
+    po.peer_mode = cfg->peer_mode;
+    po.plane = cfg->plane;
+    if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
+        tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
+        return TDP_EXIT_FAIL;
     }
-    return rc_exit;
+    rc = tdp_pipe_connect(loop, cfg->peer_host, cfg->peer_port, &po, &p);
+    if (rc != TDP_OK) {
+        tdp_loop_free(loop);
+        return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
+    }
+    const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+    if (!cfg->quiet)
+        fprintf(stderr,
+                "tdpipe bench: client -> server %s, UCX %s, UCX_TLS=%s, plane %s, "
+                "depth %u, %s\n",
+                cfg->client_of, ucp_get_version_string(), tls ? tls : "default", plane, cfg->depth,
+                cfg->busy_poll_us ? "busy-poll" : "event-driven");
+    rc = measure_all(cfg, p, res, &done, &srv);
+    if (rc == TDP_ECLOSED) {
+        fprintf(stderr, "tdpipe bench: the server closed the pipe mid-run (stopped?)\n");
+        rc_exit = TDP_EXIT_PEER;
+    } else if (rc != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_cli_strerror(rc));
+        rc_exit = tdp_cli_exit_for(rc);
+    } else if ((rc = tdp_pipe_close(p, 10000)) != TDP_OK) {
+        fprintf(stderr, "tdpipe bench: close: %s\n", tdp_cli_strerror(rc));
+    }
+    tdp_pipe_free(p);
+    tdp_loop_free(loop);
+    if (!cfg->quiet && done > 0 && srv.depth != (int64_t)cfg->depth)
+        fprintf(stderr,
+                "tdpipe bench: note: the server receives with depth %" PRId64
+                " (its own --depth), this side with %u\n",
+                srv.depth, cfg->depth);
+    return report(cfg, plane, loaned, res, done, &srv, rc_exit);
 }
 
 static void usage(FILE *f)
@@ -649,8 +943,8 @@ static void usage(FILE *f)
             "usage: tdpipe bench [options]\n"
             "\n"
             "Producer and consumer on loopback (this process and a child it starts):\n"
-            "first-send time, one-way latency (half a ping-pong: mean, p50, p99) and\n"
-            "throughput (timed on the receiver, 3 repeats) for each payload size.\n"
+            "first-send time, one-way latency (half a ping-pong: mean, p50, p99, p99.9)\n"
+            "and throughput (timed on the receiver, 3 repeats) for each payload size.\n"
             "\n"
             "  --sizes LIST       payload sizes, comma-separated (default 1KB,1MB,100MB;\n"
             "                     K/KB, M/MB, G/GB = 1000^n, Ki/KiB, Mi/MiB, Gi/GiB = 1024^n;\n"
@@ -672,10 +966,23 @@ static void usage(FILE *f)
             "                     against one producer alone (first --sizes entry,\n"
             "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
             "  --quiet            no progress on stderr\n"
+            "\n"
+            "Across two hosts (as iperf3 -s / -c), the same figures:\n"
+            "  --server           be the consumer for one client after another; the first\n"
+            "                     line on stdout is 'listening on HOST:PORT'; ends on\n"
+            "                     SIGINT/SIGTERM (130/143). Takes --bind, --port, --once,\n"
+            "                     --depth, --busy-poll, --tls, --peer-mode, --plane\n"
+            "  --bind HOST        address to listen on (default: all IPv4 and IPv6)\n"
+            "  --port PORT        port (default 0: any free port, printed)\n"
+            "  --once             serve one client, then exit with its outcome\n"
+            "  --client HOST:PORT run the measurements against a 'bench --server' there;\n"
+            "                     --sizes, --rounds, --plane, --no-loan, --json, --plot are\n"
+            "                     the client's (the server receives with its own --depth)\n"
             "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
             "  -h, --help         this text\n"
             "\n"
-            "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set.\n");
+            "UCX is kept on the loopback device (UCX_NET_DEVICES=lo) unless already set,\n"
+            "or unless --server/--client name an address that is not a loopback one.\n");
 }
 
 /* An unsigned option value in [min, max]; false (and a message) otherwise. */
@@ -688,18 +995,66 @@ static bool parse_num(const char *opt, const char *val, uint64_t min, uint64_t m
     return false;
 }
 
+/*
+ * Which options go with --server and --client: the client chooses what is
+ * measured (sizes, rounds, plane, loans) and keeps the figures (--json,
+ * --plot); the server only how it listens and receives.
+ */
+static int check_modes(const bench_cfg *cfg)
+{
+    if (cfg->serve && cfg->client_of != NULL)
+        return tdp_cli_usage_error("bench", "--server and --client exclude each other");
+    if (!cfg->serve && (cfg->bind_given || cfg->port_given || cfg->once))
+        return tdp_cli_usage_error("bench", "--%s goes with --server",
+                                   cfg->bind_given   ? "bind"
+                                   : cfg->port_given ? "port"
+                                                     : "once");
+    if (cfg->clients > 0 && (cfg->serve || cfg->client_of != NULL))
+        return tdp_cli_usage_error("bench",
+                                   "--clients starts its own server and clients on loopback; "
+                                   "it does not go with --%s",
+                                   cfg->serve ? "server" : "client");
+    if (!cfg->serve)
+        return TDP_EXIT_OK;
+    const char *opt = cfg->sizes_given  ? "--sizes"
+                      : cfg->rounds > 0 ? "--rounds"
+                      : cfg->no_loan    ? "--no-loan"
+                      : cfg->json_path  ? "--json"
+                      : cfg->plot_path  ? "--plot"
+                                        : NULL;
+    if (opt != NULL)
+        return tdp_cli_usage_error("bench",
+                                   "%s is the client's to give: the server measures what the "
+                                   "client asks and the client keeps the figures",
+                                   opt);
+    return TDP_EXIT_OK;
+}
+
 /* Returns TDP_EXIT_OK to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, bench_cfg *cfg)
 {
     static const struct option opts[] = {
-        {"sizes", required_argument, NULL, 's'},     {"rounds", required_argument, NULL, 'r'},
-        {"depth", required_argument, NULL, 'd'},     {"tls", required_argument, NULL, 't'},
-        {"busy-poll", required_argument, NULL, 'b'}, {"peer-mode", required_argument, NULL, 'm'},
-        {"json", required_argument, NULL, 'j'},    {"plot", required_argument, NULL, 'p'},
-        {"quiet", no_argument, NULL, 'q'},         {"help", no_argument, NULL, 'h'},
-        {"role", required_argument, NULL, 'R'},    {"connect", required_argument, NULL, 'c'},
-        {"clients", required_argument, NULL, 'C'}, {"plane", required_argument, NULL, 'P'},
-        {"verbose", no_argument, NULL, 'v'},       {"no-loan", no_argument, NULL, 'L'},
+        {"sizes", required_argument, NULL, 's'},
+        {"rounds", required_argument, NULL, 'r'},
+        {"depth", required_argument, NULL, 'd'},
+        {"tls", required_argument, NULL, 't'},
+        {"busy-poll", required_argument, NULL, 'b'},
+        {"peer-mode", required_argument, NULL, 'm'},
+        {"json", required_argument, NULL, 'j'},
+        {"plot", required_argument, NULL, 'p'},
+        {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},
+        {"role", required_argument, NULL, 'R'},
+        {"connect", required_argument, NULL, 'c'},
+        {"clients", required_argument, NULL, 'C'},
+        {"plane", required_argument, NULL, 'P'},
+        {"verbose", no_argument, NULL, 'v'},
+        {"no-loan", no_argument, NULL, 'L'},
+        {"server", no_argument, NULL, 'S'},
+        {"client", required_argument, NULL, 'K'},
+        {"bind", required_argument, NULL, 'B'},
+        {"port", required_argument, NULL, 'O'},
+        {"once", no_argument, NULL, 'o'},
         {NULL, 0, NULL, 0},
     };
     char why[160];
@@ -711,6 +1066,30 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         switch (c) {
         case 'L':
             cfg->no_loan = true;
+            break;
+        case 'S':
+            cfg->serve = true;
+            break;
+        case 'K':
+            if (!tdp_cli_parse_hostport(optarg, false, cfg->peer_host, sizeof(cfg->peer_host),
+                                        &cfg->peer_port))
+                return tdp_cli_usage_error("bench",
+                                           "--client wants HOST:PORT (an IPv6 literal in "
+                                           "brackets: [::1]:5000), not '%s'",
+                                           optarg);
+            cfg->client_of = optarg;
+            break;
+        case 'B':
+            cfg->bind = optarg;
+            cfg->bind_given = true;
+            break;
+        case 'O':
+            if (!tdp_cli_parse_port(optarg, true, &cfg->port))
+                return tdp_cli_usage_error("bench", "--port must be 0..65535, not '%s'", optarg);
+            cfg->port_given = true;
+            break;
+        case 'o':
+            cfg->once = true;
             break;
         case 'C':
             if (!parse_num("--clients", optarg, 1, 1024, &v))
@@ -794,7 +1173,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         return tdp_cli_usage_error("bench", "unexpected argument '%s'", argv[optind]);
     if (cfg->consumer && cfg->connect == NULL)
         return TDP_EXIT_USAGE;
-    return TDP_EXIT_OK;
+    return check_modes(cfg);
 }
 
 /*
@@ -824,6 +1203,13 @@ static void warn_rounds(const bench_cfg *cfg)
                 cfg->rounds, timed, timed == 1 ? "" : "s", cfg->rounds);
 }
 
+/* A loopback address (127.0.0.0/8, ::1, localhost); NULL (every address) is not. */
+static bool is_loopback(const char *host)
+{
+    return host != NULL && (strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0 ||
+                            strcasecmp(host, "localhost") == 0);
+}
+
 int tdp_cmd_bench(int argc, char **argv)
 {
     bench_cfg cfg = {
@@ -836,15 +1222,28 @@ int tdp_cmd_bench(int argc, char **argv)
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
     warn_rounds(&cfg);
-    if (!cfg.consumer && !cfg.server && !outputs_ok(&cfg))
+    if (!cfg.consumer && !cfg.server && !cfg.serve && !outputs_ok(&cfg))
         return TDP_EXIT_FAIL; /* before a run that may take minutes */
-    /* a loopback benchmark: keep UCX's TCP transport off the other interfaces */
-    setenv("UCX_NET_DEVICES", "lo", 0);
+    /*
+     * A loopback benchmark: keep UCX's TCP transport off the other
+     * interfaces. Across hosts UCX picks its devices itself (UCX_NET_DEVICES
+     * chooses), unless the address is a loopback one.
+     */
+    bool across = (cfg.serve && !is_loopback(cfg.bind)) ||
+                  (cfg.client_of != NULL && !is_loopback(cfg.peer_host));
+    if (!across)
+        setenv("UCX_NET_DEVICES", "lo", 0);
     if (cfg.tls != NULL)
         setenv("UCX_TLS", cfg.tls, 1);
     signal(SIGPIPE, SIG_IGN);
     /* live progress redraws one line: only on a terminal */
     cfg.progress = !cfg.quiet && isatty(STDERR_FILENO);
+    if (cfg.serve) {
+        tdp_cli_catch_signals(); /* before the loop's and UCX's threads exist */
+        return run_server(&cfg);
+    }
+    if (cfg.client_of != NULL)
+        return run_client(&cfg);
     if (cfg.server)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.clients > 0)

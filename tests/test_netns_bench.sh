@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# test_netns_bench.sh TDPIPE: `tdpipe bench --server` in one network
+# namespace and `tdpipe bench --client` in another, joined by a veth pair:
+# the client prints the loopback bench's table for its sizes and writes JSON
+# that says mode "client"; the server serves clients one after another and
+# ends on SIGTERM with 143; a client of a port nobody listens on exits 3.
+#
+# Needs root and `ip netns`; exits 77 (skipped) without them. It creates two
+# namespaces and a veth pair of its own, with 10.204.N.1/30 and .2/30 inside
+# them (test_netns_keepalive uses 10.203.N.0/30 and other names), and deletes
+# them on every exit path. Every process runs under `timeout`; the whole
+# test takes about 10 s.
+set -uo pipefail
+
+TDPIPE=${1:?usage: test_netns_bench.sh TDPIPE}
+
+skip() {
+    echo "SKIP: $*"
+    exit 77
+}
+[[ $(id -u) -eq 0 ]] || skip "needs root (creates network namespaces)"
+command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
+command -v python3 >/dev/null || skip "no python3 (reads the JSON)"
+ip netns list >/dev/null 2>&1 || skip "'ip netns' is not available"
+
+TAG=$$
+NS_A=tdp-bn-a-$TAG
+NS_B=tdp-bn-b-$TAG
+IF_A=tdpbn${TAG}a
+IF_B=tdpbn${TAG}b
+NET=10.204.$((TAG % 250)).
+ADDR_A=${NET}1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tdp-netns-bench.XXXXXX")
+BG_PIDS=()
+FAILS=0
+
+cleanup() {
+    local pid
+    for pid in "${BG_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${BG_PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    timeout 10 ip netns del "$NS_A" 2>/dev/null || true
+    timeout 10 ip netns del "$NS_B" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+fail() {
+    echo "FAIL: $*" >&2
+    FAILS=$((FAILS + 1))
+}
+
+dump() {
+    local f
+    for f in "$@"; do
+        [[ -f $f ]] && sed "s|^|  $(basename "$f"): |" "$f" >&2
+    done
+}
+
+# link_up NS IF: wait (bounded) until the link reports UP (carrier on both ends).
+link_up() {
+    for _ in $(seq 50); do
+        [[ $(ip -n "$1" -br link show "$2" 2>/dev/null) == *" UP "* ]] && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# ns_setup: two namespaces, a veth pair between them, addresses, links up.
+ns_setup() {
+    # ${IF_A} is at most 15 characters: tdpbn + a pid of up to 9 digits + a/b
+    ip netns add "$NS_A" && ip netns add "$NS_B" &&
+        ip link add "$IF_A" netns "$NS_A" type veth peer name "$IF_B" netns "$NS_B" &&
+        ip -n "$NS_A" addr add "${ADDR_A}/30" dev "$IF_A" &&
+        ip -n "$NS_B" addr add "${NET}2/30" dev "$IF_B" &&
+        ip -n "$NS_A" link set lo up && ip -n "$NS_B" link set lo up &&
+        ip -n "$NS_A" link set "$IF_A" up && ip -n "$NS_B" link set "$IF_B" up
+}
+
+if ! ns_setup 2>"$WORK/setup.err"; then
+    cat "$WORK/setup.err" >&2
+    skip "cannot create the namespaces and veth pair"
+fi
+if ! link_up "$NS_A" "$IF_A" || ! link_up "$NS_B" "$IF_B"; then
+    fail "the veth pair did not come up"
+    exit 1
+fi
+
+# UCX over TCP on the veth: the data crosses the link as it would between hosts
+# (the namespaces share /dev/shm, so --plane ucx keeps the shm plane out)
+export UCX_TLS=tcp UCX_NET_DEVICES=all
+
+# start NAME NS SECONDS CMD...: background in namespace NS; sets PID.
+start() {
+    local name=$1 ns=$2 secs=$3
+    shift 3
+    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
+    PID=$!
+    BG_PIDS+=("$PID")
+}
+
+# run NAME NS SECONDS CMD...: in the foreground; sets RC.
+run() {
+    local name=$1 ns=$2 secs=$3
+    shift 3
+    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+    RC=$?
+}
+
+port_of() {
+    local line
+    for _ in $(seq 100); do
+        line=$(head -n1 "$WORK/$1.out" 2>/dev/null || true)
+        if [[ $line == "listening on "* ]]; then
+            echo "${line##*:}"
+            return 0
+        fi
+        sleep 0.1
+    done
+    return 1
+}
+
+# ---- one client, --once: the table, the JSON, both exit 0 -----------------------------
+
+start once_srv "$NS_A" 60 "$TDPIPE" bench --server --bind "$ADDR_A" --once
+spid=$PID
+port=$(port_of once_srv) || {
+    fail "bench --server did not start"
+    dump "$WORK/once_srv.out" "$WORK/once_srv.err"
+    exit 1
+}
+run once_cli "$NS_B" 60 "$TDPIPE" bench --client "$ADDR_A:$port" --sizes 1KB,1MB --rounds 50 \
+    --plane ucx --json "$WORK/client.json" --quiet
+crc=$RC
+wait "$spid"
+src=$?
+if [[ $crc -ne 0 || $src -ne 0 ]]; then
+    fail "client exit $crc, server exit $src (both should be 0)"
+    dump "$WORK/once_cli.out" "$WORK/once_cli.err" "$WORK/once_srv.out" "$WORK/once_srv.err"
+else
+    for want in "client of $ADDR_A:$port" "plane ucx" "1.00 KB            1000" \
+        "1.00 MB         1000000"; do
+        grep -qF "$want" "$WORK/once_cli.out" || fail "the client's table lacks '$want'"
+    done
+    if ! python3 - "$WORK/client.json" "$ADDR_A:$port" >"$WORK/json.err" 2>&1 <<'EOF'; then
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["mode"] == "client", d["mode"]
+assert d["peer"] == sys.argv[2], d["peer"]
+assert d["config"]["plane"] == "ucx", d["config"]
+assert d["server"]["depth"] == 4, d["server"]
+assert [r["bytes"] for r in d["results"]] == [1000, 1000000], d["results"]
+for r in d["results"]:
+    assert r["latency_us"]["p50"] > 0 and r["throughput_Bps"]["median"] > 0, r
+EOF
+        fail "the client's JSON is not as expected"
+        dump "$WORK/json.err" "$WORK/client.json"
+    fi
+    grep -q "client ${NET}2:[0-9]* connected" "$WORK/once_srv.err" ||
+        fail "the server did not name its client"
+    echo "ok: client in $NS_B against server in $NS_A over veth:"
+    sed 's/^/  /' "$WORK/once_cli.out"
+fi
+
+# ---- clients one after another, then SIGTERM: 143 -----------------------------------
+
+start many_srv "$NS_A" 60 "$TDPIPE" bench --server --bind "$ADDR_A" --quiet
+spid=$PID
+port=$(port_of many_srv) || {
+    fail "bench --server did not start"
+    dump "$WORK/many_srv.out" "$WORK/many_srv.err"
+    exit 1
+}
+for i in 1 2; do
+    run "many_cli$i" "$NS_B" 30 "$TDPIPE" bench --client "$ADDR_A:$port" --sizes 1KB \
+        --rounds 20 --quiet
+    if [[ $RC -ne 0 ]] || ! grep -qF "1.00 KB" "$WORK/many_cli$i.out"; then
+        fail "client $i of one server: exit $RC"
+        dump "$WORK/many_cli$i.out" "$WORK/many_cli$i.err" "$WORK/many_srv.err"
+    fi
+done
+kill -TERM "$spid"
+wait "$spid"
+src=$?
+if [[ $src -ne 143 ]] || ! grep -q "interrupted (SIGTERM) after 2 clients" "$WORK/many_srv.err"; then
+    fail "server after SIGTERM: exit $src, expected 143 and 'after 2 clients'"
+    dump "$WORK/many_srv.out" "$WORK/many_srv.err"
+else
+    echo "ok: two clients in a row, then SIGTERM: exit 143"
+fi
+
+# ---- nobody listening: exit 3 -------------------------------------------------------
+
+run none_cli "$NS_B" 30 "$TDPIPE" bench --client "$ADDR_A:$port" --sizes 1KB --rounds 20 --quiet
+if [[ $RC -ne 3 ]] || ! grep -q "cannot connect to $ADDR_A:$port" "$WORK/none_cli.err"; then
+    fail "client of a closed port: exit $RC, expected 3 and 'cannot connect'"
+    dump "$WORK/none_cli.out" "$WORK/none_cli.err"
+else
+    echo "ok: client of a closed port: exit 3"
+fi
+
+if [[ $FAILS -ne 0 ]]; then
+    echo "$FAILS check(s) failed" >&2
+    exit 1
+fi
+echo "all checks passed"
