@@ -1535,6 +1535,131 @@ static void test_reconnect(void **state)
     tdp_loop_free(sl);
 }
 
+/*
+ * Child: a consumer on 127.0.0.1:port that takes n messages (0: until
+ * killed), each carrying its own seq as its pattern, from the seq its
+ * producer resumed at; exits 0 when they all check out.
+ */
+static void child_consumer(uint16_t port, int n)
+{
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.recv_depth = 4;
+    if (tdp_loop_new(NULL, &loop) != TDP_OK || tdp_loop_start_thread(loop) != TDP_OK ||
+        tdp_listener_new(loop, "127.0.0.1", port, &o, NULL, NULL, &l) != TDP_OK ||
+        tdp_listener_accept(l, TMO, &p) != TDP_OK)
+        _exit(3);
+    uint64_t expect = 0;
+    for (int i = 0; n == 0 || i < n; i++) {
+        tdp_td *got;
+        if (tdp_pipe_recv(p, TMO, &got) != TDP_OK)
+            _exit(4);
+        if (expect == 0) {
+            tdp_pipe_stats st;
+            tdp_pipe_stats_get(p, &st);
+            expect = st.resumed_from != 0 ? st.resumed_from : 1;
+        }
+        if (!verify(got, expect++))
+            _exit(5);
+        tdp_pipe_release(p, got);
+    }
+    tdp_pipe_stats st;
+    tdp_pipe_stats_get(p, &st);
+    printf("consumer: resumed at %" PRIu64 ", took %d\n", st.resumed_from, n);
+    fflush(stdout);
+    _exit(st.resumed_from > 1 ? 0 : 6);
+}
+
+static pid_t spawn_consumer(uint16_t port, int n)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        char ps[16], ns[16];
+        snprintf(ps, sizeof(ps), "%u", port);
+        snprintf(ns, sizeof(ns), "%d", n);
+        execl("/proc/self/exe", "test_pipe", "--consumer", ps, ns, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+/*
+ * The consumer process is SIGKILLed mid-stream and a new one started on the
+ * same port: the producer's stream goes on there, from the seq after the
+ * last one it sent, every message whole and in order (the new consumer
+ * checks each against its seq). Sends in between either succeed, end with
+ * TDP_ECONNRESET (the old link held them), or wait for the new consumer.
+ */
+static void test_reconnect_killed(void **state)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl_len = sizeof(sa);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl_len), 0);
+    uint16_t port = ntohs(sa.sin_port);
+    close(fd);
+    pid_t first = spawn_consumer(port, 0);
+    tdp_loop *cl;
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    tdp_pipe_opts ob, o = *mode_opts(NULL, &ob);
+    o.reconnect_ms = 10000;
+    o.connect_timeout_ms = 10000;
+    tdp_pipe *c;
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, &o, &c), TDP_OK);
+    tdp_schema *s = bytes_schema(256 << 10);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    uint64_t seq = 0;
+    int resets = 0;
+    for (int i = 0; i < 20; i++) {
+        fill(td, ++seq);
+        assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    }
+    kill(first, SIGKILL);
+    int st;
+    waitpid(first, &st, 0);
+    pid_t second = spawn_consumer(port, 10);
+    /* send on until the new consumer has taken its ten (bounded) */
+    int64_t end = mono_ms() + 15000;
+    pid_t done = 0;
+    while (done == 0 && mono_ms() < end) {
+        fill(td, ++seq);
+        tdp_err rc = tdp_pipe_send(c, td, 1000);
+        if (rc == TDP_ECONNRESET)
+            resets++;
+        else if (rc == TDP_ETIMEDOUT)
+            seq--; /* withdrawn before it was posted: that seq was never used */
+        else
+            assert_int_equal(rc, TDP_OK);
+        done = waitpid(second, &st, WNOHANG);
+    }
+    if (done == 0) {
+        kill(second, SIGKILL);
+        waitpid(second, &st, 0);
+        fail_msg("the new consumer did not get its messages within 15 s");
+    }
+    tdp_pipe_stats ps;
+    tdp_pipe_stats_get(c, &ps);
+    print_message("reconnects %" PRIu64 ", %d send(s) ended with ECONNRESET, %" PRIu64
+                  " sent in all; new consumer exit %d\n",
+                  ps.reconnects, resets, seq, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    /* the kill; and the new consumer's exit once it had its ten, if seen yet */
+    assert_true(ps.reconnects >= 1 && ps.reconnects <= 2);
+    tdp_pipe_free(c);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    tdp_loop_free(cl);
+}
+
 /* ---- shared-secret authentication ----------------------------------------------- */
 
 /* One connect against a listener, each side with its own secret (NULL: none). */
@@ -1976,6 +2101,8 @@ int main(int argc, char **argv)
         child_hold((uint16_t)atoi(argv[2]));
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
         child_stream((uint16_t)atoi(argv[2]), strcmp(argv[3], "send") == 0);
+    if (argc == 4 && strcmp(argv[1], "--consumer") == 0)
+        child_consumer((uint16_t)atoi(argv[2]), atoi(argv[3]));
     const char *tls = getenv("UCX_TLS"), *mode = getenv("TDP_TEST_PEER_MODE"),
                *plane = getenv("TDP_TEST_PLANE");
     printf("# UCX_TLS=%s peer mode=%s plane=%s\n", tls ? tls : "(default)", mode ? mode : "auto",
@@ -2014,6 +2141,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
         cmocka_unit_test(test_reconnect),
+        cmocka_unit_test(test_reconnect_killed),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */
