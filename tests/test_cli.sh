@@ -150,6 +150,35 @@ test_clean_end_tcp() {
     done
 }
 
+# ---- send --reconnect ----------------------------------------------------------------
+
+test_reconnect() {
+    local port spid r1 r2
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    # the sender starts first and waits; the first receiver takes 10 and
+    # goes; a second one on the same port gets the rest, from where it resumed
+    start rc_send 60 "$TDPIPE" send "127.0.0.1:$port" --reconnect 10000 --count 40 --rate 20 \
+        --size 64KB --quiet
+    spid=$PID
+    sleep 0.5
+    run rc_recv1 20 "$TDPIPE" recv --bind 127.0.0.1 --port "$port" --count 10 --quiet
+    sleep 0.3
+    run rc_recv2 20 "$TDPIPE" recv --bind 127.0.0.1 --port "$port" --quiet
+    finish rc_send "$spid"
+    expect_rc rc_recv1 0
+    expect_in rc_recv1 out "received 10 messages"
+    expect_in rc_recv1 out "verify ok"
+    expect_rc rc_recv2 0
+    expect_in rc_recv2 out "verify ok; end: producer closed"
+    expect_in rc_recv2 out "the producer resumed at message"
+    expect_rc rc_send 0
+    expect_in rc_send out "sent 40 messages"
+    expect_in rc_send out "reconnects: 1"
+    # a bad value is a usage error
+    run rc_bad 10 "$TDPIPE" send "127.0.0.1:$port" --reconnect soon
+    expect_rc rc_bad 2
+}
+
 # ---- --secret-file -----------------------------------------------------------------
 
 test_secret() {
@@ -812,6 +841,7 @@ test_signals
 test_peer_killed
 test_clean_end_tcp
 test_secret
+test_reconnect
 test_defaults
 test_recv_send
 test_recv_count

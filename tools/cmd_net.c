@@ -204,7 +204,7 @@ typedef struct recv_args {
 } recv_args;
 
 /* long options without a short form */
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE, OPT_SECRET };
+enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE, OPT_SECRET, OPT_RECONNECT };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -291,12 +291,14 @@ typedef struct recv_result {
     tdp_err end; /* TDP_ECLOSED: producer closed; TDP_OK: --count reached */
     int signal;  /* interrupted by it (end is then TDP_ECANCELED) */
     uint64_t bad;
-    bool refused; /* the producer wanted echoes */
+    uint64_t resumed; /* the producer reconnected: its first message to us had this seq */
+    bool refused;     /* the producer wanted echoes */
 } recv_result;
 
 static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv_result *r)
 {
     tdp_td *td;
+    uint64_t first = 0; /* the producer's seq of our first message: 1, or where it resumed */
     *r = (recv_result){.end = TDP_OK};
     while (a->count == 0 || m->msgs < a->count) {
         tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
@@ -311,7 +313,13 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
             r->refused = true;
             return;
         }
-        uint64_t seq = m->msgs + 1, off = 0;
+        if (first == 0) {
+            tdp_pipe_stats st;
+            tdp_pipe_stats_get(pipe, &st);
+            first = st.resumed_from != 0 ? st.resumed_from : 1;
+            r->resumed = st.resumed_from;
+        }
+        uint64_t seq = first + m->msgs, off = 0;
         if (a->verify && tdp_cli_verify(td, seq, &off) != TDP_OK && r->bad++ == 0)
             tdp_cli_error("recv", "message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
                           off);
@@ -340,6 +348,10 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
            : r->end == TDP_ECLOSED ? "producer closed"
                                    : tdp_strerror(r->end),
            tdp_cli_plane_of(pipe), a->listen.depth);
+    if (r->resumed != 0)
+        printf("the producer resumed at message %" PRIu64 " (it reconnected: earlier ones went "
+               "to another receiver)\n",
+               r->resumed);
     if (r->refused)
         return TDP_EXIT_FAIL;
     if (!clean) {
@@ -415,6 +427,9 @@ static const char send_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
+    "      --reconnect MS  when the receiver goes away (or is not there yet), dial\n"
+    "                      it again for up to MS ms and go on from the next message\n"
+    "                      (a send the outage took is counted as lost)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
     "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
@@ -435,6 +450,8 @@ typedef struct send_args {
     tdp_plane plane;
     tdp_pipe_opts ka; /* --keepalive: its three fields (0: the library's default) */
     bool echo, depth_hint, quiet;
+    int64_t reconnect_ms; /* --reconnect: 0 off */
+    uint64_t lost;        /* sends an outage took (reconnecting) */
 } send_args;
 
 /* Parses send's options and HOST:PORT; returns -1 to go on, else an exit status. */
@@ -449,6 +466,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
+        {"reconnect", required_argument, NULL, OPT_RECONNECT},
         {"secret-file", required_argument, NULL, OPT_SECRET},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
@@ -491,6 +509,14 @@ static int send_parse(int argc, char **argv, send_args *a)
             if (!tdp_cli_parse_plane("send", optarg, &a->plane))
                 return TDP_EXIT_USAGE;
             break;
+        case OPT_RECONNECT: {
+            uint64_t ms;
+            if (!tdp_cli_parse_u64(optarg, 1, UINT64_C(1) << 40, &ms))
+                return tdp_cli_usage_error("send", "invalid reconnect time '%s' (ms, 1 and up)",
+                                           optarg);
+            a->reconnect_ms = (int64_t)ms;
+            break;
+        }
         case OPT_SECRET:
             if (!tdp_cli_read_secret("send", optarg, &a->ka))
                 return TDP_EXIT_USAGE;
@@ -636,7 +662,7 @@ static void pace_until(uint64_t deadline_ns)
  * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
  * *refused: the receiver sent a notice (it cannot serve us as started).
  */
-static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli_meter *m,
+static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter *m,
                          rtt_stats *rtt, bool *refused)
 {
     uint64_t t0 = m->start_ns;
@@ -654,6 +680,11 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, const send_args *a, tdp_cli
             rc = await_echo(pipe, a, seq, refused);
         if (rc == TDP_ECANCELED && tdp_cli_interrupted() && tdp_pipe_status(pipe) == TDP_OK)
             return rc; /* waiting for the echo */
+        if (rc == TDP_ECONNRESET && a->reconnect_ms > 0 && !a->echo &&
+            tdp_pipe_status(pipe) == TDP_OK) {
+            a->lost++; /* the receiver went with it; the pipe is dialing the next one */
+            continue;
+        }
         if (rc != TDP_OK)
             return send_failed(pipe, seq, rc, refused);
         if (a->echo)
@@ -697,6 +728,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_pipe_opts opts;
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
+    opts.reconnect_ms = a->reconnect_ms;
     if (a->ka.secret != NULL) {
         opts.secret = a->ka.secret;
         opts.secret_len = a->ka.secret_len;
@@ -766,6 +798,12 @@ int tdp_cmd_send(int argc, char **argv)
     printf("%s; plane %s\n",
            tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
            tdp_cli_plane_of(pipe));
+    if (a.reconnect_ms > 0) {
+        tdp_pipe_stats st;
+        tdp_pipe_stats_get(pipe, &st);
+        printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n", st.reconnects,
+               a.lost);
+    }
     send_report_extra(pipe, &a, &rtt);
     ec = refused               ? TDP_EXIT_USAGE
          : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL

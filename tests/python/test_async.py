@@ -53,10 +53,14 @@ def test_async_recv_timeout_and_cancel_then_resume(loop):
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(rx.arecv(), 0.2)
         # the receive cancelled above is still pending; the next arecv takes it
-        threading.Timer(0.1, lambda: tx.send({"x": torch.ones(2)}, timeout=5)).start()
+        sender = threading.Timer(0.1, lambda: tx.send({"x": torch.ones(2)}, timeout=5))
+        sender.start()
         msg = await asyncio.wait_for(rx.arecv(), 10)
         assert msg["x"].tolist() == [1.0, 1.0]
         msg.release()
+        # the message can arrive before that thread's send has returned: a
+        # pipe takes one blocking call at a time, so let it finish first
+        await asyncio.get_running_loop().run_in_executor(None, sender.join, 10)
         tx.close(5)
         with pytest.raises(tdpipe.ClosedError):
             await asyncio.wait_for(rx.arecv(), 10)
