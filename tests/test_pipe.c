@@ -1414,6 +1414,19 @@ static void test_loans(void **state)
 
 /* ---- reconnecting ------------------------------------------------------------------ */
 
+/* A loopback port nobody listens on now: bound, then let go. */
+static uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(sa);
+    assert_true(fd >= 0);
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+    close(fd);
+    return ntohs(sa.sin_port);
+}
+
 typedef struct late_listener {
     pthread_t th;
     tdp_loop *loop;
@@ -1452,14 +1465,7 @@ static void test_reconnect(void **state)
     assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
     assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
     assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
-    /* a free port: bound, then let go */
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl_len = sizeof(sa);
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl_len), 0);
-    uint16_t port = ntohs(sa.sin_port);
-    close(fd);
+    uint16_t port = free_port();
 
     /* the first connect waits for the consumer (up to connect_timeout_ms) */
     late_listener ll = {.loop = sl, .port = port, .delay_ms = 300};
@@ -1597,13 +1603,7 @@ static pid_t spawn_consumer(uint16_t port, int n)
  */
 static void test_reconnect_killed(void **state)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl_len = sizeof(sa);
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl_len), 0);
-    uint16_t port = ntohs(sa.sin_port);
-    close(fd);
+    uint16_t port = free_port();
     pid_t first = spawn_consumer(port, 0);
     tdp_loop *cl;
     assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);

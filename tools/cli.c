@@ -136,6 +136,19 @@ bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o)
     return true;
 }
 
+void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o)
+{
+    if (given->secret != NULL) {
+        o->secret = given->secret;
+        o->secret_len = given->secret_len;
+    }
+    if (given->keepalive_idle_s != 0) {
+        o->keepalive_idle_s = given->keepalive_idle_s;
+        o->keepalive_intvl_s = given->keepalive_intvl_s;
+        o->keepalive_cnt = given->keepalive_cnt;
+    }
+}
+
 bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why)
 {
     return tdp_bm_parse_size_why(s, out, why);

@@ -87,6 +87,12 @@ bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o);
 bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o);
 
 /*
+ * Onto o, what --keepalive and --secret-file put in given (the fields they
+ * set; left as they are where the flag was not given).
+ */
+void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o);
+
+/*
  * Parse a byte count, the one grammar of every subcommand
  * (tdp_bm_parse_size_why in bench_method.h): a number, integer or decimal
  * fraction, and an optional unit, with or without a space:

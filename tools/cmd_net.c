@@ -34,7 +34,7 @@ typedef struct listen_args {
     uint32_t depth;
     tdp_plane plane;
     int64_t timeout_ms; /* for the producer to connect; -1 forever */
-    tdp_pipe_opts ka;   /* --keepalive: its three fields (0: the library's default) */
+    tdp_pipe_opts ka;   /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
 } listen_args;
 
 /*
@@ -56,15 +56,7 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
     opts.plane = a->plane;
-    if (a->ka.secret != NULL) {
-        opts.secret = a->ka.secret;
-        opts.secret_len = a->ka.secret_len;
-    }
-    if (a->ka.keepalive_idle_s != 0) {
-        opts.keepalive_idle_s = a->ka.keepalive_idle_s;
-        opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
-        opts.keepalive_cnt = a->ka.keepalive_cnt;
-    }
+    tdp_cli_apply_net_opts(&a->ka, &opts);
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
@@ -448,7 +440,7 @@ typedef struct send_args {
     double rate;
     int64_t timeout_ms;
     tdp_plane plane;
-    tdp_pipe_opts ka; /* --keepalive: its three fields (0: the library's default) */
+    tdp_pipe_opts ka; /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
     bool echo, depth_hint, quiet;
     int64_t reconnect_ms; /* --reconnect: 0 off */
     uint64_t lost;        /* sends an outage took (reconnecting) */
@@ -729,15 +721,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
     opts.reconnect_ms = a->reconnect_ms;
-    if (a->ka.secret != NULL) {
-        opts.secret = a->ka.secret;
-        opts.secret_len = a->ka.secret_len;
-    }
-    if (a->ka.keepalive_idle_s != 0) {
-        opts.keepalive_idle_s = a->ka.keepalive_idle_s;
-        opts.keepalive_intvl_s = a->ka.keepalive_intvl_s;
-        opts.keepalive_cnt = a->ka.keepalive_cnt;
-    }
+    tdp_cli_apply_net_opts(&a->ka, &opts);
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
     else

@@ -78,7 +78,7 @@ typedef struct serve_args {
     uint32_t max_clients, depth;
     uint32_t max_pending, max_per_source; /* 0: the library's default */
     int64_t idle_timeout_ms;              /* 0: the library's default */
-    tdp_pipe_opts ka;                     /* --keepalive: its three fields */
+    tdp_pipe_opts ka; /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
     tdp_plane plane;
     uint64_t count;
     double duration_s;
@@ -429,15 +429,7 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         opts.max_per_source = a->max_per_source;
     if (a->idle_timeout_ms != 0)
         opts.idle_timeout_ms = a->idle_timeout_ms;
-    if (a->ka.secret != NULL) {
-        opts.pipe.secret = a->ka.secret;
-        opts.pipe.secret_len = a->ka.secret_len;
-    }
-    if (a->ka.keepalive_idle_s != 0) {
-        opts.pipe.keepalive_idle_s = a->ka.keepalive_idle_s;
-        opts.pipe.keepalive_intvl_s = a->ka.keepalive_intvl_s;
-        opts.pipe.keepalive_cnt = a->ka.keepalive_cnt;
-    }
+    tdp_cli_apply_net_opts(&a->ka, &opts.pipe);
     if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||
         (rc = tdp_loop_start_thread(*loop)) != TDP_OK) {
         tdp_cli_error("serve", "cannot start the event loop: %s", tdp_strerror(rc));

@@ -127,19 +127,12 @@ struct tdp_pipe {
     int naddr;
     bool was_open, reconnecting;
     tdp_err lost;           /* what started the outage */
-    uint64_t outage_end_ns; /* give up then */
+    int64_t outage_end_ms; /* give up then (tdp__now_ms) */
     int64_t backoff_ms;
     struct event *retry_ev;
     uint32_t epoch;
     uint64_t credit_base;
 };
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static void send_kick(tdp_pipe *p);
 static void deliver(tdp_pipe *p);
@@ -1437,7 +1430,7 @@ static bool want_reconnect(const tdp_pipe *p, tdp_err err)
 {
     if (p->opts.reconnect_ms <= 0 || p->naddr == 0 || p->close_requested || p->freed)
         return false;
-    if (p->reconnecting && now_ns() >= p->outage_end_ns)
+    if (p->reconnecting && tdp__now_ms() >= p->outage_end_ms)
         return false;
     switch (err) {
     case TDP_ECONNREFUSED:
@@ -1457,8 +1450,8 @@ static void retry_cb(evutil_socket_t fd, short what, void *arg)
     tdp_pipe *p = arg;
     if (!p->reconnecting || p->state != PIPE_CONNECTING || p->freed)
         return;
-    uint64_t now = now_ns();
-    if (now >= p->outage_end_ns) {
+    int64_t now = tdp__now_ms();
+    if (now >= p->outage_end_ms) {
         pipe_fail(p, p->lost, "reconnect time passed");
         return;
     }
@@ -1474,7 +1467,7 @@ static void retry_cb(evutil_socket_t fd, short what, void *arg)
         return;
     }
     /* this attempt's handshake ends within the outage's time */
-    int64_t left = (int64_t)((p->outage_end_ns - now) / 1000000u) + 1;
+    int64_t left = p->outage_end_ms - now + 1;
     arm_timer(p, left < p->opts.connect_timeout_ms ? left : p->opts.connect_timeout_ms);
 }
 
@@ -1486,12 +1479,12 @@ static void retry_cb(evutil_socket_t fd, short what, void *arg)
  */
 static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
 {
-    uint64_t now = now_ns();
+    int64_t now = tdp__now_ms();
     if (!p->reconnecting) {
         int64_t span = p->was_open ? p->opts.reconnect_ms : p->opts.connect_timeout_ms;
         p->reconnecting = true;
         p->lost = err;
-        p->outage_end_ns = now + (uint64_t)span * 1000000u;
+        p->outage_end_ms = now + span;
         p->backoff_ms = 50;
         if (p->was_open) {
             p->stats.reconnects++;
@@ -1542,8 +1535,8 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->link_failed = false;
     p->epoch++;
 
-    uint64_t left_ms = (p->outage_end_ns - now) / 1000000u;
-    int64_t wait = p->backoff_ms < (int64_t)left_ms ? p->backoff_ms : (int64_t)left_ms;
+    int64_t left_ms = p->outage_end_ms - now;
+    int64_t wait = p->backoff_ms < left_ms ? p->backoff_ms : left_ms > 0 ? left_ms : 0;
     struct timeval tv = {(time_t)(wait / 1000), (suseconds_t)((wait % 1000) * 1000)};
     evtimer_add(p->retry_ev, &tv);
 }
