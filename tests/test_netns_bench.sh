@@ -14,81 +14,10 @@ set -uo pipefail
 
 TDPIPE=${1:?usage: test_netns_bench.sh TDPIPE}
 
-skip() {
-    echo "SKIP: $*"
-    exit 77
-}
-[[ $(id -u) -eq 0 ]] || skip "needs root (creates network namespaces)"
-command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
+# shellcheck source=netns_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/netns_lib.sh"
 command -v python3 >/dev/null || skip "no python3 (reads the JSON)"
-ip netns list >/dev/null 2>&1 || skip "'ip netns' is not available"
-
-TAG=$$
-NS_A=tdp-bn-a-$TAG
-NS_B=tdp-bn-b-$TAG
-IF_A=tdpbn${TAG}a
-IF_B=tdpbn${TAG}b
-NET=10.204.$((TAG % 250)).
-ADDR_A=${NET}1
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/tdp-netns-bench.XXXXXX")
-BG_PIDS=()
-FAILS=0
-
-cleanup() {
-    local pid
-    for pid in "${BG_PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${BG_PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    timeout 10 ip netns del "$NS_A" 2>/dev/null || true
-    timeout 10 ip netns del "$NS_B" 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-fail() {
-    echo "FAIL: $*" >&2
-    FAILS=$((FAILS + 1))
-}
-
-dump() {
-    local f
-    for f in "$@"; do
-        [[ -f $f ]] && sed "s|^|  $(basename "$f"): |" "$f" >&2
-    done
-}
-
-# link_up NS IF: wait (bounded) until the link reports UP (carrier on both ends).
-link_up() {
-    for _ in $(seq 50); do
-        [[ $(ip -n "$1" -br link show "$2" 2>/dev/null) == *" UP "* ]] && return 0
-        sleep 0.1
-    done
-    return 1
-}
-
-# ns_setup: two namespaces, a veth pair between them, addresses, links up.
-ns_setup() {
-    # ${IF_A} is at most 15 characters: tdpbn + a pid of up to 9 digits + a/b
-    ip netns add "$NS_A" && ip netns add "$NS_B" &&
-        ip link add "$IF_A" netns "$NS_A" type veth peer name "$IF_B" netns "$NS_B" &&
-        ip -n "$NS_A" addr add "${ADDR_A}/30" dev "$IF_A" &&
-        ip -n "$NS_B" addr add "${NET}2/30" dev "$IF_B" &&
-        ip -n "$NS_A" link set lo up && ip -n "$NS_B" link set lo up &&
-        ip -n "$NS_A" link set "$IF_A" up && ip -n "$NS_B" link set "$IF_B" up
-}
-
-if ! ns_setup 2>"$WORK/setup.err"; then
-    cat "$WORK/setup.err" >&2
-    skip "cannot create the namespaces and veth pair"
-fi
-if ! link_up "$NS_A" "$IF_A" || ! link_up "$NS_B" "$IF_B"; then
-    fail "the veth pair did not come up"
-    exit 1
-fi
+netns_pair bn 204
 
 # UCX over TCP on the veth: the data crosses the link as it would between hosts
 # (the namespaces share /dev/shm, so --plane ucx keeps the shm plane out)

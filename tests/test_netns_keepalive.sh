@@ -15,84 +15,14 @@ TDPIPE=${1:?usage: test_netns_keepalive.sh TDPIPE}
 BOUND_S=20  # the default keepalive's bound: 5 s idle + 15 probes 1 s apart
 SLACK_S=4   # scheduling, the probe timer's granularity, process exit
 
-skip() {
-    echo "SKIP: $*"
-    exit 77
-}
-[[ $(id -u) -eq 0 ]] || skip "needs root (creates network namespaces)"
-command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
-ip netns list >/dev/null 2>&1 || skip "'ip netns' is not available"
-
-TAG=$$
-NS_A=tdp-ka-a-$TAG
-NS_B=tdp-ka-b-$TAG
-IF_A=tdpka${TAG}a
-IF_B=tdpka${TAG}b
-NET=10.203.$((TAG % 250)).
-ADDR_A=${NET}1
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/tdp-netns.XXXXXX")
-BG_PIDS=()
-FAILS=0
-
-cleanup() {
-    local pid
-    for pid in "${BG_PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${BG_PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    timeout 10 ip netns del "$NS_A" 2>/dev/null || true
-    timeout 10 ip netns del "$NS_B" 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-fail() {
-    echo "FAIL: $*" >&2
-    FAILS=$((FAILS + 1))
-}
-
-dump() {
-    local f
-    for f in "$@"; do
-        [[ -f $f ]] && sed "s|^|  $(basename "$f"): |" "$f" >&2
-    done
-}
+# shellcheck source=netns_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/netns_lib.sh"
 
 now_ms() {
     date +%s%3N
 }
 
-# link_up NS IF: wait (bounded) until the link reports UP (carrier on both ends).
-link_up() {
-    for _ in $(seq 50); do
-        [[ $(ip -n "$1" -br link show "$2" 2>/dev/null) == *" UP "* ]] && return 0
-        sleep 0.1
-    done
-    return 1
-}
-
-# ns_setup: two namespaces, a veth pair between them, addresses, links up.
-ns_setup() {
-    # ${IF_A} is at most 15 characters: tdpka + a pid of up to 9 digits + a/b
-    ip netns add "$NS_A" && ip netns add "$NS_B" &&
-        ip link add "$IF_A" netns "$NS_A" type veth peer name "$IF_B" netns "$NS_B" &&
-        ip -n "$NS_A" addr add "${ADDR_A}/30" dev "$IF_A" &&
-        ip -n "$NS_B" addr add "${NET}2/30" dev "$IF_B" &&
-        ip -n "$NS_A" link set lo up && ip -n "$NS_B" link set lo up &&
-        ip -n "$NS_A" link set "$IF_A" up && ip -n "$NS_B" link set "$IF_B" up
-}
-
-if ! ns_setup 2>"$WORK/setup.err"; then
-    cat "$WORK/setup.err" >&2
-    skip "cannot create the namespaces and veth pair"
-fi
-if ! link_up "$NS_A" "$IF_A" || ! link_up "$NS_B" "$IF_B"; then
-    fail "the veth pair did not come up"
-    exit 1
-fi
+netns_pair ka 203
 
 # UCX over TCP on the veth, so that the data also crosses the link that fails
 export UCX_TLS=tcp UCX_NET_DEVICES=all
