@@ -24,6 +24,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
@@ -2074,25 +2076,6 @@ static void child_hold(uint16_t port)
     char b;
     (void)read(0, &b, 1); /* until the parent says so (or dies) */
     _exit(0);
-}
-
-/* Drop the tests named in a ':'-separated list (exact names). */
-static size_t skip_named(struct CMUnitTest *t, size_t n, const char *list)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(t[i].name);
-        bool drop = false;
-        for (const char *p = list; p != NULL && *p != '\0';) {
-            const char *e = strchr(p, ':');
-            size_t pl = e != NULL ? (size_t)(e - p) : strlen(p);
-            drop |= pl == len && strncmp(p, t[i].name, len) == 0;
-            p = e != NULL ? e + 1 : NULL;
-        }
-        if (!drop)
-            t[k++] = t[i];
-    }
-    return k;
 }
 
 int main(int argc, char **argv)

@@ -27,6 +27,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
@@ -1328,25 +1330,6 @@ static void test_shutdown(void **state)
     tdp_pipe *p;
     assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_ECONNREFUSED);
     env_down(&e); /* a second shutdown returns the first one's result */
-}
-
-/* Drop the tests named in a ':'-separated list (exact names). */
-static size_t skip_named(struct CMUnitTest *t, size_t n, const char *list)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(t[i].name);
-        bool drop = false;
-        for (const char *p = list; p != NULL && *p != '\0';) {
-            const char *e = strchr(p, ':');
-            size_t pl = e != NULL ? (size_t)(e - p) : strlen(p);
-            drop |= pl == len && strncmp(p, t[i].name, len) == 0;
-            p = e != NULL ? e + 1 : NULL;
-        }
-        if (!drop)
-            t[k++] = t[i];
-    }
-    return k;
 }
 
 int main(int argc, char **argv)
