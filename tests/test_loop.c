@@ -428,6 +428,126 @@ static void test_run_until_busy_poll(void **state)
     tdp_loop_free(loop);
 }
 
+/*
+ * Holding the loop: calls from several threads exclude each other (a plain
+ * counter bumped under the hold comes out exact, and ThreadSanitizer sees
+ * the hand-over), an inline hold is waited out rather than failed, and
+ * run_after runs its function only when it gets the loop.
+ */
+typedef struct hold_ctx {
+    tdp_loop *loop;
+    long counter;          /* only touched while holding the loop */
+    atomic_int in_slow;    /* slow_fn has the loop */
+    atomic_int slow_done;
+    atomic_long run_after_ok, run_after_busy, inline_ok;
+    atomic_int errors; /* counted by the threads: cmocka asserts only on the main one */
+} hold_ctx;
+
+static void bump(void *arg)
+{
+    hold_ctx *c = arg;
+    c->counter++;
+}
+
+static void slow_fn(void *arg)
+{
+    hold_ctx *c = arg;
+    atomic_store(&c->in_slow, 1);
+    sleep_ms(50);
+    c->counter += 1000;
+    atomic_store(&c->slow_done, 1);
+}
+
+static void check_slow_done(void *arg)
+{
+    hold_ctx *c = arg;
+    if (atomic_load(&c->slow_done) != 1) /* must run after slow_fn let go */
+        atomic_fetch_add(&c->errors, 1);
+    c->counter++;
+}
+
+#define HOLD_ROUNDS 20000
+
+static void *bump_main(void *arg)
+{
+    hold_ctx *c = arg;
+    /* an inline call waits out another inline hold, but not run_after's */
+    for (int i = 0; i < HOLD_ROUNDS; i++)
+        if (tdp__loop_run_inline(c->loop, bump, c))
+            atomic_fetch_add(&c->inline_ok, 1);
+    return NULL;
+}
+
+static void *run_after_main(void *arg)
+{
+    hold_ctx *c = arg;
+    volatile bool done = true; /* nothing to wait for once bump ran */
+    for (int i = 0; i < HOLD_ROUNDS; i++) {
+        tdp_err rc = tdp__loop_run_after(c->loop, bump, c, &done, 1000);
+        if (rc == TDP_OK)
+            atomic_fetch_add(&c->run_after_ok, 1);
+        else if (rc == TDP_EINVAL)
+            atomic_fetch_add(&c->run_after_busy, 1); /* held: bump not run */
+        else
+            atomic_fetch_add(&c->errors, 1);
+    }
+    return NULL;
+}
+
+static void *slow_main(void *arg)
+{
+    hold_ctx *c = arg;
+    if (!tdp__loop_run_inline(c->loop, slow_fn, c))
+        atomic_fetch_add(&c->errors, 1);
+    return NULL;
+}
+
+static void test_hold(void **state)
+{
+    (void)state;
+    hold_ctx c = {0};
+    assert_int_equal(tdp_loop_new(NULL, &c.loop), TDP_OK);
+
+    /* an inline hold is waited out, not failed, by inline calls and run_until alike */
+    pthread_t slow;
+    assert_int_equal(pthread_create(&slow, NULL, slow_main, &c), 0);
+    for (int i = 0; i < 5000 && !atomic_load(&c.in_slow); i++)
+        sleep_ms(1);
+    assert_int_equal(atomic_load(&c.in_slow), 1);
+    volatile bool never = false;
+    assert_int_equal(tdp__loop_run_until(c.loop, &never, 10), TDP_ETIMEDOUT);
+    assert_int_equal(atomic_load(&c.slow_done), 1);
+    int64_t t0 = now_ms();
+    assert_true(tdp__loop_run_inline(c.loop, check_slow_done, &c));
+    assert_true(now_ms() - t0 < 2000);
+    pthread_join(slow, NULL);
+    assert_int_equal(atomic_load(&c.errors), 0);
+    assert_int_equal(c.counter, 1001);
+    /* a loop run by a thread refuses run_until and run_after (fn not run) */
+    assert_int_equal(tdp_loop_start_thread(c.loop), TDP_OK);
+    assert_int_equal(tdp__loop_run_after(c.loop, bump, &c, &never, 10), TDP_EINVAL);
+    tdp_loop_stop(c.loop);
+    for (int i = 0; i < 5000 && tdp__loop_running(c.loop); i++)
+        sleep_ms(1);
+    assert_false(tdp__loop_running(c.loop));
+    assert_int_equal(c.counter, 1001);
+
+    /* three threads taking it in turns, one of them through run_after */
+    c.counter = 0;
+    pthread_t th[3];
+    assert_int_equal(pthread_create(&th[0], NULL, bump_main, &c), 0);
+    assert_int_equal(pthread_create(&th[1], NULL, bump_main, &c), 0);
+    assert_int_equal(pthread_create(&th[2], NULL, run_after_main, &c), 0);
+    for (int i = 0; i < 3; i++)
+        pthread_join(th[i], NULL);
+    assert_int_equal(atomic_load(&c.errors), 0);
+    assert_int_equal(atomic_load(&c.run_after_ok) + atomic_load(&c.run_after_busy), HOLD_ROUNDS);
+    assert_int_equal(c.counter, atomic_load(&c.inline_ok) + atomic_load(&c.run_after_ok));
+    assert_true(atomic_load(&c.inline_ok) > 0);
+    assert_false(tdp__loop_running(c.loop));
+    tdp_loop_free(c.loop);
+}
+
 static void test_run_until(void **state)
 {
     uint64_t live = live_small();
@@ -1136,6 +1256,7 @@ int main(void)
         cmocka_unit_test(test_post_from_loop),
         cmocka_unit_test(test_run_until),
         cmocka_unit_test(test_run_until_busy_poll),
+        cmocka_unit_test(test_hold),
         cmocka_unit_test(test_source_fd),
         cmocka_unit_test(test_source_arm_busy),
         cmocka_unit_test(test_source_arm_error),

@@ -84,7 +84,8 @@ struct tdp_loop {
     bool stop_requested; /* consumed by the run it ends, or by the next run */
     bool has_thread;     /* thread must be joined */
     pthread_t thread;
-    _Atomic int holder; /* enum hold: who owns the loop now; written under lock */
+    _Atomic int holder; /* enum hold: who owns the loop now (acquire / release) */
+    _Atomic int idle_waiters; /* threads waiting on idle for holder to change */
 };
 
 /*
@@ -506,35 +507,65 @@ void tdp_loop_stop(tdp_loop *loop)
 }
 
 /*
- * An inline hold ends within one internal call: wait it out rather than
- * fail (lock held). Not when this thread holds a loop itself: a thread
+ * Taking and giving back the loop is lock-free when nobody waits: a blocking
+ * call takes it and gives it back for each operation, so the common case
+ * must cost one atomic each way. Whoever must wait for the holder to go
+ * (an inline hold being waited out, tdp_loop_free) counts itself in
+ * idle_waiters under lock before it looks at holder again; release stores
+ * HOLD_NONE before it reads idle_waiters. Both are sequentially consistent,
+ * so either the waiter sees HOLD_NONE or release sees the waiter and
+ * signals idle under the lock (which the waiter holds until it sleeps).
+ */
+static void idle_wait_begin(tdp_loop *loop) /* lock held */
+{
+    atomic_fetch_add(&loop->idle_waiters, 1);
+}
+
+static void idle_wait_end(tdp_loop *loop) /* lock held */
+{
+    atomic_fetch_sub(&loop->idle_waiters, 1);
+}
+
+/*
+ * Take the loop for the calling thread as kind; false if someone holds it.
+ * An inline hold ends within one internal call: it is waited out rather
+ * than failed, except when this thread holds a loop itself: a thread
  * holding a loop never waits for another one's, so two threads can never
  * wait for each other.
  */
-static void wait_inline_hold(tdp_loop *loop)
-{
-    while (atomic_load(&loop->holder) == HOLD_INLINE && tls_frames == NULL)
-        pthread_cond_wait(&loop->idle, &loop->lock);
-}
-
-/* Take the loop for the calling thread as kind; false if someone holds it. */
 static bool acquire(tdp_loop *loop, enum hold kind)
 {
+    int seen = HOLD_NONE;
+    if (atomic_compare_exchange_strong(&loop->holder, &seen, kind))
+        return true;
+    if (seen != HOLD_INLINE || tls_frames != NULL)
+        return false;
     bool ok;
-
     pthread_mutex_lock(&loop->lock);
-    wait_inline_hold(loop);
-    ok = atomic_load(&loop->holder) == HOLD_NONE;
-    if (ok)
-        atomic_store(&loop->holder, kind);
+    idle_wait_begin(loop);
+    for (;;) {
+        seen = HOLD_NONE;
+        if (atomic_compare_exchange_strong(&loop->holder, &seen, kind)) {
+            ok = true;
+            break;
+        }
+        if (seen != HOLD_INLINE) {
+            ok = false;
+            break;
+        }
+        pthread_cond_wait(&loop->idle, &loop->lock);
+    }
+    idle_wait_end(loop);
     pthread_mutex_unlock(&loop->lock);
     return ok;
 }
 
 static void release(tdp_loop *loop)
 {
-    pthread_mutex_lock(&loop->lock);
     atomic_store(&loop->holder, HOLD_NONE);
+    if (atomic_load(&loop->idle_waiters) == 0)
+        return;
+    pthread_mutex_lock(&loop->lock);
     pthread_cond_broadcast(&loop->idle);
     pthread_mutex_unlock(&loop->lock);
 }
@@ -589,29 +620,33 @@ tdp_err tdp_loop_start_thread(tdp_loop *loop)
 
     if (loop == NULL)
         return TDP_EINVAL;
-    pthread_mutex_lock(&loop->lock);
-    wait_inline_hold(loop);
-    if (atomic_load(&loop->holder) != HOLD_NONE) {
-        rc = TDP_EINVAL;
-        goto out_unlock;
-    }
-    if (loop->has_thread) {
-        /* a previous loop thread was stopped and has released the loop: reap it */
-        pthread_join(loop->thread, NULL);
-        loop->has_thread = false;
-    }
     /* held before the thread exists, so run / run_until cannot slip in */
-    atomic_store(&loop->holder, HOLD_RUN);
-    int err = pthread_create(&loop->thread, NULL, thread_main, loop);
+    if (!acquire(loop, HOLD_RUN))
+        return TDP_EINVAL;
+    /*
+     * A previous loop thread was stopped and has let the loop go: reap it,
+     * without the lock (its release may still take it to signal a waiter).
+     */
+    pthread_mutex_lock(&loop->lock);
+    bool reap = loop->has_thread;
+    pthread_t old = loop->thread;
+    loop->has_thread = false;
+    pthread_mutex_unlock(&loop->lock);
+    if (reap)
+        pthread_join(old, NULL);
+    pthread_t t;
+    int err = pthread_create(&t, NULL, thread_main, loop);
+    if (err == 0) {
+        pthread_mutex_lock(&loop->lock);
+        loop->thread = t;
+        loop->has_thread = true;
+        pthread_mutex_unlock(&loop->lock);
+    }
     if (err != 0) {
         tdp_log_error("pthread_create: %s", strerror(err));
-        atomic_store(&loop->holder, HOLD_NONE);
+        release(loop);
         rc = err == EAGAIN ? TDP_ENOMEM : TDP_EINTERNAL;
-        goto out_unlock;
     }
-    loop->has_thread = true;
-out_unlock:
-    pthread_mutex_unlock(&loop->lock);
     return rc;
 }
 
@@ -630,10 +665,10 @@ static void deadline_cb(evutil_socket_t fd, short what, void *arg)
  * and posted tasks still run. Ends when done, at the deadline, or after the
  * busy-poll window passes with nothing to do.
  */
-static void spin(tdp_loop *loop, volatile bool *done, uint64_t deadline_ns)
+static void spin(tdp_loop *loop, volatile bool *done, uint64_t t0, uint64_t deadline_ns)
 {
     uint64_t window = (uint64_t)loop->busy_poll_us * 1000u;
-    uint64_t last = mono_ns();
+    uint64_t last = t0;
     unsigned n = 0;
 
     while (!*done) {
@@ -661,6 +696,12 @@ static void spin(tdp_loop *loop, volatile bool *done, uint64_t deadline_ns)
 
 tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout_ms)
 {
+    return tdp__loop_run_after(loop, NULL, NULL, done, timeout_ms);
+}
+
+tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile bool *done,
+                            int64_t timeout_ms)
+{
     run_frame frame;
     tdp_err rc = TDP_OK;
 
@@ -669,6 +710,8 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
     if (!acquire(loop, HOLD_UNTIL))
         return TDP_EINVAL;
     frame_push(&frame, loop);
+    if (fn != NULL)
+        fn(arg);
     /* read only now: the flag is set by whoever held the loop before us */
     if (*done)
         goto out_release;
@@ -677,7 +720,7 @@ tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout
     if (loop->busy_poll_us > 0) {
         /* the fast path first: no timer, no libevent turn per iteration */
         uint64_t t0 = mono_ns();
-        spin(loop, done, timeout_ms >= 0 ? t0 + (uint64_t)timeout_ms * 1000000u : 0);
+        spin(loop, done, t0, timeout_ms >= 0 ? t0 + (uint64_t)timeout_ms * 1000000u : 0);
         if (*done)
             goto out_release;
         if (timeout_ms >= 0) { /* what is left of the deadline for the slow path */
@@ -823,6 +866,7 @@ tdp_err tdp_loop_new(const tdp_loop_opts *opts, tdp_loop **out)
         return TDP_ENOMEM;
     opts_resolve(opts, loop);
     atomic_init(&loop->holder, HOLD_NONE);
+    atomic_init(&loop->idle_waiters, 0);
     if (pthread_mutex_init(&loop->lock, NULL) != 0) {
         rc = TDP_ENOMEM;
         goto err_free_loop;
@@ -884,8 +928,10 @@ void tdp_loop_free(tdp_loop *loop)
         pthread_mutex_lock(&loop->lock);
     }
     /* a tdp_loop_run or run_until on another thread: the stop ends the first */
+    idle_wait_begin(loop);
     while (atomic_load(&loop->holder) != HOLD_NONE)
         pthread_cond_wait(&loop->idle, &loop->lock);
+    idle_wait_end(loop);
     /* before the finis: queued intrusive tasks live in objects a fini frees */
     free_pending(loop);
     pthread_mutex_unlock(&loop->lock);

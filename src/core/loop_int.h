@@ -83,6 +83,15 @@ void tdp__loop_kick(tdp_loop *loop);
 tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout_ms);
 
 /*
+ * As tdp__loop_run_until, but first runs fn(arg) as the holder (when fn is
+ * not NULL): a blocking call starts its operation and drives the loop for it
+ * under one hold of the loop. TDP_EINVAL, without calling fn, when another
+ * thread holds the loop.
+ */
+tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile bool *done,
+                            int64_t timeout_ms);
+
+/*
  * True when a thread holds the loop now: a loop thread or tdp_loop_run, a
  * blocking call driving it (run_until), or an inline call (run_inline).
  */

@@ -73,6 +73,9 @@ void tdp__waiter_fini(tdp__waiter *w)
     pthread_cond_destroy(&w->cond);
 }
 
+/* The op a blocking call on this thread drives the loop for (tdp__op_run). */
+static _Thread_local const tdp_op *tls_driving;
+
 void tdp__op_complete(tdp_op *op, tdp_err rc)
 {
     if (op->kind == OP_SEND && op->td != NULL) {
@@ -82,6 +85,12 @@ void tdp__op_complete(tdp_op *op, tdp_err rc)
     op->result = rc;
     op->next = NULL;
     tdp__waiter *w = op->waiter;
+    if (w != NULL && tls_driving == op) {
+        /* its waiter is this very thread, inside tdp__op_run: nobody sleeps on it */
+        atomic_store_explicit(&op->state, OP_DONE, memory_order_release);
+        op->done = true;
+        return;
+    }
     if (w != NULL) {
         pthread_mutex_lock(&w->mtx);
         atomic_store_explicit(&op->state, OP_DONE, memory_order_release);
@@ -104,6 +113,31 @@ void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
         return;
     op->task = (tdp__task){.fn = start, .arg = op};
     tdp__loop_post_task(loop, &op->task);
+}
+
+tdp_err tdp__op_run(tdp_loop *loop, tdp_op *op, tdp_loop_fn start, int64_t timeout_ms)
+{
+    op->done = false;
+    atomic_store_explicit(&op->state, OP_PENDING, memory_order_release);
+    /*
+     * The common case, an idle loop: start the op and drive the loop for it
+     * under one hold, with no clock read when it completes at once (a send
+     * the transport takes inline) and no wakeup to hand the result over.
+     */
+    tls_driving = op;
+    tdp_err rc = tdp__loop_run_after(loop, start, op, &op->done, timeout_ms);
+    tls_driving = NULL;
+    if (rc == TDP_EINVAL) {
+        /* another thread holds the loop: it starts the op, we wait for it */
+        op->task = (tdp__task){.fn = start, .arg = op};
+        tdp__loop_post_task(loop, &op->task);
+        return tdp__op_wait(loop, op, timeout_ms);
+    }
+    /* completed by this thread while it held the loop: nobody else writes it now */
+    if (op->done)
+        return op->result;
+    /* the deadline passed (or the loop failed): take it back, as a waiter would */
+    return tdp__op_wait(loop, op, timeout_ms < 0 ? -1 : 0);
 }
 
 /* ---- queues -------------------------------------------------------------------- */

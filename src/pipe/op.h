@@ -66,6 +66,13 @@ void tdp__op_complete(tdp_op *op, tdp_err rc);
 tdp_err tdp__op_wait(tdp_loop *loop, tdp_op *op, int64_t timeout_ms);
 
 /*
+ * Submit a blocking op and wait for it (tdp__op_submit then tdp__op_wait,
+ * in one hold of the loop when nobody else holds it). Not from the loop
+ * thread.
+ */
+tdp_err tdp__op_run(tdp_loop *loop, tdp_op *op, tdp_loop_fn start, int64_t timeout_ms);
+
+/*
  * Wait, with mtx held, until *done (set under mtx by the loop's holder,
  * which then signals cond) or until deadline_ms on the tdp__now_ms clock
  * (-1: none); false at the deadline. Someone must progress the loop

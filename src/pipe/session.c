@@ -1101,8 +1101,7 @@ tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms)
     tdp_op *op = pipe->sync_send;
     op->kind = OP_SEND;
     op->td = tdp_td_ref(td);
-    tdp__op_submit(pipe->loop, op, send_start);
-    return tdp__op_wait(pipe->loop, op, timeout_ms);
+    return tdp__op_run(pipe->loop, op, send_start, timeout_ms);
 }
 
 tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out)
@@ -1112,8 +1111,7 @@ tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out)
     tdp_op *op = pipe->sync_recv;
     op->kind = OP_RECV;
     op->td = NULL;
-    tdp__op_submit(pipe->loop, op, recv_start);
-    tdp_err rc = tdp__op_wait(pipe->loop, op, timeout_ms);
+    tdp_err rc = tdp__op_run(pipe->loop, op, recv_start, timeout_ms);
     if (rc == TDP_OK)
         *out = op->td;
     return rc;
