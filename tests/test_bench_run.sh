@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# test_bench_run.sh BUILD_DIR: bench/run.sh, the harness behind the figures in
+# docs/benchmarks.md, runs end to end on tiny sizes (event-driven and
+# busy-poll, two interleaved runs, the shm plane; then event-driven alone over
+# UCX's TCP) and writes a combined JSON
+# with a figure for every size from tdpipe in both modes and a verdict line
+# for every target. It checks that the harness works, not how fast anything is.
+set -euo pipefail
+BUILD=$1
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=$(mktemp -d /tmp/tdp-bench-run-XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
+export UCX_NET_DEVICES=lo
+
+bash "$ROOT/bench/run.sh" --build "$BUILD" --plane shm --sizes 1KB,64KB --rounds 30 \
+    --busy-poll 100 --runs 2 --out "$OUT" >"$OUT/table.txt" 2>"$OUT/log.txt" || {
+    echo "bench/run.sh failed:" >&2
+    cat "$OUT/log.txt" "$OUT/table.txt" >&2
+    exit 1
+}
+grep -q "the issue's targets\|targets" "$OUT/table.txt" || { cat "$OUT/table.txt"; exit 1; }
+python3 - "$OUT/results.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["runs"] == 2, d["runs"]
+assert d["busy_poll_us"] == 100
+sizes = [s["bytes"] for s in d["summary"]]
+assert sizes == [1000, 64000], sizes
+for s in d["summary"]:
+    for mode in ("tdpipe", "tdpipe_busy_poll"):
+        lat = s["latency_p50_us"].get(mode)
+        tput = s["throughput_Bps"].get(mode)
+        assert lat is not None and lat > 0, (s["bytes"], mode, lat)
+        assert tput is not None and tput > 0, (s["bytes"], mode, tput)
+assert d["targets"], "no targets"
+for t in d["targets"]:
+    assert {"target", "ratio", "op", "goal", "met"} <= set(t), t
+print("bench/run.sh: %d sizes, %d targets, JSON ok" % (len(sizes), len(d["targets"])))
+PY
+
+# the default mode: event-driven only, one run, the ucx plane over TCP
+mkdir "$OUT/ev"
+bash "$ROOT/bench/run.sh" --build "$BUILD" --tls tcp --plane ucx --sizes 1KB --rounds 30 \
+    --out "$OUT/ev" >"$OUT/ev/table.txt" 2>"$OUT/ev/log.txt" || {
+    echo "bench/run.sh (event-driven only) failed:" >&2
+    cat "$OUT/ev/log.txt" "$OUT/ev/table.txt" >&2
+    exit 1
+}
+python3 - "$OUT/ev/results.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+s = d["summary"][0]
+assert s["bytes"] == 1000 and s["latency_p50_us"]["tdpipe"] > 0, s
+assert s["latency_p50_us"].get("tdpipe_busy_poll") is None, s
+print("bench/run.sh event-driven only: JSON ok")
+PY
