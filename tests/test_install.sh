@@ -8,6 +8,7 @@
 #     every docs/*.md, the examples with their CMakeLists.txt);
 #   - the man page is installed and renders without warnings (man -l, else
 #     groff; skipped, with a message, when neither is installed);
+#   - README.md and docs/README.md list every docs/*.md;
 #   - an example builds against the installed prefix through
 #     find_package(tdpipe), and one through pkg-config, and both run.
 #
@@ -82,6 +83,14 @@ for page in "$SRC"/docs/*.md; do
     else
         fail "not installed (or not the same): $name"
     fi
+done
+
+# both indexes list every page: the README's and docs/README.md
+for page in "$SRC"/docs/*.md; do
+    name=$(basename "$page")
+    [[ $name == README.md ]] && continue
+    grep -qF "](docs/$name)" "$SRC/README.md" || fail "README.md does not list docs/$name"
+    grep -qF "]($name)" "$SRC/docs/README.md" || fail "docs/README.md does not list $name"
 done
 
 # ---- the man page ----------------------------------------------------------------
