@@ -1,8 +1,8 @@
 /*
  * table.c: `tdp_peers table FILE... [--json OUT]` — read the JSON of
  * `tdpipe bench` and of the peers, print one table (rows: figure and size;
- * columns: each tool, then tdpipe's ratio to each peer), check the issue's
- * targets, and write everything into one JSON file.
+ * columns: each tool, then tdpipe's ratio to each peer), check the goals
+ * (docs/benchmarks.md), and write everything into one JSON file.
  *
  * A file's role comes from its contents: "tool": "tdpipe bench" with
  * config.busy_poll_us 0 (event-driven) or not (busy-poll); "tool":
@@ -175,7 +175,7 @@ static void print_group(const table *t, const char *title, const char *short_nam
     }
 }
 
-/* One of the targets: the ratio, the goal, and whether it is met. */
+/* One of the goals: the ratio, the bound, and whether it is met. */
 static json_t *target(const char *name, double ratio, const char *op, double goal)
 {
     bool met = !isnan(ratio) && (op[0] == '>' ? ratio >= goal : ratio <= goal);
@@ -215,13 +215,13 @@ static json_t *print_targets(const table *t)
          ">=", 5.0},
     };
     json_t *a = json_array();
-    printf("\nthe issue's targets (ratio = tdpipe / peer):\n");
+    printf("\ngoals (ratio = tdpipe / peer):\n");
     for (size_t i = 0; i < sizeof(targets) / sizeof(targets[0]); i++)
         json_array_append_new(
             a, target(targets[i].name,
                       ratio(t, targets[i].g, targets[i].num, targets[i].den, targets[i].bytes),
                       targets[i].op, targets[i].goal));
-    /* the shm plane's own targets: faster than the transport, size-independent hand-off */
+    /* the shm plane's own goals: faster than the transport, size-independent hand-off */
     const char *plane = NULL;
     for (int r = R_EV; r <= R_BP && plane == NULL; r++)
         if (t->nin[r] > 0)

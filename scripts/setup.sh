@@ -22,6 +22,7 @@ PACKAGES=(
     libzmq3-dev          # benchmark peer for comparison
     gnuplot-nox          # benchmark plots
     iproute2             # ip/ss, for picking interfaces and inspecting sockets
+    groff-base           # groff: test_install checks the generated man page tdpipe.1 renders without warnings
     python3-dev          # the Python package's C extension (python/)
     python3-numpy        # received leaves as NumPy arrays; Python tests
     python3-torch        # received leaves as PyTorch tensors; Python tests and examples

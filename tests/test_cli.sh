@@ -227,6 +227,12 @@ test_usage() {
     run help_send 10 "$TDPIPE" help send
     expect_rc help_send 0
     expect_in help_send out "usage: tdpipe send"
+    # the list scripts read (tools/mkman.sh): NAME<TAB>SUMMARY, one a line
+    run help_list 10 "$TDPIPE" help --list
+    expect_rc help_list 0
+    for sub in bench serve send recv inspect version help; do
+        expect_in help_list out "$sub"$'\t'
+    done
 
     for sub in serve send recv inspect version; do
         run "help_$sub" 10 "$TDPIPE" "$sub" --help

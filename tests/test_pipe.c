@@ -513,9 +513,30 @@ static void test_ipv6_and_names(void **state)
     assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
     assert_int_equal(tdp_listener_new(sl, NULL, 0, NULL, NULL, NULL, &l), TDP_OK); /* dual stack */
     const char *hosts[] = {"::1", "127.0.0.1", "localhost"};
+    /* tdp_pipe_peer's form, as pipe.h gives it: "[ip]:port" for IPv6 */
+    const char *peer_fmt[] = {"[::1]:%u", "127.0.0.1:%u", NULL};
     for (int i = 0; i < 3; i++) {
         assert_int_equal(tdp_pipe_connect(cl, hosts[i], tdp_listener_port(l), NULL, &c), TDP_OK);
         assert_int_equal(tdp_listener_accept(l, TMO, &s), TDP_OK);
+        if (peer_fmt[i] != NULL) {
+            char want[64], got[64];
+            snprintf(want, sizeof(want), peer_fmt[i], (unsigned)tdp_listener_port(l));
+            assert_string_equal(tdp_pipe_peer(c, got, sizeof(got)), want);
+        }
+        if (i == 0) {
+            /* closing ends both directions: a receive pending at the close,
+             * and one after it, end with ECLOSED (pipe.h, tdp_pipe_close) */
+            tdp_op *rop;
+            assert_int_equal(tdp_op_new(NULL, NULL, &rop), TDP_OK);
+            tdp_pipe_recv_async(c, rop);
+            assert_int_equal(tdp_pipe_close(c, TMO), TDP_OK);
+            for (int k = 0; k < 5000 && tdp_op_result(rop) == TDP_EAGAIN; k++)
+                usleep(1000);
+            assert_int_equal(tdp_op_result(rop), TDP_ECLOSED);
+            tdp_td *td;
+            assert_int_equal(tdp_pipe_recv(c, TMO, &td), TDP_ECLOSED);
+            tdp_op_free(rop);
+        }
         tdp_pipe_free(c);
         tdp_pipe_free(s);
     }

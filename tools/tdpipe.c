@@ -3,12 +3,15 @@
  *
  *   tdpipe [-v|--verbose]... SUBCOMMAND [OPTIONS] [ARGS]
  *
- * See docs/cli.md.
+ * See docs/cli.md; the man page (tdpipe.1) is generated from the help
+ * texts by tools/mkman.sh.
  */
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <ucs/config/global_opts.h>
 #include <ucs/debug/log_def.h>
 
@@ -31,6 +34,8 @@ static const subcommand subcommands[] = {
 };
 #define NSUB (sizeof(subcommands) / sizeof(subcommands[0]))
 
+static const char *doc_dir(void);
+
 static void usage(FILE *f)
 {
     fprintf(f, "usage: tdpipe [-v|--verbose]... SUBCOMMAND [OPTIONS] [ARGS]\n\n"
@@ -42,9 +47,44 @@ static void usage(FILE *f)
                "  -v, --verbose   library log level: -v info, -vv debug, -vvv trace\n"
                "  -h, --help      show this help\n"
                "  -V, --version   same as 'tdpipe version'\n\n"
-               "Each subcommand takes --help. Exit status: 0 ok, 1 runtime failure,\n"
-               "2 usage error, 3 cannot connect/listen, 4 peer ended with an error,\n"
-               "5 timed out. See docs/cli.md.\n");
+               "Each subcommand takes --help ('tdpipe help SUBCOMMAND' says the same).\n\n"
+               "%s\n"
+               "Documentation: 'man tdpipe'; README.md, docs/ (docs/cli.md for this\n"
+               "command) and examples/, in the source tree and installed in\n%s\n",
+            TDP_CLI_EXIT_HELP, doc_dir());
+}
+
+/*
+ * Where the guides are installed: next to this binary's prefix when they
+ * are there (an install moved with --prefix or DESTDIR still finds them),
+ * else where the build was configured to put them.
+ */
+static const char *doc_dir(void)
+{
+    static char found[PATH_MAX];
+    char exe[PATH_MAX], guess[2 * PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash != NULL) {
+            *slash = '\0';
+            snprintf(guess, sizeof(guess), "%s/%s", exe, TDP_CLI_DOCDIR_FROM_BINDIR);
+            if (realpath(guess, found) != NULL)
+                return found;
+        }
+    }
+    return TDP_CLI_DOCDIR;
+}
+
+/*
+ * `tdpipe help --list`: one line per subcommand, "NAME<TAB>SUMMARY", for
+ * scripts (the man page is generated from it and from each --help).
+ */
+static void list_subcommands(void)
+{
+    for (size_t i = 0; i < NSUB; i++)
+        printf("%s\t%s\n", subcommands[i].name, subcommands[i].summary);
 }
 
 static const subcommand *find_subcommand(const char *name)
@@ -126,11 +166,18 @@ void tdp_cli_more_verbose(void)
     raise_verbosity(++verbosity);
 }
 
-/* `tdpipe help [SUBCOMMAND]`: the subcommand's own --help, or the list. */
+/*
+ * `tdpipe help [SUBCOMMAND]`: the subcommand's own --help, or the list;
+ * `tdpipe help --list`: the names and summaries alone.
+ */
 static int run_help(int argc, char **argv)
 {
     if (argc < 2) {
         usage(stdout);
+        return TDP_EXIT_OK;
+    }
+    if (strcmp(argv[1], "--list") == 0) {
+        list_subcommands();
         return TDP_EXIT_OK;
     }
     const subcommand *sc = find_subcommand(argv[1]);

@@ -164,8 +164,13 @@ typedef void (*tdp_pipe_cb)(tdp_pipe *pipe, tdp_err status, void *arg);
 
 /*
  * Connect to host:port (IPv4/IPv6 literal or host name) and do the HELLO
- * exchange. The callback runs exactly once, never before this returns.
- * Returns an error (and no callback) only for invalid arguments.
+ * exchange. The host is resolved on the calling thread. Returns an error,
+ * and the callback never runs, for TDP_EINVAL (NULL loop, host or cb, empty
+ * host, port 0), TDP_EADDR (the host does not resolve) and TDP_ENOMEM.
+ * Otherwise returns TDP_OK and the callback runs exactly once, never before
+ * this returns, on the loop thread: with the new pipe, or with NULL and why
+ * (TDP_ECONNREFUSED, TDP_ETIMEDOUT, TDP_EVERSION, TDP_EAUTH, TDP_ELIMIT,
+ * TDP_EUCX, TDP_ENOTSUP, ...; TDP_EINVAL for a secret of the wrong length).
  */
 TDP_API tdp_err tdp_pipe_connect_async(tdp_loop *loop, const char *host, uint16_t port,
                                        const tdp_pipe_opts *opts, tdp_pipe_cb cb, void *arg);
@@ -192,7 +197,10 @@ TDP_API uint16_t tdp_listener_port(const tdp_listener *l);
 /* Blocking: the next accepted pipe, waiting up to timeout_ms (-1: forever). */
 TDP_API tdp_err tdp_listener_accept(tdp_listener *l, int64_t timeout_ms, tdp_pipe **out);
 
-/* Stop listening; pipes already accepted live on. Queued, unclaimed pipes are freed. */
+/*
+ * Stop listening; pipes already accepted live on. Queued, unclaimed pipes
+ * and handshakes in progress are freed. NULL is a no-op.
+ */
 TDP_API void tdp_listener_free(tdp_listener *l);
 
 /* ---- operations (async) -------------------------------------------------- */
@@ -205,7 +213,10 @@ typedef void (*tdp_op_cb)(tdp_op *op, void *arg);
  * a time. Allocate it once (this allocates); using it does not.
  */
 TDP_API tdp_err tdp_op_new(tdp_op_cb cb, void *arg, tdp_op **out);
-/* Free an idle op (not while one of its operations is pending). */
+/*
+ * Free an idle op. One with an operation pending is not freed (logged: its
+ * callback is still to come). NULL is a no-op.
+ */
 TDP_API void tdp_op_free(tdp_op *op);
 /* Result of the last completed operation (TDP_EAGAIN while pending). */
 TDP_API tdp_err tdp_op_result(const tdp_op *op);
@@ -260,9 +271,15 @@ TDP_API tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out);
 TDP_API void tdp_pipe_release(tdp_pipe *pipe, tdp_td *td);
 
 /*
- * Clean close: finish queued sends, send BYE, and wait up to timeout_ms for
- * it to go. The peer's receives then end with TDP_ECLOSED after the last
- * message. Pending local operations complete with TDP_ECANCELED.
+ * Clean close: finish the sends already started (those waiting for credit
+ * included), send BYE, and wait up to timeout_ms for it to go. The peer's
+ * receives end with TDP_ECLOSED after the last message. On this side, sends
+ * started after the call complete with TDP_ECANCELED; receives, pending or
+ * later, get the messages that had already arrived and then TDP_ECLOSED
+ * (closing ends both directions). Returns TDP_OK for a clean end, the
+ * pipe's error if it had failed, TDP_ETIMEDOUT if the sends and the BYE had
+ * not gone in time (the close goes on in the background; pending receives
+ * then end with TDP_ETIMEDOUT).
  */
 TDP_API tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms);
 
@@ -306,10 +323,14 @@ TDP_API tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out);
 TDP_API tdp_plane tdp_pipe_plane(const tdp_pipe *pipe);
 
 /*
- * Abort (if not closed) and free. Pending operations complete with
- * TDP_ECANCELED before this returns... when called off the loop thread the
- * callbacks run on the loop thread first. Lent tensordicts stay valid until
- * released or unreferenced.
+ * Abort the pipe if it is still open (the peer sees TDP_ECONNRESET, not a
+ * clean end) and free it. Every operation still pending completes with
+ * TDP_ECANCELED before this returns; the callbacks run on the loop thread
+ * (from another thread, this call waits for them). Not from inside a
+ * callback of this pipe's ops or the callback that delivered it (see
+ * docs/pipe.md); the end callback may. Tensordicts the pipe lent go with
+ * it, unless the application took a reference of its own (tdp_td_ref).
+ * NULL is a no-op.
  */
 TDP_API void tdp_pipe_free(tdp_pipe *pipe);
 
@@ -342,7 +363,10 @@ TDP_API tdp_err tdp_pipe_status(const tdp_pipe *pipe);
  */
 TDP_API tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe);
 
-/* Peer address as "ip:port" into buf. */
+/*
+ * The peer's address into buf (at most len bytes, NUL included): "ip:port"
+ * for IPv4, "[ip]:port" for IPv6 ("[::1]:5000"). Returns buf.
+ */
 TDP_API const char *tdp_pipe_peer(const tdp_pipe *pipe, char *buf, size_t len);
 
 /* True when the peer is on this host (shared-memory transports usable). */

@@ -192,6 +192,7 @@ TDP_API tdp_err tdp_schema_decode(const void *json, size_t len, const tdp_schema
  * builder stays usable (finish may be called again) until freed.
  */
 TDP_API tdp_err tdp_schema_builder_new(tdp_schema_builder **out);
+/* Free the builder; schemas it finished live on. NULL is a no-op. */
 TDP_API void tdp_schema_builder_free(tdp_schema_builder *b);
 
 /* Device of the buffer (default cpu); also the device of every node. */
