@@ -3,7 +3,7 @@
 # payloads, over loopback — then one table with tdpipe's ratio to each.
 #
 #   bench/run.sh [--tls tcp|shm|default] [--plane NAME] [--sizes LIST] [--busy-poll US]
-#                [--runs K] [--rounds N] [--json FILE] [--out DIR] [--build DIR]
+#                [--runs K] [--rounds N] [--pin CPUS] [--json FILE] [--out DIR] [--build DIR]
 #
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
 # ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep), ZeroMQ,
@@ -22,6 +22,7 @@ BUSY_POLL=0
 PLANE=auto
 ROUNDS=
 RUNS=1
+PIN=
 JSON=
 OUT=
 
@@ -44,6 +45,13 @@ tdpipe's ratio to each (docs/benchmarks.md).
                    tdpipe, peers, ...); the table shows medians over the runs
   --rounds N       ping-pongs and messages per repeat for every tool
                    (default: scaled by size, as tdpipe bench)
+  --pin CPUS       run the event-driven tools (tdpipe without busy-poll,
+                   perftest -E sleep, ZeroMQ, raw TCP) under taskset -c CPUS,
+                   both peers alike; busy-polling ones are never pinned (two
+                   spinning peers on one CPU would take turns). On a small VM
+                   a wakeup across CPUs can cost 15-20 us and comes and goes
+                   from run to run; --pin 0 measures every tool's same-CPU
+                   wakeup instead (docs/benchmarks.md)
   --json FILE      the combined results (default: OUT/results.json)
   --out DIR        where each tool's JSON goes (default: BUILD/bench-results/DATE-TLS)
   --build DIR      the build directory (default: build/, or \$TDP_BUILD_DIR)
@@ -58,6 +66,7 @@ while [[ $# -gt 0 ]]; do
     --busy-poll) BUSY_POLL=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
+    --pin) PIN=$2; shift 2 ;;
     --json) JSON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --build) BUILD=$2; shift 2 ;;
@@ -85,6 +94,15 @@ for exe in "$TDPIPE" "$PEERS"; do
     fi
 done
 
+EV=() # the prefix of the event-driven tools' commands
+if [[ -n $PIN ]]; then
+    if ! command -v taskset >/dev/null || ! taskset -c "$PIN" true 2>/dev/null; then
+        echo "bench/run.sh: --pin $PIN: taskset cannot pin to that CPU list here" >&2
+        exit 2
+    fi
+    EV=(taskset -c "$PIN")
+fi
+
 if ! [[ $RUNS =~ ^[1-9][0-9]*$ ]]; then
     echo "bench/run.sh: --runs is a positive integer" >&2
     exit 2
@@ -111,6 +129,7 @@ COMMON=(--sizes "$SIZES")
 
 echo "== bench/run.sh: UCX_TLS=${UCX_TLS:-default} UCX_NET_DEVICES=lo, tdpipe plane $PLANE, sizes $SIZES," \
     "$RUNS run(s), $(nproc) CPUs, results in $OUT"
+[[ -z $PIN ]] || echo "== event-driven tools pinned to CPU(s) $PIN (taskset -c $PIN); busy-polling ones not"
 if REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
     git -C "$ROOT" diff --quiet HEAD -- src include tools 2>/dev/null || REV="$REV + local changes"
     echo "== tdpipe source: commit $REV"
@@ -148,7 +167,7 @@ for ((run = 1; run <= RUNS; run++)); do
         echo "== run $run of $RUNS"
     fi
     step "tdpipe bench (event-driven)" "$D/tdpipe.json" \
-        "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
+        "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
     if [[ $BUSY_POLL != 0 ]]; then
         step "tdpipe bench --busy-poll $BUSY_POLL" "$D/tdpipe-busy-poll.json" \
             "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --busy-poll "$BUSY_POLL" --quiet
@@ -157,10 +176,10 @@ for ((run = 1; run <= RUNS; run++)); do
         step "ucx_perftest ucp_am_lat/ucp_am_bw (poll)" "$D/perftest-poll.json" \
             "$PEERS" perftest "${COMMON[@]}" --wait poll --quiet
         step "ucx_perftest ucp_am_lat/ucp_am_bw (-E sleep)" "$D/perftest-sleep.json" \
-            "$PEERS" perftest "${COMMON[@]}" --wait sleep --quiet
+            "${EV[@]}" "$PEERS" perftest "${COMMON[@]}" --wait sleep --quiet
     fi
-    step "ZeroMQ (REQ/REP, PUSH/PULL)" "$D/zmq.json" "$PEERS" zmq "${COMMON[@]}" --quiet
-    step "raw TCP" "$D/tcp.json" "$PEERS" tcp "${COMMON[@]}" --quiet
+    step "ZeroMQ (REQ/REP, PUSH/PULL)" "$D/zmq.json" "${EV[@]}" "$PEERS" zmq "${COMMON[@]}" --quiet
+    step "raw TCP" "$D/tcp.json" "${EV[@]}" "$PEERS" tcp "${COMMON[@]}" --quiet
     step "memcpy" "$D/memcpy.json" "$PEERS" memcpy "${COMMON[@]}" --quiet
 done
 echo "== CPU idle after: $(cpu_idle)%"
