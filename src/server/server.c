@@ -19,6 +19,7 @@
 #include "../pipe/session.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
+#include "../core/sized.h"
 
 #define DEFAULT_MAX_CLIENTS  1024u
 #define DEFAULT_IDLE_MS      300000
@@ -175,14 +176,22 @@ static void stats_sync(tdp_client *c)
     c->seen = now;
 }
 
-void tdp_server_stats_get(const tdp_server *s, tdp_server_stats *out)
+void tdp_server_stats_get_sized(const tdp_server *s, tdp_server_stats *out, size_t size)
 {
     if (s == NULL || out == NULL)
         return;
     tdp_server *m = (tdp_server *)s; /* the lock is not part of the value */
+    tdp_server_stats st;
     pthread_mutex_lock(&m->mtx);
-    *out = m->st;
+    st = m->st;
     pthread_mutex_unlock(&m->mtx);
+    tdp__fill_sized(out, size, &st, sizeof(st));
+}
+
+/* Callers built before the macro: the struct as it was then. */
+void(tdp_server_stats_get)(const tdp_server *s, tdp_server_stats *out)
+{
+    tdp_server_stats_get_sized(s, out, offsetof(tdp_server_stats, idle_closed) + sizeof(uint64_t));
 }
 
 /* ---- clients: creation and freeing ------------------------------------------ */
