@@ -607,7 +607,7 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     port=$(port_of brecv) || return
     run bcli_recv 40 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 20 --quiet
     expect_rc bcli_recv 5
-    expect_in bcli_recv err "is 127.0.0.1:$port a 'tdpipe bench --server', and not busy"
+    expect_in bcli_recv err "is 127.0.0.1:$port a 'tdpipe bench --server'?"
     kill "$spid" 2>/dev/null
     finish brecv "$spid"
 
@@ -640,6 +640,51 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     finish bsrv_int "$spid"
     expect_rc bsrv_int 130
     expect_in bsrv_int err "interrupted (SIGINT) after 0 clients"
+}
+
+# A bench server follows each client's --depth and measures one client at a
+# time: a second client that comes meanwhile is refused at once ("busy",
+# exit 3) and the first one's run goes on undisturbed; the next client gets
+# the depth it asks for.
+test_bench_busy() {
+    local port spid cpid t0 ms
+    start bsrv_busy 120 "$TDPIPE" bench --server --bind 127.0.0.1
+    spid=$PID
+    port=$(port_of bsrv_busy) || return
+    start bcli_one 100 "$TDPIPE" bench --client "127.0.0.1:$port" --depth 2 --sizes 1KB \
+        --rounds 60000 --json "$WORK/bcli_one.json" --quiet
+    cpid=$PID
+    for _ in $(seq 100); do
+        grep -q "connected" "$WORK/bsrv_busy.err" && break
+        sleep 0.1
+    done
+    t0=$(date +%s%N)
+    run bcli_two 30 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 20 --quiet
+    ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    expect_rc bcli_two 3
+    expect_in bcli_two err "busy: a bench is running on 127.0.0.1:$port for another client, try again"
+    CHECKS=$((CHECKS + 1))
+    (( ms < 5000 )) || fail "bcli_two: the refusal took $ms ms"
+    finish bcli_one "$cpid"
+    expect_rc bcli_one 0
+    expect_in bcli_one out "server depth 2"
+    expect_in bsrv_busy err "depth 2, event-driven"
+    run bcli_eight 60 "$TDPIPE" bench --client "127.0.0.1:$port" --depth 8 --sizes 1KB \
+        --rounds 20 --json "$WORK/bcli_eight.json" --quiet
+    expect_rc bcli_eight 0
+    CHECKS=$((CHECKS + 1))
+    if ! python3 -c 'import json,sys
+for f, d in ((sys.argv[1], 2), (sys.argv[2], 8)):
+    j = json.load(open(f))
+    assert j["server"]["depth"] == d and j["config"]["depth"] == d, (f, j)' \
+        "$WORK/bcli_one.json" "$WORK/bcli_eight.json" 2>"$WORK/bcli_depth.err"; then
+        fail "bench: the JSON does not report the depths the clients asked for"
+        dump "$WORK/bcli_depth.err" "$WORK/bcli_eight.json"
+    fi
+    kill -TERM "$spid"
+    finish bsrv_busy "$spid"
+    expect_rc bsrv_busy 143
+    expect_in bsrv_busy err "turned away 1 client while busy"
 }
 
 # ---- serve -----------------------------------------------------------------------
@@ -853,6 +898,7 @@ test_verify_fail
 test_inspect
 test_bench_outputs
 test_bench_two_hosts
+test_bench_busy
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

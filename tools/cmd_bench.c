@@ -50,8 +50,8 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define TP_REPEATS 3
 #define BENCH_TMO  120000
 /*
- * A peer that does not answer SETUP in this time is no bench server, or one
- * busy with another client (it serves one at a time).
+ * A peer that does not answer SETUP in this time is no bench server (one
+ * busy with another client refuses at once).
  */
 #define SETUP_TMO 10000
 #define SLICE_MS  200 /* the server's waits, in slices to see a signal */
@@ -171,14 +171,19 @@ static tdp_err bench_recv(tdp_pipe *p, bool watch, tdp_td **out)
  * One producer's run on an open pipe: echo the pings, time the streams,
  * acknowledge the rest, until the producer closes (TDP_ECLOSED) or
  * something fails. SETUP carries the producer's settings (word 1: flags,
- * SETUP_NO_LOAN; words 2, 3: its depth and busy-poll, for the record); the
- * ack answers BENCH_MAGIC and this side's depth and busy-poll. The sizes
+ * SETUP_NO_LOAN; words 2, 3: its depth and busy-poll, for the record: the
+ * depth itself came in the HELLO); the ack answers BENCH_MAGIC and the
+ * depth this side's pipe receives with and its busy-poll. The sizes
  * need no setting: each is a new schema, which the pipe handles itself.
  */
 static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
 {
     bench_cfg c = *cfg_in; /* no_loan is the producer's choice */
     const bench_cfg *cfg = &c;
+    tdp_pipe_stats ps;
+    tdp_pipe_stats_get(pipe, &ps);
+    if (ps.recv_depth != 0)
+        c.depth = ps.recv_depth; /* a server follows the client's wish (run_server) */
     tdp_schema *as = bench_schema(128);
     tdp_td *ack = NULL, *td, *echo = NULL;
     if (as == NULL || tdp_td_new(as, &ack) != TDP_OK) {
@@ -274,28 +279,74 @@ static const char *signal_name(int sig)
 }
 
 /*
+ * One client at a time: the pipe being measured holds the claim from its
+ * HELLO until it is done; anyone else is turned away at once (TDP_ELIMIT:
+ * the client says "busy") rather than queued behind it. The hooks run on
+ * the loop thread, which is this one, inside the blocking calls.
+ */
+typedef struct serve_state {
+    const bench_cfg *cfg;
+    bool claimed;       /* a handshake or a client holds the server */
+    int64_t claimed_ns; /* since when (a handshake that fails never arrives) */
+    int turned_away;    /* while busy, reported after the client */
+} serve_state;
+
+#define SERVE_HANDSHAKE_MS 5000
+
+static tdp_err serve_admit(const tdp_accept_info *info, void *arg)
+{
+    serve_state *st = arg;
+    (void)info;
+    if (!st->claimed)
+        return TDP_OK;
+    st->turned_away++;
+    return TDP_ELIMIT;
+}
+
+/* The client's HELLO: claim the server, and receive with the depth it asks for. */
+static tdp_err serve_hello(const tdp_accept_info *info, tdp_pipe_opts *o, void *arg)
+{
+    serve_state *st = arg;
+    if (st->claimed) { /* two came at once: the first HELLO wins */
+        st->turned_away++;
+        return TDP_ELIMIT;
+    }
+    st->claimed = true;
+    st->claimed_ns = (int64_t)tdp_cli_now_ns();
+    o->recv_depth = info->want_depth != 0 ? info->want_depth : st->cfg->depth;
+    return TDP_OK;
+}
+
+/*
  * bench --server: listen, then be the consumer of one client after another
- * (all of --once: only the first). A client that fails is reported and the
- * next one served; SIGINT/SIGTERM ends it between or during clients.
+ * (all of --once: only the first), each with the receive depth it asks for.
+ * A client that fails is reported and the next one served; clients that
+ * come while one is measured are refused at once; SIGINT/SIGTERM ends it
+ * between or during clients.
  */
 static int run_server(const bench_cfg *cfg)
 {
     tdp_loop *loop;
     tdp_listener *l;
     tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
-    tdp_pipe_opts po;
+    tdp_listener_opts lopts;
+    serve_state st = {.cfg = cfg};
     int rc_exit = TDP_EXIT_OK, served = 0;
     tdp_err rc;
 
-    tdp_pipe_opts_default(&po);
-    po.recv_depth = cfg->depth;
-    po.peer_mode = cfg->peer_mode;
-    po.plane = cfg->plane;
+    tdp_listener_opts_default(&lopts);
+    lopts.pipe.recv_depth = cfg->depth; /* for a client that asks for none */
+    lopts.pipe.peer_mode = cfg->peer_mode;
+    lopts.pipe.plane = cfg->plane;
+    lopts.pipe.connect_timeout_ms = SERVE_HANDSHAKE_MS;
+    lopts.admit = serve_admit;
+    lopts.on_hello = serve_hello;
+    lopts.hook_arg = &st;
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
         tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
     }
-    rc = tdp_listener_new(loop, cfg->bind, cfg->port, &po, NULL, NULL, &l);
+    rc = tdp_listener_new_opts(loop, cfg->bind, cfg->port, &lopts, NULL, NULL, &l);
     if (rc != TDP_OK) {
         tdp_loop_free(loop);
         return tdp_cli_listen_failed("bench", cfg->bind, cfg->port, rc);
@@ -305,9 +356,13 @@ static int run_server(const bench_cfg *cfg)
     for (;;) {
         tdp_pipe *p = NULL;
         char peer[80];
-        do
+        do {
             rc = tdp_listener_accept(l, SLICE_MS, &p);
-        while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted());
+            /* a claimed handshake that failed never arrives: free the server again */
+            if (rc == TDP_ETIMEDOUT && st.claimed &&
+                (int64_t)tdp_cli_now_ns() - st.claimed_ns > (SERVE_HANDSHAKE_MS + 1000) * 1000000ll)
+                st.claimed = false;
+        } while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted());
         if (tdp_cli_interrupted()) {
             if (rc == TDP_OK)
                 tdp_pipe_free(p);
@@ -319,9 +374,11 @@ static int run_server(const bench_cfg *cfg)
             break;
         }
         tdp_pipe_peer(p, peer, sizeof(peer));
+        tdp_pipe_stats ps;
+        tdp_pipe_stats_get(p, &ps);
         if (!cfg->quiet)
             fprintf(stderr, "tdpipe bench: client %s connected, plane %s, depth %u, %s\n", peer,
-                    tdp_cli_plane_of(p), cfg->depth,
+                    tdp_cli_plane_of(p), ps.recv_depth,
                     cfg->busy_poll_us ? "busy-poll" : "event-driven");
         uint64_t t0 = tdp_cli_now_ns();
         rc = consume(cfg, p, true);
@@ -338,6 +395,11 @@ static int run_server(const bench_cfg *cfg)
             one = tdp_cli_exit_for(rc);
         }
         tdp_pipe_free(p);
+        if (st.turned_away > 0 && !cfg->quiet)
+            fprintf(stderr, "tdpipe bench: turned away %d client%s while busy with %s\n",
+                    st.turned_away, st.turned_away == 1 ? "" : "s", peer);
+        st.turned_away = 0;
+        st.claimed = false;
         if (rc == TDP_ECANCELED)
             break;
         if (cfg->once) {
@@ -776,8 +838,7 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             }
         } else if (rc == TDP_ETIMEDOUT && cfg->client_of != NULL) {
             tdp_cli_error("bench",
-                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server', "
-                          "and not busy with another client?",
+                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server'?",
                           SETUP_TMO / 1000, cfg->client_of);
         }
         tdp_td_unref(std_);
@@ -884,6 +945,19 @@ static int run_producer(bench_cfg *cfg)
     return report(cfg, plane, loaned, res, done, &srv, rc_exit);
 }
 
+/*
+ * A bench server measures one client at a time and refuses the others at
+ * once with TDP_ELIMIT (as a server at its client limit does: exit 3).
+ */
+static int busy_refusal(const bench_cfg *cfg)
+{
+    fprintf(stderr,
+            "tdpipe bench: busy: a bench is running on %s for another client, try again "
+            "later\n",
+            cfg->client_of);
+    return TDP_EXIT_CONNECT;
+}
+
 /* bench --client HOST:PORT: the producer's part against a bench server. */
 static int run_client(bench_cfg *cfg)
 {
@@ -898,6 +972,7 @@ static int run_client(bench_cfg *cfg)
 
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
+    po.want_peer_depth = cfg->depth; /* the server receives as the loopback consumer would */
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
@@ -907,6 +982,8 @@ static int run_client(bench_cfg *cfg)
     rc = tdp_pipe_connect(loop, cfg->peer_host, cfg->peer_port, &po, &p);
     if (rc != TDP_OK) {
         tdp_loop_free(loop);
+        if (rc == TDP_ELIMIT)
+            return busy_refusal(cfg);
         return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
@@ -921,6 +998,8 @@ static int run_client(bench_cfg *cfg)
     if (rc == TDP_ECLOSED) {
         fprintf(stderr, "tdpipe bench: the server closed the pipe mid-run (stopped?)\n");
         rc_exit = TDP_EXIT_PEER;
+    } else if (rc == TDP_ELIMIT && done == 0) {
+        rc_exit = busy_refusal(cfg); /* another client's handshake was a moment ahead */
     } else if (rc != TDP_OK) {
         fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_cli_strerror(rc));
         rc_exit = tdp_cli_exit_for(rc);
@@ -932,8 +1011,13 @@ static int run_client(bench_cfg *cfg)
     if (!cfg->quiet && done > 0 && srv.depth != (int64_t)cfg->depth)
         fprintf(stderr,
                 "tdpipe bench: note: the server receives with depth %" PRId64
-                " (its own --depth), this side with %u\n",
+                " (its own --depth: an older server?), this side with %u\n",
                 srv.depth, cfg->depth);
+    if (!cfg->quiet && done > 0 && srv.busy_poll_us != (int64_t)cfg->busy_poll_us)
+        fprintf(stderr,
+                "tdpipe bench: note: the server polls with its own --busy-poll (%" PRId64
+                " us), this side with %u us\n",
+                srv.busy_poll_us, cfg->busy_poll_us);
     return report(cfg, plane, loaned, res, done, &srv, rc_exit);
 }
 
@@ -968,16 +1052,20 @@ static void usage(FILE *f)
             "  --quiet            no progress on stderr\n"
             "\n"
             "Across two hosts (as iperf3 -s / -c), the same figures:\n"
-            "  --server           be the consumer for one client after another; the first\n"
-            "                     line on stdout is 'listening on HOST:PORT'; ends on\n"
+            "  --server           be the consumer for one client after another, with the\n"
+            "                     depth each asks for (--depth: for clients that ask for\n"
+            "                     none); a client that comes while another is measured is\n"
+            "                     refused at once (it says 'busy', exit 3); the first line\n"
+            "                     on stdout is 'listening on HOST:PORT'; ends on\n"
             "                     SIGINT/SIGTERM (130/143). Takes --bind, --port, --once,\n"
             "                     --depth, --busy-poll, --tls, --peer-mode, --plane\n"
             "  --bind HOST        address to listen on (default: all IPv4 and IPv6)\n"
             "  --port PORT        port (default 0: any free port, printed)\n"
             "  --once             serve one client, then exit with its outcome\n"
             "  --client HOST:PORT run the measurements against a 'bench --server' there;\n"
-            "                     --sizes, --rounds, --plane, --no-loan, --json, --plot are\n"
-            "                     the client's (the server receives with its own --depth)\n"
+            "                     --sizes, --rounds, --depth, --plane, --no-loan, --json,\n"
+            "                     --plot are the client's (the server polls with its own\n"
+            "                     --busy-poll)\n"
             "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
             "  -h, --help         this text\n"
             "\n"
