@@ -687,6 +687,32 @@ for f, d in ((sys.argv[1], 2), (sys.argv[2], 8)):
     expect_in bsrv_busy err "turned away 1 client while busy"
 }
 
+# --mem cuda: GPU buffers where the build has CUDA and a device is present;
+# otherwise a clear refusal (exit 2) before anything starts. The client's to
+# give, not the server's; not with --clients.
+test_bench_mem() {
+    run bmem 120 "$TDPIPE" bench --mem cuda --sizes 1KB --rounds 20 --quiet
+    if [[ ${RCS[bmem]} == 0 ]]; then
+        expect_in bmem out "mem cuda:0"
+    else
+        expect_rc bmem 2
+        CHECKS=$((CHECKS + 1))
+        grep -qE -- "--mem cuda: (no CUDA device|this tdpipe was built without CUDA)" \
+            "$WORK/bmem.err" || { fail "bmem: no CUDA refusal"; dump "$WORK/bmem.out" "$WORK/bmem.err"; }
+        run bmem_cli 10 "$TDPIPE" bench --client 127.0.0.1:1 --mem cuda
+        expect_rc bmem_cli 2
+        expect_in bmem_cli err "--mem cuda: "
+    fi
+    run bmem_srv 10 "$TDPIPE" bench --server --mem cuda
+    expect_rc bmem_srv 2
+    expect_in bmem_srv err "--mem is the client's to give"
+    run bmem_clients 10 "$TDPIPE" bench --clients 2 --mem cuda
+    expect_rc bmem_clients 2
+    run bmem_bad 10 "$TDPIPE" bench --mem gpu
+    expect_rc bmem_bad 2
+    expect_in bmem_bad err "--mem is cpu or cuda[:N], not 'gpu'"
+}
+
 # ---- serve -----------------------------------------------------------------------
 
 test_serve() {
@@ -899,6 +925,7 @@ test_inspect
 test_bench_outputs
 test_bench_two_hosts
 test_bench_busy
+test_bench_mem
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

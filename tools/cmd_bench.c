@@ -36,6 +36,9 @@
 #include <unistd.h>
 #include <getopt.h>
 #include <ucp/api/ucp.h>
+#ifdef TDP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include <tdpipe/tdpipe.h>
 
@@ -75,6 +78,8 @@ typedef struct bench_cfg {
     int clients;  /* --clients N: many producers to one server */
     bool no_loan; /* --no-loan: plain sends on the shm plane too */
     bool sizes_given;
+    tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
+    bool mem_given;
     /* child roles */
     bool consumer;
     bool server;
@@ -105,18 +110,96 @@ typedef struct size_result {
     uint64_t tp_msgs;
 } size_result;
 
-static tdp_schema *bench_schema(uint64_t bytes)
+/* A message of `bytes` on dev (SETUP and the acks are always host memory). */
+static tdp_schema *bench_schema_on(uint64_t bytes, tdp_device dev)
 {
     tdp_schema *s = NULL;
-    if (tdp_cli_synth_schema(bytes, TDP_DEVICE_CPU_INIT, &s) != TDP_OK)
+    if (tdp_cli_synth_schema(bytes, dev, &s) != TDP_OK)
         return NULL;
     return s;
 }
 
-/* The control words ride in the first HDR_BYTES of the buffer. */
+static tdp_schema *bench_schema(uint64_t bytes)
+{
+    return bench_schema_on(bytes, TDP_DEVICE_CPU_INIT);
+}
+
+/* The control words ride in the first HDR_BYTES of the buffer (host memory). */
 static int64_t *hdr_of(tdp_td *td)
 {
     return tdp_td_data(td);
+}
+
+static bool on_gpu(const tdp_td *td)
+{
+    return tdp_td_device(td).type == TDP_DEVICE_CUDA;
+}
+
+/*
+ * The control words of a message in any memory: a GPU buffer's are copied
+ * to or from the device (32 bytes, each message, on both sides: part of
+ * what --mem cuda measures).
+ */
+static tdp_err hdr_put(tdp_td *td, const int64_t h[4])
+{
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemcpy(tdp_td_data(td), h, HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    if (on_gpu(td))
+        return TDP_ENOTSUP;
+    memcpy(hdr_of(td), h, HDR_BYTES);
+    return TDP_OK;
+}
+
+static tdp_err hdr_get(tdp_td *td, int64_t h[4])
+{
+    if (tdp_td_nbytes(td) < HDR_BYTES)
+        return TDP_EPROTO;
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemcpy(h, tdp_td_data(td), HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    if (on_gpu(td))
+        return TDP_ENOTSUP;
+    memcpy(h, hdr_of(td), HDR_BYTES);
+    return TDP_OK;
+}
+
+/* Give a message's buffer some contents, once: the benchmark times transfers. */
+static tdp_err bench_fill(tdp_td *td)
+{
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemset(tdp_td_data(td), 1, tdp_td_nbytes(td)) == cudaSuccess &&
+                       cudaDeviceSynchronize() == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    return tdp_cli_fill(td, 1);
+}
+
+/*
+ * --mem cuda needs a library built with CUDA and a device; TDP_EXIT_OK, or
+ * the message and TDP_EXIT_USAGE.
+ */
+static int check_mem(const bench_cfg *cfg)
+{
+    if (cfg->mem.type != TDP_DEVICE_CUDA)
+        return TDP_EXIT_OK;
+    if (!tdp_cuda_built())
+        return tdp_cli_usage_error("bench", "--mem cuda: this tdpipe was built without CUDA");
+    int n = tdp_cuda_device_count();
+    if (n == 0)
+        return tdp_cli_usage_error("bench", "--mem cuda: no CUDA device");
+    if (cfg->mem.index >= n)
+        return tdp_cli_usage_error("bench", "--mem cuda:%d: there %s %d CUDA device%s",
+                                   cfg->mem.index, n == 1 ? "is" : "are", n, n == 1 ? "" : "s");
+    return TDP_EXIT_OK;
 }
 
 /*
@@ -128,9 +211,9 @@ static int64_t *hdr_of(tdp_td *td)
  */
 static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, const int64_t hdr[4])
 {
-    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM) {
-        memcpy(hdr_of(proto), hdr, 4 * sizeof(int64_t));
-        return tdp_pipe_send(p, proto, BENCH_TMO);
+    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM || on_gpu(proto)) {
+        tdp_err rc = hdr_put(proto, hdr);
+        return rc == TDP_OK ? tdp_pipe_send(p, proto, BENCH_TMO) : rc;
     }
     tdp_td *slot = NULL;
     tdp_err rc;
@@ -193,10 +276,14 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
     uint64_t t_start = 0;
     tdp_err rc;
     while ((rc = bench_recv(pipe, watch, &td)) == TDP_OK) {
-        int64_t *h = hdr_of(td);
+        int64_t h[4];
+        if ((rc = hdr_get(td, h)) != TDP_OK) {
+            tdp_pipe_release(pipe, td);
+            break;
+        }
         switch (h[0]) {
         case PH_PING:
-            if (cfg->no_loan || tdp_pipe_plane(pipe) != TDP_PLANE_SHM) {
+            if (cfg->no_loan || tdp_pipe_plane(pipe) != TDP_PLANE_SHM || on_gpu(td)) {
                 rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
                 tdp_pipe_release(pipe, td);
             } else {
@@ -424,8 +511,10 @@ static int run_server(const bench_cfg *cfg)
 static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
 {
     tdp_td *got;
-    hdr_of(td)[0] = phase;
-    tdp_err rc = tdp_pipe_send(p, td, BENCH_TMO);
+    int64_t h[4] = {phase, 0, 0, 0};
+    tdp_err rc = hdr_put(td, h);
+    if (rc == TDP_OK)
+        rc = tdp_pipe_send(p, td, BENCH_TMO);
     if (rc == TDP_OK)
         rc = tdp_pipe_recv(p, BENCH_TMO, &got);
     if (rc == TDP_OK)
@@ -435,17 +524,17 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
 
 static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, size_result *out)
 {
-    tdp_schema *s = bench_schema(bytes);
-    tdp_td *td, *got;
+    tdp_schema *s = bench_schema_on(bytes, cfg->mem);
+    tdp_td *td = NULL, *got;
     tdp_err rc;
 
     if (s == NULL)
         return TDP_EINVAL;
-    if ((rc = tdp_td_new(s, &td)) != TDP_OK) {
+    if ((rc = tdp_td_new(s, &td)) != TDP_OK || (rc = bench_fill(td)) != TDP_OK) {
+        tdp_td_unref(td);
         tdp_schema_unref(s);
         return rc;
     }
-    tdp_cli_fill(td, 1); /* real data, written once: the benchmark times transfers */
     out->bytes = bytes;
     char label[32];
     tdp_cli_format_size(bytes, label, sizeof(label));
@@ -550,18 +639,20 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     time_t t = time(NULL);
     strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&t));
     const char *tls = getenv("UCX_TLS");
+    char mem[TDP_DEVICE_STRLEN];
+    bool loaned = strcmp(plane, "shm") == 0 && !cfg->no_loan && cfg->mem.type == TDP_DEVICE_CPU;
     fprintf(f,
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"plane\": \"%s\", \"loan\": %s, \"cpus\": %ld},\n",
+            "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
             ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
-            plane, strcmp(plane, "shm") == 0 && !cfg->no_loan ? "true" : "false",
+            plane, loaned ? "true" : "false", tdp_device_format(cfg->mem, mem),
             sysconf(_SC_NPROCESSORS_ONLN));
     if (cfg->client_of != NULL) {
         /* the peer as given on the command line: a host name or literal, ':' and a port */
@@ -870,9 +961,11 @@ static int report(const bench_cfg *cfg, const char *plane, bool loaned, const si
     if (cfg->client_of != NULL)
         printf("client of %s: server depth %" PRId64 ", %s\n", cfg->client_of, srv->depth,
                srv->busy_poll_us ? "busy-poll" : "event-driven");
-    printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
+    char mem[TDP_DEVICE_STRLEN];
+    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s\n", plane,
            loaned ? " (loaned slots: no copy)" : "", cfg->depth,
-           cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
+           cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default",
+           tdp_device_format(cfg->mem, mem));
     print_table(cfg, res, done, stdout);
     if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, srv, cfg->json_path) &&
         rc_exit == TDP_EXIT_OK)
@@ -919,7 +1012,8 @@ static int run_producer(bench_cfg *cfg)
         return TDP_EXIT_CONNECT;
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
+                  cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
@@ -987,7 +1081,8 @@ static int run_client(bench_cfg *cfg)
         return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
+                  cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: client -> server %s, UCX %s, UCX_TLS=%s, plane %s, "
@@ -1043,6 +1138,9 @@ static void usage(FILE *f)
             "                     'tdpipe version' lists the names\n"
             "  --no-loan          on the shm plane, send plain buffers (one copy into a\n"
             "                     slot) instead of loaned slots (no copy: the default)\n"
+            "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
+            "                     receives into GPU memory (the receiver follows); needs a\n"
+            "                     build with CUDA and a device, else exit 2\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
             "  --plot FILE        draw latency and throughput against size (needs gnuplot);\n"
             "                     FILE.png or FILE.svg: the format comes from the name\n"
@@ -1063,7 +1161,7 @@ static void usage(FILE *f)
             "  --port PORT        port (default 0: any free port, printed)\n"
             "  --once             serve one client, then exit with its outcome\n"
             "  --client HOST:PORT run the measurements against a 'bench --server' there;\n"
-            "                     --sizes, --rounds, --depth, --plane, --no-loan, --json,\n"
+            "                     --sizes, --rounds, --depth, --mem, --plane, --no-loan, --json,\n"
             "                     --plot are the client's (the server polls with its own\n"
             "                     --busy-poll)\n"
             "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
@@ -1097,6 +1195,8 @@ static int check_modes(const bench_cfg *cfg)
                                    cfg->bind_given   ? "bind"
                                    : cfg->port_given ? "port"
                                                      : "once");
+    if (cfg->clients > 0 && cfg->mem_given)
+        return tdp_cli_usage_error("bench", "--mem does not go with --clients (host buffers only)");
     if (cfg->clients > 0 && (cfg->serve || cfg->client_of != NULL))
         return tdp_cli_usage_error("bench",
                                    "--clients starts its own server and clients on loopback; "
@@ -1105,6 +1205,7 @@ static int check_modes(const bench_cfg *cfg)
     if (!cfg->serve)
         return TDP_EXIT_OK;
     const char *opt = cfg->sizes_given  ? "--sizes"
+                      : cfg->mem_given  ? "--mem"
                       : cfg->rounds > 0 ? "--rounds"
                       : cfg->no_loan    ? "--no-loan"
                       : cfg->json_path  ? "--json"
@@ -1143,6 +1244,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"bind", required_argument, NULL, 'B'},
         {"port", required_argument, NULL, 'O'},
         {"once", no_argument, NULL, 'o'},
+        {"mem", required_argument, NULL, 'M'},
         {NULL, 0, NULL, 0},
     };
     char why[160];
@@ -1178,6 +1280,13 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'o':
             cfg->once = true;
+            break;
+        case 'M':
+            if (strcmp(optarg, "cpu") != 0 && strncmp(optarg, "cuda", 4) != 0)
+                return tdp_cli_usage_error("bench", "--mem is cpu or cuda[:N], not '%s'", optarg);
+            if (tdp_device_parse(optarg, &cfg->mem) != TDP_OK)
+                return tdp_cli_usage_error("bench", "--mem is cpu or cuda[:N], not '%s'", optarg);
+            cfg->mem_given = true;
             break;
         case 'C':
             if (!parse_num("--clients", optarg, 1, 1024, &v))
@@ -1310,6 +1419,8 @@ int tdp_cmd_bench(int argc, char **argv)
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
     warn_rounds(&cfg);
+    if (!cfg.consumer && !cfg.server && (rc = check_mem(&cfg)) != TDP_EXIT_OK)
+        return rc; /* before any process or socket */
     if (!cfg.consumer && !cfg.server && !cfg.serve && !outputs_ok(&cfg))
         return TDP_EXIT_FAIL; /* before a run that may take minutes */
     /*
