@@ -613,7 +613,7 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     port=$(port_of brecv) || return
     run bcli_recv 40 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 20 --quiet
     expect_rc bcli_recv 5
-    expect_in bcli_recv err "is 127.0.0.1:$port a 'tdpipe bench --server', and not busy"
+    expect_in bcli_recv err "is 127.0.0.1:$port a 'tdpipe bench --server'?"
     kill "$spid" 2>/dev/null
     finish brecv "$spid"
 
@@ -646,6 +646,77 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     finish bsrv_int "$spid"
     expect_rc bsrv_int 130
     expect_in bsrv_int err "interrupted (SIGINT) after 0 clients"
+}
+
+# A bench server follows each client's --depth and measures one client at a
+# time: a second client that comes meanwhile is refused at once ("busy",
+# exit 3) and the first one's run goes on undisturbed; the next client gets
+# the depth it asks for.
+test_bench_busy() {
+    local port spid cpid t0 ms
+    start bsrv_busy 120 "$TDPIPE" bench --server --bind 127.0.0.1
+    spid=$PID
+    port=$(port_of bsrv_busy) || return
+    start bcli_one 100 "$TDPIPE" bench --client "127.0.0.1:$port" --depth 2 --sizes 1KB \
+        --rounds 60000 --json "$WORK/bcli_one.json" --quiet
+    cpid=$PID
+    for _ in $(seq 100); do
+        grep -q "connected" "$WORK/bsrv_busy.err" && break
+        sleep 0.1
+    done
+    t0=$(date +%s%N)
+    run bcli_two 30 "$TDPIPE" bench --client "127.0.0.1:$port" --sizes 1KB --rounds 20 --quiet
+    ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    expect_rc bcli_two 3
+    expect_in bcli_two err "busy: a bench is running on 127.0.0.1:$port for another client, try again"
+    CHECKS=$((CHECKS + 1))
+    (( ms < 5000 )) || fail "bcli_two: the refusal took $ms ms"
+    finish bcli_one "$cpid"
+    expect_rc bcli_one 0
+    expect_in bcli_one out "server depth 2"
+    expect_in bsrv_busy err "depth 2, event-driven"
+    run bcli_eight 60 "$TDPIPE" bench --client "127.0.0.1:$port" --depth 8 --sizes 1KB \
+        --rounds 20 --json "$WORK/bcli_eight.json" --quiet
+    expect_rc bcli_eight 0
+    CHECKS=$((CHECKS + 1))
+    if ! python3 -c 'import json,sys
+for f, d in ((sys.argv[1], 2), (sys.argv[2], 8)):
+    j = json.load(open(f))
+    assert j["server"]["depth"] == d and j["config"]["depth"] == d, (f, j)' \
+        "$WORK/bcli_one.json" "$WORK/bcli_eight.json" 2>"$WORK/bcli_depth.err"; then
+        fail "bench: the JSON does not report the depths the clients asked for"
+        dump "$WORK/bcli_depth.err" "$WORK/bcli_eight.json"
+    fi
+    kill -TERM "$spid"
+    finish bsrv_busy "$spid"
+    expect_rc bsrv_busy 143
+    expect_in bsrv_busy err "turned away 1 client while busy"
+}
+
+# --mem cuda: GPU buffers where the build has CUDA and a device is present;
+# otherwise a clear refusal (exit 2) before anything starts. The client's to
+# give, not the server's; not with --clients.
+test_bench_mem() {
+    run bmem 120 "$TDPIPE" bench --mem cuda --sizes 1KB --rounds 20 --quiet
+    if [[ ${RCS[bmem]} == 0 ]]; then
+        expect_in bmem out "mem cuda:0"
+    else
+        expect_rc bmem 2
+        CHECKS=$((CHECKS + 1))
+        grep -qE -- "--mem cuda: (no CUDA device|this tdpipe was built without CUDA)" \
+            "$WORK/bmem.err" || { fail "bmem: no CUDA refusal"; dump "$WORK/bmem.out" "$WORK/bmem.err"; }
+        run bmem_cli 10 "$TDPIPE" bench --client 127.0.0.1:1 --mem cuda
+        expect_rc bmem_cli 2
+        expect_in bmem_cli err "--mem cuda: "
+    fi
+    run bmem_srv 10 "$TDPIPE" bench --server --mem cuda
+    expect_rc bmem_srv 2
+    expect_in bmem_srv err "--mem is the client's to give"
+    run bmem_clients 10 "$TDPIPE" bench --clients 2 --mem cuda
+    expect_rc bmem_clients 2
+    run bmem_bad 10 "$TDPIPE" bench --mem gpu
+    expect_rc bmem_bad 2
+    expect_in bmem_bad err "--mem is cpu or cuda[:N], not 'gpu'"
 }
 
 # ---- serve -----------------------------------------------------------------------
@@ -859,6 +930,8 @@ test_verify_fail
 test_inspect
 test_bench_outputs
 test_bench_two_hosts
+test_bench_busy
+test_bench_mem
 test_serve
 
 if [[ $FAILS -ne 0 ]]; then

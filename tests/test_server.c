@@ -1332,6 +1332,257 @@ static void test_shutdown(void **state)
     env_down(&e); /* a second shutdown returns the first one's result */
 }
 
+/* ---- the plain listener: the same limits, and its hooks ---------------------- */
+
+/*
+ * A plain listener (tdp_listener_new, default limits) has the server's
+ * protection: 290 silent sockets from eight sources (more than
+ * max_pending, 256; more than max_per_source, 32, from each) do not keep a
+ * good client out. It gets in within a bound far below their handshake
+ * deadline (10 s): its handshake takes the oldest stranger's place.
+ */
+#define NIDLE 290
+static void test_listener_strangers(void **state)
+{
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, NULL, NULL, NULL, &l), TDP_OK);
+    uint16_t port = tdp_listener_port(l);
+
+    static int fds[NIDLE];
+    int hello = 0, bye = 0;
+    for (int i = 0; i < NIDLE; i++) {
+        fds[i] = raw_connect_from(port, 2 + i % 8); /* 127.0.0.2 .. 127.0.0.9 */
+        int t = raw_first_frame(fds[i], NULL, 0, NULL);
+        hello += t == TDP_CTL_HELLO;
+        bye += t == TDP_CTL_BYE;
+    }
+    print_message("listener: %d strangers got a HELLO, %d a BYE\n", hello, bye);
+    assert_int_equal(hello + bye, NIDLE);
+    assert_true(bye >= NIDLE - 8 * 32); /* past 32 from each source: refused at once */
+    assert_true(hello <= 256 + 8);
+
+    int64_t t0 = mono_ms();
+    tdp_pipe *p, *sp;
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, NULL, &p), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, 5000, &sp), TDP_OK);
+    int64_t dt = mono_ms() - t0;
+    print_message("listener: a good client got in after %lld ms\n", (long long)dt);
+    assert_true(dt < 3000);
+    tdp_schema *s = stream_schema(1, 0, 100);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    td_fill(td, 1, 1);
+    assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(sp, TMO, &got), TDP_OK);
+    assert_true(td_check(got, NULL, NULL));
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+
+    for (int i = 0; i < NIDLE; i++)
+        close(fds[i]);
+    tdp_pipe_free(p);
+    tdp_pipe_free(sp);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
+typedef struct hook_ctx {
+    _Atomic int refuse_admit, refuse_hello;
+    _Atomic int admits, hellos;
+    _Atomic uint32_t want, peer_depth;
+} hook_ctx;
+
+static tdp_err hk_admit(const tdp_accept_info *info, void *arg)
+{
+    hook_ctx *h = arg;
+    atomic_fetch_add(&h->admits, 1);
+    return info->peer != NULL && atomic_load(&h->refuse_admit) ? TDP_ELIMIT : TDP_OK;
+}
+
+/* Follow the peer's wish, when it has one. */
+static tdp_err hk_hello(const tdp_accept_info *info, tdp_pipe_opts *o, void *arg)
+{
+    hook_ctx *h = arg;
+    atomic_fetch_add(&h->hellos, 1);
+    atomic_store(&h->want, info->want_depth);
+    atomic_store(&h->peer_depth, info->peer_depth);
+    if (atomic_load(&h->refuse_hello))
+        return TDP_ELIMIT;
+    if (info->want_depth != 0)
+        o->recv_depth = info->want_depth;
+    return TDP_OK;
+}
+
+/* One connect to l; the accepted pipe's depth and the dialer's view of it. */
+static tdp_err hook_connect(tdp_loop *cl, tdp_listener *l, const tdp_pipe_opts *po,
+                            uint32_t *srv_depth, uint32_t *cli_peer_depth)
+{
+    tdp_pipe *p, *sp;
+    tdp_err rc = tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), po, &p);
+    if (rc != TDP_OK)
+        return rc;
+    assert_int_equal(tdp_listener_accept(l, TMO, &sp), TDP_OK);
+    tdp_pipe_stats a, b;
+    tdp_pipe_stats_get(sp, &a);
+    tdp_pipe_stats_get(p, &b);
+    *srv_depth = a.recv_depth;
+    *cli_peer_depth = b.peer_depth;
+    assert_int_equal(a.peer_depth, b.recv_depth);
+    /* the chosen depth is the real one: that many sends go without a release */
+    tdp_schema *s = stream_schema(1, 0, 100);
+    tdp_td *td, *got[TDP_MAX_DEPTH];
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    td_fill(td, 1, 1);
+    for (uint32_t i = 0; i < a.recv_depth; i++)
+        assert_int_equal(tdp_pipe_send(p, td, TMO), TDP_OK);
+    if (a.recv_depth > 1) {
+        for (uint32_t i = 0; i < a.recv_depth; i++)
+            assert_int_equal(tdp_pipe_recv(sp, TMO, &got[i]), TDP_OK);
+        for (uint32_t i = 0; i < a.recv_depth; i++)
+            tdp_pipe_release(sp, got[i]);
+    }
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    tdp_pipe_free(p);
+    tdp_pipe_free(sp);
+    return TDP_OK;
+}
+
+/*
+ * tdp_listener_opts' hooks: on_hello sets the accepted pipe's receive
+ * depth from the dialer's want_peer_depth (WANT_DEPTH in its HELLO), also
+ * with a shared secret; admit and on_hello turn a peer away with
+ * TDP_ELIMIT, which is what its connect returns.
+ */
+static void test_listener_hooks(void **state)
+{
+    static const char secret[] = "sixteen-bytes-at-least!";
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    hook_ctx h = {0};
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+
+    for (int sec = 0; sec < 2; sec++) {
+        tdp_listener_opts lo;
+        tdp_listener_opts_default(&lo);
+        lo.pipe.recv_depth = 2;
+        lo.admit = hk_admit;
+        lo.on_hello = hk_hello;
+        lo.hook_arg = &h;
+        tdp_pipe_opts po;
+        tdp_pipe_opts_default(&po);
+        po.recv_depth = 3;
+        if (sec) {
+            lo.pipe.secret = po.secret = secret;
+            lo.pipe.secret_len = po.secret_len = sizeof(secret) - 1;
+        }
+        assert_int_equal(tdp_listener_new_opts(sl, "127.0.0.1", 0, &lo, NULL, NULL, &l), TDP_OK);
+        uint32_t sd = 0, cd = 0;
+        /* no wish: the listener's depth */
+        assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_OK);
+        assert_int_equal(sd, 2);
+        assert_int_equal(cd, 2);
+        assert_int_equal(atomic_load(&h.want), 0);
+        assert_int_equal(atomic_load(&h.peer_depth), 3);
+        /* a wish the hook follows */
+        po.want_peer_depth = 8;
+        assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_OK);
+        assert_int_equal(atomic_load(&h.want), 8);
+        assert_int_equal(sd, 8);
+        assert_int_equal(cd, 8);
+        /* turned away after the HELLO, and before any */
+        atomic_store(&h.refuse_hello, 1);
+        assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_ELIMIT);
+        atomic_store(&h.refuse_hello, 0);
+        atomic_store(&h.refuse_admit, 1);
+        int hellos = atomic_load(&h.hellos);
+        assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_ELIMIT);
+        assert_int_equal(atomic_load(&h.hellos), hellos); /* no handshake began */
+        atomic_store(&h.refuse_admit, 0);
+        tdp_listener_free(l);
+    }
+    assert_int_equal(atomic_load(&h.admits), 8);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
+/*
+ * The stats structs can grow: a caller that knows fewer fields (a smaller
+ * size) gets only that many bytes written; one that knows more gets zeros
+ * past what the library has.
+ */
+static void test_stats_sized(void **state)
+{
+    env e;
+    env_up(&e, MODE_ECHO, NULL);
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    echo_once(p, 1);
+    assert_true(WAIT_FOR(stats(&e).msgs_recv == 1, TMO));
+
+    union {
+        tdp_server_stats st;
+        unsigned char b[sizeof(tdp_server_stats) + 16];
+    } u;
+    tdp_server_stats full = stats(&e);
+    const size_t small = offsetof(tdp_server_stats, refused); /* clients_now, clients_total */
+    memset(&u, 0xab, sizeof(u));
+    tdp_server_stats_get_sized(e.s, &u.st, small);
+    assert_memory_equal(u.b, &full, small);
+    for (size_t i = small; i < sizeof(u); i++)
+        assert_int_equal(u.b[i], 0xab);
+    /* a newer caller's larger struct: the part this library lacks is zeroed */
+    memset(&u, 0xab, sizeof(u));
+    tdp_server_stats_get_sized(e.s, &u.st, sizeof(u));
+    assert_int_equal(u.st.msgs_recv, 1);
+    for (size_t i = sizeof(tdp_server_stats); i < sizeof(u); i++)
+        assert_int_equal(u.b[i], 0);
+    /* the exported function of the old name writes the first version only */
+    memset(&u, 0xab, sizeof(u));
+    (tdp_server_stats_get)(e.s, &u.st);
+    assert_int_equal(u.st.msgs_recv, 1);
+    const size_t v1 = offsetof(tdp_server_stats, idle_closed) + sizeof(uint64_t);
+    for (size_t i = v1; i < sizeof(u); i++)
+        assert_int_equal(u.b[i], 0xab);
+
+    union {
+        tdp_pipe_stats st;
+        unsigned char b[sizeof(tdp_pipe_stats) + 16];
+    } v;
+    const size_t psmall = offsetof(tdp_pipe_stats, bytes_sent);
+    memset(&v, 0xab, sizeof(v));
+    tdp_pipe_stats_get_sized(p, &v.st, psmall);
+    assert_int_equal(v.st.msgs_sent, 1);
+    assert_int_equal(v.st.msgs_recv, 1);
+    for (size_t i = psmall; i < sizeof(v); i++)
+        assert_int_equal(v.b[i], 0xab);
+    memset(&v, 0xab, sizeof(v));
+    (tdp_pipe_stats_get)(p, &v.st); /* before recv_depth and peer_depth */
+    const size_t pv1 = offsetof(tdp_pipe_stats, resumed_from) + sizeof(uint64_t);
+    assert_int_equal(v.st.resumed_from, 0);
+    for (size_t i = pv1; i < sizeof(v); i++)
+        assert_int_equal(v.b[i], 0xab);
+    memset(&v, 0xab, sizeof(v));
+    tdp_pipe_stats_get(p, &v.st); /* the macro: this header's size */
+    assert_int_equal(v.st.recv_depth, 1);
+    assert_int_equal(v.st.peer_depth, 1);
+    for (size_t i = sizeof(tdp_pipe_stats); i < sizeof(v); i++)
+        assert_int_equal(v.b[i], 0xab);
+
+    tdp_pipe_close(p, TMO);
+    tdp_pipe_free(p);
+    env_down(&e);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 3 && strcmp(argv[1], "--child") == 0)
@@ -1345,6 +1596,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_handler_error),     cmocka_unit_test(test_connect_cycles),
         cmocka_unit_test(test_kill_client),       cmocka_unit_test(test_shutdown),
         cmocka_unit_test(test_strangers),         cmocka_unit_test(test_idle_timeout),
+        cmocka_unit_test(test_listener_strangers), cmocka_unit_test(test_listener_hooks),
+        cmocka_unit_test(test_stats_sized),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

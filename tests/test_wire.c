@@ -394,6 +394,53 @@ static void test_unknown_critical_refused(void **state)
     buf_free(&b);
 }
 
+/* WANT_DEPTH: a plain (skippable) record; 1..64, 4 bytes, once. */
+static void test_want_depth_record(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 2, .want_depth = 8}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    assert_true(n > 0);
+    uint8_t *out = malloc(n);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g),
+                     TDP_OK);
+    assert_int_equal(g.want_depth, 8);
+    /* not critical: a peer that does not know it skips it */
+    const uint8_t *r = out + TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN;
+    assert_int_equal(r[0] | r[1] << 8, TDP_HX_WANT_DEPTH);
+    assert_false((r[2] | r[3] << 8) & TDP_HX_CRITICAL);
+    free(out);
+    h.want_depth = TDP_HX_MAX_DEPTH + 1;
+    assert_int_equal(tdp_wire_hello_size(&h), 0);
+    const uint32_t bad[] = {0, TDP_HX_MAX_DEPTH + 1};
+    for (size_t i = 0; i < 2; i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        uint8_t v[4] = {(uint8_t)bad[i], (uint8_t)(bad[i] >> 8), 0, 0};
+        put_rec(&b, TDP_HX_WANT_DEPTH, 0, v, 4);
+        assert_int_equal(dec(&b, &g), TDP_EPROTO);
+        buf_free(&b);
+    }
+    /* another size, or twice */
+    const uint8_t v8[8] = {4}, v4[4] = {4};
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_WANT_DEPTH, 0, v8, 8);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_WANT_DEPTH, 0, v4, 4);
+    assert_int_equal(dec(&b, &g), TDP_OK);
+    assert_int_equal(g.want_depth, 4);
+    put_rec(&b, TDP_HX_WANT_DEPTH, 0, v4, 4);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+}
+
 static void test_records_any_order(void **state)
 {
     (void)state;
@@ -957,6 +1004,7 @@ int main(void)
         cmocka_unit_test(test_records_any_order),
         cmocka_unit_test(test_duplicate_known_record),
         cmocka_unit_test(test_auth_and_resume_records),
+        cmocka_unit_test(test_want_depth_record),
         cmocka_unit_test(test_truncated_every_prefix),
         cmocka_unit_test(test_record_length_overflow),
         cmocka_unit_test(test_padding),

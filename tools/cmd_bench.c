@@ -36,6 +36,9 @@
 #include <unistd.h>
 #include <getopt.h>
 #include <ucp/api/ucp.h>
+#ifdef TDP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include <tdpipe/tdpipe.h>
 
@@ -50,8 +53,8 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define TP_REPEATS 3
 #define BENCH_TMO  120000
 /*
- * A peer that does not answer SETUP in this time is no bench server, or one
- * busy with another client (it serves one at a time).
+ * A peer that does not answer SETUP in this time is no bench server (one
+ * busy with another client refuses at once).
  */
 #define SETUP_TMO 10000
 #define SLICE_MS  200 /* the server's waits, in slices to see a signal */
@@ -75,6 +78,8 @@ typedef struct bench_cfg {
     int clients;  /* --clients N: many producers to one server */
     bool no_loan; /* --no-loan: plain sends on the shm plane too */
     bool sizes_given;
+    tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
+    bool mem_given;
     /* child roles */
     bool consumer;
     bool server;
@@ -105,18 +110,96 @@ typedef struct size_result {
     uint64_t tp_msgs;
 } size_result;
 
-static tdp_schema *bench_schema(uint64_t bytes)
+/* A message of `bytes` on dev (SETUP and the acks are always host memory). */
+static tdp_schema *bench_schema_on(uint64_t bytes, tdp_device dev)
 {
     tdp_schema *s = NULL;
-    if (tdp_cli_synth_schema(bytes, TDP_DEVICE_CPU_INIT, &s) != TDP_OK)
+    if (tdp_cli_synth_schema(bytes, dev, &s) != TDP_OK)
         return NULL;
     return s;
 }
 
-/* The control words ride in the first HDR_BYTES of the buffer. */
+static tdp_schema *bench_schema(uint64_t bytes)
+{
+    return bench_schema_on(bytes, TDP_DEVICE_CPU_INIT);
+}
+
+/* The control words ride in the first HDR_BYTES of the buffer (host memory). */
 static int64_t *hdr_of(tdp_td *td)
 {
     return tdp_td_data(td);
+}
+
+static bool on_gpu(const tdp_td *td)
+{
+    return tdp_td_device(td).type == TDP_DEVICE_CUDA;
+}
+
+/*
+ * The control words of a message in any memory: a GPU buffer's are copied
+ * to or from the device (32 bytes, each message, on both sides: part of
+ * what --mem cuda measures).
+ */
+static tdp_err hdr_put(tdp_td *td, const int64_t h[4])
+{
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemcpy(tdp_td_data(td), h, HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    if (on_gpu(td))
+        return TDP_ENOTSUP;
+    memcpy(hdr_of(td), h, HDR_BYTES);
+    return TDP_OK;
+}
+
+static tdp_err hdr_get(tdp_td *td, int64_t h[4])
+{
+    if (tdp_td_nbytes(td) < HDR_BYTES)
+        return TDP_EPROTO;
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemcpy(h, tdp_td_data(td), HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    if (on_gpu(td))
+        return TDP_ENOTSUP;
+    memcpy(h, hdr_of(td), HDR_BYTES);
+    return TDP_OK;
+}
+
+/* Give a message's buffer some contents, once: the benchmark times transfers. */
+static tdp_err bench_fill(tdp_td *td)
+{
+#ifdef TDP_HAVE_CUDA
+    if (on_gpu(td))
+        return cudaMemset(tdp_td_data(td), 1, tdp_td_nbytes(td)) == cudaSuccess &&
+                       cudaDeviceSynchronize() == cudaSuccess
+                   ? TDP_OK
+                   : TDP_ECUDA;
+#endif
+    return tdp_cli_fill(td, 1);
+}
+
+/*
+ * --mem cuda needs a library built with CUDA and a device; TDP_EXIT_OK, or
+ * the message and TDP_EXIT_USAGE.
+ */
+static int check_mem(const bench_cfg *cfg)
+{
+    if (cfg->mem.type != TDP_DEVICE_CUDA)
+        return TDP_EXIT_OK;
+    if (!tdp_cuda_built())
+        return tdp_cli_usage_error("bench", "--mem cuda: this tdpipe was built without CUDA");
+    int n = tdp_cuda_device_count();
+    if (n == 0)
+        return tdp_cli_usage_error("bench", "--mem cuda: no CUDA device");
+    if (cfg->mem.index >= n)
+        return tdp_cli_usage_error("bench", "--mem cuda:%d: there %s %d CUDA device%s",
+                                   cfg->mem.index, n == 1 ? "is" : "are", n, n == 1 ? "" : "s");
+    return TDP_EXIT_OK;
 }
 
 /*
@@ -128,9 +211,9 @@ static int64_t *hdr_of(tdp_td *td)
  */
 static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, const int64_t hdr[4])
 {
-    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM) {
-        memcpy(hdr_of(proto), hdr, 4 * sizeof(int64_t));
-        return tdp_pipe_send(p, proto, BENCH_TMO);
+    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM || on_gpu(proto)) {
+        tdp_err rc = hdr_put(proto, hdr);
+        return rc == TDP_OK ? tdp_pipe_send(p, proto, BENCH_TMO) : rc;
     }
     tdp_td *slot = NULL;
     tdp_err rc;
@@ -171,14 +254,19 @@ static tdp_err bench_recv(tdp_pipe *p, bool watch, tdp_td **out)
  * One producer's run on an open pipe: echo the pings, time the streams,
  * acknowledge the rest, until the producer closes (TDP_ECLOSED) or
  * something fails. SETUP carries the producer's settings (word 1: flags,
- * SETUP_NO_LOAN; words 2, 3: its depth and busy-poll, for the record); the
- * ack answers BENCH_MAGIC and this side's depth and busy-poll. The sizes
+ * SETUP_NO_LOAN; words 2, 3: its depth and busy-poll, for the record: the
+ * depth itself came in the HELLO); the ack answers BENCH_MAGIC and the
+ * depth this side's pipe receives with and its busy-poll. The sizes
  * need no setting: each is a new schema, which the pipe handles itself.
  */
 static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
 {
     bench_cfg c = *cfg_in; /* no_loan is the producer's choice */
     const bench_cfg *cfg = &c;
+    tdp_pipe_stats ps;
+    tdp_pipe_stats_get(pipe, &ps);
+    if (ps.recv_depth != 0)
+        c.depth = ps.recv_depth; /* a server follows the client's wish (run_server) */
     tdp_schema *as = bench_schema(128);
     tdp_td *ack = NULL, *td, *echo = NULL;
     if (as == NULL || tdp_td_new(as, &ack) != TDP_OK) {
@@ -188,10 +276,14 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
     uint64_t t_start = 0;
     tdp_err rc;
     while ((rc = bench_recv(pipe, watch, &td)) == TDP_OK) {
-        int64_t *h = hdr_of(td);
+        int64_t h[4];
+        if ((rc = hdr_get(td, h)) != TDP_OK) {
+            tdp_pipe_release(pipe, td);
+            break;
+        }
         switch (h[0]) {
         case PH_PING:
-            if (cfg->no_loan || tdp_pipe_plane(pipe) != TDP_PLANE_SHM) {
+            if (cfg->no_loan || tdp_pipe_plane(pipe) != TDP_PLANE_SHM || on_gpu(td)) {
                 rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
                 tdp_pipe_release(pipe, td);
             } else {
@@ -274,28 +366,74 @@ static const char *signal_name(int sig)
 }
 
 /*
+ * One client at a time: the pipe being measured holds the claim from its
+ * HELLO until it is done; anyone else is turned away at once (TDP_ELIMIT:
+ * the client says "busy") rather than queued behind it. The hooks run on
+ * the loop thread, which is this one, inside the blocking calls.
+ */
+typedef struct serve_state {
+    const bench_cfg *cfg;
+    bool claimed;       /* a handshake or a client holds the server */
+    int64_t claimed_ns; /* since when (a handshake that fails never arrives) */
+    int turned_away;    /* while busy, reported after the client */
+} serve_state;
+
+#define SERVE_HANDSHAKE_MS 5000
+
+static tdp_err serve_admit(const tdp_accept_info *info, void *arg)
+{
+    serve_state *st = arg;
+    (void)info;
+    if (!st->claimed)
+        return TDP_OK;
+    st->turned_away++;
+    return TDP_ELIMIT;
+}
+
+/* The client's HELLO: claim the server, and receive with the depth it asks for. */
+static tdp_err serve_hello(const tdp_accept_info *info, tdp_pipe_opts *o, void *arg)
+{
+    serve_state *st = arg;
+    if (st->claimed) { /* two came at once: the first HELLO wins */
+        st->turned_away++;
+        return TDP_ELIMIT;
+    }
+    st->claimed = true;
+    st->claimed_ns = (int64_t)tdp_cli_now_ns();
+    o->recv_depth = info->want_depth != 0 ? info->want_depth : st->cfg->depth;
+    return TDP_OK;
+}
+
+/*
  * bench --server: listen, then be the consumer of one client after another
- * (all of --once: only the first). A client that fails is reported and the
- * next one served; SIGINT/SIGTERM ends it between or during clients.
+ * (all of --once: only the first), each with the receive depth it asks for.
+ * A client that fails is reported and the next one served; clients that
+ * come while one is measured are refused at once; SIGINT/SIGTERM ends it
+ * between or during clients.
  */
 static int run_server(const bench_cfg *cfg)
 {
     tdp_loop *loop;
     tdp_listener *l;
     tdp_loop_opts lo = {.size = sizeof(lo), .busy_poll_us = cfg->busy_poll_us};
-    tdp_pipe_opts po;
+    tdp_listener_opts lopts;
+    serve_state st = {.cfg = cfg};
     int rc_exit = TDP_EXIT_OK, served = 0;
     tdp_err rc;
 
-    tdp_pipe_opts_default(&po);
-    po.recv_depth = cfg->depth;
-    po.peer_mode = cfg->peer_mode;
-    po.plane = cfg->plane;
+    tdp_listener_opts_default(&lopts);
+    lopts.pipe.recv_depth = cfg->depth; /* for a client that asks for none */
+    lopts.pipe.peer_mode = cfg->peer_mode;
+    lopts.pipe.plane = cfg->plane;
+    lopts.pipe.connect_timeout_ms = SERVE_HANDSHAKE_MS;
+    lopts.admit = serve_admit;
+    lopts.on_hello = serve_hello;
+    lopts.hook_arg = &st;
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
         tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
     }
-    rc = tdp_listener_new(loop, cfg->bind, cfg->port, &po, NULL, NULL, &l);
+    rc = tdp_listener_new_opts(loop, cfg->bind, cfg->port, &lopts, NULL, NULL, &l);
     if (rc != TDP_OK) {
         tdp_loop_free(loop);
         return tdp_cli_listen_failed("bench", cfg->bind, cfg->port, rc);
@@ -305,9 +443,13 @@ static int run_server(const bench_cfg *cfg)
     for (;;) {
         tdp_pipe *p = NULL;
         char peer[80];
-        do
+        do {
             rc = tdp_listener_accept(l, SLICE_MS, &p);
-        while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted());
+            /* a claimed handshake that failed never arrives: free the server again */
+            if (rc == TDP_ETIMEDOUT && st.claimed &&
+                (int64_t)tdp_cli_now_ns() - st.claimed_ns > (SERVE_HANDSHAKE_MS + 1000) * 1000000ll)
+                st.claimed = false;
+        } while (rc == TDP_ETIMEDOUT && !tdp_cli_interrupted());
         if (tdp_cli_interrupted()) {
             if (rc == TDP_OK)
                 tdp_pipe_free(p);
@@ -319,9 +461,11 @@ static int run_server(const bench_cfg *cfg)
             break;
         }
         tdp_pipe_peer(p, peer, sizeof(peer));
+        tdp_pipe_stats ps;
+        tdp_pipe_stats_get(p, &ps);
         if (!cfg->quiet)
             fprintf(stderr, "tdpipe bench: client %s connected, plane %s, depth %u, %s\n", peer,
-                    tdp_cli_plane_of(p), cfg->depth,
+                    tdp_cli_plane_of(p), ps.recv_depth,
                     cfg->busy_poll_us ? "busy-poll" : "event-driven");
         uint64_t t0 = tdp_cli_now_ns();
         rc = consume(cfg, p, true);
@@ -338,6 +482,11 @@ static int run_server(const bench_cfg *cfg)
             one = tdp_cli_exit_for(rc);
         }
         tdp_pipe_free(p);
+        if (st.turned_away > 0 && !cfg->quiet)
+            fprintf(stderr, "tdpipe bench: turned away %d client%s while busy with %s\n",
+                    st.turned_away, st.turned_away == 1 ? "" : "s", peer);
+        st.turned_away = 0;
+        st.claimed = false;
         if (rc == TDP_ECANCELED)
             break;
         if (cfg->once) {
@@ -362,8 +511,10 @@ static int run_server(const bench_cfg *cfg)
 static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
 {
     tdp_td *got;
-    hdr_of(td)[0] = phase;
-    tdp_err rc = tdp_pipe_send(p, td, BENCH_TMO);
+    int64_t h[4] = {phase, 0, 0, 0};
+    tdp_err rc = hdr_put(td, h);
+    if (rc == TDP_OK)
+        rc = tdp_pipe_send(p, td, BENCH_TMO);
     if (rc == TDP_OK)
         rc = tdp_pipe_recv(p, BENCH_TMO, &got);
     if (rc == TDP_OK)
@@ -373,17 +524,17 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
 
 static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, size_result *out)
 {
-    tdp_schema *s = bench_schema(bytes);
-    tdp_td *td, *got;
+    tdp_schema *s = bench_schema_on(bytes, cfg->mem);
+    tdp_td *td = NULL, *got;
     tdp_err rc;
 
     if (s == NULL)
         return TDP_EINVAL;
-    if ((rc = tdp_td_new(s, &td)) != TDP_OK) {
+    if ((rc = tdp_td_new(s, &td)) != TDP_OK || (rc = bench_fill(td)) != TDP_OK) {
+        tdp_td_unref(td);
         tdp_schema_unref(s);
         return rc;
     }
-    tdp_cli_fill(td, 1); /* real data, written once: the benchmark times transfers */
     out->bytes = bytes;
     char label[32];
     tdp_cli_format_size(bytes, label, sizeof(label));
@@ -488,18 +639,20 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     time_t t = time(NULL);
     strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&t));
     const char *tls = getenv("UCX_TLS");
+    char mem[TDP_DEVICE_STRLEN];
+    bool loaned = strcmp(plane, "shm") == 0 && !cfg->no_loan && cfg->mem.type == TDP_DEVICE_CPU;
     fprintf(f,
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"plane\": \"%s\", \"loan\": %s, \"cpus\": %ld},\n",
+            "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
             ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
-            plane, strcmp(plane, "shm") == 0 && !cfg->no_loan ? "true" : "false",
+            plane, loaned ? "true" : "false", tdp_device_format(cfg->mem, mem),
             sysconf(_SC_NPROCESSORS_ONLN));
     if (cfg->client_of != NULL) {
         /* the peer as given on the command line: a host name or literal, ':' and a port */
@@ -776,8 +929,7 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             }
         } else if (rc == TDP_ETIMEDOUT && cfg->client_of != NULL) {
             tdp_cli_error("bench",
-                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server', "
-                          "and not busy with another client?",
+                          "no answer to SETUP within %d s: is %s a 'tdpipe bench --server'?",
                           SETUP_TMO / 1000, cfg->client_of);
         }
         tdp_td_unref(std_);
@@ -809,9 +961,11 @@ static int report(const bench_cfg *cfg, const char *plane, bool loaned, const si
     if (cfg->client_of != NULL)
         printf("client of %s: server depth %" PRId64 ", %s\n", cfg->client_of, srv->depth,
                srv->busy_poll_us ? "busy-poll" : "event-driven");
-    printf("plane %s%s, depth %u, %s, UCX_TLS=%s\n", plane,
+    char mem[TDP_DEVICE_STRLEN];
+    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s\n", plane,
            loaned ? " (loaned slots: no copy)" : "", cfg->depth,
-           cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default");
+           cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default",
+           tdp_device_format(cfg->mem, mem));
     print_table(cfg, res, done, stdout);
     if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, srv, cfg->json_path) &&
         rc_exit == TDP_EXIT_OK)
@@ -858,7 +1012,8 @@ static int run_producer(bench_cfg *cfg)
         return TDP_EXIT_CONNECT;
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
+                  cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
@@ -884,6 +1039,19 @@ static int run_producer(bench_cfg *cfg)
     return report(cfg, plane, loaned, res, done, &srv, rc_exit);
 }
 
+/*
+ * A bench server measures one client at a time and refuses the others at
+ * once with TDP_ELIMIT (as a server at its client limit does: exit 3).
+ */
+static int busy_refusal(const bench_cfg *cfg)
+{
+    fprintf(stderr,
+            "tdpipe bench: busy: a bench is running on %s for another client, try again "
+            "later\n",
+            cfg->client_of);
+    return TDP_EXIT_CONNECT;
+}
+
 /* bench --client HOST:PORT: the producer's part against a bench server. */
 static int run_client(bench_cfg *cfg)
 {
@@ -898,6 +1066,7 @@ static int run_client(bench_cfg *cfg)
 
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
+    po.want_peer_depth = cfg->depth; /* the server receives as the loopback consumer would */
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
@@ -907,10 +1076,13 @@ static int run_client(bench_cfg *cfg)
     rc = tdp_pipe_connect(loop, cfg->peer_host, cfg->peer_port, &po, &p);
     if (rc != TDP_OK) {
         tdp_loop_free(loop);
+        if (rc == TDP_ELIMIT)
+            return busy_refusal(cfg);
         return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM;
+    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
+                  cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: client -> server %s, UCX %s, UCX_TLS=%s, plane %s, "
@@ -921,6 +1093,8 @@ static int run_client(bench_cfg *cfg)
     if (rc == TDP_ECLOSED) {
         fprintf(stderr, "tdpipe bench: the server closed the pipe mid-run (stopped?)\n");
         rc_exit = TDP_EXIT_PEER;
+    } else if (rc == TDP_ELIMIT && done == 0) {
+        rc_exit = busy_refusal(cfg); /* another client's handshake was a moment ahead */
     } else if (rc != TDP_OK) {
         fprintf(stderr, "tdpipe bench: failed: %s\n", tdp_cli_strerror(rc));
         rc_exit = tdp_cli_exit_for(rc);
@@ -932,8 +1106,13 @@ static int run_client(bench_cfg *cfg)
     if (!cfg->quiet && done > 0 && srv.depth != (int64_t)cfg->depth)
         fprintf(stderr,
                 "tdpipe bench: note: the server receives with depth %" PRId64
-                " (its own --depth), this side with %u\n",
+                " (its own --depth: an older server?), this side with %u\n",
                 srv.depth, cfg->depth);
+    if (!cfg->quiet && done > 0 && srv.busy_poll_us != (int64_t)cfg->busy_poll_us)
+        fprintf(stderr,
+                "tdpipe bench: note: the server polls with its own --busy-poll (%" PRId64
+                " us), this side with %u us\n",
+                srv.busy_poll_us, cfg->busy_poll_us);
     return report(cfg, plane, loaned, res, done, &srv, rc_exit);
 }
 
@@ -959,6 +1138,9 @@ static void usage(FILE *f)
             "                     'tdpipe version' lists the names\n"
             "  --no-loan          on the shm plane, send plain buffers (one copy into a\n"
             "                     slot) instead of loaned slots (no copy: the default)\n"
+            "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
+            "                     receives into GPU memory (the receiver follows); needs a\n"
+            "                     build with CUDA and a device, else exit 2\n"
             "  --json FILE        write the results as JSON (format: docs/benchmarks.md)\n"
             "  --plot FILE        draw latency and throughput against size (needs gnuplot);\n"
             "                     FILE.png or FILE.svg: the format comes from the name\n"
@@ -968,16 +1150,20 @@ static void usage(FILE *f)
             "  --quiet            no progress on stderr\n"
             "\n"
             "Across two hosts (as iperf3 -s / -c), the same figures:\n"
-            "  --server           be the consumer for one client after another; the first\n"
-            "                     line on stdout is 'listening on HOST:PORT'; ends on\n"
+            "  --server           be the consumer for one client after another, with the\n"
+            "                     depth each asks for (--depth: for clients that ask for\n"
+            "                     none); a client that comes while another is measured is\n"
+            "                     refused at once (it says 'busy', exit 3); the first line\n"
+            "                     on stdout is 'listening on HOST:PORT'; ends on\n"
             "                     SIGINT/SIGTERM (130/143). Takes --bind, --port, --once,\n"
             "                     --depth, --busy-poll, --tls, --peer-mode, --plane\n"
             "  --bind HOST        address to listen on (default: all IPv4 and IPv6)\n"
             "  --port PORT        port (default 0: any free port, printed)\n"
             "  --once             serve one client, then exit with its outcome\n"
             "  --client HOST:PORT run the measurements against a 'bench --server' there;\n"
-            "                     --sizes, --rounds, --plane, --no-loan, --json, --plot are\n"
-            "                     the client's (the server receives with its own --depth)\n"
+            "                     --sizes, --rounds, --depth, --mem, --plane, --no-loan, --json,\n"
+            "                     --plot are the client's (the server polls with its own\n"
+            "                     --busy-poll)\n"
             "  -v, --verbose      more log (as before the subcommand: -v, -vv, -vvv)\n"
             "  -h, --help         this text\n"
             "\n"
@@ -1009,6 +1195,8 @@ static int check_modes(const bench_cfg *cfg)
                                    cfg->bind_given   ? "bind"
                                    : cfg->port_given ? "port"
                                                      : "once");
+    if (cfg->clients > 0 && cfg->mem_given)
+        return tdp_cli_usage_error("bench", "--mem does not go with --clients (host buffers only)");
     if (cfg->clients > 0 && (cfg->serve || cfg->client_of != NULL))
         return tdp_cli_usage_error("bench",
                                    "--clients starts its own server and clients on loopback; "
@@ -1017,6 +1205,7 @@ static int check_modes(const bench_cfg *cfg)
     if (!cfg->serve)
         return TDP_EXIT_OK;
     const char *opt = cfg->sizes_given  ? "--sizes"
+                      : cfg->mem_given  ? "--mem"
                       : cfg->rounds > 0 ? "--rounds"
                       : cfg->no_loan    ? "--no-loan"
                       : cfg->json_path  ? "--json"
@@ -1055,6 +1244,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"bind", required_argument, NULL, 'B'},
         {"port", required_argument, NULL, 'O'},
         {"once", no_argument, NULL, 'o'},
+        {"mem", required_argument, NULL, 'M'},
         {NULL, 0, NULL, 0},
     };
     char why[160];
@@ -1090,6 +1280,13 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'o':
             cfg->once = true;
+            break;
+        case 'M':
+            if (strcmp(optarg, "cpu") != 0 && strncmp(optarg, "cuda", 4) != 0)
+                return tdp_cli_usage_error("bench", "--mem is cpu or cuda[:N], not '%s'", optarg);
+            if (tdp_device_parse(optarg, &cfg->mem) != TDP_OK)
+                return tdp_cli_usage_error("bench", "--mem is cpu or cuda[:N], not '%s'", optarg);
+            cfg->mem_given = true;
             break;
         case 'C':
             if (!parse_num("--clients", optarg, 1, 1024, &v))
@@ -1222,6 +1419,8 @@ int tdp_cmd_bench(int argc, char **argv)
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
     warn_rounds(&cfg);
+    if (!cfg.consumer && !cfg.server && (rc = check_mem(&cfg)) != TDP_EXIT_OK)
+        return rc; /* before any process or socket */
     if (!cfg.consumer && !cfg.server && !cfg.serve && !outputs_ok(&cfg))
         return TDP_EXIT_FAIL; /* before a run that may take minutes */
     /*

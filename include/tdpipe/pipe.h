@@ -145,6 +145,14 @@ typedef struct tdp_pipe_opts {
      * refused connection until connect_timeout_ms. docs/pipe.md#reconnect.
      */
     int64_t reconnect_ms;
+    /*
+     * Dialing: the receive depth (1..64) this side asks the listening side
+     * to hold for this pipe; 0 (the default): no wish. It travels in the
+     * HELLO (a record older peers skip). A listener follows it only when
+     * its tdp_listener_opts.on_hello hook says so; the peer's choice is
+     * tdp_pipe_stats.peer_depth.
+     */
+    uint32_t want_peer_depth;
 } tdp_pipe_opts;
 
 #define TDP_SECRET_MIN 16
@@ -183,13 +191,86 @@ TDP_API tdp_err tdp_pipe_connect(tdp_loop *loop, const char *host, uint16_t port
  * Listen on bind_host:port (NULL or "" = all IPv4 and IPv6 addresses; port
  * 0 picks a free port, see tdp_listener_port). Each connection that
  * completes its HELLO is handed to on_accept (if not NULL) or queued for
- * tdp_listener_accept. Handshake failures are logged and dropped.
+ * tdp_listener_accept. Handshake failures are logged and dropped. The
+ * limits of tdp_listener_opts apply with their defaults (256 handshakes
+ * under way, 32 from one source).
  * TDP_EUCX when the loop's UCX workers (made with its first pipe or
  * listener) cannot be created.
  */
 TDP_API tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
                                  const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
                                  tdp_listener **out);
+
+/*
+ * What a listener knows of a connection it is accepting, for the hooks of
+ * tdp_listener_opts. Valid during the call only.
+ */
+typedef struct tdp_accept_info {
+    const char *peer;     /* the connecting side's address, "ip:port" ("[ip]:port" for IPv6) */
+    uint32_t pending;     /* handshakes under way, not counting this one */
+    uint32_t from_source; /* of them, from this one's source (IPv4 address, IPv6 /64) */
+    /* on_hello only (0 in admit): from the peer's HELLO */
+    uint32_t want_depth; /* the receive depth it asks this side for (tdp_pipe_opts.want_peer_depth); 0: none */
+    uint32_t peer_depth; /* its own receive depth */
+} tdp_accept_info;
+
+/*
+ * Listener options; the struct can grow: set size = sizeof(tdp_listener_opts)
+ * (tdp_listener_opts_default does). Zero fields take defaults.
+ */
+typedef struct tdp_listener_opts {
+    size_t size;
+    /* Every accepted pipe's options (size 0: defaults). Copied. */
+    tdp_pipe_opts pipe;
+    /*
+     * Handshakes under way at once; default 256. One more makes room by
+     * dropping the oldest: a good client's handshake takes a round trip, a
+     * stranger that says nothing holds its slot until the handshake
+     * deadline (pipe.connect_timeout_ms).
+     */
+    uint32_t max_pending;
+    /*
+     * Handshakes under way from one source (one IPv4 address, one IPv6
+     * /64) at once; one more is refused at once (the peer's connect fails
+     * with TDP_ELIMIT). Default 32; UINT32_MAX: no limit. Pipes already
+     * accepted do not count.
+     */
+    uint32_t max_per_source;
+    /*
+     * Admission (may be NULL): called on the loop thread for each accepted
+     * socket, after the limits above let it through and before any
+     * handshake. TDP_OK: go on. TDP_ELIMIT (or any error): refuse — the
+     * peer gets a BYE instead of a HELLO and its tdp_pipe_connect fails
+     * with TDP_ELIMIT (an older peer may see TDP_ECONNRESET for errors
+     * other than TDP_ELIMIT, TDP_EAUTH, TDP_ENOTSUP, TDP_EVERSION).
+     */
+    tdp_err (*admit)(const tdp_accept_info *info, void *arg);
+    /*
+     * Per-pipe options (may be NULL): called on the loop thread when the
+     * peer's HELLO is in and before this side's goes out (with this hook
+     * set, the listening side answers the dialer's HELLO instead of
+     * speaking first). *opts holds the pipe's options; the hook may change
+     * recv_depth (clamped to 1..64) — other fields are fixed by then and
+     * changes to them are ignored. Return TDP_OK to go on, or an error to
+     * refuse as admit does. With a shared secret the peer is not yet
+     * authenticated here: what it asked for is checked (the HELLOs are
+     * authenticated) before the pipe is handed over.
+     */
+    tdp_err (*on_hello)(const tdp_accept_info *info, tdp_pipe_opts *opts, void *arg);
+    void *hook_arg; /* passed to admit and on_hello */
+} tdp_listener_opts;
+
+/* Fill *o with the defaults (size and pipe.size included). */
+TDP_API void tdp_listener_opts_default(tdp_listener_opts *o);
+
+/*
+ * tdp_listener_new with listener options (NULL: defaults); opts is copied.
+ * tdp_listener_new(loop, h, p, po, ...) is this with the defaults and
+ * pipe = *po.
+ */
+TDP_API tdp_err tdp_listener_new_opts(tdp_loop *loop, const char *bind_host, uint16_t port,
+                                      const tdp_listener_opts *opts, tdp_pipe_cb on_accept,
+                                      void *arg, tdp_listener **out);
 
 /* The port actually bound. */
 TDP_API uint16_t tdp_listener_port(const tdp_listener *l);
@@ -336,6 +417,13 @@ TDP_API void tdp_pipe_free(tdp_pipe *pipe);
 
 /* ---- queries ------------------------------------------------------------- */
 
+/*
+ * A pipe's counters. The struct can grow (new fields go at the end):
+ * tdp_pipe_stats_get is a macro that passes sizeof(*out), and
+ * tdp_pipe_stats_get_sized writes no more than that many bytes — a caller
+ * built against an older header gets the fields it knows, one built
+ * against a newer header zeros where this library has nothing.
+ */
 typedef struct tdp_pipe_stats {
     uint64_t msgs_sent, msgs_recv;
     uint64_t bytes_sent, bytes_recv; /* payload bytes */
@@ -348,9 +436,23 @@ typedef struct tdp_pipe_stats {
      * before it were sent to a peer that is gone; 0 for a fresh stream.
      */
     uint64_t resumed_from;
+    /* receive depths once the HELLO is done (0 before): this side's, the peer's */
+    uint32_t recv_depth, peer_depth;
 } tdp_pipe_stats;
 
+/*
+ * Copy the counters into the first `size` bytes of out (any thread). size
+ * is the caller's sizeof(tdp_pipe_stats); bytes past what this library
+ * knows are zeroed, none past size are written.
+ */
+TDP_API void tdp_pipe_stats_get_sized(const tdp_pipe *pipe, tdp_pipe_stats *out, size_t size);
+/*
+ * The same with the caller's sizeof. Also an exported function of that
+ * name (for callers built before the macro), which writes the first
+ * version of the struct (the fields up to resumed_from).
+ */
 TDP_API void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out);
+#define tdp_pipe_stats_get(pipe, out) tdp_pipe_stats_get_sized((pipe), (out), sizeof(*(out)))
 
 /* Error that ended the pipe (TDP_OK while it is open). */
 TDP_API tdp_err tdp_pipe_status(const tdp_pipe *pipe);

@@ -155,6 +155,11 @@ TDP_API tdp_err tdp_server_shutdown(tdp_server *s, int64_t timeout_ms);
  */
 TDP_API void tdp_server_free(tdp_server *s);
 
+/*
+ * Totals. The struct can grow (new fields go at the end):
+ * tdp_server_stats_get is a macro that passes sizeof(*out) to
+ * tdp_server_stats_get_sized, which writes no more than that many bytes.
+ */
 typedef struct tdp_server_stats {
     uint64_t clients_now;   /* clients holding a slot (connected or being closed) */
     uint64_t clients_total; /* clients accepted (on_connect said yes) */
@@ -169,10 +174,20 @@ typedef struct tdp_server_stats {
 } tdp_server_stats;
 
 /*
- * Totals over all clients, past and present. Thread-safe. A client's own
- * counters: tdp_pipe_stats_get(tdp_client_pipe(c), ...) on the loop thread.
+ * Totals over all clients, past and present, into the first `size` bytes
+ * of out: size is the caller's sizeof(tdp_server_stats); bytes past what
+ * this library knows are zeroed, none past size are written. Thread-safe.
+ * A client's own counters: tdp_pipe_stats_get(tdp_client_pipe(c), ...) on
+ * the loop thread.
+ */
+TDP_API void tdp_server_stats_get_sized(const tdp_server *s, tdp_server_stats *out, size_t size);
+/*
+ * The same with the caller's sizeof. Also an exported function of that
+ * name (for callers built before the macro), which writes the struct as
+ * it was then (the fields up to idle_closed).
  */
 TDP_API void tdp_server_stats_get(const tdp_server *s, tdp_server_stats *out);
+#define tdp_server_stats_get(s, out) tdp_server_stats_get_sized((s), (out), sizeof(*(out)))
 
 /* ---- clients (loop thread only, inside handler callbacks) ---------------- */
 

@@ -328,6 +328,11 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
             c->hello_seen = true;
             /* asked now: a dialed socket's HELLO can be read before its connect event */
             c->peer_local = socket_peer_local(bufferevent_getfd(c->bev));
+            if (c->up->hello_in != NULL) {
+                c->up->hello_in(c->owner, &h); /* may send our HELLO, or close */
+                if (c->bev == NULL)
+                    return;
+            }
             if (c->opts.secret == NULL && h.auth == 0) {
                 c->up->hello(c->owner, &h);
             } else if (c->opts.secret == NULL || h.auth != TDP_AUTH_HMAC_SHA256) {

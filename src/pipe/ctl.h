@@ -28,6 +28,13 @@
 typedef struct tdp__ctl_up {
     /* dial: the socket is connected; the owner sends its HELLO */
     void (*connected)(void *owner);
+    /*
+     * The peer's HELLO has arrived (decoded and checked; with a secret not
+     * yet authenticated); may be NULL. An accepting owner that waits for
+     * it before sending its own HELLO does so here: `hello` follows once
+     * the peer is authenticated (at once without a secret).
+     */
+    void (*hello_in)(void *owner, const tdp_hello *h);
     /* the peer's HELLO (decoded, checked; its records valid during the call) */
     void (*hello)(void *owner, const tdp_hello *h);
     void (*bye)(void *owner, const tdp_bye *b);

@@ -1,7 +1,12 @@
-/* listener.c: tdp_listener — accept, admission, handshaking pipes, the ready queue. */
+/*
+ * listener.c: tdp_listener — accept, admission and its limits (handshakes
+ * under way, per source), handshaking pipes, the ready queue.
+ */
 #include <errno.h>
 #include <event2/listener.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -13,6 +18,8 @@
 #include "../core/log.h"
 
 #define REFUSAL_MS 2000 /* at most this long, or the handshake deadline */
+#define DEFAULT_MAX_PENDING 256u
+#define DEFAULT_PER_SOURCE  32u
 
 /* Where a socket comes from, for per-source limits: an IPv4 address or an IPv6 /64. */
 typedef struct source {
@@ -30,6 +37,7 @@ typedef struct pend {
 
 struct tdp_listener {
     tdp_loop *loop;
+    tdp_listener_opts lo; /* lo.pipe: see opts */
     tdp_pipe_opts opts;
     tdp_schema_limits limits;
     uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
@@ -142,23 +150,83 @@ static void evict_oldest(tdp_listener *l)
     tdp__free(e);
 }
 
+/* "ip:port" ("[ip]:port" for IPv6), as ctl.c names its peers. */
+static void peer_name(const struct sockaddr *sa, int salen, char *out, size_t len)
+{
+    char host[INET6_ADDRSTRLEN], serv[8];
+    if (getnameinfo(sa, (socklen_t)salen, host, sizeof(host), serv, sizeof(serv),
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+        snprintf(out, len, "?");
+        return;
+    }
+    snprintf(out, len, sa->sa_family == AF_INET6 ? "[%s]:%s" : "%s:%s", host, serv);
+}
+
+/*
+ * Who may start a handshake: the server's own check (clients, shutdown),
+ * then the limits (one source's share, the oldest making room), then the
+ * application's hook. TDP_OK, or the reason for a refusal; *evict: the
+ * oldest handshake must go first.
+ */
+static tdp_err admission(tdp_listener *l, const source *src, const char *peer, bool *evict)
+{
+    uint32_t nsource = count_source(l, src);
+    *evict = false;
+    if (l->hooks.admit != NULL && !l->hooks.admit(l->hooks.arg, l->npending))
+        return TDP_ELIMIT; /* counted by the server */
+    tdp_err why = TDP_OK;
+    if (nsource >= l->lo.max_per_source) {
+        tdp_log_debug("refusing %s: %u handshakes under way from its source", peer, nsource);
+        why = TDP_ELIMIT;
+    } else if (l->lo.admit != NULL) {
+        tdp_accept_info info = {.peer = peer, .pending = l->npending, .from_source = nsource};
+        why = l->lo.admit(&info, l->lo.hook_arg);
+        if (why != TDP_OK)
+            tdp_log_debug("refusing %s: %s", peer, tdp_strerror(why));
+    }
+    if (why != TDP_OK) {
+        if (l->hooks.refused != NULL)
+            l->hooks.refused(l->hooks.arg, why);
+        return why;
+    }
+    *evict = l->npending >= l->lo.max_pending;
+    return TDP_OK;
+}
+
+/* The peer's HELLO is in (on_hello set): the application picks this pipe's options. */
+static tdp_err hello_hook(void *arg, const tdp_hello *h, tdp_pipe_opts *opts)
+{
+    pend *e = arg;
+    tdp_listener *l = e->l;
+    uint32_t nsource = count_source(l, &e->src);
+    tdp_accept_info info = {
+        .peer = tdp__session_peer(e->p),
+        .pending = l->npending > 0 ? l->npending - 1 : 0, /* not this one */
+        .from_source = nsource > 0 ? nsource - 1 : 0, /* not this one */
+        .want_depth = h->want_depth,
+        .peer_depth = h->recv_depth,
+    };
+    return l->lo.on_hello(&info, opts, l->lo.hook_arg);
+}
+
 static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct sockaddr *sa,
                       int salen, void *arg)
 {
     tdp_listener *l = arg;
     l->pause_ms = 0; /* accepting works (again) */
     source src = source_of(sa);
-    /* a server at its limit turns the socket away before any handshake */
-    enum tdp__admit adm = l->hooks.admit != NULL
-                              ? l->hooks.admit(l->hooks.arg, l->npending, count_source(l, &src))
-                              : TDP__ADMIT;
-    if (adm == TDP__REFUSE) {
+    char peer[INET6_ADDRSTRLEN + 16];
+    peer_name(sa, salen, peer, sizeof(peer));
+    bool evict;
+    tdp_err why = admission(l, &src, peer, &evict);
+    if (why != TDP_OK) {
+        /* turned away before any handshake: a BYE instead of a HELLO */
         int64_t ms = l->opts.connect_timeout_ms < REFUSAL_MS ? l->opts.connect_timeout_ms
                                                              : REFUSAL_MS;
-        tdp__ctl_refuse(&l->refusals, l->loop, fd, TDP_ELIMIT, ms);
+        tdp__ctl_refuse(&l->refusals, l->loop, fd, why, ms);
         return;
     }
-    if (adm == TDP__ADMIT_EVICT)
+    if (evict)
         evict_oldest(l);
     tdp_err rc;
     pend *e = tdp__calloc(1, sizeof(*e));
@@ -178,6 +246,8 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
     l->npending++;
     if (l->hooks.pending != NULL)
         l->hooks.pending(l->hooks.arg, l->npending);
+    if (l->lo.on_hello != NULL)
+        tdp__session_answer_hello(p, hello_hook, e);
     rc = tdp__session_accept(p, fd, sa, on_ready, e);
     if (rc != TDP_OK) { /* nothing was called back */
         unlink_pending(l, e);
@@ -274,15 +344,58 @@ static void listen_task(void *arg)
     r->rc = TDP_OK;
 }
 
+void tdp_listener_opts_default(tdp_listener_opts *o)
+{
+    if (o == NULL)
+        return;
+    *o = (tdp_listener_opts){
+        .size = sizeof(*o),
+        .max_pending = DEFAULT_MAX_PENDING,
+        .max_per_source = DEFAULT_PER_SOURCE,
+    };
+    tdp_pipe_opts_default(&o->pipe);
+}
+
+/* Defaults for what the caller left zero or did not know of (a smaller size). */
+static void listener_opts_resolve(const tdp_listener_opts *in, tdp_listener_opts *out)
+{
+    tdp_listener_opts_default(out);
+    if (in == NULL)
+        return;
+    size_t n = in->size < sizeof(*in) ? in->size : sizeof(*in);
+#define TAKE(f)                                                                                    \
+    if (offsetof(tdp_listener_opts, f) + sizeof(in->f) <= n && in->f)                              \
+        out->f = in->f;
+    TAKE(max_pending)
+    TAKE(max_per_source)
+    TAKE(admit)
+    TAKE(on_hello)
+    TAKE(hook_arg)
+#undef TAKE
+    if (offsetof(tdp_listener_opts, pipe) + sizeof(in->pipe) <= n && in->pipe.size != 0)
+        out->pipe = in->pipe;
+}
+
 tdp_err tdp_listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
                          tdp_listener **out)
+{
+    tdp_listener_opts lo;
+    tdp_listener_opts_default(&lo);
+    if (opts != NULL)
+        lo.pipe = *opts;
+    return tdp__listener_new(loop, bind_host, port, &lo, on_accept, arg, NULL, out);
+}
+
+tdp_err tdp_listener_new_opts(tdp_loop *loop, const char *bind_host, uint16_t port,
+                              const tdp_listener_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                              tdp_listener **out)
 {
     return tdp__listener_new(loop, bind_host, port, opts, on_accept, arg, NULL, out);
 }
 
 tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
-                          const tdp_pipe_opts *opts, tdp_pipe_cb on_accept, void *arg,
+                          const tdp_listener_opts *opts, tdp_pipe_cb on_accept, void *arg,
                           const tdp__listener_hooks *hooks, tdp_listener **out)
 {
     if (loop == NULL || out == NULL)
@@ -306,7 +419,10 @@ tdp_err tdp__listener_new(tdp_loop *loop, const char *bind_host, uint16_t port,
     if (l == NULL)
         return TDP_ENOMEM;
     l->loop = loop;
-    tdp__opts_resolve(opts, &l->opts, &l->limits);
+    listener_opts_resolve(opts, &l->lo);
+    tdp__opts_resolve(&l->lo.pipe, &l->opts, &l->limits);
+    l->lo.pipe.limits = NULL; /* copied into l->limits; the caller's may not outlive this call */
+    l->lo.pipe.secret = NULL; /* copied below */
     if (l->opts.secret != NULL) {
         if (l->opts.secret_len < TDP_SECRET_MIN || l->opts.secret_len > TDP_SECRET_MAX) {
             tdp__free(l);

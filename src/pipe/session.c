@@ -21,6 +21,7 @@
 #include "../core/alloc.h"
 #include "../core/log.h"
 #include "../core/reap.h"
+#include "../core/sized.h"
 #include "../schema/schema_int.h"
 
 #define MAX_PLANES 4
@@ -59,6 +60,9 @@ struct tdp_pipe {
     bool same_host;
     tdp_pipe_cb ready_cb;
     void *ready_arg;
+    /* accepting with a hook: our HELLO answers the peer's (tdp__session_answer_hello) */
+    tdp__hello_hook hello_hook;
+    void *hello_hook_arg;
 
     /* planes: a link per candidate until the HELLO picks one */
     const tdp__plane_ops *cand[MAX_PLANES];
@@ -185,6 +189,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(secret)
     TAKE(secret_len)
     TAKE(reconnect_ms)
+    TAKE(want_peer_depth)
 #undef TAKE
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
@@ -193,6 +198,8 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     out->limits = NULL; /* copied into *lim */
     if (out->recv_depth > TDP_MAX_DEPTH)
         out->recv_depth = TDP_MAX_DEPTH;
+    if (out->want_peer_depth > TDP_MAX_DEPTH)
+        out->want_peer_depth = TDP_MAX_DEPTH;
 }
 
 const char *tdp_plane_name(tdp_plane plane)
@@ -469,6 +476,7 @@ static void send_hello(tdp_pipe *p)
      * (the link's start, not send_seq now: a dialer may open, and send, on
      * the peer's HELLO before its own connect event has sent this one) */
     h.resume = p->credit_base > 0 ? p->credit_base + 1 : 0;
+    h.want_depth = p->opts.want_peer_depth;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
     for (uint32_t i = 0; i < p->depth; i++)
@@ -492,6 +500,27 @@ static void send_hello(tdp_pipe *p)
 static void on_ctl_connected(void *owner)
 {
     send_hello(owner);
+}
+
+/* The peer's HELLO is in: a listener with a hook chooses, then answers. */
+static void on_ctl_hello_in(void *owner, const tdp_hello *h)
+{
+    tdp_pipe *p = owner;
+    if (p->hello_hook == NULL || p->state != PIPE_CONNECTING)
+        return;
+    tdp__hello_hook fn = p->hello_hook;
+    p->hello_hook = NULL; /* once */
+    tdp_pipe_opts o = p->opts;
+    tdp_err rc = fn(p->hello_hook_arg, h, &o);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "refused by the listener");
+        return;
+    }
+    p->depth = o.recv_depth < 1              ? 1
+               : o.recv_depth > TDP_MAX_DEPTH ? TDP_MAX_DEPTH
+                                              : o.recv_depth;
+    p->opts.recv_depth = p->depth;
+    send_hello(p);
 }
 
 static int link_index(const tdp_pipe *p, const tdp__link *l)
@@ -534,6 +563,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
     p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0 && p->ctl.peer_local;
     p->peer_depth = h->recv_depth;
+    p->stats.recv_depth = p->depth;
+    p->stats.peer_depth = p->peer_depth;
     if (p->stats.resumed_from != 0 && h->resume != p->stats.resumed_from) {
         pipe_fail(p, TDP_EPROTO, "the peer's first message does not start where its HELLO says");
         return;
@@ -608,6 +639,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
 
 static const tdp__ctl_up ctl_up = {
     .connected = on_ctl_connected,
+    .hello_in = on_ctl_hello_in,
     .hello = on_ctl_hello,
     .bye = on_ctl_bye,
     .closed = on_ctl_closed,
@@ -1624,8 +1656,15 @@ tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockad
     p->ready_cb = ready;
     p->ready_arg = arg;
     ready_deadline(p);
-    send_hello(p); /* a failure here is reported through ready */
+    if (p->hello_hook == NULL)
+        send_hello(p); /* a failure here is reported through ready */
     return TDP_OK;
+}
+
+void tdp__session_answer_hello(tdp_pipe *p, tdp__hello_hook fn, void *arg)
+{
+    p->hello_hook = fn;
+    p->hello_hook_arg = arg;
 }
 
 const char *tdp__session_peer(const tdp_pipe *p)
@@ -1704,12 +1743,20 @@ static void stats_task(void *arg)
     *(tdp_pipe_stats *)a[1] = ((tdp_pipe *)a[0])->stats;
 }
 
-void tdp_pipe_stats_get(const tdp_pipe *pipe, tdp_pipe_stats *out)
+void tdp_pipe_stats_get_sized(const tdp_pipe *pipe, tdp_pipe_stats *out, size_t size)
 {
     if (pipe == NULL || out == NULL)
         return;
-    void *a[2] = {(void *)pipe, out};
+    tdp_pipe_stats st;
+    void *a[2] = {(void *)pipe, &st};
     tdp__call_on_loop(pipe->loop, stats_task, a);
+    tdp__fill_sized(out, size, &st, sizeof(st));
+}
+
+/* Callers built before the macro: the struct as it was then. */
+void(tdp_pipe_stats_get)(const tdp_pipe *pipe, tdp_pipe_stats *out)
+{
+    tdp_pipe_stats_get_sized(pipe, out, offsetof(tdp_pipe_stats, resumed_from) + sizeof(uint64_t));
 }
 
 static void status_task(void *arg)

@@ -30,6 +30,15 @@ tdp_err tdp__session_dial(tdp_pipe *p, const struct sockaddr_storage *addrs,
 /* As dial, for an accepted socket (takes fd, also on failure). */
 tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockaddr *sa,
                             tdp_pipe_cb ready, void *arg);
+/*
+ * Accepting: wait for the peer's HELLO before sending ours, and when it is
+ * in call fn with a copy of the pipe's options, of which recv_depth is
+ * taken back (clamped to 1..TDP_MAX_DEPTH). TDP_OK goes on; an error
+ * refuses the peer (BYE with that reason; ready gets it). Set before
+ * tdp__session_accept.
+ */
+typedef tdp_err (*tdp__hello_hook)(void *arg, const tdp_hello *h, tdp_pipe_opts *opts);
+void tdp__session_answer_hello(tdp_pipe *p, tdp__hello_hook fn, void *arg);
 /* Free a pipe that never started, or drop a handshaking one without a ready call. */
 void tdp__session_destroy(tdp_pipe *p);
 const char *tdp__session_peer(const tdp_pipe *p);

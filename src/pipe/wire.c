@@ -104,7 +104,7 @@ static bool planes_ok(const uint8_t *ids, size_t n)
 
 static bool fixed_ok(uint32_t recv_depth, uint32_t peer_mode)
 {
-    return recv_depth >= 1 && recv_depth <= 64 && peer_mode <= TDP_PEER_SOCKET;
+    return recv_depth >= 1 && recv_depth <= TDP_HX_MAX_DEPTH && peer_mode <= TDP_PEER_SOCKET;
 }
 
 /*
@@ -142,6 +142,11 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
         if (h->resume < 2 || h->resume > TDP_RESUME_MAX)
             return TDP_EINVAL;
         n += TDP_HX_HDR_LEN + hx_span(8);
+    }
+    if (h->want_depth != 0) {
+        if (h->want_depth > TDP_HX_MAX_DEPTH)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(4);
     }
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
@@ -206,6 +211,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         *hx_put(&p, TDP_HX_AUTH, 1) = h->auth;
     if (h->resume != 0)
         put64(hx_put(&p, TDP_HX_RESUME, 8), h->resume);
+    if (h->want_depth != 0)
+        put32(hx_put(&p, TDP_HX_WANT_DEPTH, 4), h->want_depth);
     return TDP_OK;
 }
 
@@ -254,6 +261,14 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
             return TDP_EPROTO;
         h->resume = get64(v);
         if (h->resume < 2 || h->resume > TDP_RESUME_MAX)
+            return TDP_EPROTO;
+        return TDP_OK;
+    case TDP_HX_WANT_DEPTH:
+        /* only a wish: the receiver's listener decides, within its own bounds */
+        if (h->want_depth != 0 || vlen != 4)
+            return TDP_EPROTO;
+        h->want_depth = get32(v);
+        if (h->want_depth == 0 || h->want_depth > TDP_HX_MAX_DEPTH)
             return TDP_EPROTO;
         return TDP_OK;
     case 0:

@@ -62,6 +62,7 @@ typedef struct tdp_ctl_hdr {
 #define TDP_HX_ALIGN       8u
 #define TDP_HX_MAX_RECORDS 64u
 #define TDP_HX_CRITICAL    (1u << 0) /* record flag; the other bits are ignored */
+#define TDP_HX_MAX_DEPTH   64u       /* receive depths, in the fixed part and records */
 
 /* Extension record types. 0 is never a record type. */
 enum tdp_hx_type {
@@ -71,6 +72,7 @@ enum tdp_hx_type {
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
     TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
+    TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
 };
 
 /*
@@ -118,6 +120,7 @@ typedef struct tdp_hello {
     } shm;
     uint8_t auth; /* TDP_HX_AUTH: 0 (none) or TDP_AUTH_HMAC_SHA256 */
     uint64_t resume; /* TDP_HX_RESUME: 0 (a fresh stream) or 2..2^62 */
+    uint32_t want_depth; /* TDP_HX_WANT_DEPTH: 0 (no wish) or 1..64 */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */

@@ -19,10 +19,9 @@
 #include "../pipe/session.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
+#include "../core/sized.h"
 
 #define DEFAULT_MAX_CLIENTS  1024u
-#define DEFAULT_MAX_PENDING  256u
-#define DEFAULT_PER_SOURCE   32u
 #define DEFAULT_IDLE_MS      300000
 #define DEFAULT_HANDSHAKE_MS 5000
 #define DEFAULT_REPLIES      4u
@@ -112,13 +111,15 @@ void tdp_server_opts_default(tdp_server_opts *o)
 {
     if (o == NULL)
         return;
+    tdp_listener_opts lo; /* the handshake limits are the listener's: one set of defaults */
+    tdp_listener_opts_default(&lo);
     *o = (tdp_server_opts){
         .size = sizeof(*o),
         .max_clients = DEFAULT_MAX_CLIENTS,
         .handshake_timeout_ms = DEFAULT_HANDSHAKE_MS,
         .max_replies_queued = 0, /* 4, or the receive depth when larger */
-        .max_pending = DEFAULT_MAX_PENDING,
-        .max_per_source = DEFAULT_PER_SOURCE,
+        .max_pending = lo.max_pending,
+        .max_per_source = lo.max_per_source,
         .idle_timeout_ms = DEFAULT_IDLE_MS,
     };
     tdp_pipe_opts_default(&o->pipe);
@@ -175,14 +176,22 @@ static void stats_sync(tdp_client *c)
     c->seen = now;
 }
 
-void tdp_server_stats_get(const tdp_server *s, tdp_server_stats *out)
+void tdp_server_stats_get_sized(const tdp_server *s, tdp_server_stats *out, size_t size)
 {
     if (s == NULL || out == NULL)
         return;
     tdp_server *m = (tdp_server *)s; /* the lock is not part of the value */
+    tdp_server_stats st;
     pthread_mutex_lock(&m->mtx);
-    *out = m->st;
+    st = m->st;
     pthread_mutex_unlock(&m->mtx);
+    tdp__fill_sized(out, size, &st, sizeof(st));
+}
+
+/* Callers built before the macro: the struct as it was then. */
+void(tdp_server_stats_get)(const tdp_server *s, tdp_server_stats *out)
+{
+    tdp_server_stats_get_sized(s, out, offsetof(tdp_server_stats, idle_closed) + sizeof(uint64_t));
 }
 
 /* ---- clients: creation and freeing ------------------------------------------ */
@@ -556,10 +565,10 @@ void *tdp_client_get_data(const tdp_client *c)
 
 /*
  * Handshakes and clients are counted apart: sockets that never complete a
- * handshake take no client's place, and one source cannot take every
- * handshake's place either.
+ * handshake take no client's place. The handshake limits (max_pending,
+ * max_per_source) are the listener's own.
  */
-static enum tdp__admit srv_admit(void *arg, uint32_t npending, uint32_t nsource)
+static bool srv_admit(void *arg, uint32_t npending)
 {
     tdp_server *s = arg;
     const char *why = NULL;
@@ -567,14 +576,18 @@ static enum tdp__admit srv_admit(void *arg, uint32_t npending, uint32_t nsource)
         why = "stopping";
     else if (s->nclients >= s->opts.max_clients)
         why = "max clients";
-    else if (nsource >= s->opts.max_per_source)
-        why = "max handshakes from one source";
     if (why == NULL)
-        return npending >= s->opts.max_pending ? TDP__ADMIT_EVICT : TDP__ADMIT;
+        return true;
     STAT_ADD(s, refused, 1);
-    tdp_log_debug("server: refusing a client: %s (%u clients, %u handshaking, %u from its source)",
-                  why, s->nclients, npending, nsource);
-    return TDP__REFUSE;
+    tdp_log_debug("server: refusing a client: %s (%u clients, %u handshaking)", why, s->nclients,
+                  npending);
+    return false;
+}
+
+static void srv_refused(void *arg, tdp_err why)
+{
+    tdp_server *s = arg;
+    STAT_ADD(s, refused, 1);
 }
 
 static void srv_pending(void *arg, uint32_t npending)
@@ -746,11 +759,17 @@ tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const td
     }
     tdp__listener_hooks hooks = {
         .admit = srv_admit,
+        .refused = srv_refused,
         .handshake_failed = srv_handshake_failed,
         .pending = srv_pending,
         .arg = s,
     };
-    tdp_err rc = tdp__listener_new(loop, host, port, &po, srv_on_accept, s, &hooks, &s->lis);
+    tdp_listener_opts lo;
+    tdp_listener_opts_default(&lo);
+    lo.pipe = po;
+    lo.max_pending = s->opts.max_pending;
+    lo.max_per_source = s->opts.max_per_source;
+    tdp_err rc = tdp__listener_new(loop, host, port, &lo, srv_on_accept, s, &hooks, &s->lis);
     if (rc != TDP_OK) {
         server_release(s);
         return rc;
