@@ -1471,13 +1471,46 @@ static void srv_on_close(tdp_client *c, tdp_err status, void *arg)
     PyGILState_Release(st);
 }
 
-/* Server(host, port, handler, on_close, opts, max_clients) */
+/* A limit of tdp_server_opts from Python: None or 0 keeps the default. */
+static int limit_u32(PyObject *o, const char *name, uint32_t *out)
+{
+    if (o == NULL || o == Py_None)
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "%s must be an integer >= 0", name);
+        return -1;
+    }
+    if (v > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s must be at most %u", name, (unsigned)UINT32_MAX);
+        return -1;
+    }
+    if (v > 0)
+        *out = (uint32_t)v;
+    return 0;
+}
+
+/* A timeout limit in seconds (None keeps the default; < 0: none). */
+static int limit_ms(PyObject *o, int64_t *out)
+{
+    if (o == NULL || o == Py_None)
+        return 0;
+    return timeout_ms(o, out);
+}
+
+/*
+ * Server(host, port, handler, on_close, opts, max_clients, max_pending,
+ *        max_per_source, idle_timeout, handshake_timeout)
+ */
 static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     const char *host;
-    int port, max_clients = 0;
+    int port;
     PyObject *handler, *on_close = Py_None, *d = NULL;
-    if (!PyArg_ParseTuple(args, "ziO|OOi", &host, &port, &handler, &on_close, &d, &max_clients))
+    PyObject *max_clients = NULL, *max_pending = NULL, *max_per_source = NULL;
+    PyObject *idle = NULL, *handshake = NULL;
+    if (!PyArg_ParseTuple(args, "ziO|OOOOOOO", &host, &port, &handler, &on_close, &d,
+                          &max_clients, &max_pending, &max_per_source, &idle, &handshake))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
@@ -1485,10 +1518,12 @@ static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
     }
     tdp_server_opts so;
     tdp_server_opts_default(&so);
-    if (parse_opts(d, &so.pipe) < 0)
+    if (parse_opts(d, &so.pipe) < 0 || limit_u32(max_clients, "max_clients", &so.max_clients) < 0 ||
+        limit_u32(max_pending, "max_pending", &so.max_pending) < 0 ||
+        limit_u32(max_per_source, "max_per_source", &so.max_per_source) < 0 ||
+        limit_ms(idle, &so.idle_timeout_ms) < 0 ||
+        limit_ms(handshake, &so.handshake_timeout_ms) < 0)
         return NULL;
-    if (max_clients > 0)
-        so.max_clients = (uint32_t)max_clients;
     tdp_loop *loop = get_loop();
     if (loop == NULL)
         return NULL;
@@ -1565,7 +1600,8 @@ static PyObject *server_stats(ServerObject *self, PyObject *unused)
     tdp_server *srv = self->srv;
     Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total", s.clients_total,
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total",
+        s.clients_total, "pending_now", s.pending_now, "idle_closed", s.idle_closed,
         "refused", s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors",
         s.handler_errors, "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent",
         s.msgs_sent, "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv",

@@ -366,16 +366,24 @@ class Server:
     The handler runs on the library's loop thread, holding the GIL; an
     exception in it is printed and closes that client only (it sees
     PeerError). on_close(client_id, code) is called when a client goes.
+
+    Limits (None or 0: the library's default; docs/server.md, "Limits"):
+    max_clients; max_pending, handshakes under way (one more drops the
+    oldest); max_per_source, handshakes under way from one IPv4 address or
+    IPv6 /64; idle_timeout, seconds without a message either way before a
+    client is closed (< 0: never); handshake_timeout, seconds.
     """
 
     def __init__(self, host, port, handler, *, as_="torch", on_close=None,
-                 max_clients=0, **opts):
+                 max_clients=None, max_pending=None, max_per_source=None,
+                 idle_timeout=None, handshake_timeout=None, **opts):
         self._handler = handler
         self.as_ = as_
         self._unpack = Unpacker()
         self._cache = SchemaCache()
         self._raw = _tdpipe.Server(host, int(port), self._on_message, on_close,
-                                   _opts(opts), int(max_clients))
+                                   _opts(opts), max_clients, max_pending, max_per_source,
+                                   idle_timeout, handshake_timeout)
 
     def _on_message(self, td, client_id):
         req = self._unpack(td, self.as_)

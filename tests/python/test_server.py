@@ -1,4 +1,5 @@
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,3 +65,32 @@ def test_server_handler_error_closes_only_that_client():
         assert good.recv(timeout=10)["ok"].tolist() == [1.0]
         good.close(5)
         assert srv.stats()["handler_errors"] == 1
+
+
+def test_server_limits_idle_timeout():
+    def handler(req):
+        return None
+
+    closed = []
+    with tdpipe.Server("127.0.0.1", 0, handler, idle_timeout=0.3, max_pending=8,
+                       max_per_source=4, max_clients=2,
+                       on_close=lambda cid, code: closed.append(code)) as srv:
+        with tdpipe.connect("127.0.0.1", srv.port) as p:
+            # silent for longer than idle_timeout (checked every quarter of it)
+            deadline = time.monotonic() + 5
+            while srv.stats()["idle_closed"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            st = srv.stats()
+            assert st["idle_closed"] == 1, st
+            assert st["pending_now"] == 0 and st["clients_total"] == 1, st
+            with pytest.raises(tdpipe.ClosedError):
+                p.recv(timeout=5)
+        srv.shutdown(5)
+    assert len(closed) == 1
+
+
+def test_server_limits_bad_values():
+    with pytest.raises(ValueError):
+        tdpipe.Server("127.0.0.1", 0, lambda r: None, max_pending=-1)
+    with pytest.raises(ValueError):
+        tdpipe.Server("127.0.0.1", 0, lambda r: None, max_clients=2**32)
