@@ -30,7 +30,7 @@ static bool same_bytes(const void *a, uint32_t na, const void *b, uint32_t nb)
 /* What a decoded HELLO promises, whatever the input was. */
 static void check_hello(const tdp_hello *h, const uint8_t *pl, size_t n)
 {
-    if (h->recv_depth == 0 || h->recv_depth > 64 || h->unknown_critical != 0)
+    if (h->recv_depth == 0 || h->recv_depth > 64 || h->want_depth > 64 || h->unknown_critical != 0)
         abort();
     if (h->planes != NULL) {
         if (h->nplanes == 0 || h->nplanes > TDP_MAX_PLANES || !inside(h->planes, h->nplanes, pl, n))
@@ -77,7 +77,8 @@ static void check_reencode(const tdp_hello *h)
         !same_bytes(h2.shm.key, h2.shm.key ? TDP_SHM_KEY_LEN : 0, h->shm.key,
                     h->shm.key ? TDP_SHM_KEY_LEN : 0) ||
         !same_bytes(h2.shm.name, h2.shm.name_len, h->shm.name, h->shm.name_len) ||
-        h2.auth != h->auth || h2.resume != h->resume || h2.nskipped != 0)
+        h2.auth != h->auth || h2.resume != h->resume || h2.want_depth != h->want_depth ||
+        h2.nskipped != 0)
         abort();
     free(re);
 }
@@ -132,7 +133,7 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
             if (hello.planes != NULL)
                 check_planes(hello.planes, hello.nplanes);
         } else if (rc == TDP_EVERSION) {
-            if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_RESUME)
+            if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_WANT_DEPTH)
                 abort();
         } else if (rc != TDP_EPROTO) {
             abort();
