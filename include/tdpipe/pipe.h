@@ -396,7 +396,9 @@ TDP_API void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg);
  * drop the reference (tdp_td_unref) — a loan not sent goes back when
  * unreferenced. Other planes lend an ordinary buffer. Loop thread or any
  * thread; TDP_EAGAIN when every slot is in use (retry after a send
- * completes), TDP_EINVAL before the pipe is open.
+ * completes) and, on the shm plane just after the pipe opened, until the
+ * peer's shared-memory connection is proven (retry shortly; microseconds
+ * on an idle host), TDP_EINVAL before the pipe is open.
  */
 TDP_API tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out);
 

@@ -571,8 +571,13 @@ static int tx_arm(void *arg)
 
 static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 {
-    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU || l->sock < 0 || !l->proven || l->failed)
-        return tdp_td_new(sc, out); /* no slot to lend (yet): an ordinary buffer */
+    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU || l->failed)
+        return tdp_td_new(sc, out); /* no slot to lend: an ordinary buffer */
+    if (l->sock < 0 || !l->proven)
+        /* just after the HELLO, the peer's socket connect and proof may still
+         * be on their way (the larger key waits for them): an ordinary buffer
+         * now would be copied at its send, so ask for a retry instead */
+        return TDP_EAGAIN;
     uint64_t need = tdp_schema_total_bytes(sc);
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK)
@@ -1489,12 +1494,19 @@ void tdp__shm_step_ring(tdp__link *l)
         rx_progress(l);
 }
 
+static bool in_seg(const tdp__shm_seg *seg, const void *p)
+{
+    const uint8_t *base = tdp__shm_seg_base(seg);
+    return (const uint8_t *)p >= base && (const uint8_t *)p < base + tdp__shm_seg_geom(seg)->total_bytes;
+}
+
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p)
 {
-    for (rx_pool *rp = l != NULL ? l->rpool : NULL; rp != NULL; rp = rp->next) {
-        const uint8_t *base = tdp__shm_seg_base(rp->seg);
-        if ((const uint8_t *)p >= base && (const uint8_t *)p < base + tdp__shm_seg_geom(rp->seg)->total_bytes)
+    for (rx_pool *rp = l != NULL ? l->rpool : NULL; rp != NULL; rp = rp->next)
+        if (in_seg(rp->seg, p))
             return true;
-    }
+    for (tx_pool *tp = l != NULL ? l->pool : NULL; tp != NULL; tp = tp->next)
+        if (in_seg(tp->seg, p))
+            return true;
     return false;
 }

@@ -35,7 +35,8 @@ uint32_t tdp__shm_desc_word(uint32_t type, uint32_t gen);
 void tdp__shm_step_socket(tdp__link *l);
 void tdp__shm_step_ring(tdp__link *l);
 
-/* True when p lies in a pool segment the link has mapped (zero-copy proof). */
+/* True when p lies in a pool segment the link has mapped, its own (sending)
+ * or the peer's (receiving): the zero-copy proof. */
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
 
 #endif

@@ -1411,6 +1411,18 @@ tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out)
         return TDP_EINVAL;
     loan_req r = {pipe, schema, out, TDP_EINTERNAL};
     tdp__call_on_loop(pipe->loop, loan_task, &r);
+    if (r.rc == TDP_EAGAIN && !tdp__loop_running(pipe->loop)) {
+        /*
+         * Nobody drives the loop (blocking calls only, none under way): what
+         * would end the wait (a release from the peer, its shared-memory
+         * proof) is read only when someone does. Give it one turn that does
+         * not sleep, then ask again, so a caller retrying is not stuck.
+         */
+        volatile bool never = false;
+        (void)tdp__loop_run_until(pipe->loop, &never, 0);
+        r.rc = TDP_EINTERNAL;
+        tdp__call_on_loop(pipe->loop, loan_task, &r);
+    }
     return r.rc;
 }
 
