@@ -326,8 +326,7 @@ static void test_latency_stats(void **state)
     assert_true(sm.max < (uint64_t)TMO * 1000000u);
     assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_RECV_WAIT, h), TDP_OK);
     tdp_hist_summarize(h, &sm);
-    print_message("recv wait: min %" PRIu64 " p50 %" PRIu64 " p99 %" PRIu64 " max %" PRIu64
-                  " ns\n",
+    print_message("recv wait: min %" PRIu64 " p50 %" PRIu64 " p99 %" PRIu64 " max %" PRIu64 " ns\n",
                   sm.min, sm.p50, sm.p99, sm.max);
     assert_int_equal(sm.count, N);
     assert_true(sm.min <= sm.p50 && sm.p50 <= sm.p99 && sm.p99 <= sm.max);

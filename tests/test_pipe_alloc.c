@@ -186,10 +186,11 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     assert_int_equal(tx.rc, TDP_OK);
     assert_int_equal(rx.rc, TDP_OK);
 
-    print_message("%s%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
-                  "; process mallocs: %s%" PRIu64 "\n",
-                  tdp_plane_name(plane), loan ? " loaned" : "", lat ? " latency_stats" : "", nbytes, depth, STEADY,
-                  rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
+    print_message(
+        "%s%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
+        "; process mallocs: %s%" PRIu64 "\n",
+        tdp_plane_name(plane), loan ? " loaned" : "", lat ? " latency_stats" : "", nbytes, depth,
+        STEADY, rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     if (HAVE_INTERPOSE) {
         assert_true(rx.m1 > 0); /* the interposition works at all */

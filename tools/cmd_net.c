@@ -191,7 +191,10 @@ static const char recv_help[] =
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
     "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
-    TDP_CLI_REPORT_HELP
+    "      --interval S    a rate line on stderr every S seconds (default: 1 when\n"
+    "                      stderr is a terminal, else none; 0: none)\n"
+    "      --json          the summary as one JSON object on stdout, rate lines as\n"
+    "                      JSON objects on stderr (keys: docs/cli.md)\n"
     "  -q, --quiet         no rate lines (unless --interval is given)\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
@@ -238,9 +241,10 @@ static int recv_parse(int argc, char **argv, recv_args *a)
     uint64_t v;
     int c;
 
-    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000, .latency = true},
-                     .verify = true,
-                     .interval = TDP_CLI_INTERVAL_UNSET};
+    *a = (recv_args){
+        .listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000, .latency = true},
+        .verify = true,
+        .interval = TDP_CLI_INTERVAL_UNSET};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -269,8 +273,8 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case OPT_INTERVAL:
             if (!tdp_cli_parse_interval(optarg, &a->interval))
-                return tdp_cli_usage_error("recv", "invalid interval '%s' (seconds: 0, or 0.01 and up)",
-                                           optarg);
+                return tdp_cli_usage_error(
+                    "recv", "invalid interval '%s' (seconds: 0, or 0.01 and up)", optarg);
             break;
         case OPT_JSON:
             a->json = true;
@@ -368,7 +372,10 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         json_t *o = json_object();
         json_object_set_new(o, "cmd", json_string("recv"));
         tdp_cli_meter_json(o, m, now);
-        json_object_set_new(o, "verify", json_string(!a->verify ? "off" : r->bad ? "failed" : "ok"));
+        json_object_set_new(o, "verify",
+                            json_string(!a->verify ? "off"
+                                        : r->bad   ? "failed"
+                                                   : "ok"));
         json_object_set_new(o, "bad", json_integer((json_int_t)r->bad));
         json_object_set_new(o, "end", json_string(how));
         json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
@@ -427,9 +434,8 @@ int tdp_cmd_recv(int argc, char **argv)
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     tdp_cli_meter_start(&m, 0);
-    tdp_cli_ticker *tick = tdp_cli_ticker_start("recv", 0, a.json,
-                                                tdp_cli_interval(a.interval, a.quiet),
-                                                tdp_cli_sample_recv, pipe);
+    tdp_cli_ticker *tick = tdp_cli_ticker_start(
+        "recv", 0, a.json, tdp_cli_interval(a.interval, a.quiet), tdp_cli_sample_recv, pipe);
     recv_loop(pipe, &a, &m, &r);
     tdp_cli_ticker_stop(tick);
     ec = recv_report(pipe, &a, &m, &r);
@@ -481,7 +487,10 @@ static const char send_help[] =
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
     "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
-    TDP_CLI_REPORT_HELP
+    "      --interval S    a rate line on stderr every S seconds (default: 1 when\n"
+    "                      stderr is a terminal, else none; 0: none)\n"
+    "      --json          the summary as one JSON object on stdout, rate lines as\n"
+    "                      JSON objects on stderr (keys: docs/cli.md)\n"
     "  -q, --quiet         no rate lines (unless --interval is given), no notices\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
@@ -556,8 +565,8 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_INTERVAL:
             if (!tdp_cli_parse_interval(optarg, &a->interval))
-                return tdp_cli_usage_error("send", "invalid interval '%s' (seconds: 0, or 0.01 and up)",
-                                           optarg);
+                return tdp_cli_usage_error(
+                    "send", "invalid interval '%s' (seconds: 0, or 0.01 and up)", optarg);
             break;
         case OPT_JSON:
             a->json = true;
@@ -706,8 +715,8 @@ static void pace_until(uint64_t deadline_ns)
  * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
  * *refused: the receiver sent a notice (it cannot serve us as started).
  */
-static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter *m,
-                         tdp_hist *rtt, bool *refused)
+static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter *m, tdp_hist *rtt,
+                         bool *refused)
 {
     uint64_t t0 = m->start_ns;
     for (uint64_t seq = 1; seq <= a->count; seq++) {
@@ -870,8 +879,8 @@ int tdp_cmd_send(int argc, char **argv)
         char end[48];
         snprintf(end, sizeof(end), "interrupted (%s)", signal_name(sig));
         send_report_json(pipe, &a, &m, &rtt, tdp_td_nbytes(td),
-                         refused    ? "refused"
-                         : sig != 0 ? end
+                         refused        ? "refused"
+                         : sig != 0     ? end
                          : rc == TDP_OK ? "ok"
                                         : tdp_strerror(rc));
     } else {
@@ -881,8 +890,8 @@ int tdp_cmd_send(int argc, char **argv)
         if (a.reconnect_ms > 0) {
             tdp_pipe_stats st;
             tdp_pipe_stats_get(pipe, &st);
-            printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n",
-                   st.reconnects, a.lost);
+            printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n", st.reconnects,
+                   a.lost);
         }
         send_report_extra(pipe, &a, &rtt);
     }

@@ -369,7 +369,9 @@ static void on_close(tdp_client *c, tdp_err status, void *arg)
         printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
                how, cs->msgs, tdp_cli_s(cs->msgs),
                tdp_cli_format_size(cs->bytes, size, sizeof(size)),
-               mode == NULL ? "" : cs->echo ? ", echoed" : ", sunk");
+               mode == NULL ? ""
+               : cs->echo   ? ", echoed"
+                            : ", sunk");
     }
     tdp_client_set_data(c, NULL);
     free(cs);
@@ -468,9 +470,10 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns, const char *
         json_object_set_new(o, "handshakes_failed", json_integer((json_int_t)st.handshakes_failed));
         json_object_set_new(o, "client_errors", json_integer((json_int_t)st.client_errors));
         json_object_set_new(o, "handler_errors", json_integer((json_int_t)st.handler_errors));
-        json_object_set_new(o, "verify", json_string(atomic_load(&ctx->checked) == 0 ? "off"
-                                                     : atomic_load(&ctx->bad) > 0    ? "failed"
-                                                                                     : "ok"));
+        json_object_set_new(o, "verify",
+                            json_string(atomic_load(&ctx->checked) == 0 ? "off"
+                                        : atomic_load(&ctx->bad) > 0    ? "failed"
+                                                                        : "ok"));
         json_object_set_new(o, "bad", json_integer((json_int_t)atomic_load(&ctx->bad)));
         json_object_set_new(o, "depth", json_integer(ctx->args->depth));
         tdp_cli_json_line(o, stdout);

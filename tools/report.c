@@ -77,8 +77,8 @@ void tdp_cli_rate_line(tdp_cli_rate *r, const tdp_cli_sample *now, FILE *f)
             json_object_set_new(o, "credit_waits", json_integer((json_int_t)now->credit_waits));
         tdp_cli_json_line(o, f);
     } else {
-        char rate[TDP_CLI_FMT_LEN], orate[TDP_CLI_FMT_LEN], who[64] = "", out[128] = "",
-                                                              waits[48] = "";
+        char rate[TDP_CLI_FMT_LEN], orate[TDP_CLI_FMT_LEN];
+        char who[64] = "", out[128] = "", waits[48] = "";
         if (clients) {
             snprintf(who, sizeof(who), " %" PRIu64 " client%s (%" PRIu64 " total),", now->clients,
                      tdp_cli_s(now->clients), now->clients_total);

@@ -45,20 +45,13 @@ bool tdp_cli_parse_interval(const char *s, double *out);
  */
 double tdp_cli_interval(double given, bool quiet);
 
-/* The help text of the two options, the same in send, recv and serve. */
-#define TDP_CLI_REPORT_HELP                                                                        \
-    "      --interval S    a rate line on stderr every S seconds (default: 1 when\n"               \
-    "                      stderr is a terminal, else none; 0: none)\n"                            \
-    "      --json          the summary as one JSON object on stdout, rate lines as\n"              \
-    "                      JSON objects on stderr (keys: docs/cli.md)\n"
-
 /* ---- rate lines ------------------------------------------------------------ */
 
 /* One reading of the counters a rate line shows (totals since the start). */
 typedef struct tdp_cli_sample {
-    uint64_t msgs, bytes;         /* sent (send) or received (recv, serve) */
-    uint64_t msgs_out, bytes_out; /* serve: sent back */
-    uint64_t credit_waits;        /* send */
+    uint64_t msgs, bytes;            /* sent (send) or received (recv, serve) */
+    uint64_t msgs_out, bytes_out;    /* serve: sent back */
+    uint64_t credit_waits;           /* send */
     uint64_t clients, clients_total; /* serve */
 } tdp_cli_sample;
 
