@@ -1251,10 +1251,12 @@ static void a_recv_cb(tdp_op *op, void *arg)
 static void test_async_ops(void **state)
 {
     env e;
-    tdp_pipe_opts so;
+    tdp_pipe_opts so, co;
     tdp_pipe_opts_default(&so);
+    tdp_pipe_opts_default(&co);
     so.recv_depth = 8;
-    env_up(&e, &so, NULL);
+    co.latency_stats = true; /* async sends are timed from tdp_pipe_send_async */
+    env_up(&e, &so, &co);
     tdp_schema *s = bytes_schema(10000);
     tdp_td *td[8];
     tdp_op *sops[8], *rop;
@@ -1281,6 +1283,13 @@ static void test_async_ops(void **state)
     assert_int_equal(atomic_load_explicit(&c.sends_done, memory_order_acquire), 8);
     assert_int_equal(c.last, TDP_OK);
     assert_true(c.on_thread);
+    tdp_hist *h = malloc(sizeof(*h));
+    assert_non_null(h);
+    assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_SEND, h), TDP_OK);
+    assert_int_equal(h->count, 8);
+    assert_true(h->min > 0 && h->min <= h->max);
+    assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_RECV_WAIT, h), TDP_ENOTSUP);
+    free(h);
     /* a receive pending when the pipe is freed completes with ECANCELED */
     tdp_pipe_recv_async(e.srv, rop);
     tdp_pipe_free(e.srv);
