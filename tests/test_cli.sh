@@ -785,6 +785,161 @@ test_serve() {
     expect_in serve_lim out "10 messages in"
 }
 
+# ---- live figures: rate lines and --json --------------------------------------------
+
+# json_check NAME FILE CODE: FILE (a path) holds one JSON object (d) for which
+# the Python CODE (asserts) holds; "-" in FILE's place: the last line of
+# NAME's stdout.
+json_check() {
+    local name=$1 file=$2 code=$3 out
+    CHECKS=$((CHECKS + 1))
+    if [[ $file == - ]]; then
+        file=$WORK/$name.last
+        tail -n 1 "$WORK/$name.out" >"$file"
+    fi
+    if ! out=$(/usr/bin/python3 -c "import json,sys
+d = json.load(open(sys.argv[1]))
+$code" "$file" 2>&1); then
+        fail "$name: JSON check failed: $out"
+        dump "$WORK/$name.out" "$WORK/$name.err"
+    fi
+}
+
+# count_lines NAME out|err REGEX: how many lines of NAME's output match
+count_lines() {
+    grep -cE -- "$3" "$WORK/$1.$2" || true
+}
+
+test_live() {
+    local port rpid spid n out
+    # --json on both ends; rate-limited send with --interval: rate lines as JSON
+    start live_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --json --count 12
+    rpid=$PID
+    port=$(port_of live_recv) || return
+    run live_send 60 "$TDPIPE" send "127.0.0.1:$port" --count 12 --size 4KB --rate 15 \
+        --interval 0.2 --json
+    expect_rc live_send 0
+    finish live_recv "$rpid"
+    expect_rc live_recv 0
+    CHECKS=$((CHECKS + 1))
+    if [[ $(wc -l <"$WORK/live_send.out") != 1 ]]; then
+        fail "live_send: --json stdout is not one line"
+        dump "$WORK/live_send.out"
+    fi
+    json_check live_send - '
+assert d["cmd"] == "send" and d["msgs"] == 12 and d["bytes"] == 12 * 4000, d
+assert d["size"] == 4000 and d["end"] == "ok" and d["plane"] in ("ucx", "shm"), d
+assert 0.5 < d["elapsed_s"] < 30 and 5 < d["msgs_per_s"] < 20, d
+assert d["bytes_per_s"] > 0 and d["credit_waits"] >= 0 and d["peer"].startswith("127.0.0.1:"), d
+h = d["send_ns"]
+assert h["count"] == 12 and 0 < h["min"] <= h["p50"] <= h["p99"] <= h["p999"] <= h["max"], h
+assert h["max"] < 10e9 and h["min"] <= h["mean"] <= h["max"], h
+assert "rtt_ns" not in d, d'
+    n=$(count_lines live_send err '^\{"cmd":"send",')
+    CHECKS=$((CHECKS + 1))
+    if ((n < 2)); then
+        fail "live_send: $n JSON rate lines with --interval 0.2 over 0.8 s"
+        dump "$WORK/live_send.err"
+    fi
+    grep -E '^\{' "$WORK/live_send.err" | head -n 1 >"$WORK/live_rate.json"
+    json_check live_send "$WORK/live_rate.json" '
+assert d["cmd"] == "send" and 0 < d["elapsed_s"] < 30 and 0 <= d["msgs"] <= 12, d
+for k in ("bytes", "msgs_per_s", "bytes_per_s", "credit_waits"):
+    assert k in d and d[k] >= 0, (k, d)'
+    json_check live_recv - '
+assert d["cmd"] == "recv" and d["msgs"] == 12 and d["bytes"] == 12 * 4000, d
+assert d["verify"] == "ok" and d["bad"] == 0 and d["depth"] == 4, d
+assert d["end"] in ("count reached", "producer closed") and d["resumed_from"] == 0, d
+assert d["elapsed_s"] > 0 and d["msgs_per_s"] > 0 and d["plane"] in ("ucx", "shm"), d
+h = d["recv_wait_ns"]
+assert h["count"] >= 12 and h["min"] <= h["p50"] <= h["p99"] <= h["max"], h'
+    expect_in live_recv out "listening on 127.0.0.1:"
+
+    # text rate lines with --interval; none by default when stderr is a file
+    start live_recv2 60 "$TDPIPE" recv --bind 127.0.0.1 --interval 0.2
+    rpid=$PID
+    port=$(port_of live_recv2) || return
+    run live_text 60 "$TDPIPE" send "127.0.0.1:$port" --count 8 --size 4KB --rate 10 \
+        --interval 0.2
+    expect_rc live_text 0
+    finish live_recv2 "$rpid"
+    expect_rc live_recv2 0
+    start live_recv3 60 "$TDPIPE" recv --bind 127.0.0.1
+    rpid=$PID
+    port=$(port_of live_recv3) || return
+    run live_plain 60 "$TDPIPE" send "127.0.0.1:$port" --count 8 --size 4KB --rate 10
+    expect_rc live_plain 0
+    finish live_recv3 "$rpid"
+    expect_rc live_recv3 0
+    n=$(count_lines live_text err '^send: [0-9.]+ s, [0-9]+ messages?, [0-9]+ msgs/s, .*/s, [0-9]+ credit waits?$')
+    CHECKS=$((CHECKS + 1))
+    if ((n < 2)); then
+        fail "live_text: $n rate lines with --interval 0.2 over 0.7 s"
+        dump "$WORK/live_text.err"
+    fi
+    n=$(count_lines live_recv2 err '^recv: [0-9.]+ s, [0-9]+ messages?, [0-9]+ msgs/s')
+    CHECKS=$((CHECKS + 1))
+    if ((n < 2)); then
+        fail "live_recv2: $n rate lines with --interval 0.2"
+        dump "$WORK/live_recv2.err"
+    fi
+    n=$(($(count_lines live_plain err 'msgs/s') + $(count_lines live_recv3 err 'msgs/s')))
+    CHECKS=$((CHECKS + 1))
+    if ((n != 0)); then
+        fail "live_plain: $n rate lines with stderr not a terminal and no --interval"
+        dump "$WORK/live_plain.err" "$WORK/live_recv3.err"
+    fi
+    expect_in live_text out "send time: min "
+    expect_in live_text out ", p99.9 "
+    # a negative interval is a usage error
+    run live_bad 10 "$TDPIPE" send 127.0.0.1:1 --interval -1
+    expect_rc live_bad 2
+    expect_in live_bad err "invalid interval '-1'"
+
+    # serve --json: every line after 'listening on' is an object; --echo's round trips
+    start live_serve 60 "$TDPIPE" serve --bind 127.0.0.1 --json --count 10 --interval 0
+    spid=$PID
+    port=$(port_of live_serve) || return
+    run live_echo 60 "$TDPIPE" send "127.0.0.1:$port" --echo --count 10 --size 8KB --json
+    expect_rc live_echo 0
+    finish live_serve "$spid"
+    expect_rc live_serve 0
+    json_check live_echo - '
+assert d["cmd"] == "send" and d["msgs"] == 10 and d["end"] == "ok", d
+h = d["rtt_ns"]
+assert h["count"] == 10 and 0 < h["min"] <= h["p50"] <= h["p99"] <= h["p999"] <= h["max"], h
+assert d["send_ns"]["count"] == 10, d'
+    tail -n +2 "$WORK/live_serve.out" >"$WORK/live_serve.lines"
+    CHECKS=$((CHECKS + 1))
+    if ! out=$(/usr/bin/python3 -c '
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1])]
+kinds = [e["event"] for e in ev]
+assert kinds[0] == "connect" and kinds[-1] == "summary", kinds
+assert set(kinds) == {"connect", "close", "stopping", "summary"}, kinds
+c = [e for e in ev if e["event"] == "connect"][0]
+assert c["client"] == 1 and c["peer"].startswith("127.0.0.1:") and c["plane"], c
+x = [e for e in ev if e["event"] == "close"][0]
+assert x["client"] == 1 and x["status"] == "clean" and x["msgs"] == 10, x
+assert x["bytes"] == 80000 and x["mode"] == "echo", x
+s = [e for e in ev if e["event"] == "stopping"][0]
+assert s["why"] == "10 messages handled", s
+d = ev[-1]
+assert d["cmd"] == "serve" and d["clients"] == 1 and d["msgs_in"] == 10, d
+assert d["msgs_out"] == 10 and d["bytes_in"] == 80000 and d["depth"] == 4, d
+assert d["elapsed_s"] > 0 and d["refused"] == 0 and d["verify"] == "off", d
+' "$WORK/live_serve.lines" 2>&1); then
+        fail "live_serve: JSON lines: $out"
+        dump "$WORK/live_serve.out" "$WORK/live_serve.err"
+    fi
+    n=$(count_lines live_serve err 'msgs/s|"cmd"')
+    CHECKS=$((CHECKS + 1))
+    if ((n != 0)); then
+        fail "live_serve: $n rate lines with --interval 0"
+        dump "$WORK/live_serve.err"
+    fi
+}
+
 # ---- defaults that work together ---------------------------------------------------
 
 # pair NAME RECEIVER... -- SENDER-ARGS...: start the receiver on 127.0.0.1, run
@@ -933,6 +1088,7 @@ test_bench_two_hosts
 test_bench_busy
 test_bench_mem
 test_serve
+test_live
 
 if [[ $FAILS -ne 0 ]]; then
     echo "test_cli: $FAILS of $CHECKS checks failed"

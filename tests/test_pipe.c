@@ -286,6 +286,70 @@ static void test_steady_1000(void **state)
     tdp_schema_unref(s);
 }
 
+/* opts.latency_stats: one value per message, on both sides; off: ENOTSUP. */
+static void test_latency_stats(void **state)
+{
+    enum { N = 300 };
+    env e;
+    tdp_pipe_opts so, co;
+    tdp_pipe_opts_default(&so);
+    tdp_pipe_opts_default(&co);
+    so.recv_depth = 4;
+    so.latency_stats = co.latency_stats = true;
+    tdp_schema *s = bytes_schema(4096);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    env_up(&e, &so, &co);
+    sender snd = {.pipe = e.cli, .tds = &td, .ntds = 1, .count = N, .close = true};
+    sender_start(&snd);
+    for (uint64_t i = 1; i <= N; i++) {
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, i));
+        if (i % 50 == 0)
+            usleep(2000); /* let a few queue in the ring: a longer receive wait */
+        tdp_pipe_release(e.srv, got);
+    }
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_ECLOSED);
+    pthread_join(snd.th, NULL);
+    assert_int_equal(snd.rc, TDP_OK);
+
+    tdp_hist *h = malloc(sizeof(*h));
+    tdp_hist_summary sm;
+    assert_non_null(h);
+    assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_SEND, h), TDP_OK);
+    tdp_hist_summarize(h, &sm);
+    print_message("send: min %" PRIu64 " p50 %" PRIu64 " p99 %" PRIu64 " max %" PRIu64 " ns\n",
+                  sm.min, sm.p50, sm.p99, sm.max);
+    assert_int_equal(sm.count, N);
+    assert_true(sm.min > 0);
+    assert_true(sm.min <= sm.p50 && sm.p50 <= sm.p99 && sm.p99 <= sm.p999 && sm.p999 <= sm.max);
+    assert_true(sm.max < (uint64_t)TMO * 1000000u);
+    assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_RECV_WAIT, h), TDP_OK);
+    tdp_hist_summarize(h, &sm);
+    print_message("recv wait: min %" PRIu64 " p50 %" PRIu64 " p99 %" PRIu64 " max %" PRIu64 " ns\n",
+                  sm.min, sm.p50, sm.p99, sm.max);
+    assert_int_equal(sm.count, N);
+    assert_true(sm.min <= sm.p50 && sm.p50 <= sm.p99 && sm.p99 <= sm.max);
+    /* nothing sent the other way, nothing received this way */
+    assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_SEND, h), TDP_OK);
+    assert_int_equal(h->count, 0);
+    assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_RECV_WAIT, h), TDP_OK);
+    assert_int_equal(h->count, 0);
+    assert_int_equal(tdp_pipe_latency_get(e.cli, (tdp_latency)7, h), TDP_EINVAL);
+    assert_int_equal(tdp_pipe_latency_get(NULL, TDP_LAT_SEND, h), TDP_EINVAL);
+    env_down(&e);
+
+    /* off by default */
+    env_up(&e, NULL, NULL);
+    h->count = 12345;
+    assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_SEND, h), TDP_ENOTSUP);
+    assert_int_equal(h->count, 12345); /* untouched */
+    env_down(&e);
+    free(h);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
 static void test_schema_changes(void **state)
 {
     env e;
@@ -1208,10 +1272,12 @@ static void a_recv_cb(tdp_op *op, void *arg)
 static void test_async_ops(void **state)
 {
     env e;
-    tdp_pipe_opts so;
+    tdp_pipe_opts so, co;
     tdp_pipe_opts_default(&so);
+    tdp_pipe_opts_default(&co);
     so.recv_depth = 8;
-    env_up(&e, &so, NULL);
+    co.latency_stats = true; /* async sends are timed from tdp_pipe_send_async */
+    env_up(&e, &so, &co);
     tdp_schema *s = bytes_schema(10000);
     tdp_td *td[8];
     tdp_op *sops[8], *rop;
@@ -1238,6 +1304,13 @@ static void test_async_ops(void **state)
     assert_int_equal(atomic_load_explicit(&c.sends_done, memory_order_acquire), 8);
     assert_int_equal(c.last, TDP_OK);
     assert_true(c.on_thread);
+    tdp_hist *h = malloc(sizeof(*h));
+    assert_non_null(h);
+    assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_SEND, h), TDP_OK);
+    assert_int_equal(h->count, 8);
+    assert_true(h->min > 0 && h->min <= h->max);
+    assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_RECV_WAIT, h), TDP_ENOTSUP);
+    free(h);
     /* a receive pending when the pipe is freed completes with ECANCELED */
     tdp_pipe_recv_async(e.srv, rop);
     tdp_pipe_free(e.srv);
@@ -2130,6 +2203,7 @@ int main(int argc, char **argv)
     struct CMUnitTest tests[] = {
         cmocka_unit_test(test_handshake),
         cmocka_unit_test(test_steady_1000),
+        cmocka_unit_test(test_latency_stats),
         cmocka_unit_test(test_schema_changes),
         cmocka_unit_test(test_tiny),
         cmocka_unit_test(test_large_256mib),

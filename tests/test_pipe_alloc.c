@@ -139,7 +139,8 @@ static void *run_side(void *arg)
     return NULL;
 }
 
-static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan)
+/* lat: both sides keep latency histograms (opts.latency_stats), which must not allocate either */
+static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat)
 {
     tdp_loop *sl, *cl;
     tdp_listener *l;
@@ -153,6 +154,7 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     tdp_pipe_opts_default(&so);
     so.recv_depth = depth;
     so.plane = plane;
+    so.latency_stats = lat;
     assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
     assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &n), TDP_OK);
     assert_int_equal(tdp_schema_builder_string(b, "note", "steady"), TDP_OK);
@@ -184,14 +186,22 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     assert_int_equal(tx.rc, TDP_OK);
     assert_int_equal(rx.rc, TDP_OK);
 
-    print_message("%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
-                  "; process mallocs: %s%" PRIu64 "\n",
-                  tdp_plane_name(plane), loan ? " loaned" : "", nbytes, depth, STEADY,
-                  rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
+    print_message(
+        "%s%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
+        "; process mallocs: %s%" PRIu64 "\n",
+        tdp_plane_name(plane), loan ? " loaned" : "", lat ? " latency_stats" : "", nbytes, depth,
+        STEADY, rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     if (HAVE_INTERPOSE) {
         assert_true(rx.m1 > 0); /* the interposition works at all */
         assert_int_equal(rx.m1 - rx.m0, 0);
+    }
+    if (lat) {
+        static tdp_hist h; /* large: not on the stack */
+        assert_int_equal(tdp_pipe_latency_get(cli, TDP_LAT_SEND, &h), TDP_OK);
+        assert_int_equal(h.count, WARMUP + STEADY);
+        assert_int_equal(tdp_pipe_latency_get(srv, TDP_LAT_RECV_WAIT, &h), TDP_OK);
+        assert_int_equal(h.count, WARMUP + STEADY);
     }
 
     tdp_pipe_free(cli);
@@ -205,33 +215,33 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
 
 static void test_small_depth1(void **state)
 {
-    steady_case(1000, 1, TDP_PLANE_UCX, false);
+    steady_case(1000, 1, TDP_PLANE_UCX, false, false);
 }
 
 static void test_large_depth4(void **state)
 {
-    steady_case(4 << 20, 4, TDP_PLANE_UCX, false);
+    steady_case(4 << 20, 4, TDP_PLANE_UCX, false, true);
 }
 
 /* The shm plane: plain sends (one copy into a slot) and loans (none). */
 static void test_shm_small_depth1(void **state)
 {
-    steady_case(1000, 1, TDP_PLANE_SHM, false);
+    steady_case(1000, 1, TDP_PLANE_SHM, false, true);
 }
 
 static void test_shm_large_depth4(void **state)
 {
-    steady_case(4 << 20, 4, TDP_PLANE_SHM, false);
+    steady_case(4 << 20, 4, TDP_PLANE_SHM, false, false);
 }
 
 static void test_shm_loan_small_depth1(void **state)
 {
-    steady_case(1000, 1, TDP_PLANE_SHM, true);
+    steady_case(1000, 1, TDP_PLANE_SHM, true, false);
 }
 
 static void test_shm_loan_large_depth4(void **state)
 {
-    steady_case(4 << 20, 4, TDP_PLANE_SHM, true);
+    steady_case(4 << 20, 4, TDP_PLANE_SHM, true, true);
 }
 
 int main(void)

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <getopt.h>
+#include <jansson.h>
 #include <ucp/api/ucp.h>
 #ifdef TDP_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -655,16 +656,16 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             plane, loaned ? "true" : "false", tdp_device_format(cfg->mem, mem),
             sysconf(_SC_NPROCESSORS_ONLN));
     if (cfg->client_of != NULL) {
-        /* the peer as given on the command line: a host name or literal, ':' and a port */
-        fprintf(f, "  \"peer\": \"");
-        for (const char *c = cfg->client_of; *c != '\0'; c++)
-            fprintf(f,
-                    *c == '"' || *c == '\\'    ? "\\%c"
-                    : (unsigned char)*c < 0x20 ? "?"
-                                               : "%c",
-                    *c);
-        fprintf(f, "\",\n  \"server\": {\"depth\": %" PRId64 ", \"busy_poll_us\": %" PRId64 "},\n",
-                srv->depth, srv->busy_poll_us);
+        /* the peer as given on the command line: a host name or literal, ':' and a port;
+         * null when it is not UTF-8 (jansson takes nothing else) */
+        json_t *js = json_string(cfg->client_of);
+        char *peer = js != NULL ? json_dumps(js, JSON_ENCODE_ANY | JSON_ENSURE_ASCII) : NULL;
+        json_decref(js);
+        fprintf(f,
+                "  \"peer\": %s,\n  \"server\": {\"depth\": %" PRId64 ", \"busy_poll_us\": %" PRId64
+                "},\n",
+                peer != NULL ? peer : "null", srv->depth, srv->busy_poll_us);
+        free(peer);
     }
     fprintf(f, "  \"results\": [\n");
     for (int i = 0; i < n; i++) {

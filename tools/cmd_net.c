@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "report.h"
 
 /*
  * The longest wait in one blocking call, so progress keeps printing when
@@ -35,6 +36,7 @@ typedef struct listen_args {
     tdp_plane plane;
     int64_t timeout_ms; /* for the producer to connect; -1 forever */
     tdp_pipe_opts ka;   /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
+    bool latency;       /* the pipe keeps latency histograms */
 } listen_args;
 
 /*
@@ -56,6 +58,7 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
     tdp_pipe_opts_default(&opts);
     opts.recv_depth = a->depth;
     opts.plane = a->plane;
+    opts.latency_stats = a->latency;
     tdp_cli_apply_net_opts(&a->ka, &opts);
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error(cmd, "cannot create the event loop: %s", tdp_strerror(rc));
@@ -167,7 +170,10 @@ static const char recv_help[] =
     "or COUNT messages arrived, and check each message's pattern.\n\n"
     "The first line on stdout is 'listening on HOST:PORT'; the last is a summary:\n"
     "  received N messages (SIZE) in S s: RATE, M msgs/s; verify ok; end: ...;\n"
-    "  plane P, depth D\n\n"
+    "  plane P, depth D\n"
+    "or with --json one object: {\"cmd\": \"recv\", \"msgs\": N, \"bytes\", \"elapsed_s\",\n"
+    "\"msgs_per_s\", \"bytes_per_s\", \"verify\", \"bad\", \"end\", \"plane\", \"depth\",\n"
+    "\"peer\", \"resumed_from\", \"recv_wait_ns\": {...}} (docs/cli.md).\n\n"
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
@@ -185,18 +191,32 @@ static const char recv_help[] =
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
     "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
     "      --no-verify     do not check the payload against 'tdpipe send's pattern\n"
-    "  -q, --quiet         no progress lines on stderr\n"
+    "      --interval S    a rate line on stderr every S seconds (default: 1 when\n"
+    "                      stderr is a terminal, else none; 0: none)\n"
+    "      --json          the summary as one JSON object on stdout, rate lines as\n"
+    "                      JSON objects on stderr (keys: docs/cli.md)\n"
+    "  -q, --quiet         no rate lines (unless --interval is given)\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
 typedef struct recv_args {
     listen_args listen;
     uint64_t count;
-    bool verify, quiet;
+    bool verify, quiet, json;
+    double interval; /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
 } recv_args;
 
 /* long options without a short form */
-enum { OPT_NO_VERIFY = 0x100, OPT_DEPTH_HINT, OPT_PLANE, OPT_KEEPALIVE, OPT_SECRET, OPT_RECONNECT };
+enum {
+    OPT_NO_VERIFY = 0x100,
+    OPT_DEPTH_HINT,
+    OPT_PLANE,
+    OPT_KEEPALIVE,
+    OPT_SECRET,
+    OPT_RECONNECT,
+    OPT_INTERVAL,
+    OPT_JSON,
+};
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -208,6 +228,8 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"depth", required_argument, NULL, 'd'},
         {"timeout", required_argument, NULL, 't'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"interval", required_argument, NULL, OPT_INTERVAL},
+        {"json", no_argument, NULL, OPT_JSON},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
@@ -219,8 +241,10 @@ static int recv_parse(int argc, char **argv, recv_args *a)
     uint64_t v;
     int c;
 
-    *a = (recv_args){.listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000},
-                     .verify = true};
+    *a = (recv_args){
+        .listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000, .latency = true},
+        .verify = true,
+        .interval = TDP_CLI_INTERVAL_UNSET};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -246,6 +270,14 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case OPT_NO_VERIFY:
             a->verify = false;
+            break;
+        case OPT_INTERVAL:
+            if (!tdp_cli_parse_interval(optarg, &a->interval))
+                return tdp_cli_usage_error(
+                    "recv", "invalid interval '%s' (seconds: 0, or 0.01 and up)", optarg);
+            break;
+        case OPT_JSON:
+            a->json = true;
             break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
@@ -293,7 +325,7 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
     uint64_t first = 0; /* the producer's seq of our first message: 1, or where it resumed */
     *r = (recv_result){.end = TDP_OK};
     while (a->count == 0 || m->msgs < a->count) {
-        tdp_err rc = recv_next(pipe, a->listen.timeout_ms, a->quiet ? NULL : m, "recv", &td);
+        tdp_err rc = recv_next(pipe, a->listen.timeout_ms, NULL, NULL, &td);
         if (rc != TDP_OK) {
             r->end = rc;
             r->signal = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
@@ -317,8 +349,6 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
                           off);
         tdp_cli_meter_add(m, tdp_td_nbytes(td));
         tdp_pipe_release(pipe, td);
-        if (!a->quiet)
-            tdp_cli_meter_tick(m, "recv", stderr);
     }
 }
 
@@ -328,19 +358,39 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
 {
     char line[256], end[48];
     bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
+    uint64_t now = tdp_cli_now_ns();
     snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
-    printf("%s; verify %s; end: %s; plane %s, depth %u\n",
-           tdp_cli_meter_summary(m, "received", tdp_cli_now_ns(), line, sizeof(line)),
-           !a->verify ? "off"
-           : r->bad   ? "FAILED"
-                      : "ok",
-           r->refused              ? "refused (the producer wants echoes)"
-           : r->signal != 0        ? end
-           : r->end == TDP_OK      ? "count reached"
-           : r->end == TDP_ECLOSED ? "producer closed"
-                                   : tdp_strerror(r->end),
-           tdp_cli_plane_of(pipe), a->listen.depth);
-    if (r->resumed != 0)
+    const char *verify = !a->verify ? "off" : r->bad ? "FAILED" : "ok";
+    const char *how = r->refused              ? "refused (the producer wants echoes)"
+                      : r->signal != 0        ? end
+                      : r->end == TDP_OK      ? "count reached"
+                      : r->end == TDP_ECLOSED ? "producer closed"
+                                              : tdp_strerror(r->end);
+    if (a->json) {
+        static tdp_hist wait; /* large for the stack */
+        char peer[80];
+        json_t *o = json_object();
+        json_object_set_new(o, "cmd", json_string("recv"));
+        tdp_cli_meter_json(o, m, now);
+        json_object_set_new(o, "verify",
+                            json_string(!a->verify ? "off"
+                                        : r->bad   ? "failed"
+                                                   : "ok"));
+        json_object_set_new(o, "bad", json_integer((json_int_t)r->bad));
+        json_object_set_new(o, "end", json_string(how));
+        json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
+        json_object_set_new(o, "depth", json_integer(a->listen.depth));
+        json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
+        json_object_set_new(o, "resumed_from", json_integer((json_int_t)r->resumed));
+        if (tdp_pipe_latency_get(pipe, TDP_LAT_RECV_WAIT, &wait) == TDP_OK)
+            json_object_set_new(o, "recv_wait_ns", tdp_cli_hist_json(&wait));
+        tdp_cli_json_line(o, stdout);
+    } else {
+        printf("%s; verify %s; end: %s; plane %s, depth %u\n",
+               tdp_cli_meter_summary(m, "received", now, line, sizeof(line)), verify, how,
+               tdp_cli_plane_of(pipe), a->listen.depth);
+    }
+    if (r->resumed != 0 && !a->json)
         printf("the producer resumed at message %" PRIu64 " (it reconnected: earlier ones went "
                "to another receiver)\n",
                r->resumed);
@@ -384,7 +434,10 @@ int tdp_cmd_recv(int argc, char **argv)
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     tdp_cli_meter_start(&m, 0);
+    tdp_cli_ticker *tick = tdp_cli_ticker_start(
+        "recv", 0, a.json, tdp_cli_interval(a.interval, a.quiet), tdp_cli_sample_recv, pipe);
     recv_loop(pipe, &a, &m, &r);
+    tdp_cli_ticker_stop(tick);
     ec = recv_report(pipe, &a, &m, &r);
     close_and_free(pipe, loop);
     return ec;
@@ -399,9 +452,15 @@ static const char send_help[] =
     "nested 'meta' node; message n (from 1) carries a pattern that depends on n,\n"
     "which 'recv' and 'serve' check. Then close cleanly.\n"
     "HOST is a name, an IPv4 address or an IPv6 address in brackets ([::1]:5000).\n\n"
-    "The summary on stdout (then round trips with --echo, credit waits with\n"
-    "--depth-hint):\n"
-    "  sent N messages (SIZE) in S s: RATE, M msgs/s; plane P\n\n"
+    "The summary on stdout: a line, then how long each send took (from the call\n"
+    "to its completion: credit waits included), round trips with --echo, credit\n"
+    "waits with --depth-hint:\n"
+    "  sent N messages (SIZE) in S s: RATE, M msgs/s; plane P\n"
+    "  send time: min T, p50 T, p99 T, p99.9 T, max T\n"
+    "  round trip: min T, p50 T, p99 T, p99.9 T, max T\n"
+    "or with --json one object: {\"cmd\": \"send\", \"msgs\": N, \"bytes\", \"elapsed_s\",\n"
+    "\"msgs_per_s\", \"bytes_per_s\", \"size\", \"end\", \"plane\", \"peer\", \"credit_waits\",\n"
+    "\"send_ns\": {...}, \"rtt_ns\": {...} with --echo} (docs/cli.md).\n\n"
     "A receiver that cannot serve this sender as started (--echo against 'recv',\n"
     "'inspect' or 'serve --mode sink'; no --echo against 'serve --mode echo')\n"
     "says so at once; send then names the flag to change and exits 2.\n\n"
@@ -412,7 +471,7 @@ static const char send_help[] =
     "  -n, --count N       messages to send (default 1000)\n"
     "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
     "  -e, --echo          wait for each message to come back and check it\n"
-    "                      (for 'tdpipe serve'); reports round-trip times\n"
+    "                      (for 'tdpipe serve'); reports round-trip percentiles\n"
     "      --depth-hint    report how often sends waited for the receiver's buffers,\n"
     "                      and whether a larger 'recv --depth' would help\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
@@ -428,8 +487,11 @@ static const char send_help[] =
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
     "                      dead (default 5,1,15: 20 s; outages under 10 s pass)\n"
-
-    "  -q, --quiet         no progress lines on stderr\n"
+    "      --interval S    a rate line on stderr every S seconds (default: 1 when\n"
+    "                      stderr is a terminal, else none; 0: none)\n"
+    "      --json          the summary as one JSON object on stdout, rate lines as\n"
+    "                      JSON objects on stderr (keys: docs/cli.md)\n"
+    "  -q, --quiet         no rate lines (unless --interval is given), no notices\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
 
@@ -441,7 +503,8 @@ typedef struct send_args {
     int64_t timeout_ms;
     tdp_plane plane;
     tdp_pipe_opts ka; /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
-    bool echo, depth_hint, quiet;
+    bool echo, depth_hint, quiet, json;
+    double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     int64_t reconnect_ms; /* --reconnect: 0 off */
     uint64_t lost;        /* sends an outage took (reconnecting) */
 } send_args;
@@ -455,6 +518,8 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"rate", required_argument, NULL, 'r'},
         {"echo", no_argument, NULL, 'e'},
         {"depth-hint", no_argument, NULL, OPT_DEPTH_HINT},
+        {"interval", required_argument, NULL, OPT_INTERVAL},
+        {"json", no_argument, NULL, OPT_JSON},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"timeout", required_argument, NULL, 't'},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
@@ -469,7 +534,8 @@ static int send_parse(int argc, char **argv, send_args *a)
     char buf[TDP_CLI_FMT_LEN];
     int c;
 
-    *a = (send_args){.size = 1000000, .count = 1000, .timeout_ms = 10000};
+    *a = (send_args){
+        .size = 1000000, .count = 1000, .timeout_ms = 10000, .interval = TDP_CLI_INTERVAL_UNSET};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -496,6 +562,14 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_DEPTH_HINT:
             a->depth_hint = true;
+            break;
+        case OPT_INTERVAL:
+            if (!tdp_cli_parse_interval(optarg, &a->interval))
+                return tdp_cli_usage_error(
+                    "send", "invalid interval '%s' (seconds: 0, or 0.01 and up)", optarg);
+            break;
+        case OPT_JSON:
+            a->json = true;
             break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("send", optarg, &a->plane))
@@ -543,19 +617,6 @@ static int send_parse(int argc, char **argv, send_args *a)
         return tdp_cli_usage_error("send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)",
                                    argv[optind]);
     return -1;
-}
-
-/* Round-trip times of --echo, ns. */
-typedef struct rtt_stats {
-    uint64_t n, min, max, sum;
-} rtt_stats;
-
-static void rtt_add(rtt_stats *r, uint64_t ns)
-{
-    r->min = r->n == 0 || ns < r->min ? ns : r->min;
-    r->max = ns > r->max ? ns : r->max;
-    r->sum += ns;
-    r->n++;
 }
 
 /*
@@ -654,8 +715,8 @@ static void pace_until(uint64_t deadline_ns)
  * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
  * *refused: the receiver sent a notice (it cannot serve us as started).
  */
-static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter *m,
-                         rtt_stats *rtt, bool *refused)
+static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter *m, tdp_hist *rtt,
+                         bool *refused)
 {
     uint64_t t0 = m->start_ns;
     for (uint64_t seq = 1; seq <= a->count; seq++) {
@@ -680,9 +741,7 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter
         if (rc != TDP_OK)
             return send_failed(pipe, seq, rc, refused);
         if (a->echo)
-            rtt_add(rtt, tdp_cli_now_ns() - t);
-        if (!a->quiet)
-            tdp_cli_meter_tick(m, "send", stderr);
+            tdp_hist_record(rtt, tdp_cli_now_ns() - t);
     }
     if (!a->echo) {
         /* a receiver that refused us after our last send: its notice is here or on its way */
@@ -697,11 +756,15 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter
     return TDP_OK;
 }
 
-static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stats *rtt)
+/* The lines after the first of send's text summary. */
+static void send_report_extra(tdp_pipe *pipe, const send_args *a, const tdp_hist *rtt)
 {
-    if (a->echo && rtt->n > 0)
-        printf("round trip: min %.1f us, avg %.1f us, max %.1f us\n", (double)rtt->min / 1e3,
-               (double)rtt->sum / (double)rtt->n / 1e3, (double)rtt->max / 1e3);
+    static tdp_hist sent; /* large for the stack */
+    char buf[160];
+    if (tdp_pipe_latency_get(pipe, TDP_LAT_SEND, &sent) == TDP_OK && sent.count > 0)
+        printf("send time: %s\n", tdp_cli_hist_text(&sent, buf, sizeof(buf)));
+    if (a->echo && rtt->count > 0)
+        printf("round trip: %s\n", tdp_cli_hist_text(rtt, buf, sizeof(buf)));
     if (a->depth_hint) {
         tdp_pipe_stats st;
         tdp_pipe_stats_get(pipe, &st);
@@ -714,6 +777,33 @@ static void send_report_extra(tdp_pipe *pipe, const send_args *a, const rtt_stat
     }
 }
 
+/* send --json: the whole summary as one object on stdout. */
+static void send_report_json(tdp_pipe *pipe, const send_args *a, const tdp_cli_meter *m,
+                             const tdp_hist *rtt, uint64_t size, const char *end)
+{
+    static tdp_hist sent; /* large for the stack */
+    tdp_pipe_stats st;
+    char peer[80];
+    json_t *o = json_object();
+    tdp_pipe_stats_get(pipe, &st);
+    json_object_set_new(o, "cmd", json_string("send"));
+    tdp_cli_meter_json(o, m, tdp_cli_now_ns());
+    json_object_set_new(o, "size", json_integer((json_int_t)size));
+    json_object_set_new(o, "end", json_string(end));
+    json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
+    json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
+    json_object_set_new(o, "credit_waits", json_integer((json_int_t)st.credit_waits));
+    if (a->reconnect_ms > 0) {
+        json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
+        json_object_set_new(o, "lost", json_integer((json_int_t)a->lost));
+    }
+    if (tdp_pipe_latency_get(pipe, TDP_LAT_SEND, &sent) == TDP_OK)
+        json_object_set_new(o, "send_ns", tdp_cli_hist_json(&sent));
+    if (a->echo)
+        json_object_set_new(o, "rtt_ns", tdp_cli_hist_json(rtt));
+    tdp_cli_json_line(o, stdout);
+}
+
 /* Connect; on failure says why and returns the exit status, else -1. */
 static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
 {
@@ -721,6 +811,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_pipe_opts_default(&opts);
     opts.plane = a->plane;
     opts.reconnect_ms = a->reconnect_ms;
+    opts.latency_stats = true; /* the summary's send times */
     tdp_cli_apply_net_opts(&a->ka, &opts);
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
@@ -736,7 +827,7 @@ int tdp_cmd_send(int argc, char **argv)
 {
     send_args a;
     tdp_cli_meter m;
-    rtt_stats rtt = {0};
+    static tdp_hist rtt; /* --echo's round trips, ns; large for the stack */
     tdp_schema *s;
     tdp_loop *loop;
     tdp_pipe *pipe;
@@ -769,8 +860,13 @@ int tdp_cmd_send(int argc, char **argv)
         goto out_free_loop;
 
     tdp_cli_meter_start(&m, 0);
+    tdp_hist_reset(&rtt);
     bool refused = false;
+    tdp_cli_ticker *tick =
+        tdp_cli_ticker_start("send", TDP_CLI_RATE_CREDIT, a.json,
+                             tdp_cli_interval(a.interval, a.quiet), tdp_cli_sample_send, pipe);
     rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
+    tdp_cli_ticker_stop(tick);
     int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
     if (sig != 0) {
         tdp_cli_error("send", "interrupted (%s) after %" PRIu64 " message%s: closing",
@@ -779,16 +875,26 @@ int tdp_cmd_send(int argc, char **argv)
     }
     if (rc == TDP_OK && (rc = tdp_pipe_close(pipe, a.timeout_ms)) != TDP_OK)
         tdp_cli_error("send", "close: %s", tdp_strerror(rc));
-    printf("%s; plane %s\n",
-           tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
-           tdp_cli_plane_of(pipe));
-    if (a.reconnect_ms > 0) {
-        tdp_pipe_stats st;
-        tdp_pipe_stats_get(pipe, &st);
-        printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n", st.reconnects,
-               a.lost);
+    if (a.json) {
+        char end[48];
+        snprintf(end, sizeof(end), "interrupted (%s)", signal_name(sig));
+        send_report_json(pipe, &a, &m, &rtt, tdp_td_nbytes(td),
+                         refused        ? "refused"
+                         : sig != 0     ? end
+                         : rc == TDP_OK ? "ok"
+                                        : tdp_strerror(rc));
+    } else {
+        printf("%s; plane %s\n",
+               tdp_cli_meter_summary(&m, "sent", tdp_cli_now_ns(), line, sizeof(line)),
+               tdp_cli_plane_of(pipe));
+        if (a.reconnect_ms > 0) {
+            tdp_pipe_stats st;
+            tdp_pipe_stats_get(pipe, &st);
+            printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n", st.reconnects,
+                   a.lost);
+        }
+        send_report_extra(pipe, &a, &rtt);
     }
-    send_report_extra(pipe, &a, &rtt);
     ec = refused               ? TDP_EXIT_USAGE
          : rc == TDP_EMISMATCH ? TDP_EXIT_FAIL
          : rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig)

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "report.h"
 
 static const char serve_help[] =
     "usage: tdpipe serve [OPTIONS]\n\n"
@@ -32,7 +33,12 @@ static const char serve_help[] =
     "Stops on SIGINT or SIGTERM, after COUNT messages or after S seconds, with a\n"
     "graceful shutdown (clients see a clean end).\n\n"
     "Output: 'listening on HOST:PORT' first, then a line per client connecting and\n"
-    "closing, totals about once a second on stderr, and a final 'served ...' line.\n\n"
+    "closing, 'stopping: WHY' and a final 'served ...' line; a rate line on stderr\n"
+    "every --interval while anything moves. With --json every line after\n"
+    "'listening on' is a JSON object: {\"event\": \"connect\", \"client\", \"peer\",\n"
+    "\"plane\"}, {\"event\": \"close\", \"client\", \"status\", \"msgs\", \"bytes\",\n"
+    "\"mode\"}, {\"event\": \"stopping\", \"why\"} and last {\"event\": \"summary\",\n"
+    "\"cmd\": \"serve\", \"clients\", \"msgs_in\", \"msgs_out\", ...} (docs/cli.md).\n\n"
     "Options:\n"
     "  -b, --bind HOST       address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT       port (default 0: any free port, printed)\n"
@@ -59,7 +65,12 @@ static const char serve_help[] =
     "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
     "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
-    "  -q, --quiet           no totals on stderr\n"
+    "      --interval S      a rate line on stderr every S seconds while anything\n"
+    "                        moves (default: 1 when stderr is a terminal, else\n"
+    "                        none; 0: none)\n"
+    "      --json            JSON lines on stdout (above), rate lines as JSON\n"
+    "                        objects on stderr\n"
+    "  -q, --quiet           no rate lines (unless --interval is given)\n"
     "  -v, --verbose         more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help            show this help\n\n"
     "Exit status: 0 ok, 1 sink verification failures or runtime failure, 2 usage\n"
@@ -74,7 +85,8 @@ typedef struct serve_args {
     const char *bind;
     uint16_t port;
     serve_mode mode;
-    bool verify, quiet;
+    bool verify, quiet, json;
+    double interval; /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     uint32_t max_clients, depth;
     uint32_t max_pending, max_per_source; /* 0: the library's default */
     int64_t idle_timeout_ms;              /* 0: the library's default */
@@ -109,6 +121,8 @@ enum {
     OPT_IDLE_TIMEOUT,
     OPT_KEEPALIVE,
     OPT_SECRET,
+    OPT_INTERVAL,
+    OPT_JSON,
 };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
@@ -127,6 +141,8 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
+        {"interval", required_argument, NULL, OPT_INTERVAL},
+        {"json", no_argument, NULL, OPT_JSON},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
@@ -136,7 +152,10 @@ static int serve_parse(int argc, char **argv, serve_args *a)
     uint64_t v;
     int c;
 
-    *a = (serve_args){.mode = MODE_AUTO, .verify = true, .depth = TDP_CLI_DEFAULT_DEPTH};
+    *a = (serve_args){.mode = MODE_AUTO,
+                      .verify = true,
+                      .depth = TDP_CLI_DEFAULT_DEPTH,
+                      .interval = TDP_CLI_INTERVAL_UNSET};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -203,6 +222,14 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_INTERVAL:
+            if (!tdp_cli_parse_interval(optarg, &a->interval))
+                return tdp_cli_usage_error(
+                    "serve", "invalid interval '%s' (seconds: 0, or 0.01 and up)", optarg);
+            break;
+        case OPT_JSON:
+            a->json = true;
+            break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("serve", optarg, &a->plane))
                 return TDP_EXIT_USAGE;
@@ -229,13 +256,23 @@ static int serve_parse(int argc, char **argv, serve_args *a)
 
 static tdp_err on_connect(tdp_client *c, void *arg)
 {
+    serve_ctx *ctx = arg;
     char peer[80];
     client_state *cs = calloc(1, sizeof(*cs));
     if (cs == NULL)
         return TDP_ENOMEM;
     tdp_client_set_data(c, cs);
-    printf("client %" PRIu64 " connected from %s, plane %s\n", tdp_client_id(c),
-           tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer)),
+    tdp_pipe_peer(tdp_client_pipe(c), peer, sizeof(peer));
+    if (ctx->args->json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "event", json_string("connect"));
+        json_object_set_new(o, "client", json_integer((json_int_t)tdp_client_id(c)));
+        json_object_set_new(o, "peer", json_string(peer));
+        json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(tdp_client_pipe(c))));
+        tdp_cli_json_line(o, stdout);
+        return TDP_OK;
+    }
+    printf("client %" PRIu64 " connected from %s, plane %s\n", tdp_client_id(c), peer,
            tdp_cli_plane_of(tdp_client_pipe(c)));
     return TDP_OK;
 }
@@ -310,56 +347,74 @@ static tdp_err on_message(tdp_client *c, tdp_td *td, void *arg)
 
 static void on_close(tdp_client *c, tdp_err status, void *arg)
 {
+    serve_ctx *ctx = arg;
     client_state *cs = tdp_client_get_data(c);
     char size[TDP_CLI_FMT_LEN];
     if (cs == NULL)
         return; /* turned away before on_connect kept anything */
-    printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
-           cs->refused             ? "refused"
-           : status == TDP_ECLOSED ? "clean"
-                                   : tdp_strerror(status),
-           cs->msgs, tdp_cli_s(cs->msgs), tdp_cli_format_size(cs->bytes, size, sizeof(size)),
-           !cs->decided || cs->refused ? ""
-           : cs->echo                  ? ", echoed"
-                                       : ", sunk");
+    const char *how = cs->refused             ? "refused"
+                      : status == TDP_ECLOSED ? "clean"
+                                              : tdp_strerror(status);
+    const char *mode = !cs->decided || cs->refused ? NULL : cs->echo ? "echo" : "sink";
+    if (ctx->args->json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "event", json_string("close"));
+        json_object_set_new(o, "client", json_integer((json_int_t)tdp_client_id(c)));
+        json_object_set_new(o, "status", json_string(how));
+        json_object_set_new(o, "msgs", json_integer((json_int_t)cs->msgs));
+        json_object_set_new(o, "bytes", json_integer((json_int_t)cs->bytes));
+        json_object_set_new(o, "mode", mode != NULL ? json_string(mode) : json_null());
+        tdp_cli_json_line(o, stdout);
+    } else {
+        printf("client %" PRIu64 " closed: %s, %" PRIu64 " message%s (%s)%s\n", tdp_client_id(c),
+               how, cs->msgs, tdp_cli_s(cs->msgs),
+               tdp_cli_format_size(cs->bytes, size, sizeof(size)),
+               mode == NULL ? ""
+               : cs->echo   ? ", echoed"
+                            : ", sunk");
+    }
     tdp_client_set_data(c, NULL);
     free(cs);
 }
 
 /* ---- main thread ----------------------------------------------------------- */
 
-/* Totals since the last report, on stderr, when anything moved. */
-static void report_totals(tdp_server *s, tdp_server_stats *last, uint64_t dt_ns)
+/* A rate line on stderr when anything moved since the last one. */
+static void report_totals(tdp_server *s, tdp_cli_rate *r)
 {
     tdp_server_stats st;
-    char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
-    double dt = (double)dt_ns / 1e9;
-
     tdp_server_stats_get(s, &st);
-    if (st.msgs_recv == last->msgs_recv && st.msgs_sent == last->msgs_sent &&
-        st.clients_total == last->clients_total && st.clients_now == last->clients_now)
+    tdp_cli_sample now = {
+        .msgs = st.msgs_recv,
+        .bytes = st.bytes_recv,
+        .msgs_out = st.msgs_sent,
+        .bytes_out = st.bytes_sent,
+        .clients = st.clients_now,
+        .clients_total = st.clients_total,
+    };
+    if (now.msgs == r->last.msgs && now.msgs_out == r->last.msgs_out &&
+        now.clients == r->last.clients && now.clients_total == r->last.clients_total) {
+        r->last_ns = tdp_cli_now_ns(); /* idle: the next line's rates start from here */
         return;
-    fprintf(stderr,
-            "serve: %" PRIu64 " client%s (%" PRIu64 " total), in %" PRIu64 " msgs %s, out %" PRIu64
-            " msgs %s\n",
-            st.clients_now, tdp_cli_s(st.clients_now), st.clients_total, st.msgs_recv,
-            tdp_cli_format_rate((double)(st.bytes_recv - last->bytes_recv) / dt, in, sizeof(in)),
-            st.msgs_sent,
-            tdp_cli_format_rate((double)(st.bytes_sent - last->bytes_sent) / dt, out, sizeof(out)));
-    *last = st;
+    }
+    tdp_cli_rate_line(r, &now, stderr);
 }
 
-/* Wait for a reason to stop; print totals meanwhile. Returns the reason. */
+/* Wait for a reason to stop; print rate lines meanwhile. Returns the reason. */
 static const char *wait_for_stop(tdp_server *s, const serve_args *a, const sigset_t *set)
 {
     static char why[64];
     const uint64_t second = 1000000000ull, start = tdp_cli_now_ns();
     uint64_t deadline = a->duration_s > 0 ? start + (uint64_t)(a->duration_s * 1e9) : 0;
     uint64_t last_report = start;
-    tdp_server_stats last = {0};
+    double interval = tdp_cli_interval(a->interval, a->quiet);
+    /* no rate lines: wake once an hour all the same (nothing else to do then) */
+    uint64_t period = interval > 0 ? (uint64_t)(interval * 1e9) : 3600 * second;
+    tdp_cli_rate rate;
+    tdp_cli_rate_start(&rate, "serve", TDP_CLI_RATE_CLIENTS, a->json, NULL);
 
     for (;;) {
-        uint64_t now = tdp_cli_now_ns(), until = last_report + second;
+        uint64_t now = tdp_cli_now_ns(), until = last_report + period;
         if (deadline != 0 && deadline < until)
             until = deadline;
         uint64_t wait = until > now ? until - now : 0;
@@ -379,30 +434,58 @@ static const char *wait_for_stop(tdp_server *s, const serve_args *a, const sigse
             snprintf(why, sizeof(why), "%g s elapsed", a->duration_s);
             return why;
         }
-        if (now - last_report >= second) {
-            if (!a->quiet)
-                report_totals(s, &last, now - last_report);
+        if (now - last_report >= period) {
+            if (interval > 0)
+                report_totals(s, &rate);
             last_report = now;
         }
     }
 }
 
-static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns)
+static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns, const char *why)
 {
     tdp_server_stats st;
     char in[TDP_CLI_FMT_LEN], out[TDP_CLI_FMT_LEN];
+    const char *verify = atomic_load(&ctx->checked) == 0 ? "off"
+                         : atomic_load(&ctx->bad) > 0    ? "FAILED"
+                                                         : "ok";
     tdp_server_stats_get(s, &st);
+    if (ctx->args->json) {
+        double sec = (double)ns / 1e9;
+        json_t *o = json_object();
+        json_object_set_new(o, "event", json_string("summary"));
+        json_object_set_new(o, "cmd", json_string("serve"));
+        json_object_set_new(o, "stopped", json_string(why));
+        json_object_set_new(o, "elapsed_s", json_real(sec));
+        json_object_set_new(o, "clients", json_integer((json_int_t)st.clients_total));
+        json_object_set_new(o, "msgs_in", json_integer((json_int_t)st.msgs_recv));
+        json_object_set_new(o, "bytes_in", json_integer((json_int_t)st.bytes_recv));
+        json_object_set_new(o, "msgs_out", json_integer((json_int_t)st.msgs_sent));
+        json_object_set_new(o, "bytes_out", json_integer((json_int_t)st.bytes_sent));
+        json_object_set_new(o, "msgs_in_per_s",
+                            json_real(sec > 0 ? (double)st.msgs_recv / sec : 0));
+        json_object_set_new(o, "bytes_in_per_s",
+                            json_real(sec > 0 ? (double)st.bytes_recv / sec : 0));
+        json_object_set_new(o, "refused", json_integer((json_int_t)st.refused));
+        json_object_set_new(o, "handshakes_failed", json_integer((json_int_t)st.handshakes_failed));
+        json_object_set_new(o, "client_errors", json_integer((json_int_t)st.client_errors));
+        json_object_set_new(o, "handler_errors", json_integer((json_int_t)st.handler_errors));
+        json_object_set_new(o, "verify",
+                            json_string(atomic_load(&ctx->checked) == 0 ? "off"
+                                        : atomic_load(&ctx->bad) > 0    ? "failed"
+                                                                        : "ok"));
+        json_object_set_new(o, "bad", json_integer((json_int_t)atomic_load(&ctx->bad)));
+        json_object_set_new(o, "depth", json_integer(ctx->args->depth));
+        tdp_cli_json_line(o, stdout);
+        return;
+    }
     printf("served %" PRIu64 " client%s in %.3f s: %" PRIu64 " message%s in (%s), %" PRIu64
            " out (%s); refused %" PRIu64 ", handshakes failed %" PRIu64 ", client errors %" PRIu64
            ", handler errors %" PRIu64 "; verify %s; depth %u\n",
            st.clients_total, tdp_cli_s(st.clients_total), (double)ns / 1e9, st.msgs_recv,
            tdp_cli_s(st.msgs_recv), tdp_cli_format_size(st.bytes_recv, in, sizeof(in)),
            st.msgs_sent, tdp_cli_format_size(st.bytes_sent, out, sizeof(out)), st.refused,
-           st.handshakes_failed, st.client_errors, st.handler_errors,
-           atomic_load(&ctx->checked) == 0 ? "off"
-           : atomic_load(&ctx->bad) > 0    ? "FAILED"
-                                           : "ok",
-           ctx->args->depth);
+           st.handshakes_failed, st.client_errors, st.handler_errors, verify, ctx->args->depth);
 }
 
 /* Listen and start serving on a loop thread; on failure, the exit status. */
@@ -489,12 +572,20 @@ int tdp_cmd_serve(int argc, char **argv)
         return ec;
     }
     uint64_t t0 = tdp_cli_now_ns();
-    printf("stopping: %s\n", wait_for_stop(s, &a, &set));
+    const char *why = wait_for_stop(s, &a, &set);
+    if (a.json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "event", json_string("stopping"));
+        json_object_set_new(o, "why", json_string(why));
+        tdp_cli_json_line(o, stdout);
+    } else {
+        printf("stopping: %s\n", why);
+    }
 
     tdp_err rc = tdp_server_shutdown(s, SHUTDOWN_MS);
     if (rc != TDP_OK)
         tdp_cli_error("serve", "shutdown: %s", tdp_strerror(rc));
-    print_final(s, &ctx, tdp_cli_now_ns() - t0);
+    print_final(s, &ctx, tdp_cli_now_ns() - t0, why);
     tdp_server_free(s);
     tdp_loop_free(loop);
     tdp_td_unref(ctx.notice);

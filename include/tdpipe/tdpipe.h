@@ -14,6 +14,7 @@
 #include <tdpipe/schema.h>
 #include <tdpipe/td.h>
 #include <tdpipe/loop.h>
+#include <tdpipe/stats.h>
 #include <tdpipe/pipe.h>
 #include <tdpipe/server.h>
 

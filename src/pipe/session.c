@@ -33,6 +33,7 @@ typedef struct rx_slot {
     tdp_td *td; /* the message's view while READY or LENT */
     uint64_t seq;
     uint32_t epoch; /* the link it came by (reconnecting pipes have several) */
+    uint64_t ready_ns; /* latency_stats: when it had fully arrived */
     tdp_pipe *pipe;
 } rx_slot;
 
@@ -118,6 +119,8 @@ struct tdp_pipe {
     tdp_op *sync_send, *sync_recv;
 
     tdp_pipe_stats stats;
+    /* opts.latency_stats: [tdp_latency], loop thread only; else NULL */
+    tdp_hist *lat;
 
     /*
      * Reconnecting (opts.reconnect_ms, a dialed pipe): the addresses to dial
@@ -190,6 +193,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(secret_len)
     TAKE(reconnect_ms)
     TAKE(want_peer_depth)
+    TAKE(latency_stats)
 #undef TAKE
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
@@ -787,9 +791,25 @@ static void slot_free(rx_slot *s)
     tdp_td_unref(td);
 }
 
+/* CLOCK_MONOTONIC, ns: what latency_stats records (only read when it is on). */
+static uint64_t lat_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void lat_record(tdp_pipe *p, tdp_latency which, uint64_t since_ns)
+{
+    uint64_t now = lat_now_ns();
+    tdp_hist_record(&p->lat[which], now > since_ns ? now - since_ns : 0);
+}
+
 static void slot_ready(tdp_pipe *p, rx_slot *s)
 {
     s->state = SLOT_READY;
+    if (p->lat != NULL)
+        s->ready_ns = lat_now_ns();
     p->ready[(p->ready_head + p->ready_count) % TDP_MAX_DEPTH] = (uint32_t)(s - p->slots);
     p->ready_count++;
     p->stats.msgs_recv++;
@@ -882,6 +902,8 @@ static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
     if (op != NULL) {
         if (st != TDP_OK && p->status != TDP_OK)
             st = p->status; /* say why the pipe ended, not how the transport noticed */
+        if (p->lat != NULL && st == TDP_OK)
+            lat_record(p, TDP_LAT_SEND, op->t_call_ns);
         tdp__op_complete(op, st);
     }
     if (p->state != PIPE_OPEN)
@@ -1043,6 +1065,8 @@ static void deliver(tdp_pipe *p)
         if (p->depth == 1)
             p->lent1 = (int32_t)si;
         tdp_op *op = tdp__opq_pop(&p->recvq);
+        if (p->lat != NULL)
+            lat_record(p, TDP_LAT_RECV_WAIT, s->ready_ns);
         op->td = s->td;
         op->seq = s->seq;
         tdp__op_complete(op, TDP_OK);
@@ -1102,6 +1126,8 @@ void tdp_pipe_send_async(tdp_pipe *pipe, tdp_td *td, tdp_op *op)
         return;
     }
     op->td = tdp_td_ref(td);
+    if (pipe->lat != NULL) /* set once when the pipe is made: any thread may read it */
+        op->t_call_ns = lat_now_ns();
     tdp__op_submit(pipe->loop, op, send_start);
 }
 
@@ -1133,6 +1159,8 @@ tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms)
     tdp_op *op = pipe->sync_send;
     op->kind = OP_SEND;
     op->td = tdp_td_ref(td);
+    if (pipe->lat != NULL)
+        op->t_call_ns = lat_now_ns();
     return tdp__op_run(pipe->loop, op, send_start, timeout_ms);
 }
 
@@ -1618,7 +1646,9 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     ctl_setup(p);
     p->timer = evtimer_new(tdp__loop_base(loop), linger_cb, p);
     p->credit_ev = evtimer_new(tdp__loop_base(loop), credit_ev_cb, p);
-    if (p->timer == NULL || p->credit_ev == NULL ||
+    if (p->opts.latency_stats)
+        p->lat = tdp__alloc_array(TDP_LAT_RECV_WAIT + 1, sizeof(*p->lat));
+    if (p->timer == NULL || p->credit_ev == NULL || (p->opts.latency_stats && p->lat == NULL) ||
         tdp_op_new(NULL, NULL, &p->sync_send) != TDP_OK ||
         tdp_op_new(NULL, NULL, &p->sync_recv) != TDP_OK)
         goto err_free;
@@ -1703,6 +1733,7 @@ static void destroy_now(void *arg)
         event_free(p->retry_ev);
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
+    tdp__free(p->lat);
     tdp__waiter_fini(&p->w);
     tdp__free(p);
 }
@@ -1775,6 +1806,36 @@ static void status_task(void *arg)
 {
     void **a = arg;
     *(tdp_err *)a[1] = ((tdp_pipe *)a[0])->status;
+}
+
+typedef struct lat_copy {
+    const tdp_pipe *pipe;
+    tdp_latency which;
+    tdp_hist *out;
+    tdp_err rc;
+} lat_copy;
+
+static void latency_task(void *arg)
+{
+    lat_copy *c = arg;
+    if (c->pipe->lat == NULL) {
+        c->rc = TDP_ENOTSUP;
+        return;
+    }
+    *c->out = c->pipe->lat[c->which];
+    c->rc = TDP_OK;
+}
+
+tdp_err tdp_pipe_latency_get(const tdp_pipe *pipe, tdp_latency which, tdp_hist *out)
+{
+    if (pipe == NULL || out == NULL || (which != TDP_LAT_SEND && which != TDP_LAT_RECV_WAIT))
+        return TDP_EINVAL;
+    if (pipe->lat == NULL)
+        return TDP_ENOTSUP;
+    /* copied on the loop thread, which alone records */
+    lat_copy c = {.pipe = pipe, .which = which, .out = out, .rc = TDP_EINVAL};
+    tdp__call_on_loop(pipe->loop, latency_task, &c);
+    return c.rc;
 }
 
 tdp_err tdp_pipe_status(const tdp_pipe *pipe)
