@@ -513,7 +513,7 @@ test_inspect() {
 # ---- real data: send --file, recv --dump, inspect --values, send --wait -----------
 
 # make_st PATH KIND: write a safetensors file with python3 (struct and json only).
-# good: nested names, five dtypes, metadata; the others are hostile.
+# good: nested names, eight dtypes, metadata; the others are hostile.
 make_st() {
     python3 - "$1" "$2" <<'PY'
 import json, struct, sys
@@ -531,7 +531,9 @@ if kind == "good":
                ("step", "I64", [], struct.pack("<q", -42)),
                ("mask", "BOOL", [3], bytes([1, 0, 1])),
                ("half", "F16", [2], struct.pack("<2H", 0x3C00, 0xC000)),
-               ("empty", "U8", [0], b"")]
+               ("empty", "U8", [0], b""),
+               ("f8.e4m3", "F8_E4M3", [2], bytes([0x38, 0x7E])),
+               ("f8.e5m2", "F8_E5M2", [2], bytes([0x3C, 0xC0]))]
     hdr, data = {"__metadata__": {"format": "pt", "note.x": "dotted key"}}, b""
     for name, dt, shape, blob in tensors:
         hdr[name] = entry(dt, shape, len(data), len(data) + len(blob))
@@ -587,7 +589,7 @@ test_file() {
     finish f_recv "$rpid"
     expect_rc f_send 0
     expect_in f_send out "sent 2 messages"
-    expect_in f_send err "6 tensors"
+    expect_in f_send err "8 tensors"
     expect_rc f_recv 0
     expect_in f_recv out "received 2 messages"
     expect_in f_recv out "verify skipped (not the send pattern); end: producer closed"
@@ -624,6 +626,8 @@ test_file() {
     expect_in f_insp out "mask bool[3] = [true, false, true]"
     expect_in f_insp out "half float16[2] = [1, -2]"
     expect_in f_insp out "empty uint8[0] = []"
+    expect_in f_insp out "f8.e4m3 float8_e4m3fn[2] = [1, 448]"
+    expect_in f_insp out "f8.e5m2 float8_e5m2[2] = [1, -2]"
     expect_in f_insp out 'format: "pt"'
     expect_in f_insp out "producer closed after 1 message"
 

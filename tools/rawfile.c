@@ -41,8 +41,9 @@ static tdp_err read_schema(const char *path, tdp_schema **out, char *why, size_t
     }
     if ((uint64_t)st.st_size > TDP_SCHEMA_DEFAULT_MAX_JSON_BYTES) {
         close(fd);
-        return fail(why, len, TDP_EINVAL, "schema %s: %" PRIu64 " bytes, over the %u a schema takes",
-                    path, (uint64_t)st.st_size, TDP_SCHEMA_DEFAULT_MAX_JSON_BYTES);
+        return fail(why, len, TDP_EINVAL,
+                    "schema %s: %" PRIu64 " bytes, over the %u a schema takes", path,
+                    (uint64_t)st.st_size, TDP_SCHEMA_DEFAULT_MAX_JSON_BYTES);
     }
     size_t n = (size_t)st.st_size, got = 0;
     char *text = malloc(n ? n : 1);

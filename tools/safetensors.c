@@ -24,19 +24,28 @@ static const struct {
     const char *name;
     tdp_dtype dt;
 } st_dtypes[] = {
-    {"BOOL", TDP_BOOL},       {"U8", TDP_UINT8},
-    {"I8", TDP_INT8},         {"U16", TDP_UINT16},
-    {"I16", TDP_INT16},       {"U32", TDP_UINT32},
-    {"I32", TDP_INT32},       {"U64", TDP_UINT64},
-    {"I64", TDP_INT64},       {"F16", TDP_FLOAT16},
-    {"BF16", TDP_BFLOAT16},   {"F32", TDP_FLOAT32},
-    {"F64", TDP_FLOAT64},     {"F8_E4M3", TDP_FLOAT8_E4M3FN},
-    {"F8_E5M2", TDP_FLOAT8_E5M2}, {"C64", TDP_COMPLEX64},
+    {"BOOL", TDP_BOOL},
+    {"U8", TDP_UINT8},
+    {"I8", TDP_INT8},
+    {"U16", TDP_UINT16},
+    {"I16", TDP_INT16},
+    {"U32", TDP_UINT32},
+    {"I32", TDP_INT32},
+    {"U64", TDP_UINT64},
+    {"I64", TDP_INT64},
+    {"F16", TDP_FLOAT16},
+    {"BF16", TDP_BFLOAT16},
+    {"F32", TDP_FLOAT32},
+    {"F64", TDP_FLOAT64},
+    {"F8_E4M3", TDP_FLOAT8_E4M3FN},
+    {"F8_E5M2", TDP_FLOAT8_E5M2},
+    {"C64", TDP_COMPLEX64},
 };
 #define N_ST_DTYPES (sizeof(st_dtypes) / sizeof(st_dtypes[0]))
 
 /* For the message that refuses a dtype. */
-#define ST_DTYPE_LIST "BOOL, U8, I8, U16, I16, U32, I32, U64, I64, F16, BF16, F32, F64, F8_E4M3, F8_E5M2, C64"
+#define ST_DTYPE_LIST                                                                              \
+    "BOOL, U8, I8, U16, I16, U32, I32, U64, I64, F16, BF16, F32, F64, F8_E4M3, F8_E5M2, C64"
 
 const char *tdp_cli_st_dtype_name(tdp_dtype dt)
 {
@@ -157,13 +166,15 @@ static tdp_err parse_entry(const char *name, json_t *v, uint64_t data_len, st_en
         return fail(why, len, TDP_EINVAL, "tensor '%s': no \"dtype\" string", name);
     e->dtype_name = json_string_value(dt);
     if ((e->dtype = st_dtype_parse(e->dtype_name)) == TDP_DTYPE_INVALID)
-        return fail(why, len, TDP_ENOTSUP, "tensor '%s': dtype '%s' is not supported (tdpipe takes "
-                    ST_DTYPE_LIST ")", name, e->dtype_name);
+        return fail(why, len, TDP_ENOTSUP,
+                    "tensor '%s': dtype '%s' is not supported (tdpipe takes " ST_DTYPE_LIST ")",
+                    name, e->dtype_name);
     if (!json_is_array(shape))
         return fail(why, len, TDP_EINVAL, "tensor '%s': no \"shape\" array", name);
     if (json_array_size(shape) > TDP_SCHEMA_DEFAULT_MAX_RANK)
-        return fail(why, len, TDP_ENOTSUP, "tensor '%s': %zu dimensions, over the %u a schema takes",
-                    name, json_array_size(shape), TDP_SCHEMA_DEFAULT_MAX_RANK);
+        return fail(why, len, TDP_ENOTSUP,
+                    "tensor '%s': %zu dimensions, over the %u a schema takes", name,
+                    json_array_size(shape), TDP_SCHEMA_DEFAULT_MAX_RANK);
     e->ndim = (uint32_t)json_array_size(shape);
     for (uint32_t i = 0; i < e->ndim; i++) {
         if (!json_u64(json_array_get(shape, i), &d))
@@ -222,7 +233,8 @@ static tdp_err check_cover(const st_entry *e, size_t n, uint64_t data_len, char 
     }
     if (at != data_len)
         return fail(why, len, TDP_EINVAL,
-                    "the data after the header is %" PRIu64 " bytes, but the tensors end at %" PRIu64,
+                    "the data after the header is %" PRIu64
+                    " bytes, but the tensors end at %" PRIu64,
                     data_len, at);
     return TDP_OK;
 }
@@ -245,14 +257,18 @@ static tdp_err add_metadata(tdp_schema_builder *b, json_t *meta, FILE *warn, cha
     json_t *v;
     char path[TDP_SCHEMA_DEFAULT_MAX_KEY_LEN * 2 + 32];
 
-    json_object_foreach(meta, key, v) {
+    json_object_foreach(meta, key, v)
+    {
         if (!json_is_string(v))
-            return fail(why, len, TDP_EINVAL, "__metadata__ '%s': not a string (the format maps "
-                        "strings to strings)", key);
+            return fail(why, len, TDP_EINVAL,
+                        "__metadata__ '%s': not a string (the format maps "
+                        "strings to strings)",
+                        key);
         const char *problem = path_problem(key);
         if (problem == NULL && strlen(key) + sizeof(TDP_CLI_ST_META) + 1 > sizeof(path))
             problem = "is too long";
-        if (problem == NULL && encoded_len(json_string_value(v)) > TDP_SCHEMA_DEFAULT_MAX_VALUE_BYTES)
+        if (problem == NULL &&
+            encoded_len(json_string_value(v)) > TDP_SCHEMA_DEFAULT_MAX_VALUE_BYTES)
             problem = "has a value over the schema's limit (4096 bytes encoded)";
         if (problem == NULL) {
             snprintf(path, sizeof(path), TDP_CLI_ST_META ".%s", key);
@@ -320,16 +336,19 @@ static tdp_err parse_header(json_t *root, uint64_t data_len, st_entry **entries,
     if (!json_is_object(root))
         return fail(why, len, TDP_EINVAL, "the header is not a JSON object");
     *meta = json_object_get(root, TDP_CLI_ST_META);
+    cap = json_object_size(root) - (*meta != NULL);
+    if (json_is_null(*meta))
+        *meta = NULL; /* as good as absent */
     if (*meta != NULL && !json_is_object(*meta))
         return fail(why, len, TDP_EINVAL, "\"__metadata__\" is not an object");
-    cap = json_object_size(root) - (*meta != NULL);
     if (cap > TDP_SCHEMA_DEFAULT_MAX_KEYS)
         return fail(why, len, TDP_ENOTSUP, "%zu tensors, over the %u keys a schema takes", cap,
                     TDP_SCHEMA_DEFAULT_MAX_KEYS);
     st_entry *e = calloc(cap ? cap : 1, sizeof(*e));
     if (e == NULL)
         return fail(why, len, TDP_ENOMEM, "out of memory");
-    json_object_foreach(root, key, v) {
+    json_object_foreach(root, key, v)
+    {
         if (strcmp(key, TDP_CLI_ST_META) == 0)
             continue;
         if ((rc = parse_entry(key, v, data_len, &e[n], why, len)) != TDP_OK) {
@@ -567,8 +586,7 @@ tdp_err tdp_cli_st_write(const tdp_td *td, const char *path, char *why, size_t w
     }
     if (!ok) {
         unlink(tmp);
-        rc = fail(why, why_len, TDP_EINVAL, "cannot write %s: %s", path,
-                  strerror(err ? err : EIO));
+        rc = fail(why, why_len, TDP_EINVAL, "cannot write %s: %s", path, strerror(err ? err : EIO));
     }
 out_free:
     free(tmp);
@@ -602,8 +620,8 @@ bool tdp_cli_dump_dir(const char *dir, char *why, size_t why_len)
         if (c == '\0')
             break;
     }
-    const char *problem = stat(dir, &st) != 0          ? strerror(errno)
-                          : !S_ISDIR(st.st_mode)        ? "not a directory"
+    const char *problem = stat(dir, &st) != 0             ? strerror(errno)
+                          : !S_ISDIR(st.st_mode)          ? "not a directory"
                           : access(dir, W_OK | X_OK) != 0 ? strerror(errno)
                                                           : NULL;
     if (problem != NULL)
