@@ -1653,6 +1653,75 @@ static void test_reconnect(void **state)
 }
 
 /*
+ * connect_wait_ms: a connect made before its listener exists waits for it
+ * (the listener comes 300 ms late) and the pipe works; that pipe does not
+ * redial when its peer goes (no reconnect_ms). With nobody listening the
+ * connect ends with TDP_ECONNREFUSED once the wait is over: not sooner,
+ * not much later. Without the option a refusal ends the connect at once.
+ */
+static void test_connect_wait(void **state)
+{
+    tdp_loop *sl, *cl;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    uint16_t port = free_port();
+
+    late_listener ll = {.loop = sl, .port = port, .delay_ms = 300};
+    assert_int_equal(pthread_create(&ll.th, NULL, late_listen, &ll), 0);
+    tdp_pipe_opts ob, o = *mode_opts(NULL, &ob);
+    o.connect_wait_ms = 5000;
+    tdp_pipe *c, *p;
+    int64_t t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, &o, &c), TDP_OK);
+    int64_t dt = mono_ms() - t0;
+    print_message("connected %" PRId64 " ms after a listener appeared 300 ms late\n", dt);
+    assert_true(dt >= 250); /* it did wait for the listener */
+    pthread_join(ll.th, NULL);
+    assert_int_equal(ll.rc, TDP_OK);
+    assert_int_equal(tdp_listener_accept(ll.l, TMO, &p), TDP_OK);
+    tdp_schema *s = bytes_schema(4096);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    assert_true(verify(got, 1));
+    tdp_pipe_release(p, got);
+    /* the peer goes: the pipe ends, with no redial */
+    tdp_pipe_free(p);
+    tdp_listener_free(ll.l);
+    for (int i = 0; i < 5000 && tdp_pipe_status(c) == TDP_OK; i++)
+        usleep(1000);
+    assert_int_not_equal(tdp_pipe_status(c), TDP_OK);
+    assert_int_equal(stat_reconnects(c), 0);
+    tdp_pipe_free(c);
+
+    /* nobody listens: refused once the wait is over */
+    port = free_port();
+    o.connect_wait_ms = 700;
+    t0 = mono_ms();
+    tdp_err rc = tdp_pipe_connect(cl, "127.0.0.1", port, &o, &c);
+    dt = mono_ms() - t0;
+    print_message("no listener: connect ended with %s after %" PRId64 " ms (wait 700)\n",
+                  tdp_errname(rc), dt);
+    assert_int_equal(rc, TDP_ECONNREFUSED);
+    assert_true(dt >= 650 && dt < 700 + 2000);
+
+    /* without the option: at once */
+    o.connect_wait_ms = 0;
+    t0 = mono_ms();
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", port, &o, &c), TDP_ECONNREFUSED);
+    assert_true(mono_ms() - t0 < 500);
+
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
+/*
  * Child: a consumer on 127.0.0.1:port that takes n messages (0: until
  * killed), each carrying its own seq as its pattern, from the seq its
  * producer resumed at; exits 0 when they all check out.
@@ -2234,6 +2303,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
         cmocka_unit_test(test_reconnect),
+        cmocka_unit_test(test_connect_wait),
         cmocka_unit_test(test_reconnect_killed),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern

@@ -1,11 +1,13 @@
 /*
  * cmd_net.c: the point-to-point subcommands — `send` (connect and stream
- * synthetic messages), `recv` (listen for one producer, receive and
- * verify) and `inspect` (listen for one producer and show what it sends).
+ * synthetic messages, or a file's tensors), `recv` (listen for one
+ * producer, receive, verify, dump) and `inspect` (listen for one producer
+ * and show what it sends). File formats: datafile.h; values: values.h.
  *
  * All three drive their loop from the calling thread through the blocking
  * pipe calls: one pipe, one thread, nothing to synchronise.
  */
+#include <ctype.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -14,6 +16,8 @@
 
 #include "cli.h"
 #include "report.h"
+#include "datafile.h"
+#include "values.h"
 
 /*
  * The longest wait in one blocking call, so progress keeps printing when
@@ -167,10 +171,13 @@ static void refuse_echo(const char *cmd, tdp_pipe *pipe)
 static const char recv_help[] =
     "usage: tdpipe recv [OPTIONS]\n\n"
     "Listen, accept one producer (e.g. 'tdpipe send'), receive until it closes\n"
-    "or COUNT messages arrived, and check each message's pattern.\n\n"
-    "The first line on stdout is 'listening on HOST:PORT'; the last is a summary:\n"
+    "or COUNT messages arrived, and check each message of 'tdpipe send's own\n"
+    "stream against its pattern (other schemas, as 'send --file' sends, are\n"
+    "not checked: 'verify skipped (not the send pattern)').\n\n"
+    "The first line on stdout is 'listening on HOST:PORT'; then a summary:\n"
     "  received N messages (SIZE) in S s: RATE, M msgs/s; verify ok; end: ...;\n"
     "  plane P, depth D\n"
+    "and with --dump, 'dumped N messages to DIR';\n"
     "or with --json one object: {\"cmd\": \"recv\", \"msgs\": N, \"bytes\", \"elapsed_s\",\n"
     "\"msgs_per_s\", \"bytes_per_s\", \"verify\", \"bad\", \"end\", \"plane\", \"depth\",\n"
     "\"peer\", \"resumed_from\", \"recv_wait_ns\": {...}} (docs/cli.md).\n\n"
@@ -195,6 +202,9 @@ static const char recv_help[] =
     "                      stderr is a terminal, else none; 0: none)\n"
     "      --json          the summary as one JSON object on stdout, rate lines as\n"
     "                      JSON objects on stderr (keys: docs/cli.md)\n"
+    "      --dump DIR      write message n to DIR/msg-00000n.safetensors (6 digits\n"
+    "                      or more), tensors under their dotted paths, values in\n"
+    "                      __metadata__; DIR is created if missing\n"
     "  -q, --quiet         no rate lines (unless --interval is given)\n"
     "  -v, --verbose       more log (as before the subcommand: -v, -vv, -vvv)\n"
     "  -h, --help          show this help\n\n" TDP_CLI_EXIT_HELP;
@@ -203,7 +213,8 @@ typedef struct recv_args {
     listen_args listen;
     uint64_t count;
     bool verify, quiet, json;
-    double interval; /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
+    double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
+    const char *dump_dir; /* --dump: NULL off */
 } recv_args;
 
 /* long options without a short form */
@@ -217,6 +228,7 @@ enum {
     OPT_INTERVAL,
     OPT_JSON,
 };
+enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES }; /* real data */
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -230,6 +242,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"interval", required_argument, NULL, OPT_INTERVAL},
         {"json", no_argument, NULL, OPT_JSON},
+        {"dump", required_argument, NULL, OPT_DUMP},
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
@@ -279,6 +292,9 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         case OPT_JSON:
             a->json = true;
             break;
+        case OPT_DUMP:
+            a->dump_dir = optarg;
+            break;
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("recv", optarg, &a->listen.plane))
                 return TDP_EXIT_USAGE;
@@ -317,6 +333,8 @@ typedef struct recv_result {
     uint64_t bad;
     uint64_t resumed; /* the producer reconnected: its first message to us had this seq */
     bool refused;     /* the producer wanted echoes */
+    uint64_t checked; /* messages of `tdpipe send`'s stream, verified */
+    bool dump_failed;
 } recv_result;
 
 static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv_result *r)
@@ -344,10 +362,21 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
             r->resumed = st.resumed_from;
         }
         uint64_t seq = first + m->msgs, off = 0;
-        if (a->verify && tdp_cli_verify(td, seq, &off) != TDP_OK && r->bad++ == 0)
+        /* the pattern is `tdpipe send`'s own: other schemas carry real data */
+        bool ours = tdp_cli_wants_echo(tdp_td_schema(td)) >= 0;
+        r->checked += a->verify && ours;
+        if (a->verify && ours && tdp_cli_verify(td, seq, &off) != TDP_OK && r->bad++ == 0)
             tdp_cli_error("recv", "message %" PRIu64 ": pattern mismatch at byte %" PRIu64, seq,
                           off);
         tdp_cli_meter_add(m, tdp_td_nbytes(td));
+        char why[512];
+        if (a->dump_dir != NULL &&
+            tdp_cli_dump(a->dump_dir, m->msgs, td, why, sizeof(why)) != TDP_OK) {
+            tdp_cli_error("recv", "message %" PRIu64 ": cannot dump it: %s", m->msgs, why);
+            tdp_pipe_release(pipe, td);
+            r->dump_failed = true;
+            return;
+        }
         tdp_pipe_release(pipe, td);
     }
 }
@@ -360,8 +389,13 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
     bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
     uint64_t now = tdp_cli_now_ns();
     snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
-    const char *verify = !a->verify ? "off" : r->bad ? "FAILED" : "ok";
+    const char *verify = !a->verify                       ? "off"
+                         : r->bad                          ? "FAILED"
+                         : r->checked == 0 && m->msgs > 0  ? "skipped (not the send pattern)"
+                         : r->checked < m->msgs            ? "ok (others skipped: not the send pattern)"
+                                                           : "ok";
     const char *how = r->refused              ? "refused (the producer wants echoes)"
+                      : r->dump_failed        ? "dump failed"
                       : r->signal != 0        ? end
                       : r->end == TDP_OK      ? "count reached"
                       : r->end == TDP_ECLOSED ? "producer closed"
@@ -373,15 +407,21 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         json_object_set_new(o, "cmd", json_string("recv"));
         tdp_cli_meter_json(o, m, now);
         json_object_set_new(o, "verify",
-                            json_string(!a->verify ? "off"
-                                        : r->bad   ? "failed"
-                                                   : "ok"));
+                            json_string(!a->verify                      ? "off"
+                                        : r->bad                        ? "failed"
+                                        : r->checked == 0 && m->msgs > 0 ? "skipped"
+                                                                         : "ok"));
         json_object_set_new(o, "bad", json_integer((json_int_t)r->bad));
+        json_object_set_new(o, "checked", json_integer((json_int_t)r->checked));
         json_object_set_new(o, "end", json_string(how));
         json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
         json_object_set_new(o, "depth", json_integer(a->listen.depth));
         json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
         json_object_set_new(o, "resumed_from", json_integer((json_int_t)r->resumed));
+        if (a->dump_dir != NULL) {
+            json_object_set_new(o, "dump_dir", json_string(a->dump_dir));
+            json_object_set_new(o, "dumped", json_integer((json_int_t)(m->msgs - r->dump_failed)));
+        }
         if (tdp_pipe_latency_get(pipe, TDP_LAT_RECV_WAIT, &wait) == TDP_OK)
             json_object_set_new(o, "recv_wait_ns", tdp_cli_hist_json(&wait));
         tdp_cli_json_line(o, stdout);
@@ -394,7 +434,10 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         printf("the producer resumed at message %" PRIu64 " (it reconnected: earlier ones went "
                "to another receiver)\n",
                r->resumed);
-    if (r->refused)
+    if (a->dump_dir != NULL && !a->json)
+        printf("dumped %" PRIu64 " message%s to %s\n", m->msgs - r->dump_failed,
+               tdp_cli_s(m->msgs - r->dump_failed), a->dump_dir);
+    if (r->refused || r->dump_failed)
         return TDP_EXIT_FAIL;
     if (!clean) {
         if (r->end == TDP_ETIMEDOUT)
@@ -430,6 +473,11 @@ int tdp_cmd_recv(int argc, char **argv)
     int ec = recv_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    char why[512];
+    if (a.dump_dir != NULL && !tdp_cli_dump_dir(a.dump_dir, why, sizeof(why))) {
+        tdp_cli_error("recv", "--dump %s: %s", a.dump_dir, why);
+        return TDP_EXIT_USAGE;
+    }
     tdp_cli_catch_signals();
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
@@ -451,6 +499,10 @@ static const char send_help[] =
     "send COUNT synthetic tensordicts of SIZE bytes: a float32 leaf 'data' and a\n"
     "nested 'meta' node; message n (from 1) carries a pattern that depends on n,\n"
     "which 'recv' and 'serve' check. Then close cleanly.\n"
+    "With --file, send a file's tensors instead (COUNT times, default once):\n"
+    "a safetensors file, whose tensor 'a.b' becomes leaf b of node a and whose\n"
+    "__metadata__ becomes string values under '__metadata__'; or, with --schema,\n"
+    "a raw buffer and its tdpipe schema JSON. Receivers do not check these.\n"
     "HOST is a name, an IPv4 address or an IPv6 address in brackets ([::1]:5000).\n\n"
     "The summary on stdout: a line, then how long each send took (from the call\n"
     "to its completion: credit waits included), round trips with --echo, credit\n"
@@ -468,7 +520,13 @@ static const char send_help[] =
     "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
     "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
     "                      a multiple of 4 (whole float32 elements)\n"
-    "  -n, --count N       messages to send (default 1000)\n"
+    "  -n, --count N       messages to send (default 1000; 1 with --file)\n"
+    "      --file PATH     send the tensors of safetensors file PATH (checked first:\n"
+    "                      a malformed file is refused, exit 2); not with --size,\n"
+    "                      --echo\n"
+    "      --schema JSON   with --file: PATH is a raw buffer of exactly the\n"
+    "                      schema's total_bytes, JSON a schema as 'tdpipe inspect'\n"
+    "                      prints it after 'json: ' (docs/schema.md)\n"
     "  -r, --rate R        at most R messages per second (default 0: as fast as possible)\n"
     "  -e, --echo          wait for each message to come back and check it\n"
     "                      (for 'tdpipe serve'); reports round-trip percentiles\n"
@@ -478,6 +536,9 @@ static const char send_help[] =
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
+    "      --wait SECONDS  a receiver not listening yet (connection refused): try\n"
+    "                      again until it listens or SECONDS passed (decimals\n"
+    "                      allowed), then go on; without it a refusal fails at once\n"
     "      --reconnect MS  when the receiver goes away (or is not there yet), dial\n"
     "                      it again for up to MS ms and go on from the next message\n"
     "                      (a send the outage took is counted as lost)\n"
@@ -507,6 +568,8 @@ typedef struct send_args {
     double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     int64_t reconnect_ms; /* --reconnect: 0 off */
     uint64_t lost;        /* sends an outage took (reconnecting) */
+    const char *file, *schema_file; /* --file, --schema: real data */
+    int64_t wait_ms;                /* --wait: 0 off */
 } send_args;
 
 /* Parses send's options and HOST:PORT; returns -1 to go on, else an exit status. */
@@ -525,6 +588,9 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"reconnect", required_argument, NULL, OPT_RECONNECT},
         {"secret-file", required_argument, NULL, OPT_SECRET},
+        {"file", required_argument, NULL, OPT_FILE},
+        {"schema", required_argument, NULL, OPT_SCHEMA},
+        {"wait", required_argument, NULL, OPT_WAIT},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -532,6 +598,8 @@ static int send_parse(int argc, char **argv, send_args *a)
     };
     const char *why;
     char buf[TDP_CLI_FMT_LEN];
+    bool size_set = false, count_set = false;
+    double wait_s;
     int c;
 
     *a = (send_args){
@@ -540,6 +608,7 @@ static int send_parse(int argc, char **argv, send_args *a)
     while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 's':
+            size_set = true;
             if (!tdp_cli_parse_size(optarg, &a->size, &why))
                 return tdp_cli_usage_error("send", "invalid size '%s': %s", optarg, why);
             if (tdp_cli_synth_bytes(a->size) > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
@@ -548,8 +617,22 @@ static int send_parse(int argc, char **argv, send_args *a)
                     tdp_cli_format_size(TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES, buf, sizeof(buf)));
             break;
         case 'n':
+            count_set = true;
             if (!tdp_cli_parse_u64(optarg, 0, UINT64_MAX, &a->count))
                 return tdp_cli_usage_error("send", "invalid count '%s'", optarg);
+            break;
+        case OPT_FILE:
+            a->file = optarg;
+            break;
+        case OPT_SCHEMA:
+            a->schema_file = optarg;
+            break;
+        case OPT_WAIT:
+            if (!tdp_cli_parse_double(optarg, &wait_s) || wait_s <= 0 ||
+                wait_s * 1000 > (double)TDP_CLI_TIMEOUT_MAX_MS)
+                return tdp_cli_usage_error("send", "invalid wait '%s' (seconds, above 0)", optarg);
+            a->wait_ms = (int64_t)(wait_s * 1000 + 0.5);
+            a->wait_ms = a->wait_ms > 0 ? a->wait_ms : 1;
             break;
         case 'r':
             /* a floor keeps (seq - 1) / rate within the clock's range */
@@ -616,6 +699,15 @@ static int send_parse(int argc, char **argv, send_args *a)
     if (!tdp_cli_parse_hostport(argv[optind], false, a->host, sizeof(a->host), &a->port))
         return tdp_cli_usage_error("send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)",
                                    argv[optind]);
+    if (a->schema_file != NULL && a->file == NULL)
+        return tdp_cli_usage_error("send", "--schema needs --file (the raw data it describes)");
+    if (a->file != NULL && size_set)
+        return tdp_cli_usage_error("send", "--size and --file: the file's tensors set the size");
+    if (a->file != NULL && a->echo)
+        return tdp_cli_usage_error("send", "--echo checks replies against the synthetic pattern: "
+                                           "not with --file");
+    if (a->file != NULL && !count_set)
+        a->count = 1;
     return -1;
 }
 
@@ -724,7 +816,8 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter
             pace_until(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
         if (tdp_cli_interrupted())
             return TDP_ECANCELED; /* between messages: nothing in flight of ours */
-        tdp_cli_fill(td, seq);
+        if (a->file == NULL)
+            tdp_cli_fill(td, seq);
         uint64_t t = tdp_cli_now_ns();
         tdp_err rc = tdp_pipe_send(pipe, td, a->timeout_ms);
         if (rc == TDP_OK)
@@ -812,6 +905,7 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     opts.plane = a->plane;
     opts.reconnect_ms = a->reconnect_ms;
     opts.latency_stats = true; /* the summary's send times */
+    opts.connect_wait_ms = a->wait_ms;
     tdp_cli_apply_net_opts(&a->ka, &opts);
     if (a->timeout_ms >= 0)
         opts.connect_timeout_ms = a->timeout_ms;
@@ -820,7 +914,32 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
     tdp_err rc = tdp_pipe_connect(loop, a->host, a->port, &opts, pipe);
     if (rc == TDP_OK)
         return -1;
-    return tdp_cli_connect_failed("send", a->host, a->port, rc, a->plane);
+    int ec = tdp_cli_connect_failed("send", a->host, a->port, rc, a->plane);
+    if (rc == TDP_ECONNREFUSED && a->wait_ms > 0)
+        tdp_cli_error("send", "nothing listened there within --wait %.3g s", a->wait_ms / 1e3);
+    else if (rc == TDP_ECONNREFUSED)
+        tdp_cli_error("send", "nothing listens there: start the receiver first, or give "
+                              "--wait SECONDS to wait for it");
+    return ec;
+}
+
+/* --file: the message; on failure says why and returns the exit status, else -1. */
+static int send_load(const send_args *a, tdp_td **td)
+{
+    char why[512], sz[TDP_CLI_FMT_LEN];
+    tdp_err rc = a->schema_file != NULL
+                     ? tdp_cli_raw_load(a->schema_file, a->file, td, why, sizeof(why))
+                     : tdp_cli_st_load(a->file, stderr, td, why, sizeof(why));
+    if (rc != TDP_OK) {
+        tdp_cli_error("send", "%s: %s", a->file, why);
+        return rc == TDP_ENOMEM ? TDP_EXIT_FAIL : TDP_EXIT_USAGE;
+    }
+    if (!a->quiet)
+        fprintf(stderr, "send: %s: %u tensor%s, %s a message\n", a->file,
+                tdp_schema_num_tensors(tdp_td_schema(*td)),
+                tdp_cli_s(tdp_schema_num_tensors(tdp_td_schema(*td))),
+                tdp_cli_format_size(tdp_td_nbytes(*td), sz, sizeof(sz)));
+    return -1;
 }
 
 int tdp_cmd_send(int argc, char **argv)
@@ -839,14 +958,18 @@ int tdp_cmd_send(int argc, char **argv)
     if (ec >= 0)
         return ec;
     tdp_cli_catch_signals();
-    if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, a.echo, &s)) != TDP_OK ||
-        (rc = tdp_td_new(s, &td)) != TDP_OK) {
+    if (a.file != NULL) {
+        if ((ec = send_load(&a, &td)) >= 0)
+            return ec;
+    } else if ((rc = tdp_cli_send_schema(a.size, TDP_DEVICE_CPU_INIT, a.echo, &s)) != TDP_OK ||
+               (rc = tdp_td_new(s, &td)) != TDP_OK) {
         tdp_cli_error("send", "cannot make a %" PRIu64 "-byte message: %s", a.size,
                       tdp_strerror(rc));
         return TDP_EXIT_FAIL;
+    } else {
+        tdp_schema_unref(s); /* td holds it */
     }
-    tdp_schema_unref(s); /* td holds it */
-    if (tdp_td_nbytes(td) != a.size && !a.quiet)
+    if (a.file == NULL && tdp_td_nbytes(td) != a.size && !a.quiet)
         fprintf(stderr,
                 "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
                 "float32 elements)\n",
@@ -920,12 +1043,16 @@ static const char inspect_help[] =
     "  ...\n"
     "  json: {...}\n"
     "  hash: HASH\n"
-    "  message SEQ: BYTES bytes, schema HASH\n\n"
+    "  message SEQ: BYTES bytes, schema HASH\n"
+    "    PATH DTYPE[SHAPE] = [v0, v1, ...]            <- with --values, per tensor\n\n"
     "Options:\n"
     "  -b, --bind HOST     address to listen on (default: all IPv4 and IPv6)\n"
     "  -p, --port PORT     port (default 0: any free port, printed)\n"
     "  -n, --count N       messages to show before closing (default 0: all, until\n"
     "                      the producer closes)\n"
+    "      --values [N]    also print the first N values (default 8) of each tensor\n"
+    "                      of each message, '...' when there are more; floats with\n"
+    "                      %g (float16, bfloat16, float8 converted), integers, bool\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -942,6 +1069,7 @@ static const char inspect_help[] =
 typedef struct inspect_args {
     listen_args listen;
     uint64_t count;
+    uint64_t values; /* --values: elements shown per tensor; 0 off */
 } inspect_args;
 
 static int inspect_parse(int argc, char **argv, inspect_args *a)
@@ -954,6 +1082,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
+        {"values", optional_argument, NULL, OPT_VALUES},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -979,6 +1108,17 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
                 return tdp_cli_usage_error("inspect", "invalid timeout '%s' (ms, or -1)", optarg);
             break;
+        case OPT_VALUES: {
+            /* "--values 4" as well as "--values=4": a number right after is its count */
+            const char *v = optarg;
+            if (v == NULL && optind < argc && isdigit((unsigned char)argv[optind][0]))
+                v = argv[optind++];
+            a->values = 8;
+            if (v != NULL && !tdp_cli_parse_u64(v, 1, 1000000, &a->values))
+                return tdp_cli_usage_error("inspect", "invalid --values count '%s' (1..1000000)",
+                                           v);
+            break;
+        }
         case OPT_PLANE:
             if (!tdp_cli_parse_plane("inspect", optarg, &a->listen.plane))
                 return TDP_EXIT_USAGE;
@@ -1039,6 +1179,8 @@ int tdp_cmd_inspect(int argc, char **argv)
         last_hash = tdp_schema_hash(s);
         printf("message %" PRIu64 ": %" PRIu64 " bytes, schema %016" PRIx64 "\n", n,
                tdp_td_nbytes(td), last_hash);
+        if (a.values > 0)
+            tdp_cli_print_values(stdout, td, a.values);
         bool wants_echo = n == 1 && tdp_cli_wants_echo(s) == 1;
         tdp_pipe_release(pipe, td);
         if (wants_echo) { /* shown; but it would wait for the echo until its timeout */

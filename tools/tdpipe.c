@@ -26,7 +26,7 @@ typedef struct subcommand {
 static const subcommand subcommands[] = {
     {"bench", tdp_cmd_bench, "measure throughput and latency over loopback"},
     {"serve", tdp_cmd_serve, "run a server: echo messages back, or verify and drop them"},
-    {"send", tdp_cmd_send, "connect and stream synthetic tensordicts"},
+    {"send", tdp_cmd_send, "connect and stream synthetic tensordicts, or a file's tensors"},
     {"recv", tdp_cmd_recv, "listen, accept one producer, receive and verify"},
     {"inspect", tdp_cmd_inspect, "listen, accept one producer, print its schema and messages"},
     {"version", tdp_cmd_version, "print library, protocol, CUDA and UCX versions"},

@@ -143,7 +143,8 @@ typedef struct tdp_pipe_opts {
      * numbers go on, so the new peer's first message says what it missed
      * (tdp_pipe_stats.resumed_from); the schema is sent again. Also waits
      * for a peer that is not there yet: the first connect retries a
-     * refused connection until connect_timeout_ms. docs/pipe.md#reconnect.
+     * refused connection until connect_timeout_ms (connect_wait_ms, when
+     * set, instead). docs/pipe.md#reconnect.
      */
     int64_t reconnect_ms;
     /*
@@ -160,6 +161,19 @@ typedef struct tdp_pipe_opts {
      * when the pipe is made; nothing when off.
      */
     bool latency_stats;
+    /*
+     * Wait for a listener that is not there yet (a dialed pipe only; 0:
+     * off). While the first connect is refused (nothing listens on the
+     * port: a consumer still starting), dial again, backing off from 50 ms
+     * to 1 s, for up to connect_wait_ms; then the connect ends with
+     * TDP_ECONNREFUSED. Only a refusal is retried: a peer that answers and
+     * fails the handshake (TDP_EAUTH, TDP_EVERSION, ...) ends the connect
+     * at once. Once the pipe has opened this plays no part: a peer lost
+     * later ends the pipe, unless reconnect_ms is set. The handshake that
+     * follows a late listener still has connect_timeout_ms.
+     * docs/pipe.md#waiting-for-the-listener.
+     */
+    int64_t connect_wait_ms;
 } tdp_pipe_opts;
 
 #define TDP_SECRET_MIN 16

@@ -194,6 +194,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(reconnect_ms)
     TAKE(want_peer_depth)
     TAKE(latency_stats)
+    TAKE(connect_wait_ms)
 #undef TAKE
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
@@ -314,7 +315,9 @@ static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
         tdp_log_info("pipe %s: no peer again within the reconnect time (%s)", p->ctl.peer_name,
                      why);
         p->reconnecting = false;
-        if (err != TDP_ECLOSED && err != TDP_ECANCELED)
+        /* out of time: the outage's cause; a peer that answered and refused
+         * us (TDP_EAUTH, TDP_EVERSION, ...) says why itself */
+        if (err == TDP_ECONNREFUSED || err == TDP_ECONNRESET || err == TDP_ETIMEDOUT)
             err = p->lost;
         if (err == TDP_ECLOSED)
             p->peer_bye = true; /* the last peer said goodbye and none came after */
@@ -1498,7 +1501,9 @@ static tdp_err make_links(tdp_pipe *p)
  */
 static bool want_reconnect(const tdp_pipe *p, tdp_err err)
 {
-    if (p->opts.reconnect_ms <= 0 || p->naddr == 0 || p->close_requested || p->freed)
+    /* connect_wait_ms: the first connect, refused (no listener yet), and nothing else */
+    bool wait = p->opts.connect_wait_ms > 0 && !p->was_open && err == TDP_ECONNREFUSED;
+    if ((p->opts.reconnect_ms <= 0 && !wait) || p->naddr == 0 || p->close_requested || p->freed)
         return false;
     if (p->reconnecting && tdp__now_ms() >= p->outage_end_ms)
         return false;
@@ -1551,7 +1556,9 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
 {
     int64_t now = tdp__now_ms();
     if (!p->reconnecting) {
-        int64_t span = p->was_open ? p->opts.reconnect_ms : p->opts.connect_timeout_ms;
+        int64_t span = p->was_open                    ? p->opts.reconnect_ms
+                       : p->opts.connect_wait_ms > 0 ? p->opts.connect_wait_ms
+                                                     : p->opts.connect_timeout_ms;
         p->reconnecting = true;
         p->lost = err;
         p->outage_end_ms = now + span;
