@@ -490,6 +490,28 @@ test_verify_fail() {
     expect_in badrecv out "verify skipped (not the send pattern)"
 }
 
+# recv checks 'tdpipe send's own stream: the same schema with other bytes fails
+# the check (the schema is taken from 'inspect', the bytes are all zero)
+test_verify_mismatch() {
+    local port ipid rpid
+    start vm_inspect 60 "$TDPIPE" inspect --bind 127.0.0.1 --count 1
+    ipid=$PID
+    port=$(port_of vm_inspect) || return
+    run vm_send 60 "$TDPIPE" send "127.0.0.1:$port" --count 1 --size 1000 --quiet
+    finish vm_inspect "$ipid"
+    sed -n 's/^ *json: //p' "$WORK/vm_inspect.out" >"$WORK/send_schema.json"
+    head -c 1000 /dev/zero >"$WORK/zeros.raw"
+    start vm_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+    rpid=$PID
+    port=$(port_of vm_recv) || return
+    run vm_send2 60 "$TDPIPE" send "127.0.0.1:$port" --schema "$WORK/send_schema.json" \
+        --file "$WORK/zeros.raw" --count 2 --quiet
+    expect_rc vm_send2 0
+    finish vm_recv "$rpid"
+    expect_rc vm_recv 1
+    expect_in vm_recv out "verify FAILED"
+}
+
 # ---- inspect ---------------------------------------------------------------------
 
 test_inspect() {
@@ -1281,6 +1303,7 @@ test_ipv6
 test_errors
 test_not_a_peer
 test_verify_fail
+test_verify_mismatch
 test_inspect
 test_file
 test_wait
