@@ -809,25 +809,9 @@ int tdp_cli_bad_option(const char *cmd, char **argv, int c)
 
 /* ---- meter ------------------------------------------------------------------ */
 
-void tdp_cli_meter_start(tdp_cli_meter *m, uint64_t interval_ns)
+void tdp_cli_meter_start(tdp_cli_meter *m)
 {
-    *m = (tdp_cli_meter){.interval_ns = interval_ns ? interval_ns : 1000000000ull};
-    m->start_ns = m->last_ns = tdp_cli_now_ns();
-}
-
-void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f)
-{
-    uint64_t now = tdp_cli_now_ns();
-    if (now - m->last_ns < m->interval_ns)
-        return;
-    double s = (double)(now - m->last_ns) / 1e9;
-    char rate[TDP_CLI_FMT_LEN];
-    fprintf(f, "%s: %" PRIu64 " message%s, %s, %.0f msgs/s\n", label, m->msgs, tdp_cli_s(m->msgs),
-            tdp_cli_format_rate((double)(m->bytes - m->last_bytes) / s, rate, sizeof(rate)),
-            (double)(m->msgs - m->last_msgs) / s);
-    m->last_ns = now;
-    m->last_msgs = m->msgs;
-    m->last_bytes = m->bytes;
+    *m = (tdp_cli_meter){.start_ns = tdp_cli_now_ns()};
 }
 
 const char *tdp_cli_meter_summary(const tdp_cli_meter *m, const char *verb, uint64_t now_ns,

@@ -283,18 +283,14 @@ uint64_t tdp_cli_now_ns(void);
 /* Sleep until the monotonic clock reads deadline_ns (returns at once if past). */
 void tdp_cli_sleep_until_ns(uint64_t deadline_ns);
 
-/*
- * A throughput meter: totals since start, and a report about once per
- * interval of what happened since the last report. Not thread-safe.
- */
+/* A throughput meter: totals since start. Not thread-safe. */
 typedef struct tdp_cli_meter {
-    uint64_t start_ns, last_ns, interval_ns;
-    uint64_t msgs, bytes;           /* totals */
-    uint64_t last_msgs, last_bytes; /* totals at the last report */
+    uint64_t start_ns;
+    uint64_t msgs, bytes; /* totals */
 } tdp_cli_meter;
 
-/* Start counting now; reports are due every interval_ns (0: one second). */
-void tdp_cli_meter_start(tdp_cli_meter *m, uint64_t interval_ns);
+/* Start counting now (the rate lines are report.h's). */
+void tdp_cli_meter_start(tdp_cli_meter *m);
 
 /* Count one message of `bytes` bytes. */
 static inline void tdp_cli_meter_add(tdp_cli_meter *m, uint64_t bytes)
@@ -302,13 +298,6 @@ static inline void tdp_cli_meter_add(tdp_cli_meter *m, uint64_t bytes)
     m->msgs++;
     m->bytes += bytes;
 }
-
-/*
- * When a report is due (an interval has passed since the last), print
- * "LABEL: N messages, RATE, M msgs/s" on f, rates over the interval, and
- * start the next interval. Cheap when not due: one clock read.
- */
-void tdp_cli_meter_tick(tdp_cli_meter *m, const char *label, FILE *f);
 
 /*
  * The totals as one line (no newline) into buf:

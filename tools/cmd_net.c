@@ -19,10 +19,7 @@
 #include "datafile.h"
 #include "values.h"
 
-/*
- * The longest wait in one blocking call, so progress keeps printing when
- * idle and an interruption (tdp_cli_interrupted) is seen soon.
- */
+/* The longest wait in one blocking call, so an interruption (tdp_cli_interrupted) is seen soon. */
 #define SLICE_MS 100
 
 /* Why a command stopped early on a signal, for its summary. */
@@ -110,11 +107,10 @@ static int accept_one(const char *cmd, const listen_args *a, tdp_loop **loop_out
 
 /*
  * Receive the next message, waiting up to timeout_ms (-1 forever) in
- * slices so the caller's meter can report while the stream is idle.
+ * slices so that a signal is seen while the stream is idle.
  * TDP_ECANCELED when interrupted (the pipe is still open).
  */
-static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_cli_meter *m, const char *label,
-                         tdp_td **out)
+static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out)
 {
     uint64_t deadline = timeout_ms < 0 ? 0 : tdp_cli_now_ns() + (uint64_t)timeout_ms * 1000000u;
     for (;;) {
@@ -132,8 +128,6 @@ static tdp_err recv_next(tdp_pipe *pipe, int64_t timeout_ms, tdp_cli_meter *m, c
         /* a timed-out receive was canceled before it started: the pipe lives on */
         if (rc != TDP_ETIMEDOUT || tdp_pipe_status(pipe) != TDP_OK)
             return rc;
-        if (m != NULL)
-            tdp_cli_meter_tick(m, label, stderr);
     }
 }
 
@@ -343,7 +337,7 @@ static void recv_loop(tdp_pipe *pipe, const recv_args *a, tdp_cli_meter *m, recv
     uint64_t first = 0; /* the producer's seq of our first message: 1, or where it resumed */
     *r = (recv_result){.end = TDP_OK};
     while (a->count == 0 || m->msgs < a->count) {
-        tdp_err rc = recv_next(pipe, a->listen.timeout_ms, NULL, NULL, &td);
+        tdp_err rc = recv_next(pipe, a->listen.timeout_ms, &td);
         if (rc != TDP_OK) {
             r->end = rc;
             r->signal = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
@@ -481,7 +475,7 @@ int tdp_cmd_recv(int argc, char **argv)
     tdp_cli_catch_signals();
     if ((ec = accept_one("recv", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
-    tdp_cli_meter_start(&m, 0);
+    tdp_cli_meter_start(&m);
     tdp_cli_ticker *tick = tdp_cli_ticker_start(
         "recv", 0, a.json, tdp_cli_interval(a.interval, a.quiet), tdp_cli_sample_recv, pipe);
     recv_loop(pipe, &a, &m, &r);
@@ -741,7 +735,7 @@ static tdp_err await_echo(tdp_pipe *pipe, const send_args *a, uint64_t seq, bool
 {
     tdp_td *reply;
     uint64_t off;
-    tdp_err rc = recv_next(pipe, a->timeout_ms, NULL, NULL, &reply);
+    tdp_err rc = recv_next(pipe, a->timeout_ms, &reply);
     if (rc != TDP_OK)
         return rc;
     if (explain_notice(reply)) {
@@ -982,7 +976,7 @@ int tdp_cmd_send(int argc, char **argv)
     if ((ec = send_connect(&a, loop, &pipe)) >= 0)
         goto out_free_loop;
 
-    tdp_cli_meter_start(&m, 0);
+    tdp_cli_meter_start(&m);
     tdp_hist_reset(&rtt);
     bool refused = false;
     tdp_cli_ticker *tick =
@@ -1171,7 +1165,7 @@ int tdp_cmd_inspect(int argc, char **argv)
     if ((ec = accept_one("inspect", &a.listen, &loop, &pipe)) != TDP_EXIT_OK)
         return ec;
     while ((a.count == 0 || n < a.count) &&
-           (rc = recv_next(pipe, a.listen.timeout_ms, NULL, NULL, &td)) == TDP_OK) {
+           (rc = recv_next(pipe, a.listen.timeout_ms, &td)) == TDP_OK) {
         tdp_schema *s = tdp_td_schema(td);
         n++;
         if (n == 1 || tdp_schema_hash(s) != last_hash)
