@@ -1031,6 +1031,24 @@ count_lines() {
     grep -cE -- "$3" "$WORK/$1.$2" || true
 }
 
+# A receiver that keeps up costs no credit waits, whatever the plane: a
+# rate-limited sender sleeps between sends, and the releases that came back
+# meanwhile count before a send is said to wait (on the shm plane they used
+# to sit in the ring: 4 of 20 sends "waited")
+test_credit_kept_up() {
+    local port rpid plane
+    for plane in shm ucx; do
+        start ku_recv_$plane 60 "$TDPIPE" recv --bind 127.0.0.1 --count 20 --plane "$plane"
+        rpid=$PID
+        port=$(port_of ku_recv_$plane) || return
+        run ku_send_$plane 60 "$TDPIPE" send "127.0.0.1:$port" --count 20 --size 1000 --rate 20 \
+            --plane "$plane" --depth-hint --quiet
+        expect_rc ku_send_$plane 0
+        finish ku_recv_$plane "$rpid"
+        expect_in ku_send_$plane out "credit waits: 0 of 20 sends"
+    done
+}
+
 test_live() {
     local port rpid spid n out
     # --json on both ends; rate-limited send with --interval: rate lines as JSON
@@ -1312,6 +1330,7 @@ test_bench_two_hosts
 test_bench_busy
 test_bench_mem
 test_serve
+test_credit_kept_up
 test_live
 
 if [[ $FAILS -ne 0 ]]; then

@@ -122,6 +122,14 @@ typedef struct tdp__plane_ops {
     void (*release)(tdp__link *l, uint32_t slot);
     /* Lend a send buffer from the plane's own pool (NULL: no loans). */
     tdp_err (*loan)(tdp__link *l, tdp_schema *sc, tdp_td **out);
+    /*
+     * Optional: take any credit the peer has already given back, without
+     * waiting (it may call up->credit). The session calls it before it
+     * counts a send as waiting for credit, so that a release that arrived
+     * while nobody drove the loop is not mistaken for a slow receiver.
+     * NULL: credit comes only through the plane's progress.
+     */
+    void (*poll_credit)(tdp__link *l);
 } tdp__plane_ops;
 
 extern const tdp__plane_ops tdp__plane_ucx;

@@ -167,6 +167,7 @@ struct tdp__link {
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     bool loan_starved; /* a loan was refused for want of a free slot */
+    bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
     early_tx *early;
     uint32_t nearly, capearly;
 
@@ -502,9 +503,19 @@ static void link_flush_early(struct tdp__link *l)
 }
 
 /* RELEASE descriptors: slots back, and the credit they are. */
+static unsigned tx_progress_now(struct tdp__link *l);
+
 static unsigned tx_progress(void *arg)
 {
     struct tdp__link *l = arg;
+    l->in_tx_progress = true;
+    unsigned n = tx_progress_now(l);
+    l->in_tx_progress = false;
+    return n;
+}
+
+static unsigned tx_progress_now(struct tdp__link *l)
+{
     tdp__shm_ring *r = tdp__shm_seg_rx(l->tx_ctl);
     unsigned n = 0;
     if (l->tx_armed) {
@@ -620,6 +631,13 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     }
     *out = tdp_td_ref(s->td);
     return TDP_OK;
+}
+
+/* Releases already in the ring count now (see tdp__plane_ops.poll_credit). */
+static void s_poll_credit(tdp__link *l)
+{
+    if (l->tx_ctl != NULL && !l->closed && !l->in_tx_progress)
+        (void)tx_progress(l);
 }
 
 /* ---- receiving ---------------------------------------------------------------------- */
@@ -1444,6 +1462,7 @@ const tdp__plane_ops tdp__plane_shm = {
     .recv = s_recv,
     .release = s_release,
     .loan = s_loan,
+    .poll_credit = s_poll_credit,
 };
 
 /* ---- test hooks ---------------------------------------------------------------------- */

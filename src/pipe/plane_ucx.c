@@ -173,8 +173,10 @@ static void ext_pre_fini(void *ext)
         purge_closing(x);
         if (x->nclosing == 0 || tdp__now_ms() > end)
             break;
+        x->ucx->progressing++;
         for (int i = 0; i < x->ucx->nworkers; i++)
             ucp_worker_progress(x->ucx->worker[i]);
+        x->ucx->progressing--;
     }
     if (x->nclosing > 0)
         tdp_log_warn("%u endpoint close(s) still in progress as the loop goes", x->nclosing);
@@ -1114,6 +1116,21 @@ static tdp_err u_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     return tdp_td_new(sc, out);
 }
 
+/*
+ * Credit the peer sent may wait in the worker while nobody drove the loop
+ * (a sender pausing between sends): progress this link's worker once, unless
+ * a progress is already on the stack (UCX does not nest).
+ */
+static void u_poll_credit(tdp__link *l)
+{
+    tdp__ucx *u = l->x->ucx;
+    if (l->closed || u->progressing > 0 || u->worker[l->wi] == NULL)
+        return;
+    u->progressing++;
+    (void)ucp_worker_progress(u->worker[l->wi]);
+    u->progressing--;
+}
+
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
@@ -1129,6 +1146,7 @@ const tdp__plane_ops tdp__plane_ucx = {
     .recv = u_recv,
     .release = u_release,
     .loan = u_loan,
+    .poll_credit = u_poll_credit,
 };
 
 ucp_ep_h tdp__ucx_link_ep(const tdp__link *l)

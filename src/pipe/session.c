@@ -971,6 +971,14 @@ static void send_kick(tdp_pipe *p)
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
         if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
             p->free_tickets == NULL) {
+            if (!p->sendq.head->waited && p->plane->poll_credit != NULL) {
+                /* credit the peer gave while nobody drove the loop is not a wait */
+                uint64_t before = p->peer_credit;
+                p->plane->poll_credit(p->link);
+                if (p->peer_credit != before || p->sendq.head == NULL || p->state != PIPE_OPEN ||
+                    p->peer_bye || p->link_failed)
+                    continue; /* credit came (or the pipe changed): look again */
+            }
             if (!p->sendq.head->waited) { /* count each waiting send once */
                 p->sendq.head->waited = true;
                 p->stats.credit_waits++;

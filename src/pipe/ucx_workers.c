@@ -14,7 +14,7 @@
 
 typedef struct ucx_worker_src {
     ucp_worker_h worker;
-    const tdp__ucx *u;
+    tdp__ucx *u;
     tdp__source *const *src; /* its loop source, once added */
     bool arm_error_logged;
 } ucx_worker_src;
@@ -37,7 +37,10 @@ static tdp_err ucx_fail(const char *what, ucs_status_t st)
 static unsigned worker_progress(void *arg)
 {
     ucx_worker_src *w = arg;
-    return ucp_worker_progress(w->worker);
+    w->u->progressing++;
+    unsigned n = ucp_worker_progress(w->worker);
+    w->u->progressing--;
+    return n;
 }
 
 static int worker_arm(void *arg)

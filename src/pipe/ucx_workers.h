@@ -35,6 +35,12 @@ typedef struct tdp__ucx {
      */
     bool (*in_use)(void *arg);
     void *in_use_arg;
+    /*
+     * Non-zero while a ucp_worker_progress of these workers is on this
+     * loop's stack (the loop's, or a plane's own): UCX must not be
+     * progressed again from inside its callbacks. Loop thread only.
+     */
+    int progressing;
 } tdp__ucx;
 
 /*
