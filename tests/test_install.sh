@@ -57,11 +57,13 @@ check "installed tdpipe --help runs with LD_LIBRARY_PATH empty" \
     env LD_LIBRARY_PATH= "$TDPIPE" --help
 check "installed tdpipe version runs with LD_LIBRARY_PATH empty" \
     env LD_LIBRARY_PATH= "$TDPIPE" version
-if env LD_LIBRARY_PATH= ldd "$TDPIPE" | grep -q "libtdpipe.*$P/"; then
+# (into a variable first: grep -q stopping early must not fail ldd's pipe)
+deps=$(env LD_LIBRARY_PATH= ldd "$TDPIPE" 2>&1 || true)
+if grep -q "libtdpipe.*$P/" <<<"$deps"; then
     ok "libtdpipe resolves inside the prefix"
 else
     fail "libtdpipe does not resolve inside the prefix:"
-    env LD_LIBRARY_PATH= ldd "$TDPIPE" | grep tdpipe | sed 's/^/      /'
+    grep tdpipe <<<"$deps" | sed 's/^/      /'
 fi
 
 # ---- the docs --help names ----------------------------------------------------
