@@ -162,6 +162,16 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
         } else if (!strcmp(key, "reconnect")) {
             if (timeout_ms(v, &o->reconnect_ms) < 0)
                 return -1;
+        } else if (!strcmp(key, "connect_wait")) {
+            if (timeout_ms(v, &o->connect_wait_ms) < 0)
+                return -1;
+            if (o->connect_wait_ms < 0)
+                o->connect_wait_ms = 0;
+        } else if (!strcmp(key, "latency_stats")) {
+            int b = PyObject_IsTrue(v);
+            if (b < 0)
+                return -1;
+            o->latency_stats = b != 0;
         } else if (!strcmp(key, "plane")) {
             const char *s = PyUnicode_AsUTF8(v);
             if (s == NULL)
@@ -1052,6 +1062,46 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
         "resumed_from", s.resumed_from);
 }
 
+/* latency(which): the summary of a latency histogram, in ns (None: not kept). */
+static PyObject *pipe_latency(PipeObject *self, PyObject *arg)
+{
+    if (self->pipe == NULL)
+        return raise_tdp(TDP_ECANCELED, "pipe freed");
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL)
+        return NULL;
+    tdp_latency which;
+    if (!strcmp(name, "send"))
+        which = TDP_LAT_SEND;
+    else if (!strcmp(name, "recv_wait"))
+        which = TDP_LAT_RECV_WAIT;
+    else {
+        PyErr_Format(PyExc_ValueError, "unknown latency %R (send, recv_wait)", arg);
+        return NULL;
+    }
+    tdp_hist *h = PyMem_Malloc(sizeof(*h)); /* about 15 KB: not on the stack */
+    if (h == NULL)
+        return PyErr_NoMemory();
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_latency_get(p, which, h);
+    Py_END_ALLOW_THREADS if (rc == TDP_ENOTSUP)
+    {
+        PyMem_Free(h);
+        Py_RETURN_NONE;
+    }
+    if (rc != TDP_OK) {
+        PyMem_Free(h);
+        return raise_tdp(rc, "latency");
+    }
+    tdp_hist_summary sm;
+    tdp_hist_summarize(h, &sm);
+    PyMem_Free(h);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsd}", "count", sm.count, "min", sm.min, "p50", sm.p50,
+                         "p90", sm.p90, "p99", sm.p99, "p999", sm.p999, "max", sm.max, "mean",
+                         sm.mean);
+}
+
 static PyObject *pipe_plane(PipeObject *self, void *c)
 {
     if (self->pipe == NULL)
@@ -1104,6 +1154,7 @@ static PyMethodDef pipe_methods[] = {
     {"abort", (PyCFunction)pipe_abort, METH_NOARGS, NULL},
     {"free", (PyCFunction)pipe_free_m, METH_NOARGS, NULL},
     {"stats", (PyCFunction)pipe_stats, METH_NOARGS, NULL},
+    {"latency", (PyCFunction)pipe_latency, METH_O, NULL},
     {NULL},
 };
 

@@ -38,8 +38,8 @@ __version__ = _tdpipe.library_version()
 # interpreter is shutting down.
 atexit.register(_tdpipe._finalizing)
 
-_OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "plane", "peer_mode",
-         "keepalive", "secret")
+_OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "reconnect", "connect_wait",
+         "latency_stats", "plane", "peer_mode", "keepalive", "secret")
 
 
 def _loop_flag(loop):
@@ -290,6 +290,13 @@ class Pipe:
 
     def stats(self):
         return self._raw.stats()
+
+    def latency(self, which="send"):
+        """Latency percentiles in ns, as a dict (count, min, p50, p90, p99,
+        p999, max, mean), of a pipe made with latency_stats=True; None
+        otherwise. which: "send" (call to completion) or "recv_wait" (a
+        message's wait for the receive that took it)."""
+        return self._raw.latency(which)
 
     @property
     def plane(self):

@@ -383,3 +383,56 @@ def test_leaves_in_one_storage_are_sent_without_gather(loop):
         tx._raw = raw
         tx.close(5)
         rx.close(5)
+
+
+def test_latency_stats():
+    with listen(latency_stats=True) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, latency_stats=True)
+        rx = lst.accept(timeout=10)
+        for i in range(20):
+            tx.send({"x": torch.full((4,), float(i))}, timeout=5)
+            rx.recv(timeout=5).release()
+        s = tx.latency("send")
+        assert s["count"] == 20 and 0 < s["min"] <= s["p50"] <= s["p99"] <= s["max"], s
+        w = rx.latency("recv_wait")
+        assert w["count"] == 20, w
+        with pytest.raises(ValueError):
+            tx.latency("nope")
+        tx.close(5)
+        rx.close(5)
+    with listen() as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        assert tx.latency() is None  # not kept without the option
+        tx.abort()
+
+
+def test_connect_wait():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    got = {}
+
+    def late_listener():
+        time.sleep(0.3)
+        with tdpipe.listen("127.0.0.1", port) as lst:
+            p = lst.accept(timeout=10)
+            got["x"] = p.recv(timeout=10)["x"].tolist()
+            p.close(5)
+
+    t = threading.Thread(target=late_listener)
+    t.start()
+    with tdpipe.connect("127.0.0.1", port, connect_wait=10) as tx:
+        tx.send({"x": torch.ones(2)}, timeout=5)
+    t.join(15)
+    assert got["x"] == [1.0, 1.0]
+
+
+def test_reconnect_option_accepted():
+    with listen() as lst:
+        with tdpipe.connect("127.0.0.1", lst.port, reconnect=2) as tx:
+            rx = lst.accept(timeout=10)
+            tx.send({"x": torch.ones(1)}, timeout=5)
+            assert rx.recv(timeout=5)["x"].tolist() == [1.0]
+            assert tx.stats()["reconnects"] == 0
+            rx.close(5)
