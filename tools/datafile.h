@@ -35,6 +35,10 @@
  */
 #define TDP_CLI_ST_META "__metadata__"
 
+/* Write why (printf-style, when why is not NULL) and return rc. */
+tdp_err tdp_cli_data_fail(char *why, size_t len, tdp_err rc, const char *fmt, ...)
+    TDP_CHECK_FMT(4, 5);
+
 /*
  * Read a safetensors file: 8 bytes of little-endian header length N, N
  * bytes of JSON, then the data. Tensor "a.b.c" becomes leaf c of node a.b

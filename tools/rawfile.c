@@ -15,17 +15,6 @@
 
 #include "datafile.h"
 
-static tdp_err fail(char *why, size_t len, tdp_err rc, const char *fmt, ...) TDP_CHECK_FMT(4, 5);
-static tdp_err fail(char *why, size_t len, tdp_err rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    if (why != NULL && len > 0)
-        vsnprintf(why, len, fmt, ap);
-    va_end(ap);
-    return rc;
-}
-
 /* The schema file, decoded with the limits a receiver applies. */
 static tdp_err read_schema(const char *path, tdp_schema **out, char *why, size_t len)
 {
@@ -34,14 +23,14 @@ static tdp_err read_schema(const char *path, tdp_schema **out, char *why, size_t
     tdp_err rc;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return fail(why, len, TDP_EINVAL, "schema %s: cannot open: %s", path, strerror(errno));
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "schema %s: cannot open: %s", path, strerror(errno));
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return fail(why, len, TDP_EINVAL, "schema %s: not a regular file", path);
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "schema %s: not a regular file", path);
     }
     if ((uint64_t)st.st_size > TDP_SCHEMA_DEFAULT_MAX_JSON_BYTES) {
         close(fd);
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "schema %s: %" PRIu64 " bytes, over the %u a schema takes", path,
                     (uint64_t)st.st_size, TDP_SCHEMA_DEFAULT_MAX_JSON_BYTES);
     }
@@ -49,7 +38,7 @@ static tdp_err read_schema(const char *path, tdp_schema **out, char *why, size_t
     char *text = malloc(n ? n : 1);
     if (text == NULL) {
         close(fd);
-        return fail(why, len, TDP_ENOMEM, "out of memory");
+        return tdp_cli_data_fail(why, len, TDP_ENOMEM, "out of memory");
     }
     while (got < n) {
         ssize_t r = read(fd, text + got, n - got);
@@ -66,7 +55,7 @@ static tdp_err read_schema(const char *path, tdp_schema **out, char *why, size_t
     rc = tdp_schema_decode(text, got, NULL, out, msg, sizeof(msg));
     free(text);
     if (rc != TDP_OK)
-        return fail(why, len, rc == TDP_ENOMEM ? rc : TDP_EINVAL, "schema %s: %s", path,
+        return tdp_cli_data_fail(why, len, rc == TDP_ENOMEM ? rc : TDP_EINVAL, "schema %s: %s", path,
                     msg[0] ? msg : tdp_strerror(rc));
     return TDP_OK;
 }
@@ -91,21 +80,21 @@ tdp_err tdp_cli_raw_load(const char *schema_path, const char *data_path, tdp_td 
         rc = tdp_schema_with_device(s, cpu, &host);
         tdp_schema_unref(s);
         if (rc != TDP_OK)
-            return fail(why, why_len, rc, "schema: cannot move it to cpu: %s", tdp_strerror(rc));
+            return tdp_cli_data_fail(why, why_len, rc, "schema: cannot move it to cpu: %s", tdp_strerror(rc));
         s = host;
     }
     uint64_t total = tdp_schema_total_bytes(s);
     int fd = open(data_path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-        rc = fail(why, why_len, TDP_EINVAL, "cannot open: %s", strerror(errno));
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot open: %s", strerror(errno));
         goto out_unref;
     }
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        rc = fail(why, why_len, TDP_EINVAL, "not a regular file");
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "not a regular file");
         goto out_close;
     }
     if ((uint64_t)st.st_size != total) {
-        rc = fail(why, why_len, TDP_EINVAL,
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL,
                   "%" PRIu64 " bytes, but the schema's buffer (total_bytes) is %" PRIu64,
                   (uint64_t)st.st_size, total);
         goto out_close;
@@ -120,7 +109,7 @@ tdp_err tdp_cli_raw_load(const char *schema_path, const char *data_path, tdp_td 
          */
         void *m = mmap(NULL, (size_t)total, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
         if (m == MAP_FAILED) {
-            rc = fail(why, why_len, TDP_EINVAL, "cannot map: %s", strerror(errno));
+            rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot map: %s", strerror(errno));
             goto out_close;
         }
         rc = tdp_td_wrap(s, m, total, cpu, unmap, (void *)(uintptr_t)total, &td);
@@ -128,7 +117,7 @@ tdp_err tdp_cli_raw_load(const char *schema_path, const char *data_path, tdp_td 
             munmap(m, (size_t)total);
     }
     if (rc != TDP_OK)
-        rc = fail(why, why_len, rc, "cannot make a tensordict of it: %s", tdp_strerror(rc));
+        rc = tdp_cli_data_fail(why, why_len, rc, "cannot make a tensordict of it: %s", tdp_strerror(rc));
     else
         *out = td;
 out_close:

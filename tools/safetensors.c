@@ -20,6 +20,16 @@
 
 #include "datafile.h"
 
+tdp_err tdp_cli_data_fail(char *why, size_t len, tdp_err rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (why != NULL && len > 0)
+        vsnprintf(why, len, fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
 static const struct {
     const char *name;
     tdp_dtype dt;
@@ -61,17 +71,6 @@ static tdp_dtype st_dtype_parse(const char *name)
         if (strcmp(st_dtypes[i].name, name) == 0)
             return st_dtypes[i].dt;
     return TDP_DTYPE_INVALID;
-}
-
-static tdp_err fail(char *why, size_t len, tdp_err rc, const char *fmt, ...) TDP_CHECK_FMT(4, 5);
-static tdp_err fail(char *why, size_t len, tdp_err rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    if (why != NULL && len > 0)
-        vsnprintf(why, len, fmt, ap);
-    va_end(ap);
-    return rc;
 }
 
 /* len bytes at off, whole; false (errno set) on an error or an early end. */
@@ -161,49 +160,49 @@ static tdp_err parse_entry(const char *name, json_t *v, uint64_t data_len, st_en
 
     *e = (st_entry){.name = name};
     if (!json_is_object(v))
-        return fail(why, len, TDP_EINVAL, "tensor '%s': its entry is not a JSON object", name);
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "tensor '%s': its entry is not a JSON object", name);
     if (!json_is_string(dt))
-        return fail(why, len, TDP_EINVAL, "tensor '%s': no \"dtype\" string", name);
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "tensor '%s': no \"dtype\" string", name);
     e->dtype_name = json_string_value(dt);
     if ((e->dtype = st_dtype_parse(e->dtype_name)) == TDP_DTYPE_INVALID)
-        return fail(why, len, TDP_ENOTSUP,
+        return tdp_cli_data_fail(why, len, TDP_ENOTSUP,
                     "tensor '%s': dtype '%s' is not supported (tdpipe takes " ST_DTYPE_LIST ")",
                     name, e->dtype_name);
     if (!json_is_array(shape))
-        return fail(why, len, TDP_EINVAL, "tensor '%s': no \"shape\" array", name);
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "tensor '%s': no \"shape\" array", name);
     if (json_array_size(shape) > TDP_SCHEMA_DEFAULT_MAX_RANK)
-        return fail(why, len, TDP_ENOTSUP,
+        return tdp_cli_data_fail(why, len, TDP_ENOTSUP,
                     "tensor '%s': %zu dimensions, over the %u a schema takes", name,
                     json_array_size(shape), TDP_SCHEMA_DEFAULT_MAX_RANK);
     e->ndim = (uint32_t)json_array_size(shape);
     for (uint32_t i = 0; i < e->ndim; i++) {
         if (!json_u64(json_array_get(shape, i), &d))
-            return fail(why, len, TDP_EINVAL,
+            return tdp_cli_data_fail(why, len, TDP_EINVAL,
                         "tensor '%s': shape[%u] is not a non-negative integer", name, i);
         e->shape[i] = (int64_t)d; /* json_int_t is 64-bit: d < 2^63 */
         if (__builtin_mul_overflow(numel, d, &numel))
-            return fail(why, len, TDP_EINVAL, "tensor '%s': its shape's element count overflows",
+            return tdp_cli_data_fail(why, len, TDP_EINVAL, "tensor '%s': its shape's element count overflows",
                         name);
     }
     if (__builtin_mul_overflow(numel, tdp_dtype_itemsize(e->dtype), &nbytes))
-        return fail(why, len, TDP_EINVAL, "tensor '%s': its size in bytes overflows", name);
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "tensor '%s': its size in bytes overflows", name);
     if (!json_is_array(offs) || json_array_size(offs) != 2 ||
         !json_u64(json_array_get(offs, 0), &e->begin) ||
         !json_u64(json_array_get(offs, 1), &e->end))
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "tensor '%s': \"data_offsets\" is not [BEGIN, END] (non-negative integers)",
                     name);
     if (e->begin > e->end)
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 "] end before they begin",
                     name, e->begin, e->end);
     if (e->end > data_len)
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 "] go past the end of the "
                     "data (%" PRIu64 " bytes after the header)",
                     name, e->begin, e->end, data_len);
     if (e->end - e->begin != nbytes)
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "tensor '%s': data_offsets span %" PRIu64 " bytes, but %" PRIu64
                     " elements of %s take %" PRIu64,
                     name, e->end - e->begin, numel, e->dtype_name, nbytes);
@@ -219,20 +218,20 @@ static tdp_err check_cover(const st_entry *e, size_t n, uint64_t data_len, char 
     uint64_t at = 0;
     for (size_t i = 0; i < n; i++) {
         if (e[i].begin < at)
-            return fail(why, len, TDP_EINVAL,
+            return tdp_cli_data_fail(why, len, TDP_EINVAL,
                         "tensors '%s' and '%s' overlap (data_offsets [%" PRIu64 ", %" PRIu64
                         "] and [%" PRIu64 ", %" PRIu64 "])",
                         e[i - 1].name, e[i].name, e[i - 1].begin, e[i - 1].end, e[i].begin,
                         e[i].end);
         if (e[i].begin > at)
-            return fail(why, len, TDP_EINVAL,
+            return tdp_cli_data_fail(why, len, TDP_EINVAL,
                         "data bytes [%" PRIu64 ", %" PRIu64 ") belong to no tensor (the format "
                         "has no gaps)",
                         at, e[i].begin);
         at = e[i].end;
     }
     if (at != data_len)
-        return fail(why, len, TDP_EINVAL,
+        return tdp_cli_data_fail(why, len, TDP_EINVAL,
                     "the data after the header is %" PRIu64
                     " bytes, but the tensors end at %" PRIu64,
                     data_len, at);
@@ -260,7 +259,7 @@ static tdp_err add_metadata(tdp_schema_builder *b, json_t *meta, FILE *warn, cha
     json_object_foreach(meta, key, v)
     {
         if (!json_is_string(v))
-            return fail(why, len, TDP_EINVAL,
+            return tdp_cli_data_fail(why, len, TDP_EINVAL,
                         "__metadata__ '%s': not a string (the format maps "
                         "strings to strings)",
                         key);
@@ -274,7 +273,7 @@ static tdp_err add_metadata(tdp_schema_builder *b, json_t *meta, FILE *warn, cha
             snprintf(path, sizeof(path), TDP_CLI_ST_META ".%s", key);
             tdp_err rc = tdp_schema_builder_string(b, path, json_string_value(v));
             if (rc == TDP_ENOMEM)
-                return fail(why, len, rc, "out of memory");
+                return tdp_cli_data_fail(why, len, rc, "out of memory");
             if (rc != TDP_OK)
                 problem = "clashes with another key";
         }
@@ -292,23 +291,23 @@ static tdp_err build_schema(const st_entry *e, size_t n, json_t *meta, FILE *war
     char msg[256];
     tdp_err rc = tdp_schema_builder_new(&b);
     if (rc != TDP_OK)
-        return fail(why, len, rc, "cannot make a schema: %s", tdp_strerror(rc));
+        return tdp_cli_data_fail(why, len, rc, "cannot make a schema: %s", tdp_strerror(rc));
     for (size_t i = 0; i < n; i++) {
         const char *problem = path_problem(e[i].name);
         if (problem != NULL) {
-            rc = fail(why, len, TDP_ENOTSUP,
+            rc = tdp_cli_data_fail(why, len, TDP_ENOTSUP,
                       "tensor '%s': its name %s; a tensordict's keys are separated by dots",
                       e[i].name, problem);
             goto out_free;
         }
         rc = tdp_schema_builder_tensor(b, e[i].name, e[i].dtype, e[i].ndim, e[i].shape);
         if (rc == TDP_EINVAL)
-            rc = fail(why, len, TDP_ENOTSUP,
+            rc = tdp_cli_data_fail(why, len, TDP_ENOTSUP,
                       "tensor '%s': its name clashes with another's (a tensor cannot also be "
                       "a node: 'a' and 'a.b')",
                       e[i].name);
         else if (rc != TDP_OK)
-            rc = fail(why, len, rc, "tensor '%s': %s", e[i].name, tdp_strerror(rc));
+            rc = tdp_cli_data_fail(why, len, rc, "tensor '%s': %s", e[i].name, tdp_strerror(rc));
         if (rc != TDP_OK)
             goto out_free;
     }
@@ -317,7 +316,7 @@ static tdp_err build_schema(const st_entry *e, size_t n, json_t *meta, FILE *war
     msg[0] = '\0';
     rc = tdp_schema_builder_finish(b, out, msg, sizeof(msg));
     if (rc != TDP_OK)
-        rc = fail(why, len, rc == TDP_ENOMEM ? rc : TDP_ENOTSUP,
+        rc = tdp_cli_data_fail(why, len, rc == TDP_ENOMEM ? rc : TDP_ENOTSUP,
                   "not a schema a tensordict can carry: %s", msg[0] ? msg : tdp_strerror(rc));
 out_free:
     tdp_schema_builder_free(b);
@@ -334,19 +333,19 @@ static tdp_err parse_header(json_t *root, uint64_t data_len, st_entry **entries,
     tdp_err rc;
 
     if (!json_is_object(root))
-        return fail(why, len, TDP_EINVAL, "the header is not a JSON object");
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "the header is not a JSON object");
     *meta = json_object_get(root, TDP_CLI_ST_META);
     cap = json_object_size(root) - (*meta != NULL);
     if (json_is_null(*meta))
         *meta = NULL; /* as good as absent */
     if (*meta != NULL && !json_is_object(*meta))
-        return fail(why, len, TDP_EINVAL, "\"__metadata__\" is not an object");
+        return tdp_cli_data_fail(why, len, TDP_EINVAL, "\"__metadata__\" is not an object");
     if (cap > TDP_SCHEMA_DEFAULT_MAX_KEYS)
-        return fail(why, len, TDP_ENOTSUP, "%zu tensors, over the %u keys a schema takes", cap,
+        return tdp_cli_data_fail(why, len, TDP_ENOTSUP, "%zu tensors, over the %u keys a schema takes", cap,
                     TDP_SCHEMA_DEFAULT_MAX_KEYS);
     st_entry *e = calloc(cap ? cap : 1, sizeof(*e));
     if (e == NULL)
-        return fail(why, len, TDP_ENOMEM, "out of memory");
+        return tdp_cli_data_fail(why, len, TDP_ENOMEM, "out of memory");
     json_object_foreach(root, key, v)
     {
         if (strcmp(key, TDP_CLI_ST_META) == 0)
@@ -383,53 +382,53 @@ tdp_err tdp_cli_st_load(const char *path, FILE *warn, tdp_td **out, char *why, s
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return fail(why, why_len, TDP_EINVAL, "cannot open: %s", strerror(errno));
+        return tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot open: %s", strerror(errno));
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        rc = fail(why, why_len, TDP_EINVAL, "not a regular file");
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "not a regular file");
         goto out_close;
     }
     size = (uint64_t)st.st_size;
     if (size < 8) {
-        rc = fail(why, why_len, TDP_EINVAL,
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL,
                   "%" PRIu64 " bytes: too short for a safetensors file (8-byte header length)",
                   size);
         goto out_close;
     }
     if (!read_at(fd, lenbuf, 8, 0)) {
-        rc = fail(why, why_len, TDP_EINVAL, "cannot read: %s", strerror(errno));
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot read: %s", strerror(errno));
         goto out_close;
     }
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | lenbuf[i];
     if (hlen > size - 8) {
-        rc = fail(why, why_len, TDP_EINVAL,
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL,
                   "the header length (%" PRIu64 " bytes) goes past the end of the file (%" PRIu64
                   " bytes): not a safetensors file, or a truncated one",
                   hlen, size);
         goto out_close;
     }
     if (hlen > TDP_CLI_ST_MAX_HEADER) {
-        rc = fail(why, why_len, TDP_EINVAL,
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL,
                   "the header is %" PRIu64 " bytes, over the format's limit of %llu", hlen,
                   TDP_CLI_ST_MAX_HEADER);
         goto out_close;
     }
     if ((hdr = malloc(hlen ? hlen : 1)) == NULL) {
-        rc = fail(why, why_len, TDP_ENOMEM, "out of memory for a %" PRIu64 "-byte header", hlen);
+        rc = tdp_cli_data_fail(why, why_len, TDP_ENOMEM, "out of memory for a %" PRIu64 "-byte header", hlen);
         goto out_close;
     }
     if (!read_at(fd, hdr, hlen, 8)) {
-        rc = fail(why, why_len, TDP_EINVAL, "cannot read the header: %s", strerror(errno));
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot read the header: %s", strerror(errno));
         goto out_free;
     }
     /* duplicate names would make two tensors one; NUL bytes are refused by default */
     if (hlen == 0 || hdr[0] != '{') {
-        rc = fail(why, why_len, TDP_EINVAL,
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL,
                   "the header does not start with '{': not a safetensors file");
         goto out_free;
     }
     if ((root = json_loadb(hdr, hlen, JSON_REJECT_DUPLICATES, &jerr)) == NULL) {
-        rc = fail(why, why_len, TDP_EINVAL, "the header is not valid JSON: %s (header byte %d)",
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "the header is not valid JSON: %s (header byte %d)",
                   jerr.text, jerr.position);
         goto out_free;
     }
@@ -438,19 +437,19 @@ tdp_err tdp_cli_st_load(const char *path, FILE *warn, tdp_td **out, char *why, s
         (rc = build_schema(e, n, meta, warn, &s, why, why_len)) != TDP_OK)
         goto out_free;
     if ((rc = tdp_td_new(s, &td)) != TDP_OK) {
-        rc = fail(why, why_len, rc, "cannot allocate %" PRIu64 " bytes: %s",
+        rc = tdp_cli_data_fail(why, why_len, rc, "cannot allocate %" PRIu64 " bytes: %s",
                   tdp_schema_total_bytes(s), tdp_strerror(rc));
         goto out_free;
     }
     for (size_t i = 0; i < n; i++) {
         tdp_leaf l;
         if ((rc = tdp_td_get(td, e[i].name, &l)) != TDP_OK) {
-            rc = fail(why, why_len, TDP_EINTERNAL, "tensor '%s' is not in its own schema",
+            rc = tdp_cli_data_fail(why, why_len, TDP_EINTERNAL, "tensor '%s' is not in its own schema",
                       e[i].name);
             goto out_free;
         }
         if (!read_at(fd, l.data, l.nbytes, data_off + e[i].begin)) {
-            rc = fail(why, why_len, TDP_EINVAL, "tensor '%s': cannot read its data: %s", e[i].name,
+            rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "tensor '%s': cannot read its data: %s", e[i].name,
                       strerror(errno));
             goto out_free;
         }
@@ -508,12 +507,12 @@ static tdp_err make_header(const tdp_td *td, json_t **out, char *why, size_t len
             continue;
         const char *dt = tdp_cli_st_dtype_name(l.dtype);
         if (dt == NULL) {
-            rc = fail(why, len, TDP_ENOTSUP, "tensor '%s': safetensors has no name for %s", l.path,
+            rc = tdp_cli_data_fail(why, len, TDP_ENOTSUP, "tensor '%s': safetensors has no name for %s", l.path,
                       tdp_dtype_name(l.dtype));
             goto err_quiet;
         }
         if (strcmp(l.path, TDP_CLI_ST_META) == 0) {
-            rc = fail(why, len, TDP_ENOTSUP,
+            rc = tdp_cli_data_fail(why, len, TDP_ENOTSUP,
                       "a tensor named '" TDP_CLI_ST_META "' (the format reserves the name)");
             goto err_quiet;
         }
@@ -534,7 +533,7 @@ static tdp_err make_header(const tdp_td *td, json_t **out, char *why, size_t len
     *out = root;
     return TDP_OK;
 err:
-    rc = fail(why, len, TDP_ENOMEM, "out of memory (or a name that is not UTF-8)");
+    rc = tdp_cli_data_fail(why, len, TDP_ENOMEM, "out of memory (or a name that is not UTF-8)");
 err_quiet:
     json_decref(meta);
     json_decref(root);
@@ -549,14 +548,14 @@ tdp_err tdp_cli_st_write(const tdp_td *td, const char *path, char *why, size_t w
     tdp_err rc;
 
     if (tdp_td_device(td).type != TDP_DEVICE_CPU)
-        return fail(why, why_len, TDP_ENOTSUP, "the message is in device memory");
+        return tdp_cli_data_fail(why, why_len, TDP_ENOTSUP, "the message is in device memory");
     if ((rc = make_header(td, &root, why, why_len)) != TDP_OK)
         return rc;
     hdr = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(root);
     size_t plen = strlen(path) + 5;
     if (hdr == NULL || (tmp = malloc(plen)) == NULL) {
-        rc = fail(why, why_len, TDP_ENOMEM, "out of memory");
+        rc = tdp_cli_data_fail(why, why_len, TDP_ENOMEM, "out of memory");
         goto out_free;
     }
     snprintf(tmp, plen, "%s.tmp", path);
@@ -565,7 +564,7 @@ tdp_err tdp_cli_st_write(const tdp_td *td, const char *path, char *why, size_t w
     for (int i = 0; i < 8; i++)
         lenbuf[i] = (uint8_t)((uint64_t)padded >> (8 * i));
     if ((f = fopen(tmp, "wb")) == NULL) {
-        rc = fail(why, why_len, TDP_EINVAL, "cannot create %s: %s", tmp, strerror(errno));
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot create %s: %s", tmp, strerror(errno));
         goto out_free;
     }
     bool ok = fwrite(lenbuf, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen &&
@@ -586,7 +585,7 @@ tdp_err tdp_cli_st_write(const tdp_td *td, const char *path, char *why, size_t w
     }
     if (!ok) {
         unlink(tmp);
-        rc = fail(why, why_len, TDP_EINVAL, "cannot write %s: %s", path, strerror(err ? err : EIO));
+        rc = tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot write %s: %s", path, strerror(err ? err : EIO));
     }
 out_free:
     free(tmp);
@@ -602,7 +601,7 @@ bool tdp_cli_dump_dir(const char *dir, char *why, size_t why_len)
     struct stat st;
     size_t n = strlen(dir);
     if (n == 0 || n >= sizeof(buf)) {
-        fail(why, why_len, TDP_EINVAL, n ? "the path is too long" : "an empty path");
+        tdp_cli_data_fail(why, why_len, TDP_EINVAL, n ? "the path is too long" : "an empty path");
         return false;
     }
     memcpy(buf, dir, n + 1);
@@ -613,7 +612,7 @@ bool tdp_cli_dump_dir(const char *dir, char *why, size_t why_len)
         char c = *p;
         *p = '\0';
         if (mkdir(buf, 0777) != 0 && errno != EEXIST) {
-            fail(why, why_len, TDP_EINVAL, "cannot create %s: %s", buf, strerror(errno));
+            tdp_cli_data_fail(why, why_len, TDP_EINVAL, "cannot create %s: %s", buf, strerror(errno));
             return false;
         }
         *p = c;
@@ -625,7 +624,7 @@ bool tdp_cli_dump_dir(const char *dir, char *why, size_t why_len)
                           : access(dir, W_OK | X_OK) != 0 ? strerror(errno)
                                                           : NULL;
     if (problem != NULL)
-        fail(why, why_len, TDP_EINVAL, "%s", problem);
+        tdp_cli_data_fail(why, why_len, TDP_EINVAL, "%s", problem);
     return problem == NULL;
 }
 
@@ -634,6 +633,6 @@ tdp_err tdp_cli_dump(const char *dir, uint64_t n, const tdp_td *td, char *why, s
     char path[PATH_MAX];
     int len = snprintf(path, sizeof(path), "%s/msg-%06" PRIu64 ".safetensors", dir, n);
     if (len < 0 || (size_t)len >= sizeof(path))
-        return fail(why, why_len, TDP_EINVAL, "the path is too long");
+        return tdp_cli_data_fail(why, why_len, TDP_EINVAL, "the path is too long");
     return tdp_cli_st_write(td, path, why, why_len);
 }
