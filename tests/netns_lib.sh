@@ -45,6 +45,37 @@ dump() {
     done
 }
 
+# start NAME NS SECONDS CMD...: background in namespace NS; sets PID.
+start() {
+    local name=$1 ns=$2 secs=$3
+    shift 3
+    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
+    PID=$!
+    BG_PIDS+=("$PID")
+}
+
+# run NAME NS SECONDS CMD...: in the foreground; sets RC.
+run() {
+    local name=$1 ns=$2 secs=$3
+    shift 3
+    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+    RC=$?
+}
+
+# port_of NAME: the port of NAME's first line 'listening on HOST:PORT' (bounded wait).
+port_of() {
+    local line
+    for _ in $(seq 100); do
+        line=$(head -n1 "$WORK/$1.out" 2>/dev/null || true)
+        if [[ $line == "listening on "* ]]; then
+            echo "${line##*:}"
+            return 0
+        fi
+        sleep 0.1
+    done
+    return 1
+}
+
 # link_up NS IF: wait (bounded) until the link reports UP (carrier on both ends).
 link_up() {
     for _ in $(seq 50); do

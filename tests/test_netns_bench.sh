@@ -23,36 +23,6 @@ netns_pair bn 204
 # (the namespaces share /dev/shm, so --plane ucx keeps the shm plane out)
 export UCX_TLS=tcp UCX_NET_DEVICES=all
 
-# start NAME NS SECONDS CMD...: background in namespace NS; sets PID.
-start() {
-    local name=$1 ns=$2 secs=$3
-    shift 3
-    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
-    PID=$!
-    BG_PIDS+=("$PID")
-}
-
-# run NAME NS SECONDS CMD...: in the foreground; sets RC.
-run() {
-    local name=$1 ns=$2 secs=$3
-    shift 3
-    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
-    RC=$?
-}
-
-port_of() {
-    local line
-    for _ in $(seq 100); do
-        line=$(head -n1 "$WORK/$1.out" 2>/dev/null || true)
-        if [[ $line == "listening on "* ]]; then
-            echo "${line##*:}"
-            return 0
-        fi
-        sleep 0.1
-    done
-    return 1
-}
-
 # ---- one client, --once: the table, the JSON, both exit 0 -----------------------------
 
 start once_srv "$NS_A" 60 "$TDPIPE" bench --server --bind "$ADDR_A" --once

@@ -27,28 +27,6 @@ netns_pair ka 203
 # UCX over TCP on the veth, so that the data also crosses the link that fails
 export UCX_TLS=tcp UCX_NET_DEVICES=all
 
-# start NAME NS SECONDS CMD...: background in namespace NS; sets PID.
-start() {
-    local name=$1 ns=$2 secs=$3
-    shift 3
-    ip netns exec "$ns" timeout "$secs" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
-    PID=$!
-    BG_PIDS+=("$PID")
-}
-
-port_of() {
-    local line
-    for _ in $(seq 100); do
-        line=$(head -n1 "$WORK/$1.out" 2>/dev/null || true)
-        if [[ $line == "listening on "* ]]; then
-            echo "${line##*:}"
-            return 0
-        fi
-        sleep 0.1
-    done
-    return 1
-}
-
 # ---- a 3 s outage in the middle of a stream is ridden out ----------------------------
 
 start flap_recv "$NS_A" 60 "$TDPIPE" recv --bind "$ADDR_A" --count 60 --quiet

@@ -104,15 +104,20 @@ void tdp__op_complete(tdp_op *op, tdp_err rc)
         op->cb(op, op->arg);
 }
 
+/* Another thread holds the loop: it starts the op from a posted task. */
+static void post_start(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
+{
+    op->task = (tdp__task){.fn = start, .arg = op};
+    tdp__loop_post_task(loop, &op->task);
+}
+
 void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
 {
     op->done = false;
     atomic_store_explicit(&op->state, OP_PENDING, memory_order_release);
     /* inline only while holding the loop: "nobody runs it" can change under us */
-    if (tdp__loop_run_inline(loop, start, op))
-        return;
-    op->task = (tdp__task){.fn = start, .arg = op};
-    tdp__loop_post_task(loop, &op->task);
+    if (!tdp__loop_run_inline(loop, start, op))
+        post_start(loop, op, start);
 }
 
 tdp_err tdp__op_run(tdp_loop *loop, tdp_op *op, tdp_loop_fn start, int64_t timeout_ms)
@@ -128,9 +133,7 @@ tdp_err tdp__op_run(tdp_loop *loop, tdp_op *op, tdp_loop_fn start, int64_t timeo
     tdp_err rc = tdp__loop_run_after(loop, start, op, &op->done, timeout_ms);
     tls_driving = NULL;
     if (rc == TDP_EINVAL) {
-        /* another thread holds the loop: it starts the op, we wait for it */
-        op->task = (tdp__task){.fn = start, .arg = op};
-        tdp__loop_post_task(loop, &op->task);
+        post_start(loop, op, start); /* and wait for the holder to run it */
         return tdp__op_wait(loop, op, timeout_ms);
     }
     /* completed by this thread while it held the loop: nobody else writes it now */
