@@ -212,6 +212,14 @@ test_secret() {
     run sec_short 10 "$TDPIPE" send "127.0.0.1:$port" --secret-file "$WORK/secret_short"
     expect_rc sec_short 2
     expect_in sec_short err "too short"
+    # a FIFO (nobody writing) is refused at once, before serve listens
+    mkfifo "$WORK/secret_fifo"
+    run sec_fifo 10 "$TDPIPE" serve --bind 127.0.0.1 --port 0 --secret-file "$WORK/secret_fifo"
+    expect_rc sec_fifo 2
+    expect_in sec_fifo err "not a regular file"
+    run sec_dir 10 "$TDPIPE" send "127.0.0.1:1" --secret-file "$WORK"
+    expect_rc sec_dir 2
+    expect_in sec_dir err "not a regular file"
 }
 
 # ---- usage and help ------------------------------------------------------------

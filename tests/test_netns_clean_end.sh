@@ -27,6 +27,9 @@ done
 # ctest keeps UCX on loopback for the other tests; this one crosses the veth
 export UCX_TLS=tcp UCX_NET_DEVICES=all
 for i in $(seq "$RUNS"); do
+    # emptied here, not by the background job's redirection: that one may
+    # run after the wait below has read the previous run's line
+    : >"$WORK/recv.out"
     ip netns exec "$NS_A" timeout 60 "$TDPIPE" recv --bind "$ADDR_A" --port 17901 \
         --plane ucx >"$WORK/recv.out" 2>"$WORK/recv.err" &
     rpid=$!

@@ -4,6 +4,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -18,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -115,9 +117,25 @@ bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o)
 bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o)
 {
     static uint8_t buf[TDP_SECRET_MAX + 1];
-    FILE *f = fopen(path, "rb");
+    /* O_NONBLOCK: a FIFO (or a device) opens at once and is refused below,
+     * instead of blocking the command before it listens or dials */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        tdp_cli_error(cmd, "cannot read the secret file '%s': %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return false;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        tdp_cli_error(cmd, "the secret file '%s' is not a regular file", path);
+        close(fd);
+        return false;
+    }
+    FILE *f = fdopen(fd, "rb");
     if (f == NULL) {
         tdp_cli_error(cmd, "cannot read the secret file '%s': %s", path, strerror(errno));
+        close(fd);
         return false;
     }
     size_t n = fread(buf, 1, sizeof(buf), f);
