@@ -18,6 +18,7 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <tdpipe/mem.h>
 
@@ -180,6 +181,15 @@ static void test_host_func_after_copies(void **state)
     free(out);
 }
 
+/* Host function: hold the stream until *arg is set (at most 10 s). */
+static void gate_wait(void *arg)
+{
+    _Atomic int *gate = arg;
+    struct timespec ms = {0, 1000 * 1000};
+    for (int i = 0; i < 10000 && atomic_load(gate) == 0; i++)
+        nanosleep(&ms, NULL);
+}
+
 static void test_events(void **state)
 {
     (void)state;
@@ -196,17 +206,22 @@ static void test_events(void **state)
     OK(tdp__cuda_event_query(e)); /* never recorded: done */
     OK(tdp__cuda_malloc(0, N, (void **)&d));
 
-    tdp__cuda_fake_set_delay_us(DELAY_US);
+    /* a is held at a gate before it fills d: b, told to wait, must not copy d out yet */
+    _Atomic int gate = 0;
+    OK(tdp__cuda_launch_host_func(a, gate_wait, &gate));
     OK(tdp__cuda_memcpy_async(d, src, N, a));
     OK(tdp__cuda_event_record(e, a));
-    assert_int_equal(tdp__cuda_event_query(e), TDP_EAGAIN);
-    /* b copies out only after a has filled d */
     OK(tdp__cuda_stream_wait_event(b, e));
     OK(tdp__cuda_memcpy_async(out, d, N, b));
+    struct timespec pause = {0, 50 * 1000 * 1000};
+    nanosleep(&pause, NULL); /* time enough for b to copy, had it not waited */
+    assert_int_equal(tdp__cuda_event_query(e), TDP_EAGAIN);
+    atomic_store(&gate, 1);
     OK(tdp__cuda_stream_sync(b));
     assert_memory_equal(out, src, N);
     OK(tdp__cuda_event_query(e));
 
+    tdp__cuda_fake_set_delay_us(DELAY_US);
     OK(tdp__cuda_memcpy_async(d, out, N, a));
     OK(tdp__cuda_event_record(e, a));
     assert_int_equal(tdp__cuda_event_query(e), TDP_EAGAIN);
