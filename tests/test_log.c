@@ -196,8 +196,9 @@ static void test_env_sets_level(void **state)
     assert_true(pid >= 0);
     if (pid == 0) {
         char *const argv[] = {(char *)"test_log", (char *)"--env-child", NULL};
-        char *const envp[] = {(char *)"TDP_LOG_LEVEL=Debug", NULL};
-        execve("/proc/self/exe", argv, envp);
+        /* the rest of the environment stays: the loader may need LD_LIBRARY_PATH */
+        setenv("TDP_LOG_LEVEL", "Debug", 1);
+        execv("/proc/self/exe", argv);
         _exit(127);
     }
     int status = 0;
@@ -209,8 +210,8 @@ static void test_env_sets_level(void **state)
     assert_true(pid >= 0);
     if (pid == 0) {
         char *const argv[] = {(char *)"test_log", (char *)"--env-child-bad", NULL};
-        char *const envp[] = {(char *)"TDP_LOG_LEVEL=loud", NULL};
-        execve("/proc/self/exe", argv, envp);
+        setenv("TDP_LOG_LEVEL", "loud", 1);
+        execv("/proc/self/exe", argv);
         _exit(127);
     }
     assert_int_equal(waitpid(pid, &status, 0), pid);

@@ -12,9 +12,7 @@
 
 #include "core/alloc.h"
 
-#ifdef TDP_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "core/cuda.h"
 
 static bool aligned_to(const void *p, size_t a)
 {
@@ -179,13 +177,26 @@ static void test_small_object_counters(void **state)
 
 /* ---- CUDA kinds ---------------------------------------------------------- */
 
+/* A device to allocate on: the machine's GPU where there is one, else the fake. */
+static int use_device(void **state)
+{
+    (void)state;
+    if (tdp__cuda_select("driver") != TDP_OK || tdp_cuda_device_count() == 0)
+        assert_int_equal(tdp__cuda_select("fake"), TDP_OK);
+    return 0;
+}
+
+static int use_no_device(void **state)
+{
+    (void)state;
+    assert_int_equal(tdp__cuda_select("off"), TDP_OK);
+    return 0;
+}
+
 static void test_cuda_kinds_without_gpu(void **state)
 {
     (void)state;
-    if (tdp_cuda_device_count() > 0)
-        skip(); /* covered by test_cuda_alloc_free */
-    if (!tdp_cuda_built())
-        assert_int_equal(tdp_cuda_device_count(), 0);
+    assert_int_equal(tdp_cuda_device_count(), 0);
 
     tdp_mem_stats before, after;
     tdp_mem_stats_get(&before);
@@ -202,16 +213,11 @@ static void test_cuda_kinds_without_gpu(void **state)
 static void test_cuda_alloc_free(void **state)
 {
     (void)state;
-    if (tdp_cuda_device_count() == 0) {
-        print_message("[  SKIP    ] no CUDA device (built with CUDA: %s)\n",
-                      tdp_cuda_built() ? "yes" : "no");
-        skip();
-    }
-#ifdef TDP_HAVE_CUDA
     tdp_mem_stats s0, s1;
     void *d = NULL, *h = NULL;
     const size_t n = 1 << 20;
 
+    assert_true(tdp_cuda_device_count() > 0);
     tdp_mem_stats_get(&s0);
     assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, n, 0, &d), TDP_OK);
     assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, n, 0, &h), TDP_OK);
@@ -222,23 +228,25 @@ static void test_cuda_alloc_free(void **state)
     assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, n, 4096, &x), TDP_EINVAL);
     assert_ptr_equal(x, (void *)&x);
 
-    struct cudaPointerAttributes attr;
-    assert_int_equal(cudaPointerGetAttributes(&attr, d), cudaSuccess);
-    assert_int_equal(attr.type, cudaMemoryTypeDevice);
-    assert_int_equal(attr.device, 0);
-    assert_int_equal(cudaPointerGetAttributes(&attr, h), cudaSuccess);
-    assert_int_equal(attr.type, cudaMemoryTypeHost);
+    tdp__cuda_ptr_info info;
+    assert_int_equal(tdp__cuda_ptr_get_info(d, &info), TDP_OK);
+    assert_int_equal(info.kind, TDP__CUDA_PTR_DEVICE);
+    assert_int_equal(info.device, 0);
+    assert_int_equal(tdp__cuda_ptr_get_info(h, &info), TDP_OK);
+    assert_int_equal(info.kind, TDP__CUDA_PTR_PINNED);
 
     tdp_mem_stats_get(&s1);
     assert_int_equal(s1.allocs[TDP_MEM_CUDA] - s0.allocs[TDP_MEM_CUDA], 1);
     assert_int_equal(s1.live_bytes[TDP_MEM_CUDA] - s0.live_bytes[TDP_MEM_CUDA], n);
     assert_int_equal(s1.allocs[TDP_MEM_HOST_PINNED] - s0.allocs[TDP_MEM_HOST_PINNED], 1);
     assert_int_equal(s1.live_bytes[TDP_MEM_HOST_PINNED] - s0.live_bytes[TDP_MEM_HOST_PINNED], n);
+    /* one bookkeeping record per allocation, the refused one none */
+    assert_int_equal(s1.small_allocs - s0.small_allocs, 2);
 
     /* the memory works: device -> pinned host round trip */
-    assert_int_equal(cudaMemset(d, 0x5a, n), cudaSuccess);
+    assert_int_equal(tdp_mem_set(d, 0x5a, n), TDP_OK);
     memset(h, 0, n);
-    assert_int_equal(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    assert_int_equal(tdp_mem_copy(h, d, n), TDP_OK);
     assert_int_equal(((unsigned char *)h)[0], 0x5a);
     assert_int_equal(((unsigned char *)h)[n - 1], 0x5a);
 
@@ -249,14 +257,20 @@ static void test_cuda_alloc_free(void **state)
     assert_int_equal(s1.frees[TDP_MEM_HOST_PINNED] - s0.frees[TDP_MEM_HOST_PINNED], 1);
     assert_int_equal(s1.live_bytes[TDP_MEM_CUDA], s0.live_bytes[TDP_MEM_CUDA]);
     assert_int_equal(s1.live_bytes[TDP_MEM_HOST_PINNED], s0.live_bytes[TDP_MEM_HOST_PINNED]);
+    assert_int_equal(s1.small_allocs - s1.small_frees, s0.small_allocs - s0.small_frees);
 
     /* size 0 gives a valid pointer that can be freed */
     assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, 0, 0, &d), TDP_OK);
     assert_non_null(d);
     tdp_mem_free(TDP_MEM_CUDA, d);
-#else
-    fail_msg("a CUDA device was counted in a build without CUDA");
-#endif
+    tdp_mem_stats_get(&s1);
+    assert_int_equal(s1.allocs[TDP_MEM_CUDA] - s0.allocs[TDP_MEM_CUDA], 2);
+    assert_int_equal(s1.frees[TDP_MEM_CUDA] - s0.frees[TDP_MEM_CUDA], 2);
+    assert_int_equal(s1.live_bytes[TDP_MEM_CUDA], s0.live_bytes[TDP_MEM_CUDA]);
+    /* a device that does not exist */
+    x = (void *)&x;
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, tdp_cuda_device_count(), 64, 0, &x), TDP_EINVAL);
+    assert_ptr_equal(x, (void *)&x);
 }
 
 /* ---- devices ------------------------------------------------------------- */
@@ -345,8 +359,8 @@ int main(void)
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_counters_move_exactly),
         cmocka_unit_test(test_small_object_counters),
-        cmocka_unit_test(test_cuda_kinds_without_gpu),
-        cmocka_unit_test(test_cuda_alloc_free),
+        cmocka_unit_test_setup(test_cuda_kinds_without_gpu, use_no_device),
+        cmocka_unit_test_setup(test_cuda_alloc_free, use_device),
         cmocka_unit_test(test_device_parse_good),
         cmocka_unit_test(test_device_parse_bad),
         cmocka_unit_test(test_device_format_and_equal),

@@ -12,9 +12,7 @@
 #include <tdpipe/mem.h>
 #include <tdpipe/td.h>
 
-#ifdef TDP_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "core/cuda.h"
 
 #define N(a)     (uint32_t)(sizeof(a) / sizeof((a)[0]))
 #define OK(call) assert_int_equal((call), TDP_OK)
@@ -493,11 +491,26 @@ static void test_dlpack_outlives_td(void **state)
 
 /* ---- CUDA ----------------------------------------------------------------- */
 
+/* A device: the machine's GPU where there is one, else the fake. */
+static int use_device(void **state)
+{
+    (void)state;
+    if (tdp__cuda_select("driver") != TDP_OK || tdp_cuda_device_count() == 0)
+        assert_int_equal(tdp__cuda_select("fake"), TDP_OK);
+    return 0;
+}
+
+static int use_no_device(void **state)
+{
+    (void)state;
+    assert_int_equal(tdp__cuda_select("off"), TDP_OK);
+    return 0;
+}
+
 static void test_cuda_td_without_gpu(void **state)
 {
     (void)state;
-    if (tdp_cuda_device_count() > 0)
-        skip(); /* test_cuda_td covers it */
+    assert_int_equal(tdp_cuda_device_count(), 0);
     live l0 = live_now();
     tdp_schema *s = mixed_schema((tdp_device){TDP_DEVICE_CUDA, 0});
     tdp_td *td = (tdp_td *)&td;
@@ -510,13 +523,7 @@ static void test_cuda_td_without_gpu(void **state)
 static void test_cuda_td(void **state)
 {
     (void)state;
-    if (tdp_cuda_device_count() == 0) {
-        print_message("[  SKIP    ] no CUDA device: CUDA tensordict not tested (built with "
-                      "CUDA: %s)\n",
-                      tdp_cuda_built() ? "yes" : "no");
-        skip();
-    }
-#ifdef TDP_HAVE_CUDA
+    assert_true(tdp_cuda_device_count() > 0);
     tdp_mem_stats m0, m1;
     tdp_mem_stats_get(&m0);
     const tdp_device dev = {TDP_DEVICE_CUDA, 0};
@@ -525,9 +532,9 @@ static void test_cuda_td(void **state)
     OK(tdp_td_new(s, &td));
     assert_true(tdp_device_equal(tdp_td_device(td), dev));
     assert_int_equal((uintptr_t)tdp_td_data(td) % TDP_LEAF_ALIGN, 0);
-    struct cudaPointerAttributes attr;
-    assert_int_equal(cudaPointerGetAttributes(&attr, tdp_td_data(td)), cudaSuccess);
-    assert_int_equal(attr.type, cudaMemoryTypeDevice);
+    tdp__cuda_ptr_info info;
+    OK(tdp__cuda_ptr_get_info(tdp_td_data(td), &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_DEVICE);
     tdp_mem_stats_get(&m1);
     assert_int_equal(m1.live_bytes[TDP_MEM_CUDA] - m0.live_bytes[TDP_MEM_CUDA],
                      tdp_schema_total_bytes(s));
@@ -537,10 +544,8 @@ static void test_cuda_td(void **state)
     OK(tdp_td_get(td, "i64", &l));
     const int64_t want[4] = {7, 8, 9, 10};
     int64_t got[4] = {0};
-    assert_int_equal(cudaMemcpy(l.data, want, sizeof(want), cudaMemcpyHostToDevice), cudaSuccess);
-    assert_int_equal(
-        cudaMemcpy(got, (char *)tdp_td_data(td) + l.offset, sizeof(got), cudaMemcpyDeviceToHost),
-        cudaSuccess);
+    OK(tdp_mem_copy(l.data, want, sizeof(want)));
+    OK(tdp_mem_copy(got, (char *)tdp_td_data(td) + l.offset, sizeof(got)));
     assert_memory_equal(got, want, sizeof(want));
 
     check_dl(td, "f32", kDLFloat, 32);
@@ -556,9 +561,6 @@ static void test_cuda_td(void **state)
     tdp_mem_stats_get(&m1);
     assert_int_equal(m1.live_bytes[TDP_MEM_CUDA], m0.live_bytes[TDP_MEM_CUDA]);
     tdp_schema_unref(s);
-#else
-    fail_msg("a CUDA device was counted in a build without CUDA");
-#endif
 }
 
 int main(void)
@@ -574,8 +576,8 @@ int main(void)
         cmocka_unit_test(test_dlpack_export),
         cmocka_unit_test(test_dlpack_errors),
         cmocka_unit_test(test_dlpack_outlives_td),
-        cmocka_unit_test(test_cuda_td_without_gpu),
-        cmocka_unit_test(test_cuda_td),
+        cmocka_unit_test_setup(test_cuda_td_without_gpu, use_no_device),
+        cmocka_unit_test_setup(test_cuda_td, use_device),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -37,9 +37,6 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <ucp/api/ucp.h>
-#ifdef TDP_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 #include <tdpipe/tdpipe.h>
 
@@ -144,15 +141,8 @@ static bool on_gpu(const tdp_td *td)
 static tdp_err hdr_put(tdp_td *td, const int64_t h[4])
 {
     /* one device query per message: the tool's own cost stays out of the figures */
-    if (on_gpu(td)) {
-#ifdef TDP_HAVE_CUDA
-        return cudaMemcpy(tdp_td_data(td), h, HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
-                   ? TDP_OK
-                   : TDP_ECUDA;
-#else
-        return TDP_ENOTSUP;
-#endif
-    }
+    if (on_gpu(td))
+        return tdp_mem_copy(tdp_td_data(td), h, HDR_BYTES);
     memcpy(hdr_of(td), h, HDR_BYTES);
     return TDP_OK;
 }
@@ -161,15 +151,8 @@ static tdp_err hdr_get(tdp_td *td, bool gpu, int64_t h[4])
 {
     if (tdp_td_nbytes(td) < HDR_BYTES)
         return TDP_EPROTO;
-    if (gpu) {
-#ifdef TDP_HAVE_CUDA
-        return cudaMemcpy(h, tdp_td_data(td), HDR_BYTES, cudaMemcpyDefault) == cudaSuccess
-                   ? TDP_OK
-                   : TDP_ECUDA;
-#else
-        return TDP_ENOTSUP;
-#endif
-    }
+    if (gpu)
+        return tdp_mem_copy(h, tdp_td_data(td), HDR_BYTES);
     memcpy(h, hdr_of(td), HDR_BYTES);
     return TDP_OK;
 }
@@ -177,29 +160,24 @@ static tdp_err hdr_get(tdp_td *td, bool gpu, int64_t h[4])
 /* Give a message's buffer some contents, once: the benchmark times transfers. */
 static tdp_err bench_fill(tdp_td *td)
 {
-#ifdef TDP_HAVE_CUDA
     if (on_gpu(td))
-        return cudaMemset(tdp_td_data(td), 1, tdp_td_nbytes(td)) == cudaSuccess &&
-                       cudaDeviceSynchronize() == cudaSuccess
-                   ? TDP_OK
-                   : TDP_ECUDA;
-#endif
+        return tdp_mem_set(tdp_td_data(td), 1, tdp_td_nbytes(td));
     return tdp_cli_fill(td, 1);
 }
 
 /*
- * --mem cuda needs a library built with CUDA and a device; TDP_EXIT_OK, or
+ * --mem cuda needs a CUDA device (the driver's, or TDPIPE_CUDA=fake); TDP_EXIT_OK, or
  * the message and TDP_EXIT_USAGE.
  */
 static int check_mem(const bench_cfg *cfg)
 {
     if (cfg->mem.type != TDP_DEVICE_CUDA)
         return TDP_EXIT_OK;
-    if (!tdp_cuda_built())
-        return tdp_cli_usage_error("bench", "--mem cuda: this tdpipe was built without CUDA");
     int n = tdp_cuda_device_count();
-    if (n == 0)
-        return tdp_cli_usage_error("bench", "--mem cuda: no CUDA device");
+    if (n == 0) {
+        char why[128];
+        return tdp_cli_usage_error("bench", "--mem cuda: %s", tdp_cuda_describe(why, sizeof(why)));
+    }
     if (cfg->mem.index >= n)
         return tdp_cli_usage_error("bench", "--mem cuda:%d: there %s %d CUDA device%s",
                                    cfg->mem.index, n == 1 ? "is" : "are", n, n == 1 ? "" : "s");
@@ -1018,8 +996,8 @@ static int run_producer(bench_cfg *cfg)
         return TDP_EXIT_CONNECT;
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
-                  cfg->mem.type == TDP_DEVICE_CPU;
+    bool loaned =
+        !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
@@ -1087,8 +1065,8 @@ static int run_client(bench_cfg *cfg)
         return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM &&
-                  cfg->mem.type == TDP_DEVICE_CPU;
+    bool loaned =
+        !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && cfg->mem.type == TDP_DEVICE_CPU;
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: client -> server %s, UCX %s, UCX_TLS=%s, plane %s, "

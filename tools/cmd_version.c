@@ -7,7 +7,8 @@
 static const char version_help[] =
     "usage: tdpipe version\n\n"
     "Print the library version (and the headers this tool was built with), the\n"
-    "wire protocol and schema format versions, CUDA support and the GPUs visible,\n"
+    "wire protocol and schema format versions, the CUDA backend in use and its\n"
+    "devices (TDPIPE_CUDA selects it: docs/gpu.md),\n"
     "the UCX version and the data plane names '--plane' accepts, one 'key: value'\n"
     "line each.\n";
 
@@ -38,12 +39,8 @@ int tdp_cmd_version(int argc, char **argv)
            TDP_VERSION_MINOR, TDP_VERSION_PATCH);
     printf("protocol: %d\n", TDP_PROTOCOL_VERSION);
     printf("schema:   format %d\n", TDP_SCHEMA_FORMAT_VERSION);
-    if (tdp_cuda_built()) {
-        int n = tdp_cuda_device_count();
-        printf("cuda:     built, %d GPU%s visible\n", n, n == 1 ? "" : "s");
-    } else {
-        printf("cuda:     not built\n");
-    }
+    char cuda[128];
+    printf("cuda:     %s\n", tdp_cuda_describe(cuda, sizeof(cuda)));
     printf("ucx:      %s\n", ucp_get_version_string());
     char planes[128];
     printf("planes:   %s\n", tdp_cli_plane_names(planes, sizeof(planes)));

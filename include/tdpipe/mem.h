@@ -47,8 +47,8 @@ TDP_API bool tdp_device_equal(tdp_device a, tdp_device b);
 /* Kinds of memory the helpers allocate. */
 typedef enum tdp_mem_type {
     TDP_MEM_HOST = 0,        /* pageable host memory, aligned */
-    TDP_MEM_HOST_PINNED = 1, /* page-locked host memory (cudaHostAlloc); needs CUDA */
-    TDP_MEM_CUDA = 2,        /* device memory (cudaMalloc) on one GPU; needs CUDA */
+    TDP_MEM_HOST_PINNED = 1, /* page-locked host memory (cuMemHostAlloc); needs a device */
+    TDP_MEM_CUDA = 2,        /* device memory (cuMemAlloc) on one GPU; needs a device */
     TDP_MEM_TYPE_COUNT = 3,
 } tdp_mem_type;
 
@@ -57,13 +57,12 @@ typedef enum tdp_mem_type {
  * default: TDP_BUFFER_ALIGN, or TDP_CUDA_ALIGN for TDP_MEM_CUDA). size 0
  * returns a valid unique pointer.
  * For TDP_MEM_CUDA, `device` selects the GPU; it is ignored otherwise.
- * Returns TDP_ENOTSUP for CUDA kinds when the library was built without CUDA
- * or no GPU is present, TDP_ECUDA when the runtime fails, TDP_ENOMEM on
+ * Returns TDP_ENOTSUP for CUDA kinds when no device is present (see
+ * tdp_cuda_device_count), TDP_ECUDA when the runtime fails, TDP_ENOMEM on
  * exhaustion. CUDA allocations are at least 256-byte aligned; a larger
  * `align` than the runtime guarantees gives TDP_EINVAL.
  */
-TDP_API tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align,
-                              void **out);
+TDP_API tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, void **out);
 
 /* Free memory from tdp_mem_alloc with the same type. NULL is a no-op. */
 TDP_API void tdp_mem_free(tdp_mem_type type, void *ptr);
@@ -94,14 +93,40 @@ TDP_API void tdp_mem_stats_get(tdp_mem_stats *out);
 /* Total allocations of every kind: handy for "no allocation happened" checks. */
 TDP_API uint64_t tdp_mem_total_allocs(void);
 
-/* True when the library was built with CUDA support. */
+/*
+ * Copy n bytes between any two buffers: host, pinned host or device memory,
+ * either way (as cudaMemcpyDefault). Synchronous: the bytes are in place when
+ * it returns. TDP_ECUDA when the driver fails, TDP_EINVAL for NULL.
+ */
+TDP_API tdp_err tdp_mem_copy(void *dst, const void *src, size_t n);
+
+/* Set n bytes of host or device memory to `byte`; synchronous, as tdp_mem_copy. */
+TDP_API tdp_err tdp_mem_set(void *dst, int byte, size_t n);
+
+/*
+ * CUDA is never linked: the library loads the driver (libcuda.so.1) at run
+ * time, so the same build runs with and without a GPU. The environment
+ * variable TDPIPE_CUDA picks what stands behind the CUDA kinds above, once,
+ * at first use: unset or "driver" for the driver, "fake" or "fake:N" for a
+ * fake device for tests (docs/gpu.md), "off" for none.
+ */
+
+/* True when the driver backend is compiled in (the build found cuda.h). */
 TDP_API bool tdp_cuda_built(void);
 
 /*
- * Number of CUDA devices usable now (0 when built without CUDA, without a
- * driver, or without a GPU). Never fails.
+ * Number of CUDA devices usable now: the driver's GPUs, the fake's devices,
+ * or 0 (no driver, no GPU, TDPIPE_CUDA=off, or built without the driver
+ * backend and no fake selected). Never fails.
  */
 TDP_API int tdp_cuda_device_count(void);
+
+/*
+ * One line on the backend in use, into buf (n bytes, truncated to fit):
+ * "driver loaded, 1 device", "fake, 2 devices", "no CUDA device
+ * (libcuda.so.1 not found)". Returns buf.
+ */
+TDP_API const char *tdp_cuda_describe(char *buf, size_t n);
 
 #ifdef __cplusplus
 }

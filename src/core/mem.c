@@ -8,11 +8,8 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "cuda.h"
 #include "log.h"
-
-#ifdef TDP_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 static _Atomic uint64_t stat_allocs[TDP_MEM_TYPE_COUNT];
 static _Atomic uint64_t stat_frees[TDP_MEM_TYPE_COUNT];
@@ -53,23 +50,11 @@ static size_t host_size(void *p, void **base)
     return h->size;
 }
 
-#ifdef TDP_HAVE_CUDA
-static tdp_err cuda_err(cudaError_t rc, const char *what)
-{
-    if (rc == cudaErrorMemoryAllocation) {
-        tdp_log_debug("%s: %s", what, cudaGetErrorString(rc));
-        return TDP_ENOMEM;
-    }
-    if (rc == cudaErrorNoDevice || rc == cudaErrorInsufficientDriver) {
-        tdp_log_debug("%s: %s", what, cudaGetErrorString(rc));
-        return TDP_ENOTSUP;
-    }
-    tdp_log_error("%s: %s", what, cudaGetErrorString(rc));
-    (void)cudaGetLastError(); /* clear the sticky non-fatal error */
-    return TDP_ECUDA;
-}
-
-/* Sizes of CUDA allocations, kept in a header of pinned memory or a side list. */
+/*
+ * Sizes of pinned and device allocations, which carry no header: a side list,
+ * so that tdp_mem_free keeps live_bytes exact. Allocating device memory is
+ * never on a per-message path.
+ */
 typedef struct cuda_blk {
     void *ptr;
     size_t size;
@@ -87,7 +72,57 @@ static void blocks_unlock(void)
 {
     atomic_flag_clear_explicit(&cuda_lock, memory_order_release);
 }
-#endif
+
+/* Pinned or device memory through the CUDA layer, its size remembered. */
+static tdp_err cuda_alloc(tdp_mem_type type, int device, size_t size, size_t align, void **out)
+{
+    if (align > TDP_CUDA_ALIGN && !(type == TDP_MEM_HOST_PINNED && align <= 4096))
+        return TDP_EINVAL;
+    if (tdp__cuda_device_count() == 0)
+        return TDP_ENOTSUP;
+    cuda_blk *blk = tdp__malloc(sizeof(*blk));
+    if (blk == NULL)
+        return TDP_ENOMEM;
+    void *p = NULL;
+    tdp_err rc =
+        type == TDP_MEM_CUDA ? tdp__cuda_malloc(device, size, &p) : tdp__cuda_host_alloc(size, &p);
+    if (rc != TDP_OK) {
+        tdp__free(blk);
+        return rc;
+    }
+    blk->ptr = p;
+    blk->size = size;
+    blocks_lock();
+    blk->next = cuda_blocks;
+    cuda_blocks = blk;
+    blocks_unlock();
+    *out = p;
+    return TDP_OK;
+}
+
+/* Free what cuda_alloc gave; its size, or false for an unknown pointer. */
+static bool cuda_release(tdp_mem_type type, void *ptr, size_t *size)
+{
+    cuda_blk **pp, *blk = NULL;
+    blocks_lock();
+    for (pp = &cuda_blocks; *pp != NULL; pp = &(*pp)->next) {
+        if ((*pp)->ptr == ptr) {
+            blk = *pp;
+            *pp = blk->next;
+            break;
+        }
+    }
+    blocks_unlock();
+    if (blk == NULL)
+        return false;
+    *size = blk->size;
+    tdp__free(blk);
+    if (type == TDP_MEM_CUDA)
+        tdp__cuda_free(ptr);
+    else
+        tdp__cuda_host_free(ptr);
+    return true;
+}
 
 tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, void **out)
 {
@@ -105,43 +140,10 @@ tdp_err tdp_mem_alloc(tdp_mem_type type, int device, size_t size, size_t align, 
     case TDP_MEM_HOST:
         rc = host_alloc(size, align, &p);
         break;
-#ifdef TDP_HAVE_CUDA
-    case TDP_MEM_HOST_PINNED:
-    case TDP_MEM_CUDA: {
-        if (align > TDP_CUDA_ALIGN && !(type == TDP_MEM_HOST_PINNED && align <= 4096))
-            return TDP_EINVAL;
-        if (tdp_cuda_device_count() == 0)
-            return TDP_ENOTSUP;
-        cuda_blk *blk = tdp__malloc(sizeof(*blk));
-        if (blk == NULL)
-            return TDP_ENOMEM;
-        if (type == TDP_MEM_CUDA) {
-            cudaError_t cr = cudaSetDevice(device);
-            if (cr == cudaSuccess)
-                cr = cudaMalloc(&p, size ? size : 1);
-            rc = cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaMalloc");
-        } else {
-            cudaError_t cr = cudaHostAlloc(&p, size ? size : 1, cudaHostAllocPortable);
-            rc = cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaHostAlloc");
-        }
-        if (rc != TDP_OK) {
-            tdp__free(blk);
-            break;
-        }
-        blk->ptr = p;
-        blk->size = size;
-        blocks_lock();
-        blk->next = cuda_blocks;
-        cuda_blocks = blk;
-        blocks_unlock();
-        break;
-    }
-#else
     case TDP_MEM_HOST_PINNED:
     case TDP_MEM_CUDA:
-        (void)device;
-        return TDP_ENOTSUP;
-#endif
+        rc = cuda_alloc(type, device, size, align, &p);
+        break;
     default:
         return TDP_EINVAL;
     }
@@ -163,30 +165,10 @@ void tdp_mem_free(tdp_mem_type type, void *ptr)
         void *base;
         size = host_size(ptr, &base);
         free(base);
+    } else if (!cuda_release(type, ptr, &size)) {
+        tdp_log_error("tdp_mem_free: %p was not allocated by tdp_mem_alloc", ptr);
+        return;
     }
-#ifdef TDP_HAVE_CUDA
-    else {
-        cuda_blk **pp, *blk = NULL;
-        blocks_lock();
-        for (pp = &cuda_blocks; *pp != NULL; pp = &(*pp)->next) {
-            if ((*pp)->ptr == ptr) {
-                blk = *pp;
-                *pp = blk->next;
-                break;
-            }
-        }
-        blocks_unlock();
-        if (blk == NULL) {
-            tdp_log_error("tdp_mem_free: %p was not allocated by tdp_mem_alloc", ptr);
-            return;
-        }
-        size = blk->size;
-        tdp__free(blk);
-        cudaError_t cr = type == TDP_MEM_CUDA ? cudaFree(ptr) : cudaFreeHost(ptr);
-        if (cr != cudaSuccess)
-            (void)cuda_err(cr, type == TDP_MEM_CUDA ? "cudaFree" : "cudaFreeHost");
-    }
-#endif
     atomic_fetch_add(&stat_frees[type], 1);
     atomic_fetch_sub(&stat_live[type], size);
 }
@@ -220,39 +202,44 @@ tdp_err tdp__mem_copy(void *dst, bool dst_gpu, const void *src, bool src_gpu, si
         memcpy(dst, src, n);
         return TDP_OK;
     }
-#ifdef TDP_HAVE_CUDA
-    cudaError_t cr = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
-    return cr == cudaSuccess ? TDP_OK : cuda_err(cr, "cudaMemcpy");
-#else
-    return TDP_ENOTSUP;
-#endif
+    return tdp__cuda_memcpy(dst, src, n);
 }
 
-bool tdp_cuda_built(void)
+tdp_err tdp_mem_copy(void *dst, const void *src, size_t n)
 {
-#ifdef TDP_HAVE_CUDA
-    return true;
-#else
-    return false;
-#endif
-}
-
-int tdp_cuda_device_count(void)
-{
-#ifdef TDP_HAVE_CUDA
-    static _Atomic int cached = -1;
-    int n = atomic_load(&cached);
-    if (n >= 0)
-        return n;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        (void)cudaGetLastError();
-        n = 0;
+    if (n == 0)
+        return TDP_OK;
+    if (dst == NULL || src == NULL)
+        return TDP_EINVAL;
+    /* without a device there is no device memory: skip the layer's lookups */
+    if (tdp__cuda_device_count() == 0) {
+        memmove(dst, src, n);
+        return TDP_OK;
     }
-    atomic_store(&cached, n);
-    return n;
-#else
-    return 0;
-#endif
+    return tdp__cuda_memcpy(dst, src, n);
+}
+
+tdp_err tdp_mem_set(void *dst, int byte, size_t n)
+{
+    if (n == 0)
+        return TDP_OK;
+    if (dst == NULL)
+        return TDP_EINVAL;
+    tdp__cuda_ptr_info info = {TDP__CUDA_PTR_HOST, -1};
+    if (tdp__cuda_device_count() > 0)
+        (void)tdp__cuda_ptr_get_info(dst, &info);
+    if (info.kind != TDP__CUDA_PTR_DEVICE) {
+        memset(dst, byte, n);
+        return TDP_OK;
+    }
+    return tdp__cuda_memset(dst, byte, n);
+}
+
+const char *tdp_cuda_describe(char *buf, size_t n)
+{
+    if (buf == NULL || n == 0)
+        return "";
+    return tdp__cuda_describe(buf, n);
 }
 
 /* ---- small objects ------------------------------------------------------ */

@@ -1,0 +1,367 @@
+/* cuda.c: picks the CUDA backend once and forwards every call to it. */
+#include "cuda.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <tdpipe/mem.h>
+
+#include "cuda_int.h"
+#include "log.h"
+
+/*
+ * The backend and its device count. Written under sel_lock, read without:
+ * `active` is published with release order once the backend is ready.
+ */
+static pthread_mutex_t sel_lock = PTHREAD_MUTEX_INITIALIZER;
+static const tdp__cuda_ops *_Atomic active;
+static _Atomic int ndevices;
+static _Atomic tdp__cuda_backend backend_kind;
+static const char *_Atomic none_why = "not selected";
+
+/* Backend of nothing: no device, every call TDP_ENOTSUP. */
+static int none_init(unsigned ndev, const char **why)
+{
+    (void)ndev;
+    (void)why;
+    return 0;
+}
+static const tdp__cuda_ops none_ops = {.name = "none", .init = none_init};
+
+/* Parse "driver" | "fake" | "fake:N" | "off"; sel_lock held. */
+static tdp_err select_locked(const char *spec)
+{
+    const tdp__cuda_ops *ops = NULL;
+    tdp__cuda_backend kind = TDP__CUDA_NONE;
+    unsigned n = 0;
+    const char *why = "TDPIPE_CUDA=off";
+
+    if (spec == NULL || *spec == '\0' || strcmp(spec, "driver") == 0) {
+#ifdef TDP_HAVE_CUDA_H
+        ops = &tdp__cuda_driver_ops;
+        kind = TDP__CUDA_DRIVER;
+#else
+        why = "built without CUDA";
+#endif
+    } else if (strncmp(spec, "fake", 4) == 0) {
+        n = 1;
+        if (spec[4] == ':') {
+            char *end = NULL;
+            unsigned long v = strtoul(spec + 5, &end, 10);
+            if (end == spec + 5 || *end != '\0' || v == 0 || v > 16)
+                return TDP_EINVAL;
+            n = (unsigned)v;
+        } else if (spec[4] != '\0') {
+            return TDP_EINVAL;
+        }
+        ops = &tdp__cuda_fake_ops;
+        kind = TDP__CUDA_FAKE;
+    } else if (strcmp(spec, "off") != 0) {
+        return TDP_EINVAL;
+    }
+    int count = 0;
+    if (ops != NULL) {
+        count = ops->init(n, &why);
+        if (count <= 0) {
+            count = 0;
+            ops = NULL;
+            kind = TDP__CUDA_NONE;
+        }
+    }
+    atomic_store(&none_why, why);
+    atomic_store(&ndevices, count);
+    atomic_store(&backend_kind, kind);
+    atomic_store_explicit(&active, ops != NULL ? ops : &none_ops, memory_order_release);
+    return TDP_OK;
+}
+
+static const tdp__cuda_ops *be(void)
+{
+    const tdp__cuda_ops *ops = atomic_load_explicit(&active, memory_order_acquire);
+    if (ops != NULL)
+        return ops;
+    pthread_mutex_lock(&sel_lock);
+    if (atomic_load(&active) == NULL) {
+        const char *env = getenv("TDPIPE_CUDA");
+        if (select_locked(env) != TDP_OK) {
+            tdp_log_warn("TDPIPE_CUDA=%s not understood (driver, fake, fake:N or off): "
+                         "using the driver",
+                         env);
+            (void)select_locked(NULL);
+        }
+    }
+    pthread_mutex_unlock(&sel_lock);
+    return atomic_load_explicit(&active, memory_order_acquire);
+}
+
+tdp_err tdp__cuda_select(const char *spec)
+{
+    pthread_mutex_lock(&sel_lock);
+    tdp_err rc = select_locked(spec);
+    pthread_mutex_unlock(&sel_lock);
+    return rc;
+}
+
+tdp__cuda_backend tdp__cuda_backend_get(void)
+{
+    (void)be();
+    return atomic_load(&backend_kind);
+}
+
+int tdp__cuda_device_count(void)
+{
+    (void)be();
+    return atomic_load(&ndevices);
+}
+
+const char *tdp__cuda_describe(char *buf, size_t n)
+{
+    const tdp__cuda_ops *ops = be();
+    int count = atomic_load(&ndevices);
+    if (ops == &none_ops)
+        snprintf(buf, n, "no CUDA device (%s)", atomic_load(&none_why));
+    else
+        snprintf(buf, n, "%s, %d device%s",
+                 atomic_load(&backend_kind) == TDP__CUDA_FAKE ? "fake" : "driver loaded", count,
+                 count == 1 ? "" : "s");
+    return buf;
+}
+
+static bool dev_ok(int dev)
+{
+    return dev >= 0 && dev < atomic_load(&ndevices);
+}
+
+/* Forward to the backend, or TDP_ENOTSUP where it has no such call. */
+#define CALL(fn, ...)                                                                              \
+    do {                                                                                           \
+        const tdp__cuda_ops *ops_ = be();                                                          \
+        if (ops_->fn == NULL)                                                                      \
+            return TDP_ENOTSUP;                                                                    \
+        return ops_->fn(__VA_ARGS__);                                                              \
+    } while (0)
+
+#define CALL_VOID(fn, ...)                                                                         \
+    do {                                                                                           \
+        const tdp__cuda_ops *ops_ = be();                                                          \
+        if (ops_->fn != NULL)                                                                      \
+            ops_->fn(__VA_ARGS__);                                                                 \
+    } while (0)
+
+tdp_err tdp__cuda_device_uuid(int dev, uint8_t uuid[16])
+{
+    if (uuid == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(uuid, dev, uuid);
+}
+
+tdp_err tdp__cuda_ctx_set(int dev)
+{
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(ctx_set, dev);
+}
+
+tdp_err tdp__cuda_malloc(int dev, size_t size, void **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(malloc, dev, size, false, out);
+}
+
+tdp_err tdp__cuda_malloc_shared(int dev, size_t size, void **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(malloc, dev, size, true, out);
+}
+
+void tdp__cuda_free(void *p)
+{
+    if (p != NULL)
+        CALL_VOID(free, p);
+}
+
+tdp_err tdp__cuda_host_alloc(size_t size, void **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    CALL(host_alloc, size, out);
+}
+
+void tdp__cuda_host_free(void *p)
+{
+    if (p != NULL)
+        CALL_VOID(host_free, p);
+}
+
+tdp_err tdp__cuda_host_register(void *p, size_t size)
+{
+    if (p == NULL || size == 0)
+        return TDP_EINVAL;
+    CALL(host_register, p, size);
+}
+
+tdp_err tdp__cuda_host_unregister(void *p)
+{
+    if (p == NULL)
+        return TDP_EINVAL;
+    CALL(host_unregister, p);
+}
+
+tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(stream_create, dev, out);
+}
+
+void tdp__cuda_stream_destroy(tdp__cuda_stream *s)
+{
+    if (s != NULL)
+        CALL_VOID(stream_destroy, s);
+}
+
+tdp_err tdp__cuda_stream_sync(tdp__cuda_stream *s)
+{
+    if (s == NULL)
+        return TDP_EINVAL;
+    CALL(stream_sync, s);
+}
+
+tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
+{
+    if (s == NULL || ((dst == NULL || src == NULL) && n > 0))
+        return TDP_EINVAL;
+    if (n == 0)
+        return TDP_OK;
+    CALL(memcpy_async, dst, src, n, s);
+}
+
+tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
+{
+    if ((dst == NULL || src == NULL) && n > 0)
+        return TDP_EINVAL;
+    if (n == 0)
+        return TDP_OK;
+    CALL(memcpy, dst, src, n);
+}
+
+tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
+{
+    if (p == NULL && n > 0)
+        return TDP_EINVAL;
+    if (n == 0)
+        return TDP_OK;
+    CALL(memset, p, byte, n);
+}
+
+tdp_err tdp__cuda_launch_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg)
+{
+    if (s == NULL || fn == NULL)
+        return TDP_EINVAL;
+    CALL(host_func, s, fn, arg);
+}
+
+tdp_err tdp__cuda_event_create(int dev, tdp__cuda_event **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(event_create, dev, out);
+}
+
+void tdp__cuda_event_destroy(tdp__cuda_event *e)
+{
+    if (e != NULL)
+        CALL_VOID(event_destroy, e);
+}
+
+tdp_err tdp__cuda_event_record(tdp__cuda_event *e, tdp__cuda_stream *s)
+{
+    if (e == NULL || s == NULL)
+        return TDP_EINVAL;
+    CALL(event_record, e, s);
+}
+
+tdp_err tdp__cuda_event_query(tdp__cuda_event *e)
+{
+    if (e == NULL)
+        return TDP_EINVAL;
+    CALL(event_query, e);
+}
+
+tdp_err tdp__cuda_event_sync(tdp__cuda_event *e)
+{
+    if (e == NULL)
+        return TDP_EINVAL;
+    CALL(event_sync, e);
+}
+
+tdp_err tdp__cuda_stream_wait_event(tdp__cuda_stream *s, tdp__cuda_event *e)
+{
+    if (s == NULL || e == NULL)
+        return TDP_EINVAL;
+    CALL(stream_wait, s, e);
+}
+
+tdp_err tdp__cuda_ptr_get_info(const void *p, tdp__cuda_ptr_info *out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    const tdp__cuda_ops *ops = be();
+    if (ops->ptr_info == NULL || p == NULL) {
+        *out = (tdp__cuda_ptr_info){TDP__CUDA_PTR_HOST, -1};
+        return TDP_OK;
+    }
+    return ops->ptr_info(p, out);
+}
+
+tdp_err tdp__cuda_export(void *p, tdp__cuda_ipc *out)
+{
+    if (p == NULL || out == NULL)
+        return TDP_EINVAL;
+    CALL(export_, p, out);
+}
+
+tdp_err tdp__cuda_import(int dev, const tdp__cuda_ipc *h, void **out)
+{
+    if (h == NULL || out == NULL)
+        return TDP_EINVAL;
+    if (!dev_ok(dev))
+        return tdp__cuda_device_count() == 0 ? TDP_ENOTSUP : TDP_EINVAL;
+    CALL(import, dev, h, out);
+}
+
+void tdp__cuda_import_close(void *p)
+{
+    if (p != NULL)
+        CALL_VOID(import_close, p);
+}
+
+/* ---- the public view ---------------------------------------------------- */
+
+bool tdp_cuda_built(void)
+{
+#ifdef TDP_HAVE_CUDA_H
+    return true;
+#else
+    return false;
+#endif
+}
+
+int tdp_cuda_device_count(void)
+{
+    return tdp__cuda_device_count();
+}

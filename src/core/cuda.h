@@ -1,0 +1,162 @@
+/*
+ * cuda.h: the one interface through which the library makes CUDA calls.
+ *
+ * Three backends sit behind it, chosen once at first use:
+ *   - the driver: libcuda.so.1 loaded at run time (never linked), so one
+ *     build runs on machines with and without CUDA; without a driver or a
+ *     GPU it reports no device;
+ *   - the fake (TDPIPE_CUDA=fake[:N]): device memory that faults when host
+ *     code touches it, copies that complete later on another thread, and
+ *     injected faults, so CI sees what a GPU would do (docs/gpu.md);
+ *   - none (TDPIPE_CUDA=off, or no driver): no device, every call that needs
+ *     one returns TDP_ENOTSUP.
+ *
+ * Every function is thread-safe. Errors: TDP_ENOMEM when memory ran out,
+ * TDP_ENOTSUP when there is no device or no driver, TDP_ECUDA for any other
+ * failure (logged once, with the driver's own message).
+ */
+#ifndef TDP_CORE_CUDA_H
+#define TDP_CORE_CUDA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <tdpipe/err.h>
+
+typedef struct tdp__cuda_stream tdp__cuda_stream; /* FIFO of work on one device */
+typedef struct tdp__cuda_event tdp__cuda_event;   /* a point in a stream */
+
+typedef enum tdp__cuda_backend {
+    TDP__CUDA_NONE = 0,
+    TDP__CUDA_DRIVER = 1,
+    TDP__CUDA_FAKE = 2,
+} tdp__cuda_backend;
+
+/* The backend in use (selected on the first call of any function here). */
+tdp__cuda_backend tdp__cuda_backend_get(void);
+
+/*
+ * One line for humans: "driver loaded, 1 device", "fake, 2 devices",
+ * "no CUDA device (libcuda.so.1 not found)". Returns buf.
+ */
+const char *tdp__cuda_describe(char *buf, size_t n);
+
+/*
+ * Select a backend now, as TDPIPE_CUDA would: "driver", "fake", "fake:N",
+ * "off". For tests; call it before any memory is allocated through the
+ * layer (memory of the previous backend is not carried over).
+ */
+tdp_err tdp__cuda_select(const char *spec);
+
+/* Devices usable now; 0 for none. Never fails. */
+int tdp__cuda_device_count(void);
+
+/* The device's UUID (as nvidia-smi prints it, 16 raw bytes). */
+tdp_err tdp__cuda_device_uuid(int dev, uint8_t uuid[16]);
+
+/*
+ * Make `dev`'s primary context (the one cudart and PyTorch use) current on
+ * the calling thread, starting it on first use: call it at connect time so
+ * the first send does not pay for it.
+ */
+tdp_err tdp__cuda_ctx_set(int dev);
+
+/* Device memory on `dev`, at least 256-byte aligned; size 0 allowed. */
+tdp_err tdp__cuda_malloc(int dev, size_t size, void **out);
+void tdp__cuda_free(void *dptr);
+
+/* Page-locked host memory, page aligned, usable by every device. */
+tdp_err tdp__cuda_host_alloc(size_t size, void **out);
+void tdp__cuda_host_free(void *p);
+
+/* Page-lock an existing host range (any mapping, a shared one included). */
+tdp_err tdp__cuda_host_register(void *p, size_t size);
+tdp_err tdp__cuda_host_unregister(void *p);
+
+/* Streams: work queued on one completes in order. */
+tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out);
+void tdp__cuda_stream_destroy(tdp__cuda_stream *s); /* waits for its work */
+tdp_err tdp__cuda_stream_sync(tdp__cuda_stream *s);
+
+/*
+ * Queue a copy of n bytes in any direction (host or device on either side,
+ * as cudaMemcpyDefault). Host memory must stay valid until the stream has
+ * passed the copy; with pageable host memory the driver may copy before
+ * returning.
+ */
+tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
+
+/* A copy or fill that has finished when the call returns. */
+tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n);
+tdp_err tdp__cuda_memset(void *dptr, int byte, size_t n);
+
+/*
+ * Run fn(arg) once the stream's earlier work is done, on a thread of the
+ * driver's (never the caller's). fn must not call into CUDA: it should only
+ * signal (e.g. write an eventfd the loop watches).
+ */
+tdp_err tdp__cuda_launch_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg);
+
+/* Events: record marks the stream's position; query says if it was passed. */
+tdp_err tdp__cuda_event_create(int dev, tdp__cuda_event **out);
+void tdp__cuda_event_destroy(tdp__cuda_event *e);
+tdp_err tdp__cuda_event_record(tdp__cuda_event *e, tdp__cuda_stream *s);
+/* TDP_OK when done (or never recorded), TDP_EAGAIN while pending. */
+tdp_err tdp__cuda_event_query(tdp__cuda_event *e);
+tdp_err tdp__cuda_event_sync(tdp__cuda_event *e);
+/* Later work on s waits for e (the host does not). */
+tdp_err tdp__cuda_stream_wait_event(tdp__cuda_stream *s, tdp__cuda_event *e);
+
+typedef enum tdp__cuda_mem_kind {
+    TDP__CUDA_PTR_HOST = 0,   /* plain (pageable) host memory, or unknown */
+    TDP__CUDA_PTR_PINNED = 1, /* page-locked or registered host memory */
+    TDP__CUDA_PTR_DEVICE = 2, /* device memory */
+} tdp__cuda_mem_kind;
+
+typedef struct tdp__cuda_ptr_info {
+    tdp__cuda_mem_kind kind;
+    int device; /* for TDP__CUDA_PTR_DEVICE; -1 otherwise */
+} tdp__cuda_ptr_info;
+
+/* What p points into. Never fails for a host pointer; TDP_OK or TDP_ECUDA. */
+tdp_err tdp__cuda_ptr_get_info(const void *p, tdp__cuda_ptr_info *out);
+
+/*
+ * Device memory another process can map. tdp__cuda_malloc_shared allocates
+ * memory that can be exported (a VMM allocation with a POSIX fd handle
+ * where the device supports it, else ordinary memory and a legacy IPC
+ * handle); free it with tdp__cuda_free. Export fills a handle to send over
+ * a UNIX socket (fd >= 0 must travel as SCM_RIGHTS; the caller owns it);
+ * import maps it in this process; close unmaps it. Import takes its own
+ * reference: the caller still closes h->fd.
+ */
+typedef struct tdp__cuda_ipc {
+    int fd;             /* POSIX fd of the allocation, or -1 for legacy */
+    uint64_t size;      /* bytes mapped by import */
+    uint8_t legacy[64]; /* cuIpcMemHandle when fd is -1 */
+} tdp__cuda_ipc;
+
+tdp_err tdp__cuda_malloc_shared(int dev, size_t size, void **out);
+tdp_err tdp__cuda_export(void *dptr, tdp__cuda_ipc *out);
+tdp_err tdp__cuda_import(int dev, const tdp__cuda_ipc *h, void **out);
+void tdp__cuda_import_close(void *dptr);
+
+/* ---- the fake's fault injection (also from env, see docs/gpu.md) -------- */
+
+typedef enum tdp__cuda_fault {
+    TDP__CUDA_FAULT_OOM_AT = 0,          /* the Nth allocation fails: TDP_ENOMEM */
+    TDP__CUDA_FAULT_COPY_FAIL_AT = 1,    /* the Nth copy fails: TDP_ECUDA */
+    TDP__CUDA_FAULT_KILL_AFTER_COPY = 2, /* SIGKILL once the Nth copy completed */
+    TDP__CUDA_FAULT_COUNT = 3,
+} tdp__cuda_fault;
+
+/*
+ * Arm a fault for the Nth call from now (1 = the next one); 0 disarms.
+ * Only the fake honours it.
+ */
+void tdp__cuda_fake_inject(tdp__cuda_fault f, unsigned n);
+
+/* Delay of each fake copy, in microseconds (TDPIPE_FAKE_CUDA_DELAY_US). */
+void tdp__cuda_fake_set_delay_us(unsigned us);
+
+#endif /* TDP_CORE_CUDA_H */

@@ -1,0 +1,479 @@
+/*
+ * test_cuda: the CUDA layer on the fake device (faults on host access,
+ * late copies, host functions, events, injected faults, export/import),
+ * with CUDA off, and the driver backend on whatever this machine has.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <tdpipe/mem.h>
+
+#include "core/cuda.h"
+
+#if defined(__SANITIZE_THREAD__)
+#define UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define UNDER_TSAN 1
+#endif
+#endif
+
+#define OK(x) assert_int_equal((x), TDP_OK)
+#define N     65536u
+/* long enough that the main thread looks before the engine copies, even on a loaded machine */
+#define DELAY_US 100000u
+
+static int fake_setup(void **state)
+{
+    (void)state;
+    OK(tdp__cuda_select("fake"));
+    tdp__cuda_fake_set_delay_us(0);
+    for (int f = 0; f < TDP__CUDA_FAULT_COUNT; f++)
+        tdp__cuda_fake_inject((tdp__cuda_fault)f, 0);
+    return 0;
+}
+
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    assert_non_null(d);
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* Wait for pid (bounded by the ctest timeout); its wait status. */
+static int reap(pid_t pid)
+{
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    return status;
+}
+
+/* SIGSEGV's default action, past any sanitizer's handler: the kernel's call. */
+static void segv_default(void)
+{
+    struct {
+        void *handler;
+        unsigned long flags;
+        void *restorer;
+        uint64_t mask;
+    } ksa = {0};
+    (void)syscall(SYS_rt_sigaction, SIGSEGV, &ksa, NULL, sizeof(ksa.mask));
+}
+
+static void test_host_touch_faults(void **state)
+{
+    (void)state;
+    char *d = NULL;
+    OK(tdp__cuda_malloc(0, 4096, (void **)&d));
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        segv_default();
+        volatile char c = d[17]; /* host code reading device memory */
+        (void)c;
+        _exit(0);
+    }
+    int status = reap(pid);
+    assert_true(WIFSIGNALED(status));
+    assert_int_equal(WTERMSIG(status), SIGSEGV);
+    tdp__cuda_free(d);
+}
+
+static void test_copy_is_late_until_sync(void **state)
+{
+    (void)state;
+    unsigned char *src = malloc(N), *out = malloc(N), *d = NULL;
+    assert_non_null(src);
+    assert_non_null(out);
+    memset(src, 0x11, N);
+    memset(out, 0, N);
+    tdp__cuda_stream *s = NULL;
+    OK(tdp__cuda_stream_create(0, &s));
+    OK(tdp__cuda_malloc(0, N, (void **)&d));
+    tdp__cuda_fake_set_delay_us(DELAY_US);
+    OK(tdp__cuda_memcpy_async(d, src, N, s));
+    OK(tdp__cuda_memcpy_async(out, d, N, s));
+#ifndef UNDER_TSAN
+    /* a reader that does not wait sees the old bytes (TSan calls this read a race) */
+    assert_int_equal(out[0], 0);
+    assert_int_equal(out[N - 1], 0);
+#endif
+    OK(tdp__cuda_stream_sync(s));
+    assert_memory_equal(out, src, N);
+    tdp__cuda_fake_set_delay_us(0);
+
+    /* device to device, and a fill */
+    unsigned char *d2 = NULL;
+    OK(tdp__cuda_malloc(0, N, (void **)&d2));
+    OK(tdp__cuda_memset(d, 0x7e, N));
+    OK(tdp__cuda_memcpy_async(d2, d, N, s));
+    OK(tdp__cuda_memcpy_async(out, d2, N, s));
+    OK(tdp__cuda_stream_sync(s));
+    for (size_t i = 0; i < N; i += 4099)
+        assert_int_equal(out[i], 0x7e);
+    /* past the end of an allocation: refused, as a GPU would fault */
+    assert_int_equal(tdp__cuda_memcpy(out, d2 + 4096, N), TDP_ECUDA);
+
+    tdp__cuda_free(d2);
+    tdp__cuda_free(d);
+    tdp__cuda_stream_destroy(s);
+    free(src);
+    free(out);
+}
+
+typedef struct hostfn_probe {
+    pthread_t thread;
+    const unsigned char *out;
+    _Atomic int ran;
+    _Atomic int saw_copy;
+} hostfn_probe;
+
+static void hostfn(void *arg)
+{
+    hostfn_probe *p = arg;
+    p->thread = pthread_self();
+    atomic_store(&p->saw_copy, p->out[0] == 0x22 && p->out[N - 1] == 0x22);
+    atomic_store(&p->ran, 1);
+}
+
+static void test_host_func_after_copies(void **state)
+{
+    (void)state;
+    unsigned char *src = malloc(N), *out = malloc(N), *d = NULL;
+    assert_non_null(src);
+    assert_non_null(out);
+    memset(src, 0x22, N);
+    memset(out, 0, N);
+    hostfn_probe probe = {.out = out};
+    tdp__cuda_stream *s = NULL;
+    OK(tdp__cuda_stream_create(0, &s));
+    OK(tdp__cuda_malloc(0, N, (void **)&d));
+    tdp__cuda_fake_set_delay_us(DELAY_US / 10);
+    OK(tdp__cuda_memcpy_async(d, src, N, s));
+    OK(tdp__cuda_memcpy_async(out, d, N, s));
+    OK(tdp__cuda_launch_host_func(s, hostfn, &probe));
+    OK(tdp__cuda_stream_sync(s));
+    assert_int_equal(atomic_load(&probe.ran), 1);
+    assert_int_equal(atomic_load(&probe.saw_copy), 1);
+    assert_false(pthread_equal(probe.thread, pthread_self()));
+    tdp__cuda_fake_set_delay_us(0);
+    tdp__cuda_free(d);
+    tdp__cuda_stream_destroy(s);
+    free(src);
+    free(out);
+}
+
+/* Host function: hold the stream until *arg is set (at most 10 s). */
+static void gate_wait(void *arg)
+{
+    _Atomic int *gate = arg;
+    struct timespec ms = {0, 1000 * 1000};
+    for (int i = 0; i < 10000 && atomic_load(gate) == 0; i++)
+        nanosleep(&ms, NULL);
+}
+
+static void test_events(void **state)
+{
+    (void)state;
+    unsigned char *src = malloc(N), *out = malloc(N), *d = NULL;
+    assert_non_null(src);
+    assert_non_null(out);
+    memset(src, 0x33, N);
+    memset(out, 0, N);
+    tdp__cuda_stream *a = NULL, *b = NULL;
+    tdp__cuda_event *e = NULL;
+    OK(tdp__cuda_stream_create(0, &a));
+    OK(tdp__cuda_stream_create(0, &b));
+    OK(tdp__cuda_event_create(0, &e));
+    OK(tdp__cuda_event_query(e)); /* never recorded: done */
+    OK(tdp__cuda_malloc(0, N, (void **)&d));
+
+    /* a is held at a gate before it fills d: b, told to wait, must not copy d out yet */
+    _Atomic int gate = 0;
+    OK(tdp__cuda_launch_host_func(a, gate_wait, &gate));
+    OK(tdp__cuda_memcpy_async(d, src, N, a));
+    OK(tdp__cuda_event_record(e, a));
+    OK(tdp__cuda_stream_wait_event(b, e));
+    OK(tdp__cuda_memcpy_async(out, d, N, b));
+    struct timespec pause = {0, 50 * 1000 * 1000};
+    nanosleep(&pause, NULL); /* time enough for b to copy, had it not waited */
+    assert_int_equal(tdp__cuda_event_query(e), TDP_EAGAIN);
+    atomic_store(&gate, 1);
+    OK(tdp__cuda_stream_sync(b));
+    assert_memory_equal(out, src, N);
+    OK(tdp__cuda_event_query(e));
+
+    tdp__cuda_fake_set_delay_us(DELAY_US);
+    OK(tdp__cuda_memcpy_async(d, out, N, a));
+    OK(tdp__cuda_event_record(e, a));
+    assert_int_equal(tdp__cuda_event_query(e), TDP_EAGAIN);
+    OK(tdp__cuda_event_sync(e));
+    OK(tdp__cuda_event_query(e));
+    tdp__cuda_fake_set_delay_us(0);
+
+    tdp__cuda_free(d);
+    tdp__cuda_event_destroy(e);
+    tdp__cuda_stream_destroy(b);
+    tdp__cuda_stream_destroy(a);
+    free(src);
+    free(out);
+}
+
+static void test_oom_injected(void **state)
+{
+    (void)state;
+    tdp_mem_stats s0, s1;
+    int fds = open_fds();
+    tdp_mem_stats_get(&s0);
+    void *p = (void *)&p;
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_OOM_AT, 1);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, N, 0, &p), TDP_ENOMEM);
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_OOM_AT, 2); /* the second from now */
+    void *ok = NULL;
+    OK(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, N, 0, &ok));
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, N, 0, &p), TDP_ENOMEM);
+    assert_ptr_equal(p, (void *)&p);
+    tdp_mem_free(TDP_MEM_HOST_PINNED, ok);
+    tdp_mem_stats_get(&s1);
+    /* nothing leaked: counters back where they were, no memfd left open */
+    assert_int_equal(s1.allocs[TDP_MEM_CUDA], s0.allocs[TDP_MEM_CUDA]);
+    assert_int_equal(s1.live_bytes[TDP_MEM_CUDA], s0.live_bytes[TDP_MEM_CUDA]);
+    assert_int_equal(s1.allocs[TDP_MEM_HOST_PINNED] - s0.allocs[TDP_MEM_HOST_PINNED], 1);
+    assert_int_equal(s1.live_bytes[TDP_MEM_HOST_PINNED], s0.live_bytes[TDP_MEM_HOST_PINNED]);
+    assert_int_equal(s1.small_allocs - s1.small_frees, s0.small_allocs - s0.small_frees);
+    assert_int_equal(open_fds(), fds);
+    /* and the next allocation works again */
+    OK(tdp_mem_alloc(TDP_MEM_CUDA, 0, N, 0, &p));
+    tdp_mem_free(TDP_MEM_CUDA, p);
+    assert_int_equal(open_fds(), fds);
+}
+
+static void test_copy_fail_injected(void **state)
+{
+    (void)state;
+    unsigned char host[256] = {1}, *d = NULL;
+    tdp__cuda_stream *s = NULL;
+    OK(tdp__cuda_stream_create(0, &s));
+    OK(tdp__cuda_malloc(0, sizeof(host), (void **)&d));
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, 2);
+    OK(tdp__cuda_memcpy_async(d, host, sizeof(host), s));
+    assert_int_equal(tdp__cuda_memcpy_async(host, d, sizeof(host), s), TDP_ECUDA);
+    OK(tdp__cuda_memcpy_async(host, d, sizeof(host), s));
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, 1);
+    assert_int_equal(tdp_mem_copy(host, d, sizeof(host)), TDP_ECUDA);
+    OK(tdp__cuda_stream_sync(s));
+    tdp__cuda_free(d);
+    tdp__cuda_stream_destroy(s);
+}
+
+static void test_kill_after_copy(void **state)
+{
+    (void)state;
+    unsigned char host[64] = {0}, *d = NULL;
+    OK(tdp__cuda_malloc(0, sizeof(host), (void **)&d));
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY, 2);
+        if (tdp__cuda_memcpy(d, host, sizeof(host)) != TDP_OK)
+            _exit(3);
+        if (tdp__cuda_memcpy(host, d, sizeof(host)) != TDP_OK)
+            _exit(4);
+        _exit(5); /* should have been killed after the second copy */
+    }
+    int status = reap(pid);
+    assert_true(WIFSIGNALED(status));
+    assert_int_equal(WTERMSIG(status), SIGKILL);
+    tdp__cuda_free(d);
+}
+
+static void test_export_import_across_fork(void **state)
+{
+    (void)state;
+    unsigned char host[8192];
+    unsigned char *d = NULL;
+    OK(tdp__cuda_malloc_shared(0, sizeof(host), (void **)&d));
+    memset(host, 0x5c, sizeof(host));
+    OK(tdp__cuda_memcpy(d, host, sizeof(host)));
+    tdp__cuda_ipc h;
+    OK(tdp__cuda_export(d, &h));
+    assert_true(h.fd >= 0);
+    assert_true(h.size >= sizeof(host));
+
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        /* a process of its own: the import maps the parent's bytes */
+        unsigned char got[sizeof(host)];
+        void *p = NULL;
+        if (tdp__cuda_import(0, &h, &p) != TDP_OK)
+            _exit(2);
+        if (p == (void *)d)
+            _exit(3); /* must be a mapping of its own */
+        if (tdp__cuda_memcpy(got, p, sizeof(got)) != TDP_OK)
+            _exit(4);
+        for (size_t i = 0; i < sizeof(got); i++)
+            if (got[i] != 0x5c)
+                _exit(5);
+        memset(got, 0xa7, sizeof(got));
+        if (tdp__cuda_memcpy(p, got, sizeof(got)) != TDP_OK)
+            _exit(6);
+        tdp__cuda_import_close(p);
+        _exit(0);
+    }
+    int status = reap(pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    /* and the child's writes are the parent's bytes */
+    OK(tdp__cuda_memcpy(host, d, sizeof(host)));
+    assert_int_equal(host[0], 0xa7);
+    assert_int_equal(host[sizeof(host) - 1], 0xa7);
+    close(h.fd);
+    tdp__cuda_free(d);
+}
+
+static void test_devices_and_uuids(void **state)
+{
+    (void)state;
+    OK(tdp__cuda_select("fake:3"));
+    assert_int_equal(tdp__cuda_device_count(), 3);
+    assert_int_equal(tdp_cuda_device_count(), 3);
+    assert_int_equal(tdp__cuda_backend_get(), TDP__CUDA_FAKE);
+    uint8_t u[3][16];
+    for (int i = 0; i < 3; i++)
+        OK(tdp__cuda_device_uuid(i, u[i]));
+    assert_memory_not_equal(u[0], u[1], 16);
+    assert_memory_not_equal(u[0], u[2], 16);
+    assert_memory_not_equal(u[1], u[2], 16);
+    uint8_t again[16];
+    OK(tdp__cuda_device_uuid(1, again));
+    assert_memory_equal(again, u[1], 16);
+    assert_int_equal(tdp__cuda_device_uuid(3, again), TDP_EINVAL);
+    OK(tdp__cuda_ctx_set(2));
+
+    char buf[128];
+    assert_string_equal(tdp_cuda_describe(buf, sizeof(buf)), "fake, 3 devices");
+    void *d = NULL;
+    OK(tdp__cuda_malloc(2, 100, &d));
+    tdp__cuda_ptr_info info;
+    OK(tdp__cuda_ptr_get_info((char *)d + 99, &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_DEVICE);
+    assert_int_equal(info.device, 2);
+    tdp__cuda_free(d);
+    assert_int_equal(tdp__cuda_malloc(3, 100, &d), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_select("fake:0"), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_select("fake2"), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_select("gpu"), TDP_EINVAL);
+}
+
+static void test_pointer_kinds(void **state)
+{
+    (void)state;
+    tdp__cuda_ptr_info info;
+    void *pinned = NULL;
+    int plain = 0;
+    OK(tdp__cuda_host_alloc(1000, &pinned));
+    OK(tdp__cuda_ptr_get_info(pinned, &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_PINNED);
+    OK(tdp__cuda_ptr_get_info(&plain, &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_HOST);
+    assert_int_equal(info.device, -1);
+    /* a shared mapping, as the shm plane's slots are, registered and unregistered */
+    size_t len = 1 << 16;
+    char *shm = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    assert_true(shm != MAP_FAILED);
+    OK(tdp__cuda_host_register(shm, len));
+    OK(tdp__cuda_ptr_get_info(shm + len - 1, &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_PINNED);
+    assert_int_equal(tdp__cuda_host_register(shm + 4096, 4096), TDP_ECUDA); /* overlaps */
+    OK(tdp__cuda_host_unregister(shm));
+    OK(tdp__cuda_ptr_get_info(shm, &info));
+    assert_int_equal(info.kind, TDP__CUDA_PTR_HOST);
+    assert_int_equal(tdp__cuda_host_unregister(shm), TDP_ECUDA);
+    munmap(shm, len);
+    tdp__cuda_host_free(pinned);
+}
+
+static void test_off(void **state)
+{
+    (void)state;
+    OK(tdp__cuda_select("off"));
+    assert_int_equal(tdp__cuda_backend_get(), TDP__CUDA_NONE);
+    assert_int_equal(tdp_cuda_device_count(), 0);
+    void *p = (void *)&p;
+    assert_int_equal(tdp__cuda_malloc(0, 64, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp__cuda_host_alloc(64, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_CUDA, 0, 64, 0, &p), TDP_ENOTSUP);
+    assert_ptr_equal(p, (void *)&p);
+    tdp__cuda_stream *s = NULL;
+    assert_int_equal(tdp__cuda_stream_create(0, &s), TDP_ENOTSUP);
+    uint8_t u[16];
+    assert_int_equal(tdp__cuda_device_uuid(0, u), TDP_ENOTSUP);
+    char buf[128];
+    assert_string_equal(tdp_cuda_describe(buf, sizeof(buf)), "no CUDA device (TDPIPE_CUDA=off)");
+    /* host to host copies need no device */
+    char a[8] = "abcdefg", b[8] = {0};
+    OK(tdp_mem_copy(b, a, sizeof(a)));
+    assert_string_equal(b, "abcdefg");
+}
+
+static void test_driver_backend_here(void **state)
+{
+    (void)state;
+    OK(tdp__cuda_select("driver"));
+    char buf[128];
+    tdp_cuda_describe(buf, sizeof(buf));
+    print_message("[  INFO    ] driver backend: %s\n", buf);
+    int n = tdp_cuda_device_count();
+    assert_true(n >= 0);
+    if (n > 0) {
+        assert_int_equal(tdp__cuda_backend_get(), TDP__CUDA_DRIVER);
+        void *d = NULL;
+        OK(tdp__cuda_malloc(0, 4096, &d));
+        tdp__cuda_free(d);
+        return;
+    }
+    /* no driver or no GPU: reported, never a crash */
+    assert_non_null(strstr(buf, "no CUDA device"));
+    void *p = (void *)&p;
+    assert_int_equal(tdp__cuda_malloc(0, 64, &p), TDP_ENOTSUP);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, 64, 0, &p), TDP_ENOTSUP);
+    assert_ptr_equal(p, (void *)&p);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(test_host_touch_faults, fake_setup),
+        cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
+        cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
+        cmocka_unit_test_setup(test_events, fake_setup),
+        cmocka_unit_test_setup(test_oom_injected, fake_setup),
+        cmocka_unit_test_setup(test_copy_fail_injected, fake_setup),
+        cmocka_unit_test_setup(test_kill_after_copy, fake_setup),
+        cmocka_unit_test_setup(test_export_import_across_fork, fake_setup),
+        cmocka_unit_test_setup(test_devices_and_uuids, fake_setup),
+        cmocka_unit_test_setup(test_pointer_kinds, fake_setup),
+        cmocka_unit_test_setup(test_off, fake_setup),
+        cmocka_unit_test_setup(test_driver_backend_here, fake_setup),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
