@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# gpu-check.sh: everything the GPU targets need, in one call on a machine
+# with a GPU (docs/gpu.md). It
+#   1. builds in build-gpu/ (-DTDP_CUDA=ON), with the Debian packages that
+#      .gpu/env.sh brings where the machine lacks them (../shared/gpu/pack);
+#   2. runs the GPU test suites on the real device (the pipe conformance
+#      suite in device mode on every plane, the CUDA layer, staging, the
+#      CLI), or the whole suite with --full;
+#   3. runs one bench under compute-sanitizer memcheck (where installed);
+#   4. runs `tdpipe bench --mem cuda` on each plane from 1 KB to 1 GB, the
+#      same plane with host memory, and UCX over TCP both ways;
+#   5. measures the copy limits in the same run (tdp_gpu_copy) and prints
+#      one table with tdpipe's ratios to them.
+# Meant to finish in under 5 minutes on a 16-core machine. Exit status:
+# non-zero when a stage failed (every stage runs regardless).
+#
+#   scripts/gpu-check.sh [--full] [--quick] [--fake] [--out DIR]
+#     --full   the whole ctest suite instead of the GPU suites
+#     --fake   run it all on the fake device (TDPIPE_CUDA=fake): checks the
+#              script and the paths on a machine without a GPU; its figures
+#              say nothing of a GPU
+#     --quick  sizes 1 KB and 1 MB only (no 100 MB / 1 GB)
+#     --out    where the JSON and logs go (default build-gpu/gpu-check)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+FULL=0 QUICK=0 FAKE=0 OUT=
+while [[ $# -gt 0 ]]; do
+    case $1 in
+    --full) FULL=1 ;;
+    --quick) QUICK=1 ;;
+    --fake) FAKE=1 ;;
+    --out) OUT=$2; shift ;;
+    *) echo "usage: $0 [--full] [--quick] [--fake] [--out DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+if ! pkg-config --exists ucx libevent jansson libxxhash libsodium cmocka 2>/dev/null &&
+    [[ -f .gpu/env.sh ]]; then
+    # shellcheck disable=SC1091
+    source .gpu/env.sh
+fi
+B=build-gpu
+OUT=${OUT:-$B/gpu-check}
+mkdir -p "$OUT"
+JOBS=$(nproc 2>/dev/null || echo 4)
+FAILED=()
+T0=$SECONDS
+say() { printf '\n== %s (%ds)\n' "$*" $((SECONDS - T0)); }
+
+say "build"
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+if ! cmake -S . -B "$B" "${gen[@]}" -DTDP_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    >"$OUT/cmake.log" 2>&1 || ! cmake --build "$B" -j"$JOBS" >"$OUT/build.log" 2>&1; then
+    tail -30 "$OUT/cmake.log" "$OUT/build.log"
+    echo "gpu-check: the build failed" >&2
+    exit 1
+fi
+TDPIPE=$B/tools/tdpipe
+if [[ $FAKE -eq 1 ]]; then
+    export TDPIPE_CUDA=fake
+else
+    export TDPIPE_CUDA=driver
+fi
+"$TDPIPE" version | sed 's/^/  /'
+if ! "$TDPIPE" version | grep -Eq "cuda: *(driver loaded|fake)"; then
+    echo "gpu-check: no GPU through the driver here; nothing to check (--fake runs on the fake)" >&2
+    exit 3
+fi
+
+say "tests"
+if [[ $FULL -eq 1 ]]; then
+    ctest --test-dir "$B" -j"$JOBS" --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1 ||
+        FAILED+=(tests)
+else
+    ctest --test-dir "$B" -j"$JOBS" --output-on-failure --timeout 300 \
+        -R 'cuda|gpu|stage|test_mem|test_td|test_pipe_alloc|test_cli$|test_log' \
+        >"$OUT/ctest.log" 2>&1 || FAILED+=(tests)
+fi
+grep -E "tests passed|Failed|\*\*\*" "$OUT/ctest.log" | sed 's/^/  /'
+
+say "compute-sanitizer memcheck: bench --mem cuda, shm and ucx, 1 MB"
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [[ $FAKE -eq 1 ]]; then
+    echo "  the fake device: skipped"
+elif [[ -n $CS ]]; then
+    for plane in shm ucx; do
+        if "$CS" --tool memcheck --error-exitcode 9 --target-processes all \
+            "$TDPIPE" bench --mem cuda --plane "$plane" --sizes 1MB --rounds 50 \
+            >"$OUT/memcheck_$plane.log" 2>&1; then
+            echo "  $plane: $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_$plane.log" || echo clean)"
+        else
+            FAILED+=("memcheck_$plane")
+            tail -20 "$OUT/memcheck_$plane.log"
+        fi
+    done
+else
+    echo "  compute-sanitizer not found: skipped"
+fi
+
+say "copy limits"
+$B/bench/tdp_gpu_copy --size 100000000 --json >"$OUT/copy.json" 2>"$OUT/copy.err" ||
+    FAILED+=(copy_limits)
+cat "$OUT/copy.json"
+
+SIZES=1KB,1MB,100MB,1GB
+[[ $QUICK -eq 1 ]] && SIZES=1KB,1MB
+bench() { # name, then bench arguments
+    local name=$1
+    shift
+    if ! timeout 240 "$TDPIPE" bench --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1; then
+        FAILED+=("bench_$name")
+        tail -5 "$OUT/$name.log"
+    fi
+}
+say "bench --mem cuda, each plane"
+for plane in $("$TDPIPE" version | sed -n 's/^planes: *//p' | tr ',' ' '); do
+    [[ $plane == auto ]] && continue
+    bench "cuda_$plane" --mem cuda --plane "$plane" --sizes "$SIZES"
+    bench "cpu_$plane" --mem cpu --plane "$plane" --sizes "$SIZES"
+done
+say "UCX over TCP, 100 MB: device vs host"
+if [[ $QUICK -eq 0 ]]; then
+    UCX_TLS=tcp bench cuda_ucx_tcp --mem cuda --plane ucx --sizes 100MB
+    UCX_TLS=tcp bench cpu_ucx_tcp --mem cpu --plane ucx --sizes 100MB
+fi
+
+say "table"
+python3 - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name + '.json')))
+    except (OSError, ValueError):
+        return None
+copy = load('copy') or {}
+h2d = copy.get('h2d_pinned_gbps')
+print('copy limits (100 MB): ' + ', '.join('%s %.1f GB/s' % (k[:-5], v)
+      for k, v in copy.items() if k.endswith('_gbps')))
+def rows(d):
+    return {r['bytes']: r for r in (d or {}).get('results', [])}
+hdr = '%-16s %10s %11s %10s %11s %9s %9s %10s' % ('run', 'bytes', 'first us', 'p50 us',
+      'GB/s', 'x h2d', 'x host', 'first/st')
+print(hdr)
+for path in sorted(glob.glob(os.path.join(out, 'cuda_*.json'))):
+    name = os.path.basename(path)[:-5]
+    dev, host = rows(load(name)), rows(load('cpu_' + name[5:]))
+    for b, r in sorted(dev.items()):
+        gbps = r['throughput_Bps']['median'] / 1e9
+        steady_us = b / r['throughput_Bps']['median'] * 1e6
+        hr = host.get(b)
+        xh = gbps / hr['throughput_Bps']['median'] * 1e9 if hr else float('nan')
+        print('%-16s %10d %11.1f %10.2f %11.3f %9.2f %9.2f %10.1f' % (
+            name, b, r['first_send_us'], r['latency_us']['p50'], gbps,
+            gbps / h2d if h2d else float('nan'), xh, r['first_send_us'] / steady_us))
+        if hr:
+            print('%-16s %10s %11.1f %10.2f %11.3f' % ('  host', '', hr['first_send_us'],
+                  hr['latency_us']['p50'], hr['throughput_Bps']['median'] / 1e9))
+EOF
+
+say "done"
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "gpu-check: FAILED: ${FAILED[*]} (logs in $OUT)"
+    exit 1
+fi
+echo "gpu-check: all stages passed (logs and JSON in $OUT)"
