@@ -1450,6 +1450,7 @@ static void s_link_close(tdp__link *l, bool peer_gone)
 const tdp__plane_ops tdp__plane_shm = {
     .name = "shm",
     .id = TDP_PLANE_SHM,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA_STAGED, /* device buffers are copied into the slots */
     .hello_fill = s_hello_fill,
     .usable = s_usable,
     .link_new = s_link_new,
