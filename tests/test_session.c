@@ -24,7 +24,7 @@
 #include "fake_plane.h"
 #include "pipe/host.h"
 #include "pipe/session.h"
-#include "pipe/ucx_workers.h"
+#include "pipe/ucx/ucx_workers.h"
 #include "schema/schema_int.h"
 
 #define TMO    5000 /* ms: bound of any single wait */

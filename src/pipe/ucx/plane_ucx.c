@@ -23,13 +23,12 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
-#include "op.h"
-#include "session.h"
+#include "../op.h"
 #include "ucx_addr.h"
 #include "ucx_workers.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/reap.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/reap.h"
 
 typedef struct ucx_ext ucx_ext;
 

@@ -52,14 +52,13 @@
 #include <unistd.h>
 #include <event2/event.h>
 
-#include "plane.h"
+#include "../plane.h"
 #include "plane_shm.h"
-#include "session.h"
 #include "shm.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/loop_int.h"
-#include "../core/reap.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/loop_int.h"
+#include "../../core/reap.h"
 
 /* ---- socket messages ---------------------------------------------------------- */
 
