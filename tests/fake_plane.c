@@ -58,6 +58,7 @@ struct tdp__link {
     fake_cfg cfg;
     fake_stats st;
     uint64_t last_seq;
+    uint32_t send_depth; /* ops->send calls in progress */
     uint64_t released; /* without ops->credit: what release() tells the peer */
     fmsg *held, *held_tail;
     unsigned nheld;
@@ -284,7 +285,7 @@ static void post_done(struct tdp__link *l)
     tdp__loop_post_task(l->loop, &l->done);
 }
 
-static tdp_err f_send(tdp__link *l, const tdp__tx *tx)
+static tdp_err send_now(tdp__link *l, const tdp__tx *tx)
 {
     if (l->cfg.send_rc != TDP_OK)
         return l->cfg.send_rc;
@@ -337,6 +338,16 @@ static tdp_err f_send(tdp__link *l, const tdp__tx *tx)
     }
     post_done(l);
     return TDP_OK;
+}
+
+/* Counts how deep ops->send is nested: a session that re-enters it recurses. */
+static tdp_err f_send(tdp__link *l, const tdp__tx *tx)
+{
+    if (++l->send_depth > l->st.max_send_depth)
+        l->st.max_send_depth = l->send_depth;
+    tdp_err rc = send_now(l, tx);
+    l->send_depth--;
+    return rc;
 }
 
 static void credit_out(struct tdp__link *l, uint64_t total)

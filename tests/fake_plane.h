@@ -42,6 +42,7 @@ typedef struct fake_cfg {
 typedef struct fake_stats {
     uint32_t peer_depth;                    /* from link_start */
     uint64_t peer_caps;                     /* from link_start: the peer's HELLO caps */
+    uint32_t max_send_depth;                /* deepest nesting of ops->send seen */
     bool started;                           /* link_start succeeded */
     uint64_t tx_schema, tx_data, tx_credit; /* frames sent, by type */
     uint64_t rx_schema, rx_data, rx_credit; /* frames delivered to the session */

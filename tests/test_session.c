@@ -1298,6 +1298,43 @@ static void test_send_errors(void **state)
     for (int i = 0; i < 4; i++)
         tdp_op_free(ss[i]);
 
+    /*
+     * ... and never by recursion: sends wait for credit, the peer gives
+     * back four at once, and every send completes inside ops->send; the
+     * session sends the next one after ops->send returned, not from inside
+     * the completion of the one before.
+     */
+    env_up(&e, 1, 4);
+    tdp__link *cl = fake_link_of(e.cli.p);
+    fake_cfg_of(cl)->sent_inline = true;
+    tdp_op *many[12];
+    for (int i = 0; i < 12; i++) {
+        many[i] = new_op();
+        send_one(e.cli.p, sc, (uint64_t)i + 1, many[i]);
+    }
+    tdp_td *got[4];
+    for (uint64_t seq = 1; seq <= 4; seq++)
+        got[seq - 1] = recv_one(&e, e.srv.p, r, seq);
+    assert_int_equal(fake_stats_of(cl)->tx_data, 4); /* the rest wait for credit */
+    /* the first three CREDIT frames are lost: the fourth gives all four back */
+    fake_cfg *scfg = fake_cfg_of(fake_link_of(e.srv.p));
+    scfg->drop_credit = true;
+    for (int i = 0; i < 3; i++)
+        tdp_pipe_release(e.srv.p, got[i]);
+    scfg->drop_credit = false;
+    tdp_pipe_release(e.srv.p, got[3]);
+    WAIT(&e, fake_stats_of(cl)->tx_data == 8);
+    for (uint64_t seq = 5; seq <= 12; seq++)
+        tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, seq));
+    for (int i = 0; i < 12; i++) {
+        WAIT(&e, done(many[i]));
+        assert_int_equal(tdp_op_result(many[i]), TDP_OK);
+    }
+    assert_int_equal(fake_stats_of(cl)->max_send_depth, 1);
+    env_down(&e);
+    for (int i = 0; i < 12; i++)
+        tdp_op_free(many[i]);
+
     tdp_op_free(s);
     tdp_op_free(r);
     tdp_schema_unref(sc);

@@ -39,6 +39,8 @@ typedef struct rx_slot {
 typedef struct tx_ticket {
     tdp_op *op;
     struct tx_ticket *next_free;
+    struct tx_ticket *next_done; /* completions queued while the session calls the plane */
+    tdp_err done_st;
     bool busy;
 } tx_ticket;
 
@@ -89,6 +91,14 @@ struct tdp_pipe {
     tx_ticket *tickets;
     uint32_t nticket, tx_inflight;
     tx_ticket *free_tickets;
+    /*
+     * Send completions a plane reported from inside send_kick (the shm plane
+     * completes inline): queued through the tickets themselves (each is
+     * there at most once: no allocation, no bound to check) and taken when
+     * the outermost send_kick is done with the plane, never by recursion.
+     */
+    tx_ticket *done_head, *done_tail;
+    bool kicking;
     tdp_td *gather_td; /* tdp_pipe_send_gather's reused buffer */
 
     /* receive side */
@@ -643,8 +653,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         pipe_fail(p, rc, "cannot start the data plane");
         return;
     }
-    p->plane_mem = p->plane->link_mem != NULL ? p->plane->link_mem(p->link) & p->plane->mem
-                                              : p->plane->mem;
+    p->plane_mem =
+        p->plane->link_mem != NULL ? p->plane->link_mem(p->link) & p->plane->mem : p->plane->mem;
     become_open(p);
 }
 
@@ -896,10 +906,9 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
     end_if_peer_done(p);
 }
 
-static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
+/* A send the plane is done with: its ticket comes back and its op completes. */
+static void sent_done(tdp_pipe *p, tx_ticket *t, tdp_err st)
 {
-    tdp_pipe *p = owner;
-    tx_ticket *t = cookie;
     tdp_op *op = t->op;
     t->op = NULL;
     t->busy = false;
@@ -913,6 +922,23 @@ static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
             lat_record(p, TDP_LAT_SEND, op->t_call_ns);
         tdp__op_complete(op, st);
     }
+}
+
+static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
+{
+    tdp_pipe *p = owner;
+    tx_ticket *t = cookie;
+    if (p->kicking) { /* inside the session's own call: send_kick takes it when done */
+        t->done_st = st;
+        t->next_done = NULL;
+        if (p->done_tail != NULL)
+            p->done_tail->next_done = t;
+        else
+            p->done_head = t;
+        p->done_tail = t;
+        return;
+    }
+    sent_done(p, t, st);
     if (p->state != PIPE_OPEN)
         return;
     send_kick(p); /* a ticket came back: a send may have waited for one */
@@ -964,7 +990,7 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         /* the plane took nothing: the ticket and the op come back now */
         p->stats.msgs_sent--;
         p->stats.bytes_sent -= nbytes;
-        up_sent(p, p->link, t, rc);
+        sent_done(p, t, rc);
         pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
                   "send failed");
     }
@@ -986,7 +1012,8 @@ static bool refuse_memory(tdp_pipe *p, tdp_op *op)
     return true;
 }
 
-static void send_kick(tdp_pipe *p)
+/* Send what the queue's head may: credit, a ticket and the link allow. */
+static void kick_once(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
         if (refuse_memory(p, p->sendq.head)) {
@@ -995,6 +1022,8 @@ static void send_kick(tdp_pipe *p)
         }
         if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
             p->free_tickets == NULL) {
+            if (p->done_head != NULL)
+                return; /* completions are queued: send_kick takes them, then looks again */
             if (!p->sendq.head->waited && p->plane->poll_credit != NULL) {
                 /* credit the peer gave while nobody drove the loop is not a wait */
                 uint64_t before = p->peer_credit;
@@ -1014,6 +1043,41 @@ static void send_kick(tdp_pipe *p)
         p->free_tickets = t->next_free;
         post_send(p, op, t);
     }
+}
+
+/* Completions queued during kick_once; true if there were any. */
+static bool take_done(tdp_pipe *p)
+{
+    tx_ticket *t = p->done_head;
+    if (t == NULL)
+        return false;
+    while (t != NULL) {
+        p->done_head = t->next_done;
+        if (p->done_head == NULL)
+            p->done_tail = NULL;
+        sent_done(p, t, t->done_st);
+        t = p->done_head;
+    }
+    return true;
+}
+
+/*
+ * Never re-entered: a plane that completes a send inside ops->send has its
+ * completion queued (up_sent), and the tickets it gives back are used by
+ * this loop, not by a nested one.
+ */
+static void send_kick(tdp_pipe *p)
+{
+    if (p->kicking)
+        return; /* the outer call goes on with whatever made this one */
+    p->kicking = true;
+    bool done = false;
+    do
+        kick_once(p);
+    while (take_done(p) && (done = true));
+    p->kicking = false;
+    if (done && p->state == PIPE_OPEN)
+        check_close(p);
 }
 
 static void send_start(void *arg)
@@ -1616,6 +1680,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     tdp__free(p->tickets);
     p->tickets = NULL;
     p->free_tickets = NULL;
+    p->done_head = p->done_tail = NULL; /* the old link's: nothing to give back */
     p->nticket = 0;
     p->tx_inflight = 0;
     tdp_schema_unref(p->sent_schema);
