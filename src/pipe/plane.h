@@ -114,6 +114,12 @@ typedef struct tdp__plane_ops {
      */
     tdp_err (*hello_fill)(tdp__link *l, tdp_hello *h);
     /*
+     * Optional: check the plane's records in a peer's HELLO (wire.c only
+     * frames them). TDP_OK when they are absent; TDP_EPROTO when malformed:
+     * the pipe fails, whichever plane it would have chosen.
+     */
+    tdp_err (*hello_check)(const tdp_hello *peer);
+    /*
      * Can this plane serve a pipe to this peer? Must give the same answer
      * on both sides (it sees the peer's HELLO and same_host only).
      */

@@ -575,6 +575,16 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     tdp_pipe *p = owner;
     if (p->state != PIPE_CONNECTING)
         return;
+    const tdp__plane_ops *o;
+    for (size_t i = 0; (o = tdp__plane_at(i)) != NULL; i++) {
+        /* each plane reads its own records (wire.c only framed them) */
+        if (o->hello_check != NULL && o->hello_check(h) != TDP_OK) {
+            tdp_log_warn("pipe %s: the peer's HELLO has a malformed %s record: disconnecting",
+                         p->ctl.peer_name, o->name);
+            pipe_fail(p, TDP_EPROTO, "malformed plane record in HELLO");
+            return;
+        }
+    }
     uint8_t host[TDP_HOST_ID_LEN];
     tdp__host_id(host);
     /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
