@@ -575,12 +575,12 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     tdp_pipe *p = owner;
     if (p->state != PIPE_CONNECTING)
         return;
-    const tdp__plane_ops *o;
-    for (size_t i = 0; (o = tdp__plane_at(i)) != NULL; i++) {
+    const tdp__plane_ops *po;
+    for (size_t i = 0; (po = tdp__plane_at(i)) != NULL; i++) {
         /* each plane reads its own records (wire.c only framed them) */
-        if (o->hello_check != NULL && o->hello_check(h) != TDP_OK) {
+        if (po->hello_check != NULL && po->hello_check(h) != TDP_OK) {
             tdp_log_warn("pipe %s: the peer's HELLO has a malformed %s record: disconnecting",
-                         p->ctl.peer_name, o->name);
+                         p->ctl.peer_name, po->name);
             pipe_fail(p, TDP_EPROTO, "malformed plane record in HELLO");
             return;
         }
