@@ -387,6 +387,34 @@ static void test_memory_refused(void **state)
     tdp_schema_unref(dev);
 }
 
+static tdp_err refuse_records(const tdp_hello *peer)
+{
+    (void)peer;
+    return TDP_EPROTO;
+}
+
+/*
+ * A plane finds its records in the peer's HELLO malformed: the pipe fails
+ * with TDP_EPROTO, though that plane is not even one this pipe may use.
+ */
+static void test_hello_plane_record_malformed(void **state)
+{
+    static tdp__plane_ops picky;
+    picky = *fake_plane_ops();
+    picky.id = TDP__PLANE_TEST - 1;
+    picky.name = "picky";
+    picky.hello_check = refuse_records;
+    assert_int_equal(tdp__plane_add_test(&picky), TDP_OK);
+    env e = {0};
+    tdp_pipe_opts o = fake_opts(1);
+    o.planes_forbidden = 1u << picky.id;
+    env_up_cfg(&e, &o, &o, NULL, NULL);
+    assert_null(e.srv.p);
+    assert_int_equal(e.srv.ready_rc, TDP_EPROTO);
+    assert_true(e.cli.ready_rc == TDP_EPROTO || e.cli.ready_rc == TDP_ECONNRESET);
+    env_down(&e);
+}
+
 static void test_hello_no_common_plane(void **state)
 {
     env e = {0};
@@ -1546,6 +1574,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_hello_opens_on_fake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_registry_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_memory_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hello_plane_record_malformed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_no_common_plane, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_plane_refuses, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_peer_lacks_plane, setup, teardown),
