@@ -29,11 +29,12 @@ static void send_kick(tdp_pipe *p);
 static void deliver(tdp_pipe *p);
 static void send_credit(tdp_pipe *p);
 static void check_close(tdp_pipe *p);
+static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
 static void credit_ev_cb(evutil_socket_t fd, short what, void *arg);
 
 /* ---- ops ------------------------------------------------------------------- */
 
-void tdp__sess_fail_ops_sent(tdp_pipe *p, tdp_err rc)
+static void fail_ops_sent(tdp_pipe *p, tdp_err rc)
 {
     /* sends the plane still holds: the op goes back now, the plane keeps the buffer */
     for (uint32_t i = 0; i < p->nticket; i++) {
@@ -55,13 +56,13 @@ static void drain_ops(tdp_pipe *p)
     tdp_err send_rc = p->status == TDP_ECLOSED && p->peer_bye ? TDP_ECLOSED : rc;
     while ((op = tdp__opq_pop(&p->sendq)) != NULL)
         tdp__op_complete(op, send_rc);
-    tdp__sess_fail_ops_sent(p, rc);
+    fail_ops_sent(p, rc);
     deliver(p);
 }
 
 /* ---- ending -------------------------------------------------------------- */
 
-void tdp__sess_close_links(tdp_pipe *p, bool gone)
+static void close_links(tdp_pipe *p, bool gone)
 {
     for (int i = 0; i < p->ncand; i++) {
         if (p->links[i] != NULL) {
@@ -75,10 +76,13 @@ void tdp__sess_close_links(tdp_pipe *p, bool gone)
 static void close_link(tdp_pipe *p)
 {
     /* a reset or a timeout: the peer is gone, or as good as */
-    tdp__sess_close_links(p, p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT);
+    close_links(p, p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT);
 }
 
-void tdp__sess_timer_del(tdp_pipe *p)
+static bool want_reconnect(const tdp_pipe *p, tdp_err err);
+static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
+
+static void timer_del(tdp_pipe *p)
 {
     if (p->timer != NULL)
         evtimer_del(p->timer);
@@ -96,12 +100,12 @@ static void maybe_tell_end(tdp_pipe *p)
     p->end_cb(p, st, p->end_arg);
 }
 
-void tdp__sess_pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
+static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
 {
     if (p->state == PIPE_DEAD)
         return;
-    if (tdp__sess_want_reconnect(p, err)) {
-        tdp__sess_begin_reconnect(p, err, why);
+    if (want_reconnect(p, err)) {
+        begin_reconnect(p, err, why);
         return;
     }
     if (p->reconnecting) {
@@ -127,7 +131,7 @@ void tdp__sess_pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
         tdp__ctl_send_bye(&p->ctl, &b);
     }
     close_link(p);
-    tdp__sess_timer_del(p);
+    timer_del(p);
     if (was_connecting) {
         tdp__ctl_close(&p->ctl);
         if (p->ready_cb != NULL) {
@@ -147,17 +151,17 @@ static void linger_cb(evutil_socket_t fd, short what, void *arg)
 {
     tdp_pipe *p = arg;
     if (p->state == PIPE_CONNECTING) {
-        tdp__sess_pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
+        pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
     } else if (p->state == PIPE_OPEN && p->peer_bye && p->rx_seq < p->peer_last_seq) {
-        tdp__sess_pipe_fail(p, TDP_ECONNRESET, "messages announced in BYE never arrived");
+        pipe_fail(p, TDP_ECONNRESET, "messages announced in BYE never arrived");
     } else if (p->state == PIPE_OPEN && p->link_failed) {
-        tdp__sess_pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
+        pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
     } else if (p->state == PIPE_OPEN && p->close_requested) {
-        tdp__sess_pipe_fail(p, TDP_ETIMEDOUT, "close deadline passed");
+        pipe_fail(p, TDP_ETIMEDOUT, "close deadline passed");
     }
 }
 
-void tdp__sess_arm_timer(tdp_pipe *p, int64_t ms)
+static void arm_timer(tdp_pipe *p, int64_t ms)
 {
     struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
     if (p->timer != NULL)
@@ -174,7 +178,7 @@ static void end_if_peer_done(tdp_pipe *p)
 {
     if (p->state == PIPE_OPEN && peer_done(p) && p->ready_count == 0 &&
         (!tdp__ctl_open(&p->ctl) || p->link_failed))
-        tdp__sess_pipe_fail(p, TDP_ECLOSED, "peer closed");
+        pipe_fail(p, TDP_ECLOSED, "peer closed");
 }
 
 /* ---- control channel events ------------------------------------------------ */
@@ -183,10 +187,9 @@ static void on_ctl_closed(void *owner, tdp_err why)
 {
     tdp_pipe *p = owner;
     if (p->state == PIPE_CONNECTING) {
-        tdp__sess_pipe_fail(p, why,
-                            why == TDP_ECONNRESET ? "closed during the handshake"
-                            : why == TDP_EAUTH    ? "authentication failed"
-                                                  : "cannot connect");
+        pipe_fail(p, why, why == TDP_ECONNRESET ? "closed during the handshake"
+                          : why == TDP_EAUTH   ? "authentication failed"
+                                               : "cannot connect");
         return;
     }
     if (p->state == PIPE_DEAD) {
@@ -200,11 +203,10 @@ static void on_ctl_closed(void *owner, tdp_err why)
         return;
     }
     if (why == TDP_EPROTO || why == TDP_EVERSION)
-        tdp__sess_pipe_fail(p, why, "garbage on the control socket");
+        pipe_fail(p, why, "garbage on the control socket");
     else
-        tdp__sess_pipe_fail(p, TDP_ECONNRESET,
-                            p->peer_bye ? "peer left before its last message arrived"
-                                        : "peer vanished (control socket closed)");
+        pipe_fail(p, TDP_ECONNRESET, p->peer_bye ? "peer left before its last message arrived"
+                                                 : "peer vanished (control socket closed)");
 }
 
 static void on_ctl_bye(void *owner, const tdp_bye *bye)
@@ -217,17 +219,17 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
                             bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH
                         ? bye->reason
                         : TDP_ECONNRESET;
-        tdp__sess_pipe_fail(p, e, "peer ended the pipe with an error");
+        pipe_fail(p, e, "peer ended the pipe with an error");
         return;
     }
     if (p->state == PIPE_CONNECTING || p->peer_bye || bye->last_seq < p->rx_seq) {
-        tdp__sess_pipe_fail(p, TDP_EPROTO, "inconsistent BYE");
+        pipe_fail(p, TDP_EPROTO, "inconsistent BYE");
         return;
     }
-    if (tdp__sess_want_reconnect(p, TDP_ECLOSED)) {
+    if (want_reconnect(p, TDP_ECLOSED)) {
         /* a reconnecting pipe waits for the next peer instead (what this
          * one still had on its way here is dropped: its sender is closing) */
-        tdp__sess_begin_reconnect(p, TDP_ECLOSED, "peer closed");
+        begin_reconnect(p, TDP_ECLOSED, "peer closed");
         return;
     }
     p->peer_bye = true;
@@ -237,7 +239,7 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
     while ((op = tdp__opq_pop(&p->sendq)) != NULL)
         tdp__op_complete(op, TDP_ECLOSED);
     if (p->rx_seq < p->peer_last_seq)
-        tdp__sess_arm_timer(p, p->opts.linger_ms);
+        arm_timer(p, p->opts.linger_ms);
     deliver(p);
     end_if_peer_done(p);
 }
@@ -268,7 +270,7 @@ static void send_hello(tdp_pipe *p)
         ids[n++] = p->cand[i]->id;
         tdp_err rc = p->cand[i]->hello_fill(p->links[i], &h);
         if (rc != TDP_OK) {
-            tdp__sess_pipe_fail(p, rc, "cannot describe a data plane");
+            pipe_fail(p, rc, "cannot describe a data plane");
             return;
         }
     }
@@ -297,7 +299,7 @@ static void send_hello(tdp_pipe *p)
     tdp__host_id(h.host_id);
     tdp_err rc = tdp__ctl_send_hello(&p->ctl, &h);
     if (rc != TDP_OK)
-        tdp__sess_pipe_fail(p, rc, "cannot send HELLO");
+        pipe_fail(p, rc, "cannot send HELLO");
 }
 
 static void on_ctl_connected(void *owner)
@@ -316,7 +318,7 @@ static void on_ctl_hello_in(void *owner, const tdp_hello *h)
     tdp_pipe_opts o = p->opts;
     tdp_err rc = fn(p->hello_hook_arg, h, &o);
     if (rc != TDP_OK) {
-        tdp__sess_pipe_fail(p, rc, "refused by the listener");
+        pipe_fail(p, rc, "refused by the listener");
         return;
     }
     p->depth = o.recv_depth < 1              ? 1
@@ -343,7 +345,7 @@ static void become_open(tdp_pipe *p)
         tdp_log_info("pipe %s: reconnected; sending goes on from message %" PRIu64,
                      p->ctl.peer_name, p->send_seq + 1);
     }
-    tdp__sess_timer_del(p);
+    timer_del(p);
     tdp_log_debug("pipe %s open: plane=%s same_host=%d depth=%u/%u", p->ctl.peer_name,
                   p->plane->name, p->same_host, p->depth, p->peer_depth);
     tdp_pipe_cb cb = p->ready_cb;
@@ -367,7 +369,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         if (po->hello_check != NULL && po->hello_check(h) != TDP_OK) {
             tdp_log_warn("pipe %s: the peer's HELLO has a malformed %s record: disconnecting",
                          p->ctl.peer_name, po->name);
-            tdp__sess_pipe_fail(p, TDP_EPROTO, "malformed plane record in HELLO");
+            pipe_fail(p, TDP_EPROTO, "malformed plane record in HELLO");
             return;
         }
     }
@@ -379,8 +381,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
     if (p->stats.resumed_from != 0 && h->resume != p->stats.resumed_from) {
-        tdp__sess_pipe_fail(p, TDP_EPROTO,
-                            "the peer's first message does not start where its HELLO says");
+        pipe_fail(p, TDP_EPROTO, "the peer's first message does not start where its HELLO says");
         return;
     }
     if (h->resume != 0 && p->stats.resumed_from == 0) {
@@ -408,7 +409,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         if (p->cand[i]->id == id)
             ci = i;
     if (ci < 0) {
-        tdp__sess_pipe_fail(p, TDP_ENOTSUP, "no data plane both sides allow");
+        pipe_fail(p, TDP_ENOTSUP, "no data plane both sides allow");
         return;
     }
     for (int i = 0; i < p->ncand; i++) {
@@ -426,7 +427,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->nticket = 2 * p->peer_depth + 1;
     p->tickets = tdp__alloc_array(p->nticket, sizeof(*p->tickets));
     if (p->tickets == NULL) {
-        tdp__sess_pipe_fail(p, TDP_ENOMEM, "no memory for send tickets");
+        pipe_fail(p, TDP_ENOMEM, "no memory for send tickets");
         return;
     }
     memset(p->tickets, 0, p->nticket * sizeof(*p->tickets));
@@ -447,7 +448,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {
-        tdp__sess_pipe_fail(p, rc, "cannot start the data plane");
+        pipe_fail(p, rc, "cannot start the data plane");
         return;
     }
     p->plane_mem =
@@ -469,7 +470,7 @@ static const tdp__ctl_up ctl_up = {
 static void proto_fail(tdp_pipe *p, tdp_err err, const char *why)
 {
     tdp_log_warn("pipe %s: %s: disconnecting", p->ctl.peer_name, why);
-    tdp__sess_pipe_fail(p, err, why);
+    pipe_fail(p, err, why);
 }
 
 /*
@@ -500,7 +501,7 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
      * (sends still waiting for credit were never handed over: they wait too) */
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0 ||
         p->tx_inflight > 0) {
-        tdp__sess_pipe_fail(p, p->peer_bye ? TDP_ECLOSED : st, why);
+        pipe_fail(p, p->peer_bye ? TDP_ECLOSED : st, why);
         return;
     }
     /*
@@ -513,7 +514,7 @@ static void up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
     tdp_log_debug("pipe %s: data plane ended (%s); the control socket decides",
                   p->ctl.peer_name, why);
     /* sends made from now on wait for that verdict (bounded by the linger) */
-    tdp__sess_arm_timer(p, p->opts.linger_ms);
+    arm_timer(p, p->opts.linger_ms);
     end_if_peer_done(p);
 }
 
@@ -565,7 +566,7 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     tdp_err rc = tdp_schema_decode(json, length, &p->limits, &sc, why, sizeof(why));
     if (rc != TDP_OK) {
         tdp_log_warn("pipe %s: rejected schema: %s", p->ctl.peer_name, why);
-        tdp__sess_pipe_fail(p, rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_ESCHEMA, why);
+        pipe_fail(p, rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_ESCHEMA, why);
         return;
     }
     if (tdp_schema_hash(sc) != f->hash || tdp_schema_total_bytes(sc) != f->arg) {
@@ -579,7 +580,7 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
         rc = tdp_schema_with_device(sc, p->opts.recv_device, &local);
         tdp_schema_unref(sc);
         if (rc != TDP_OK) {
-            tdp__sess_pipe_fail(p, rc, "cannot place the schema on the receive device");
+            pipe_fail(p, rc, "cannot place the schema on the receive device");
             return;
         }
         sc = local;
@@ -589,7 +590,7 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     p->rx_hash = f->hash;
     p->stats.schemas_recv++;
     if ((rc = ops->rx_schema(l, sc, p->depth)) != TDP_OK)
-        tdp__sess_pipe_fail(p, rc, "cannot prepare receive storage");
+        pipe_fail(p, rc, "cannot prepare receive storage");
 }
 
 /*
@@ -597,7 +598,7 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
  * free again: a lent view stays valid until released (or the pipe freed),
  * even when the pipe failed and its plane let go of it meanwhile.
  */
-void tdp__sess_slot_free(rx_slot *s)
+static void slot_free(rx_slot *s)
 {
     tdp_td *td = s->td;
     s->state = SLOT_FREE;
@@ -629,7 +630,7 @@ static void slot_ready(tdp_pipe *p, rx_slot *s)
     p->stats.msgs_recv++;
     p->stats.bytes_recv += s->td->nbytes;
     if (peer_done(p))
-        tdp__sess_timer_del(p);
+        timer_del(p);
     deliver(p);
 }
 
@@ -676,8 +677,8 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
     } else {
         s->state = SLOT_FREE;
         s->td = NULL;
-        tdp__sess_pipe_fail(p, rc == TDP_EPROTO || rc == TDP_EMSGSIZE ? rc : TDP_ECONNRESET,
-                            "cannot receive data");
+        pipe_fail(p, rc == TDP_EPROTO || rc == TDP_EMSGSIZE ? rc : TDP_ECONNRESET,
+                  "cannot receive data");
     }
 }
 
@@ -689,14 +690,14 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
     rx_slot *s = &p->slots[slot];
     p->rx_inflight--;
     if (frame_plane(p, l) == NULL) {
-        tdp__sess_slot_free(s);
+        slot_free(s);
         deliver(p);
         return;
     }
     if (st != TDP_OK) {
         /* never hand out a partly filled buffer */
-        tdp__sess_slot_free(s);
-        tdp__sess_pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
+        slot_free(s);
+        pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
         return;
     }
     slot_ready(p, s);
@@ -788,8 +789,8 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         p->stats.msgs_sent--;
         p->stats.bytes_sent -= nbytes;
         sent_done(p, t, rc);
-        tdp__sess_pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
-                            "send failed");
+        pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
+                  "send failed");
     }
 }
 
@@ -923,7 +924,7 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
     bool ours = s->epoch == p->epoch; /* not from a link gone since */
     if (p->link != NULL && ours)
         p->plane->release(p->link, (uint32_t)(s - p->slots));
-    tdp__sess_slot_free(s);
+    slot_free(s);
     if (p->state != PIPE_OPEN || !ours)
         return;
     p->released++;
@@ -1170,7 +1171,7 @@ static void check_close(tdp_pipe *p)
         return;
     }
     if (p->bye_flushed)
-        tdp__sess_pipe_fail(p, TDP_ECLOSED, "closed");
+        pipe_fail(p, TDP_ECLOSED, "closed");
 }
 
 typedef struct close_req {
@@ -1184,11 +1185,11 @@ static void close_start(tdp_pipe *p, int64_t timeout_ms)
         return;
     p->close_requested = true;
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl)) {
-        tdp__sess_pipe_fail(p, TDP_ECLOSED, "closed");
+        pipe_fail(p, TDP_ECLOSED, "closed");
         return;
     }
     if (timeout_ms >= 0)
-        tdp__sess_arm_timer(p, timeout_ms);
+        arm_timer(p, timeout_ms);
     check_close(p);
 }
 
@@ -1257,7 +1258,7 @@ static void close_async_task(void *arg)
 static void abort_task(void *arg)
 {
     async_req *r = arg;
-    tdp__sess_pipe_fail(r->p, (tdp_err)r->arg, "aborted");
+    pipe_fail(r->p, (tdp_err)r->arg, "aborted");
     tdp__free(r);
 }
 
@@ -1353,7 +1354,7 @@ tdp_err tdp_pipe_loan(tdp_pipe *pipe, tdp_schema *schema, tdp_td **out)
 /* ---- creating and freeing ---------------------------------------------------------- */
 
 /* A fresh control channel (at creation, and for each reconnect). */
-void tdp__sess_ctl_setup(tdp_pipe *p)
+static void ctl_setup(tdp_pipe *p)
 {
     tdp__ctl_opts co = {p->opts.keepalive_idle_s, p->opts.keepalive_intvl_s,
                         p->opts.keepalive_cnt, p->opts.secret, p->opts.secret_len};
@@ -1361,7 +1362,7 @@ void tdp__sess_ctl_setup(tdp_pipe *p)
 }
 
 /* A link per candidate plane, in the registry's order of preference. */
-tdp_err tdp__sess_make_links(tdp_pipe *p)
+static tdp_err make_links(tdp_pipe *p)
 {
     tdp_err err = TDP_ENOTSUP;
     const tdp__plane_ops *o;
@@ -1381,6 +1382,134 @@ tdp_err tdp__sess_make_links(tdp_pipe *p)
     if (p->ncand > 0)
         return TDP_OK;
     return err == TDP_ENOMEM ? TDP_ENOTSUP : err;
+}
+
+/* ---- reconnecting ------------------------------------------------------------ */
+
+/*
+ * A dialed pipe with reconnect_ms dials again after its peer failed, closed
+ * (a consumer restarting), or could not be reached (also before the first
+ * HELLO: waiting for a peer that is not there yet) — unless this side is
+ * closing, or the outage has lasted its time.
+ */
+static bool want_reconnect(const tdp_pipe *p, tdp_err err)
+{
+    /* connect_wait_ms: the first connect, refused (no listener yet), and nothing else */
+    bool wait = p->opts.connect_wait_ms > 0 && !p->was_open && err == TDP_ECONNREFUSED;
+    if ((p->opts.reconnect_ms <= 0 && !wait) || p->naddr == 0 || p->close_requested || p->freed)
+        return false;
+    if (p->reconnecting && tdp__now_ms() >= p->outage_end_ms)
+        return false;
+    switch (err) {
+    case TDP_ECONNREFUSED:
+    case TDP_ECONNRESET:
+        return true;
+    case TDP_ETIMEDOUT: /* a handshake that never finished */
+        return p->state == PIPE_CONNECTING;
+    case TDP_ECLOSED: /* the peer said BYE: it may be back */
+        return p->was_open && p->state == PIPE_OPEN;
+    default:
+        return false;
+    }
+}
+
+static void retry_cb(evutil_socket_t fd, short what, void *arg)
+{
+    tdp_pipe *p = arg;
+    if (!p->reconnecting || p->state != PIPE_CONNECTING || p->freed)
+        return;
+    int64_t now = tdp__now_ms();
+    if (now >= p->outage_end_ms) {
+        pipe_fail(p, p->lost, "reconnect time passed");
+        return;
+    }
+    tdp_err rc = make_links(p);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "no data plane to reconnect with");
+        return;
+    }
+    ctl_setup(p);
+    rc = tdp__ctl_dial(&p->ctl, p->addrs, p->addrlens, p->naddr);
+    if (rc != TDP_OK) {
+        pipe_fail(p, rc, "cannot dial");
+        return;
+    }
+    /* this attempt's handshake ends within the outage's time */
+    int64_t left = p->outage_end_ms - now + 1;
+    arm_timer(p, left < p->opts.connect_timeout_ms ? left : p->opts.connect_timeout_ms);
+}
+
+/*
+ * The link is gone: put the pipe back to connecting, keep what the
+ * application holds (queued sends, messages lent), and dial again after a
+ * backoff. Sends the old link held end with TDP_ECONNRESET: they may or may
+ * not have arrived. The next HELLO says where the stream goes on.
+ */
+static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
+{
+    int64_t now = tdp__now_ms();
+    if (!p->reconnecting) {
+        int64_t span = p->was_open                    ? p->opts.reconnect_ms
+                       : p->opts.connect_wait_ms > 0 ? p->opts.connect_wait_ms
+                                                     : p->opts.connect_timeout_ms;
+        p->reconnecting = true;
+        p->lost = err;
+        p->outage_end_ms = now + span;
+        p->backoff_ms = 50;
+        if (p->was_open) {
+            p->stats.reconnects++;
+            tdp_log_info("pipe %s: %s (%s); reconnecting for up to %" PRId64 " ms",
+                         p->ctl.peer_name, why, tdp_strerror(err), span);
+        }
+    } else {
+        tdp_log_debug("pipe %s: reconnect attempt failed: %s (%s)", p->ctl.peer_name, why,
+                      tdp_strerror(err));
+        p->backoff_ms = p->backoff_ms * 2 > 1000 ? 1000 : p->backoff_ms * 2;
+    }
+    p->state = PIPE_CONNECTING;
+    timer_del(p);
+    close_links(p, true);
+    tdp__ctl_close(&p->ctl);
+    if (p->credit_ev != NULL)
+        event_del(p->credit_ev);
+
+    /* sending: what the old link held is lost to us; the rest waits */
+    fail_ops_sent(p, TDP_ECONNRESET);
+    tdp__free(p->tickets);
+    p->tickets = NULL;
+    p->free_tickets = NULL;
+    p->done_head = p->done_tail = NULL; /* the old link's: nothing to give back */
+    p->nticket = 0;
+    p->tx_inflight = 0;
+    tdp_schema_unref(p->sent_schema);
+    p->sent_schema = NULL; /* the schema goes again */
+    p->credit_base = p->send_seq;
+    p->peer_credit = 0;
+
+    /* receiving: a new peer starts its own stream; views lent stay valid */
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+        rx_slot *s = &p->slots[i];
+        if (s->state == SLOT_FILLING || s->state == SLOT_READY) {
+            if (s->state == SLOT_READY)
+                p->stats.msgs_recv--; /* never handed out */
+            slot_free(s);
+        }
+    }
+    p->ready_count = 0;
+    p->ready_head = 0;
+    p->rx_inflight = 0;
+    p->rx_seq = 0;
+    p->rx_hash = 0; /* a DATA before the new peer's SCHEMA is refused */
+    p->released = p->credit_sent = 0;
+    p->peer_bye = false;
+    p->peer_last_seq = 0;
+    p->link_failed = false;
+    p->epoch++;
+
+    int64_t left_ms = p->outage_end_ms - now;
+    int64_t wait = p->backoff_ms < left_ms ? p->backoff_ms : left_ms > 0 ? left_ms : 0;
+    struct timeval tv = {(time_t)(wait / 1000), (suseconds_t)((wait % 1000) * 1000)};
+    evtimer_add(p->retry_ev, &tv);
 }
 
 tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
@@ -1415,7 +1544,7 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
         p->slots[i].pipe = p;
     p->rel_task = (tdp__task){.fn = release_task, .arg = p};
     tdp__waiter_init(&p->w);
-    tdp__sess_ctl_setup(p);
+    ctl_setup(p);
     p->timer = evtimer_new(tdp__loop_base(loop), linger_cb, p);
     p->credit_ev = evtimer_new(tdp__loop_base(loop), credit_ev_cb, p);
     if (p->opts.latency_stats)
@@ -1428,8 +1557,8 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts,
     p->sync_send->owner = p->sync_recv->owner = p;
     p->sync_send->take_back = p->sync_recv->take_back = take_back;
 
-    p->retry_ev = evtimer_new(tdp__loop_base(loop), tdp__sess_retry_cb, p);
-    if (p->retry_ev == NULL || (*err = tdp__sess_make_links(p)) != TDP_OK)
+    p->retry_ev = evtimer_new(tdp__loop_base(loop), retry_cb, p);
+    if (p->retry_ev == NULL || (*err = make_links(p)) != TDP_OK)
         goto err_free;
     return p;
 
@@ -1440,7 +1569,7 @@ err_free:
 
 static void ready_deadline(tdp_pipe *p)
 {
-    tdp__sess_arm_timer(p, p->opts.connect_timeout_ms);
+    arm_timer(p, p->opts.connect_timeout_ms);
 }
 
 tdp_err tdp__session_dial(tdp_pipe *p, const struct sockaddr_storage *addrs,
@@ -1492,7 +1621,7 @@ static void destroy_now(void *arg)
     tdp__ctl_close(&p->ctl);
     close_link(p);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
-        tdp__sess_slot_free(&p->slots[i]); /* views still lent: the application is done with them */
+        slot_free(&p->slots[i]); /* views still lent: the application is done with them */
     tdp_schema_unref(p->rx_schema);
     tdp_schema_unref(p->sent_schema);
     tdp_td_unref(p->gather_td);
@@ -1532,7 +1661,7 @@ static void free_task(void *arg)
 {
     tdp_pipe *p = arg;
     if (p->state != PIPE_DEAD)
-        tdp__sess_pipe_fail(p, TDP_ECANCELED, "freed");
+        pipe_fail(p, TDP_ECANCELED, "freed");
     if (p->status == TDP_OK)
         p->status = TDP_ECANCELED;
     /* complete every op the user still has pending */

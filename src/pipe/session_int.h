@@ -145,21 +145,4 @@ struct tdp_pipe {
     uint64_t credit_base;
 };
 
-/*
- * Shared by session.c and session_reconnect.c (loop thread only).
- */
-void tdp__sess_pipe_fail(tdp_pipe *p, tdp_err err, const char *why); /* end, or reconnect */
-tdp_err tdp__sess_make_links(tdp_pipe *p); /* a link per candidate plane */
-void tdp__sess_ctl_setup(tdp_pipe *p);     /* a fresh control channel */
-void tdp__sess_arm_timer(tdp_pipe *p, int64_t ms);
-void tdp__sess_timer_del(tdp_pipe *p);
-void tdp__sess_close_links(tdp_pipe *p, bool gone);
-void tdp__sess_fail_ops_sent(tdp_pipe *p, tdp_err rc); /* sends the plane holds end now */
-void tdp__sess_slot_free(rx_slot *s);
-
-/* session_reconnect.c */
-bool tdp__sess_want_reconnect(const tdp_pipe *p, tdp_err err);
-void tdp__sess_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
-void tdp__sess_retry_cb(evutil_socket_t fd, short what, void *arg);
-
 #endif
