@@ -1,8 +1,9 @@
 /*
  * session_int.h (internal): the pipe object, shared by the files of the
  * pipe's state machine (session.c: negotiation, the data path, reconnect
- * and teardown; session_opts.c: options and names; session_query.c: what
- * the application may ask of a pipe). Nothing outside them includes it.
+ * and teardown; session_query.c: what the application may ask of a pipe).
+ * Nothing outside them includes it; it stands below session.h (which the
+ * dialer and the listener use) and includes nothing of it.
  */
 #ifndef TDP_PIPE_SESSION_INT_H
 #define TDP_PIPE_SESSION_INT_H
@@ -15,7 +16,6 @@
 #include "ctl.h"
 #include "op.h"
 #include "plane.h"
-#include "session.h"
 #include "../core/reap.h"
 
 enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
@@ -56,7 +56,7 @@ struct tdp_pipe {
     tdp_pipe_cb ready_cb;
     void *ready_arg;
     /* accepting with a hook: our HELLO answers the peer's (tdp__session_answer_hello) */
-    tdp__hello_hook hello_hook;
+    tdp_err (*hello_hook)(void *arg, const tdp_hello *h, tdp_pipe_opts *opts); /* tdp__hello_hook */
     void *hello_hook_arg;
 
     /* planes: a link per candidate until the HELLO picks one */

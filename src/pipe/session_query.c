@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "session.h"
 #include "session_int.h"
 #include "../core/sized.h"
 #include "../schema/schema_int.h"
