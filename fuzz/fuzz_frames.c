@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "pipe/wire.h"
+#include "pipe/shm/shm_hello.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -40,16 +41,36 @@ static void check_hello(const tdp_hello *h, const uint8_t *pl, size_t n)
                 if (h->planes[i] == 0 || h->planes[i] == h->planes[j])
                     abort();
     }
-    if (h->addr != NULL && (h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR ||
-                            !inside(h->addr, h->addr_len, pl, n)))
+    if (h->nrecs > TDP_HX_PLANE_RECS)
         abort();
-    if (h->local_addr != NULL && (h->local_addr_len == 0 || h->local_addr_len > TDP_MAX_UCX_ADDR ||
-                                  !inside(h->local_addr, h->local_addr_len, pl, n)))
+    for (uint32_t i = 0; i < h->nrecs; i++) {
+        const tdp_hx_rec *r = &h->recs[i];
+        if (!tdp_wire_hx_is_plane(r->type) || r->len == 0 || r->len > TDP_HX_PLANE_REC_MAX ||
+            !inside(r->val, r->len, pl, n) || tdp_hello_rec(h, r->type) != r)
+            abort();
+    }
+    /* the shm plane's reading of its record stays inside it */
+    tdp__shm_hello sh;
+    tdp_err rc = tdp__shm_hello_get(h, &sh);
+    if (rc == TDP_OK &&
+        (sh.name_len == 0 || sh.name_len > TDP_SHM_NAME_MAX ||
+         !inside(sh.key, TDP_SHM_KEY_LEN, pl, n) || !inside(sh.name, sh.name_len, pl, n)))
         abort();
-    if (h->shm.key != NULL && (h->shm.name_len == 0 || h->shm.name_len > TDP_SHM_NAME_MAX ||
-                               !inside(h->shm.key, TDP_SHM_KEY_LEN, pl, n) ||
-                               !inside(h->shm.name, h->shm.name_len, pl, n)))
+    if (rc != TDP_OK && rc != TDP_ENOENT && rc != TDP_EPROTO)
         abort();
+}
+
+/* The plane records of a and b hold the same bytes, type by type. */
+static bool same_recs(const tdp_hello *a, const tdp_hello *b)
+{
+    if (a->nrecs != b->nrecs)
+        return false;
+    for (uint32_t i = 0; i < a->nrecs; i++) {
+        const tdp_hx_rec *r = tdp_hello_rec(b, a->recs[i].type);
+        if (r == NULL || !same_bytes(r->val, r->len, a->recs[i].val, a->recs[i].len))
+            return false;
+    }
+    return true;
 }
 
 /* Encode what was decoded, decode it again: the same HELLO comes back. */
@@ -71,12 +92,7 @@ static void check_reencode(const tdp_hello *h)
         h2.max_msg_bytes != h->max_msg_bytes || h2.token != h->token || h2.flags != h->flags ||
         memcmp(h2.host_id, h->host_id, TDP_HOST_ID_LEN) != 0 ||
         memcmp(h2.nonce, h->nonce, TDP_HELLO_NONCE_LEN) != 0 ||
-        !same_bytes(h2.planes, h2.nplanes, h->planes, h->nplanes) ||
-        !same_bytes(h2.addr, h2.addr_len, h->addr, h->addr_len) ||
-        !same_bytes(h2.local_addr, h2.local_addr_len, h->local_addr, h->local_addr_len) ||
-        !same_bytes(h2.shm.key, h2.shm.key ? TDP_SHM_KEY_LEN : 0, h->shm.key,
-                    h->shm.key ? TDP_SHM_KEY_LEN : 0) ||
-        !same_bytes(h2.shm.name, h2.shm.name_len, h->shm.name, h->shm.name_len) ||
+        !same_bytes(h2.planes, h2.nplanes, h->planes, h->nplanes) || !same_recs(&h2, h) ||
         h2.auth != h->auth || h2.resume != h->resume || h2.want_depth != h->want_depth ||
         h2.nskipped != 0)
         abort();

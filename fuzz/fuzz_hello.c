@@ -139,11 +139,13 @@ static uint8_t *templated(const uint8_t *data, size_t size, const uint8_t *ours,
         tdp_wire_hello_decode(ours + TDP_CTL_HDR_LEN, hdr.length, &mine) != TDP_OK)
         return NULL;
     uint8_t fl = size > 0 ? data[0] : 0;
-    uint32_t alen[2] = {mine.addr_len, mine.local_addr_len};
+    const tdp_hx_rec *ra = tdp_hello_rec(&mine, TDP_HX_UCX_ADDR);
+    const tdp_hx_rec *rl = tdp_hello_rec(&mine, TDP_HX_UCX_LOCAL_ADDR);
+    uint32_t alen[2] = {ra != NULL ? ra->len : 0, rl != NULL ? rl->len : 0};
     if (alen[0] > 0)
-        memcpy(addr_buf[0], mine.addr, alen[0]);
+        memcpy(addr_buf[0], ra->val, alen[0]);
     if (alen[1] > 0)
-        memcpy(addr_buf[1], mine.local_addr, alen[1]);
+        memcpy(addr_buf[1], rl->val, alen[1]);
     for (size_t i = 1; i + 3 <= size; i += 3) {
         int w = data[i] & 1;
         edit(addr_buf[w], &alen[w], data[i], data[i + 1], data[i + 2]);
@@ -159,14 +161,11 @@ static uint8_t *templated(const uint8_t *data, size_t size, const uint8_t *ours,
     };
     if (fl & 1)
         memcpy(h.host_id, mine.host_id, TDP_HOST_ID_LEN);
-    if (!(fl & 4) && alen[0] > 0) {
-        h.addr = addr_buf[0];
-        h.addr_len = alen[0];
-    }
-    if ((fl & 2) && alen[1] > 0) {
-        h.local_addr = addr_buf[1];
-        h.local_addr_len = alen[1];
-    }
+    /* put in as they are: one the encoder refuses leaves nothing to send */
+    if (!(fl & 4) && alen[0] > 0)
+        h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_ADDR, alen[0], addr_buf[0]};
+    if ((fl & 2) && alen[1] > 0)
+        h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_LOCAL_ADDR, alen[1], addr_buf[1]};
     size_t n = tdp_wire_hello_size(&h);
     uint8_t *out = n > 0 ? malloc(n) : NULL;
     if (out == NULL || tdp_wire_hello_encode(out, &h) != TDP_OK) {

@@ -167,8 +167,12 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
 {
     static uint8_t addr[TDP_MAX_UCX_ADDR];
     static const uint8_t planes[] = {TDP_PLANE_UCX};
-    const uint8_t *real = j->local ? victim->local_addr : victim->addr;
-    size_t rlen = j->local ? victim->local_addr_len : victim->addr_len;
+    const tdp_hx_rec *any = tdp_hello_rec(victim, TDP_HX_UCX_ADDR);
+    const tdp_hx_rec *vr = j->local ? tdp_hello_rec(victim, TDP_HX_UCX_LOCAL_ADDR) : any;
+    assert_non_null(any);
+    assert_non_null(vr);
+    const uint8_t *real = vr->val;
+    size_t rlen = vr->len;
     size_t n = 0;
     assert_true(rlen > 0 && rlen <= sizeof(addr));
     switch (j->kind) {
@@ -200,14 +204,12 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
     };
     if (j->local) {
         memcpy(h.host_id, victim->host_id, TDP_HOST_ID_LEN);
-        h.addr = victim->addr; /* a well-formed general address beside the junk */
-        h.addr_len = victim->addr_len;
-        h.local_addr = addr;
-        h.local_addr_len = (uint32_t)n;
+        /* a well-formed general address beside the junk */
+        h.recs[h.nrecs++] = *any;
+        h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_LOCAL_ADDR, (uint32_t)n, addr};
     } else {
         memset(h.host_id, 0xa5, TDP_HOST_ID_LEN); /* another host: the general worker */
-        h.addr = addr;
-        h.addr_len = (uint32_t)n;
+        h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_ADDR, (uint32_t)n, addr};
     }
     *len = tdp_wire_hello_size(&h);
     uint8_t *out = malloc(*len);

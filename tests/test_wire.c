@@ -15,6 +15,7 @@
 #include <tdpipe/pipe.h>
 
 #include "pipe/wire.h"
+#include "pipe/shm/shm_hello.h"
 
 #define N(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -129,6 +130,27 @@ static tdp_hello base_hello(void)
     return h;
 }
 
+/* A plane record put in as is (the encoder is to refuse a bad one). */
+static void set_rec(tdp_hello *h, uint16_t type, const void *v, size_t n)
+{
+    assert_true(h->nrecs < TDP_HX_PLANE_RECS);
+    h->recs[h->nrecs++] = (tdp_hx_rec){type, (uint32_t)n, v};
+}
+
+static const uint8_t *rec_val(const tdp_hello *h, uint16_t type)
+{
+    const tdp_hx_rec *r = tdp_hello_rec(h, type);
+    return r != NULL ? r->val : NULL;
+}
+
+static uint32_t rec_len(const tdp_hello *h, uint16_t type)
+{
+    const tdp_hx_rec *r = tdp_hello_rec(h, type);
+    return r != NULL ? r->len : 0;
+}
+
+#define REC_BYTES(h, t) rec_val((h), (t)), rec_len((h), (t))
+
 static void assert_bytes(const void *got, uint32_t ngot, const void *want, uint32_t nwant)
 {
     if (want == NULL) {
@@ -166,19 +188,15 @@ static void round_trip(const tdp_hello *h)
     assert_memory_equal(g.host_id, h->host_id, TDP_HOST_ID_LEN);
     assert_memory_equal(g.nonce, h->nonce, TDP_HELLO_NONCE_LEN);
     assert_bytes(g.planes, g.nplanes, h->planes, h->nplanes);
-    assert_bytes(g.addr, g.addr_len, h->addr, h->addr_len);
-    assert_bytes(g.local_addr, g.local_addr_len, h->local_addr, h->local_addr_len);
-    assert_bytes(g.shm.key, TDP_SHM_KEY_LEN, h->shm.key, TDP_SHM_KEY_LEN);
-    if (h->shm.key != NULL)
-        assert_bytes(g.shm.name, g.shm.name_len, h->shm.name, h->shm.name_len);
-    else
-        assert_null(g.shm.name);
+    assert_int_equal(g.nrecs, h->nrecs);
+    for (uint16_t t = TDP_HX_UCX_ADDR; t <= TDP_HX_SHM; t++)
+        assert_bytes(REC_BYTES(&g, t), REC_BYTES(h, t));
     assert_int_equal(g.nskipped, 0);
     assert_int_equal(g.unknown_critical, 0);
     /* decoded pointers point into the input */
     const uint8_t *lo = out + TDP_CTL_HDR_LEN, *hi = out + sz;
-    if (g.addr != NULL)
-        assert_true((const uint8_t *)g.addr >= lo && (const uint8_t *)g.addr + g.addr_len <= hi);
+    for (uint32_t i = 0; i < g.nrecs; i++)
+        assert_true(g.recs[i].val >= lo && g.recs[i].val + g.recs[i].len <= hi);
     if (g.planes != NULL)
         assert_true(g.planes >= lo && g.planes + g.nplanes <= hi);
     free(out);
@@ -192,25 +210,21 @@ static void test_round_trip_each_record(void **state)
     tdp_hello h = base_hello();
     round_trip(&h); /* no record at all */
 
+    uint8_t sv[64];
+    size_t svl = shm_value(sv, shm_name, strlen(shm_name));
     for (int which = 0; which < 16; which++) { /* every subset of the four records */
         h = base_hello();
         if (which & 1) {
             h.planes = planes3;
             h.nplanes = sizeof(planes3);
         }
-        if (which & 2) {
-            h.addr = addr_bytes;
-            h.addr_len = sizeof(addr_bytes);
-        }
-        if (which & 4) {
-            h.local_addr = laddr_bytes;
-            h.local_addr_len = sizeof(laddr_bytes);
-        }
-        if (which & 8) {
-            h.shm.key = shm_key;
-            h.shm.name = shm_name;
-            h.shm.name_len = (uint16_t)strlen(shm_name);
-        }
+        /* planes add theirs in any order: they go out in type order */
+        if (which & 8)
+            set_rec(&h, TDP_HX_SHM, sv, svl);
+        if (which & 4)
+            set_rec(&h, TDP_HX_UCX_LOCAL_ADDR, laddr_bytes, sizeof(laddr_bytes));
+        if (which & 2)
+            set_rec(&h, TDP_HX_UCX_ADDR, addr_bytes, sizeof(addr_bytes));
         round_trip(&h);
     }
 }
@@ -236,21 +250,18 @@ static void test_round_trip_bounds(void **state)
     h.caps = ~0ull;
     h.planes = p16;
     h.nplanes = TDP_MAX_PLANES;
-    h.addr = big;
-    h.addr_len = TDP_MAX_UCX_ADDR;
-    h.local_addr = big;
-    h.local_addr_len = TDP_MAX_UCX_ADDR;
-    h.shm.key = shm_key;
-    h.shm.name = name;
-    h.shm.name_len = TDP_SHM_NAME_MAX;
+    set_rec(&h, TDP_HX_UCX_ADDR, big, TDP_MAX_UCX_ADDR);
+    set_rec(&h, TDP_HX_UCX_LOCAL_ADDR, big, TDP_MAX_UCX_ADDR);
+    uint8_t sv[TDP_SHM_REC_MAX];
+    tdp__shm_hello sh = {shm_key, name, TDP_SHM_NAME_MAX};
+    assert_int_equal(tdp__shm_hello_put(&h, sv, &sh), TDP_OK);
     assert_true(tdp_wire_hello_size(&h) - TDP_CTL_HDR_LEN <= TDP_HELLO_MAX_LEN);
     round_trip(&h);
 
     /* value lengths around the padding: 1..17 bytes */
     for (uint32_t n = 1; n <= 17; n++) {
         h = base_hello();
-        h.addr = big;
-        h.addr_len = n;
+        set_rec(&h, TDP_HX_UCX_ADDR, big, n);
         h.recv_depth = 1;
         round_trip(&h);
     }
@@ -267,7 +278,7 @@ static void test_encode_refuses_what_would_not_decode(void **state)
         p17[i] = (uint8_t)(i + 1);
     uint8_t out[512];
 
-    tdp_hello cases[12];
+    tdp_hello cases[13];
     for (size_t i = 0; i < N(cases); i++)
         cases[i] = base_hello();
     cases[0].recv_depth = 0;
@@ -281,17 +292,13 @@ static void test_encode_refuses_what_would_not_decode(void **state)
     cases[5].nplanes = N(zero_id);
     cases[6].planes = dup;
     cases[6].nplanes = N(dup);
-    cases[7].addr = addr_bytes;
-    cases[7].addr_len = 0;
-    cases[8].local_addr = addr_bytes;
-    cases[8].local_addr_len = TDP_MAX_UCX_ADDR + 1;
-    cases[9].shm.key = shm_key; /* no name */
-    cases[10].shm.key = shm_key;
-    cases[10].shm.name = shm_name;
-    cases[10].shm.name_len = TDP_SHM_NAME_MAX + 1;
-    cases[11].shm.key = shm_key;
-    cases[11].shm.name = shm_name;
-    cases[11].shm.name_len = 0;
+    set_rec(&cases[7], TDP_HX_UCX_ADDR, addr_bytes, 0);
+    set_rec(&cases[8], TDP_HX_UCX_LOCAL_ADDR, addr_bytes, TDP_MAX_UCX_ADDR + 1);
+    set_rec(&cases[9], TDP_HX_SHM, NULL, 20);        /* no value */
+    set_rec(&cases[10], TDP_HX_AUTH, addr_bytes, 1); /* not a plane's record */
+    set_rec(&cases[11], TDP_HX_UCX_ADDR, addr_bytes, 3);
+    set_rec(&cases[11], TDP_HX_UCX_ADDR, addr_bytes, 4); /* twice */
+    cases[12].nrecs = TDP_HX_PLANE_RECS + 1;
     for (size_t i = 0; i < N(cases); i++) {
         memset(out, 0x77, sizeof(out));
         assert_int_equal(tdp_wire_hello_size(&cases[i]), 0);
@@ -309,11 +316,10 @@ static void test_hello_layout(void **state)
     static const uint8_t a[3] = {0xaa, 0xbb, 0xcc};
     h.planes = pl;
     h.nplanes = 1;
-    h.addr = a;
-    h.addr_len = 3;
-    h.shm.key = shm_key;
-    h.shm.name = "ab";
-    h.shm.name_len = 2;
+    uint8_t sv[TDP_SHM_REC_MAX];
+    tdp__shm_hello sh = {shm_key, "ab", 2};
+    assert_int_equal(tdp__shm_hello_put(&h, sv, &sh), TDP_OK); /* added first, goes out last */
+    assert_int_equal(tdp_hello_add_rec(&h, TDP_HX_UCX_ADDR, a, 3), TDP_OK);
     uint8_t out[256];
     size_t sz = tdp_wire_hello_size(&h);
     /* fixed 72, PLANES 8+8, UCX_ADDR 8+8, SHM 8+24 (16+2+2 = 20 padded) */
@@ -359,10 +365,10 @@ static void test_unknown_noncritical_skipped(void **state)
     assert_int_equal(dec(&b, &h), TDP_OK);
     assert_int_equal(h.nskipped, 3);
     assert_int_equal(h.unknown_critical, 0);
-    assert_bytes(h.addr, h.addr_len, addr_bytes, sizeof(addr_bytes));
+    assert_bytes(REC_BYTES(&h, TDP_HX_UCX_ADDR), addr_bytes, sizeof(addr_bytes));
     assert_null(h.planes);
-    assert_null(h.local_addr);
-    assert_null(h.shm.key);
+    assert_null(tdp_hello_rec(&h, TDP_HX_UCX_LOCAL_ADDR));
+    assert_null(tdp_hello_rec(&h, TDP_HX_SHM));
     buf_free(&b);
 }
 
@@ -456,10 +462,12 @@ static void test_records_any_order(void **state)
     tdp_hello h;
     assert_int_equal(dec(&b, &h), TDP_OK);
     assert_bytes(h.planes, h.nplanes, planes3, sizeof(planes3));
-    assert_bytes(h.addr, h.addr_len, addr_bytes, sizeof(addr_bytes));
-    assert_bytes(h.local_addr, h.local_addr_len, laddr_bytes, sizeof(laddr_bytes));
-    assert_memory_equal(h.shm.key, shm_key, TDP_SHM_KEY_LEN);
-    assert_bytes(h.shm.name, h.shm.name_len, shm_name, (uint32_t)strlen(shm_name));
+    assert_bytes(REC_BYTES(&h, TDP_HX_UCX_ADDR), addr_bytes, sizeof(addr_bytes));
+    assert_bytes(REC_BYTES(&h, TDP_HX_UCX_LOCAL_ADDR), laddr_bytes, sizeof(laddr_bytes));
+    tdp__shm_hello sh;
+    assert_int_equal(tdp__shm_hello_get(&h, &sh), TDP_OK);
+    assert_memory_equal(sh.key, shm_key, TDP_SHM_KEY_LEN);
+    assert_bytes(sh.name, sh.name_len, shm_name, (uint32_t)strlen(shm_name));
     buf_free(&b);
 }
 
@@ -584,10 +592,10 @@ static void test_truncated_every_prefix(void **state)
         }
         assert_int_equal(rc, TDP_OK);
         assert_int_equal(h.planes != NULL, nrec >= 1);
-        assert_int_equal(h.addr != NULL, nrec >= 2);
+        assert_int_equal(tdp_hello_rec(&h, TDP_HX_UCX_ADDR) != NULL, nrec >= 2);
         assert_int_equal(h.nskipped, (nrec >= 3) + (nrec >= 6));
-        assert_int_equal(h.local_addr != NULL, nrec >= 4);
-        assert_int_equal(h.shm.key != NULL, nrec >= 5);
+        assert_int_equal(tdp_hello_rec(&h, TDP_HX_UCX_LOCAL_ADDR) != NULL, nrec >= 4);
+        assert_int_equal(tdp_hello_rec(&h, TDP_HX_SHM) != NULL, nrec >= 5);
     }
     buf_free(&b);
 }
@@ -705,7 +713,8 @@ static void test_malformed_known_records(void **state)
         buf_free(&b);
     }
 
-    /* SHM: name length 0 and 108, length fields that disagree, too short */
+    /* SHM: name length 0 and 108, length fields that disagree, too short
+     * (wire.c frames the record; the shm plane reads it) */
     char name[TDP_SHM_NAME_MAX + 1];
     memset(name, 's', sizeof(name));
     struct {
@@ -729,7 +738,11 @@ static void test_malformed_known_records(void **state)
         put_fixed(&b, 2, 0, 0);
         put_rec(&b, TDP_HX_SHM, 0, v, vl);
         tdp_hello h;
-        assert_int_equal(dec(&b, &h), shm[i].want);
+        tdp__shm_hello sh;
+        tdp_err rc = dec(&b, &h);
+        if (rc == TDP_OK)
+            rc = tdp__shm_hello_get(&h, &sh);
+        assert_int_equal(rc, shm[i].want);
         buf_free(&b);
     }
 }
@@ -923,8 +936,7 @@ static void test_version_mismatch_both_ways(void **state)
 
     /* and a protocol-1 peer reading ours sees a version mismatch, not garbage */
     tdp_hello hello = base_hello();
-    hello.addr = addr_bytes;
-    hello.addr_len = sizeof(addr_bytes);
+    set_rec(&hello, TDP_HX_UCX_ADDR, addr_bytes, sizeof(addr_bytes));
     uint8_t out[256];
     assert_true(tdp_wire_hello_size(&hello) <= sizeof(out));
     assert_int_equal(tdp_wire_hello_encode(out, &hello), TDP_OK);

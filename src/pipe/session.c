@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "session.h"
+#include "session_int.h"
 #include "op.h"
 #include "plane.h"
 #include "host.h"
@@ -24,215 +25,12 @@
 #include "../core/sized.h"
 #include "../schema/schema_int.h"
 
-#define MAX_PLANES 4
-
-enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
-
-typedef struct rx_slot {
-    enum slot_state state;
-    tdp_td *td; /* the message's view while READY or LENT */
-    uint64_t seq;
-    uint32_t epoch; /* the link it came by (reconnecting pipes have several) */
-    uint64_t ready_ns; /* latency_stats: when it had fully arrived */
-    tdp_pipe *pipe;
-} rx_slot;
-
-/* A send the plane holds; the op goes back early if the pipe fails or times out. */
-typedef struct tx_ticket {
-    tdp_op *op;
-    struct tx_ticket *next_free;
-    bool busy;
-} tx_ticket;
-
-enum pipe_state {
-    PIPE_CONNECTING, /* socket connecting or HELLO not yet exchanged */
-    PIPE_OPEN,
-    PIPE_DEAD, /* ended: failed, or closed cleanly */
-};
-
-struct tdp_pipe {
-    tdp_loop *loop;
-    tdp_pipe_opts opts;
-    tdp_schema_limits limits;
-    enum pipe_state state;
-    tdp_err status; /* why it ended */
-    tdp__ctl ctl;
-    struct event *timer; /* connect deadline, then linger or close deadline */
-    bool same_host;
-    tdp_pipe_cb ready_cb;
-    void *ready_arg;
-    /* accepting with a hook: our HELLO answers the peer's (tdp__session_answer_hello) */
-    tdp__hello_hook hello_hook;
-    void *hello_hook_arg;
-
-    /* planes: a link per candidate until the HELLO picks one */
-    const tdp__plane_ops *cand[MAX_PLANES];
-    tdp__link *links[MAX_PLANES];
-    int ncand;
-    const tdp__plane_ops *plane;
-    tdp__link *link;
-    bool link_failed; /* the plane saw the peer go; the socket decides how it ended */
-
-    /* ending */
-    bool close_requested, bye_flushed, told_end;
-    tdp_pipe_end_cb end_cb;
-    void *end_arg;
-    bool freed;
-    tdp__reap reap;
-
-    /* send side */
-    tdp__opq sendq; /* waiting for credit, a ticket or the HELLO */
-    uint64_t send_seq;
-    uint64_t peer_credit; /* cumulative buffers the peer released */
-    uint32_t peer_depth;
-    tdp_schema *sent_schema;
-    tx_ticket *tickets;
-    uint32_t nticket, tx_inflight;
-    tx_ticket *free_tickets;
-    tdp_td *gather_td; /* tdp_pipe_send_gather's reused buffer */
-
-    /* receive side */
-    uint32_t depth;
-    rx_slot slots[TDP_MAX_DEPTH];
-    uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
-    uint32_t ready_head, ready_count;
-    int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
-    tdp__opq recvq;
-    tdp_schema *rx_schema;
-    uint64_t rx_hash, rx_seq;
-    uint64_t released, credit_sent;
-    struct event *credit_ev; /* deferred credit: end of the loop turn */
-    uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
-    size_t secret_len;
-    uint32_t rx_inflight;
-    bool peer_bye;
-    uint64_t peer_last_seq;
-
-    /* releases from other threads, under w.mtx */
-    tdp_td *rel[2 * TDP_MAX_DEPTH];
-    uint32_t nrel;
-    bool rel_posted;
-    tdp__task rel_task;
-
-    /* blocking wrappers */
-    tdp__waiter w;
-    tdp_op *sync_send, *sync_recv;
-
-    tdp_pipe_stats stats;
-    /* opts.latency_stats: [tdp_latency], loop thread only; else NULL */
-    tdp_hist *lat;
-
-    /*
-     * Reconnecting (opts.reconnect_ms, a dialed pipe): the addresses to dial
-     * again, and the outage in progress. epoch counts links; a buffer lent
-     * from an earlier one is not the current link's to give back.
-     * credit_base: send_seq when the current link started (its peer counts
-     * credit from there).
-     */
-    struct sockaddr_storage addrs[TDP_CTL_MAX_ADDRS];
-    socklen_t addrlens[TDP_CTL_MAX_ADDRS];
-    int naddr;
-    bool was_open, reconnecting;
-    tdp_err lost;           /* what started the outage */
-    int64_t outage_end_ms; /* give up then (tdp__now_ms) */
-    int64_t backoff_ms;
-    struct event *retry_ev;
-    uint32_t epoch;
-    uint64_t credit_base;
-};
-
 static void send_kick(tdp_pipe *p);
 static void deliver(tdp_pipe *p);
 static void send_credit(tdp_pipe *p);
 static void check_close(tdp_pipe *p);
 static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
 static void credit_ev_cb(evutil_socket_t fd, short what, void *arg);
-
-/* ---- options -------------------------------------------------------------- */
-
-void tdp_pipe_opts_default(tdp_pipe_opts *o)
-{
-    if (o == NULL)
-        return;
-    *o = (tdp_pipe_opts){
-        .size = sizeof(*o),
-        .recv_depth = 1,
-        .connect_timeout_ms = 10000,
-        .linger_ms = 5000,
-        .peer_mode = TDP_PEER_AUTO,
-        /* a dead host is seen within 5 + 1 x 15 = 20 s of its last answer,
-         * and a link down for less than 10 s is ridden out (docs/pipe.md) */
-        .keepalive_idle_s = 5,
-        .keepalive_intvl_s = 1,
-        .keepalive_cnt = 15,
-        .plane = TDP_PLANE_AUTO,
-    };
-}
-
-void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_limits *lim)
-{
-    tdp_pipe_opts_default(out);
-    tdp__limits_resolve(NULL, lim);
-    if (in == NULL)
-        return;
-    size_t n = in->size < sizeof(*in) ? in->size : sizeof(*in);
-#define TAKE(f)                                                                                    \
-    if (offsetof(tdp_pipe_opts, f) + sizeof(in->f) <= n && in->f)                                  \
-        out->f = in->f;
-    TAKE(recv_depth)
-    TAKE(recv_device_set)
-    TAKE(connect_timeout_ms)
-    TAKE(linger_ms)
-    TAKE(peer_mode)
-    TAKE(keepalive_idle_s)
-    TAKE(keepalive_intvl_s)
-    TAKE(keepalive_cnt)
-    TAKE(plane)
-    TAKE(planes_forbidden)
-    TAKE(secret)
-    TAKE(secret_len)
-    TAKE(reconnect_ms)
-    TAKE(want_peer_depth)
-    TAKE(latency_stats)
-    TAKE(connect_wait_ms)
-#undef TAKE
-    if (out->recv_device_set)
-        out->recv_device = in->recv_device;
-    if (offsetof(tdp_pipe_opts, limits) + sizeof(in->limits) <= n && in->limits != NULL)
-        tdp__limits_resolve(in->limits, lim);
-    out->limits = NULL; /* copied into *lim */
-    if (out->recv_depth > TDP_MAX_DEPTH)
-        out->recv_depth = TDP_MAX_DEPTH;
-    if (out->want_peer_depth > TDP_MAX_DEPTH)
-        out->want_peer_depth = TDP_MAX_DEPTH;
-}
-
-const char *tdp_plane_name(tdp_plane plane)
-{
-    switch (plane) {
-    case TDP_PLANE_AUTO:
-        return "auto";
-    case TDP_PLANE_UCX:
-        return "ucx";
-    case TDP_PLANE_SHM:
-        return "shm";
-    }
-    return NULL;
-}
-
-tdp_err tdp_plane_parse(const char *name, tdp_plane *out)
-{
-    static const tdp_plane all[] = {TDP_PLANE_AUTO, TDP_PLANE_UCX, TDP_PLANE_SHM};
-    if (name == NULL || out == NULL)
-        return TDP_EINVAL;
-    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
-        if (strcmp(name, tdp_plane_name(all[i])) == 0) {
-            *out = all[i];
-            return TDP_OK;
-        }
-    }
-    return TDP_EINVAL;
-}
 
 /* ---- ops ------------------------------------------------------------------- */
 
@@ -455,7 +253,7 @@ static void on_ctl_bye_flushed(void *owner)
 
 static void send_hello(tdp_pipe *p)
 {
-    uint8_t ids[MAX_PLANES];
+    uint8_t ids[TDP__PLANES_MAX];
     tdp_hello h = {
         .recv_depth = p->depth,
         .peer_mode = (uint32_t)p->opts.peer_mode,
@@ -565,6 +363,16 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     tdp_pipe *p = owner;
     if (p->state != PIPE_CONNECTING)
         return;
+    const tdp__plane_ops *po;
+    for (size_t i = 0; (po = tdp__plane_at(i)) != NULL; i++) {
+        /* each plane reads its own records (wire.c only framed them) */
+        if (po->hello_check != NULL && po->hello_check(h) != TDP_OK) {
+            tdp_log_warn("pipe %s: the peer's HELLO has a malformed %s record: disconnecting",
+                         p->ctl.peer_name, po->name);
+            pipe_fail(p, TDP_EPROTO, "malformed plane record in HELLO");
+            return;
+        }
+    }
     uint8_t host[TDP_HOST_ID_LEN];
     tdp__host_id(host);
     /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
@@ -584,7 +392,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     }
 
     /* both sides compute the same choice: the same lists, the same filter */
-    uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANES];
+    uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
     size_t nm = 0, nt = 0;
     for (int i = 0; i < p->ncand; i++)
         if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, p->same_host))
@@ -612,6 +420,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     }
     p->plane = p->cand[ci];
     p->link = p->links[ci];
+    p->peer_caps = h->caps;
 
     /* sends in flight are bounded by the peer's credit; twice that covers a
      * credit that comes back before the local completion of its send */
@@ -631,6 +440,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .local = p->ctl.peer_local,
         .peer_depth = p->peer_depth,
         .depth = p->depth,
+        .peer_caps = h->caps,
         .mode = p->opts.peer_mode,
         .max_json_bytes = p->limits.max_json_bytes,
         .max_total_bytes = p->limits.max_total_bytes,
@@ -641,6 +451,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         pipe_fail(p, rc, "cannot start the data plane");
         return;
     }
+    p->plane_mem =
+        p->plane->link_mem != NULL ? p->plane->link_mem(p->link) & p->plane->mem : p->plane->mem;
     become_open(p);
 }
 
@@ -892,10 +704,9 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
     end_if_peer_done(p);
 }
 
-static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
+/* A send the plane is done with: its ticket comes back and its op completes. */
+static void sent_done(tdp_pipe *p, tx_ticket *t, tdp_err st)
 {
-    tdp_pipe *p = owner;
-    tx_ticket *t = cookie;
     tdp_op *op = t->op;
     t->op = NULL;
     t->busy = false;
@@ -909,6 +720,23 @@ static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
             lat_record(p, TDP_LAT_SEND, op->t_call_ns);
         tdp__op_complete(op, st);
     }
+}
+
+static void up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st)
+{
+    tdp_pipe *p = owner;
+    tx_ticket *t = cookie;
+    if (p->kicking) { /* inside the session's own call: send_kick takes it when done */
+        t->done_st = st;
+        t->next_done = NULL;
+        if (p->done_tail != NULL)
+            p->done_tail->next_done = t;
+        else
+            p->done_head = t;
+        p->done_tail = t;
+        return;
+    }
+    sent_done(p, t, st);
     if (p->state != PIPE_OPEN)
         return;
     send_kick(p); /* a ticket came back: a send may have waited for one */
@@ -960,17 +788,40 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         /* the plane took nothing: the ticket and the op come back now */
         p->stats.msgs_sent--;
         p->stats.bytes_sent -= nbytes;
-        up_sent(p, p->link, t, rc);
+        sent_done(p, t, rc);
         pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
                   "send failed");
     }
 }
 
-static void send_kick(tdp_pipe *p)
+/*
+ * A message in memory the link cannot carry is refused, never handed over
+ * (a transport given a device pointer it cannot read crashes).
+ */
+static bool refuse_memory(tdp_pipe *p, tdp_op *op)
+{
+    tdp_device dev = tdp_td_device(op->td);
+    uint32_t need = dev.type == TDP_DEVICE_CPU ? TDP__MEM_HOST : TDP__MEM_ANY_CUDA;
+    if ((p->plane_mem & need) != 0)
+        return false;
+    char d[TDP_DEVICE_STRLEN];
+    tdp_log_error("pipe %s: the %s plane cannot carry %s memory; send refused", p->ctl.peer_name,
+                  p->plane->name, tdp_device_format(dev, d));
+    return true;
+}
+
+/* Send what the queue's head may: credit, a ticket and the link allow. */
+static void kick_once(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
+        if (refuse_memory(p, p->sendq.head)) {
+            tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOTSUP);
+            continue;
+        }
         if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
             p->free_tickets == NULL) {
+            if (p->done_head != NULL)
+                return; /* completions are queued: send_kick takes them, then looks again */
             if (!p->sendq.head->waited && p->plane->poll_credit != NULL) {
                 /* credit the peer gave while nobody drove the loop is not a wait */
                 uint64_t before = p->peer_credit;
@@ -990,6 +841,41 @@ static void send_kick(tdp_pipe *p)
         p->free_tickets = t->next_free;
         post_send(p, op, t);
     }
+}
+
+/* Completions queued during kick_once; true if there were any. */
+static bool take_done(tdp_pipe *p)
+{
+    tx_ticket *t = p->done_head;
+    if (t == NULL)
+        return false;
+    while (t != NULL) {
+        p->done_head = t->next_done;
+        if (p->done_head == NULL)
+            p->done_tail = NULL;
+        sent_done(p, t, t->done_st);
+        t = p->done_head;
+    }
+    return true;
+}
+
+/*
+ * Never re-entered: a plane that completes a send inside ops->send has its
+ * completion queued (up_sent), and the tickets it gives back are used by
+ * this loop, not by a nested one.
+ */
+static void send_kick(tdp_pipe *p)
+{
+    if (p->kicking)
+        return; /* the outer call goes on with whatever made this one */
+    p->kicking = true;
+    bool done = false;
+    do
+        kick_once(p);
+    while (take_done(p) && (done = true));
+    p->kicking = false;
+    if (done && p->state == PIPE_OPEN)
+        check_close(p);
 }
 
 static void send_start(void *arg)
@@ -1475,16 +1361,15 @@ static void ctl_setup(tdp_pipe *p)
     tdp__ctl_init(&p->ctl, p->loop, &co, &ctl_up, p);
 }
 
-/* A link per candidate plane, in this side's order of preference. */
+/* A link per candidate plane, in the registry's order of preference. */
 static tdp_err make_links(tdp_pipe *p)
 {
-    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP__PLANE_TEST};
     tdp_err err = TDP_ENOTSUP;
+    const tdp__plane_ops *o;
     p->ncand = 0;
-    for (size_t i = 0; i < sizeof(order); i++) {
-        const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
-        if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
-            (p->opts.planes_forbidden & (1u << order[i])))
+    for (size_t i = 0; (o = tdp__plane_at(i)) != NULL && p->ncand < (int)TDP__PLANES_MAX; i++) {
+        if ((p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != o->id) || o->id >= 32 ||
+            (p->opts.planes_forbidden & (1u << o->id)))
             continue;
         tdp_err rc = o->link_new(p->loop, p, &plane_up, &p->links[p->ncand]);
         if (rc != TDP_OK) {
@@ -1593,6 +1478,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     tdp__free(p->tickets);
     p->tickets = NULL;
     p->free_tickets = NULL;
+    p->done_head = p->done_tail = NULL; /* the old link's: nothing to give back */
     p->nticket = 0;
     p->tx_inflight = 0;
     tdp_schema_unref(p->sent_schema);
@@ -1791,119 +1677,4 @@ void tdp_pipe_free(tdp_pipe *pipe)
 {
     if (pipe != NULL)
         tdp__call_on_loop(pipe->loop, free_task, pipe);
-}
-
-/* ---- queries ------------------------------------------------------------------ */
-
-static void stats_task(void *arg)
-{
-    void **a = arg;
-    *(tdp_pipe_stats *)a[1] = ((tdp_pipe *)a[0])->stats;
-}
-
-void tdp_pipe_stats_get_sized(const tdp_pipe *pipe, tdp_pipe_stats *out, size_t size)
-{
-    if (pipe == NULL || out == NULL)
-        return;
-    tdp_pipe_stats st;
-    void *a[2] = {(void *)pipe, &st};
-    tdp__call_on_loop(pipe->loop, stats_task, a);
-    tdp__fill_sized(out, size, &st, sizeof(st));
-}
-
-/* Callers built before the macro: the struct as it was then. */
-void(tdp_pipe_stats_get)(const tdp_pipe *pipe, tdp_pipe_stats *out)
-{
-    tdp_pipe_stats_get_sized(pipe, out, offsetof(tdp_pipe_stats, resumed_from) + sizeof(uint64_t));
-}
-
-static void status_task(void *arg)
-{
-    void **a = arg;
-    *(tdp_err *)a[1] = ((tdp_pipe *)a[0])->status;
-}
-
-typedef struct lat_copy {
-    const tdp_pipe *pipe;
-    tdp_latency which;
-    tdp_hist *out;
-    tdp_err rc;
-} lat_copy;
-
-static void latency_task(void *arg)
-{
-    lat_copy *c = arg;
-    if (c->pipe->lat == NULL) {
-        c->rc = TDP_ENOTSUP;
-        return;
-    }
-    *c->out = c->pipe->lat[c->which];
-    c->rc = TDP_OK;
-}
-
-tdp_err tdp_pipe_latency_get(const tdp_pipe *pipe, tdp_latency which, tdp_hist *out)
-{
-    if (pipe == NULL || out == NULL || (which != TDP_LAT_SEND && which != TDP_LAT_RECV_WAIT))
-        return TDP_EINVAL;
-    if (pipe->lat == NULL)
-        return TDP_ENOTSUP;
-    /* copied on the loop thread, which alone records */
-    lat_copy c = {.pipe = pipe, .which = which, .out = out, .rc = TDP_EINVAL};
-    tdp__call_on_loop(pipe->loop, latency_task, &c);
-    return c.rc;
-}
-
-tdp_err tdp_pipe_status(const tdp_pipe *pipe)
-{
-    if (pipe == NULL)
-        return TDP_EINVAL;
-    void *a[2] = {(void *)pipe, NULL};
-    tdp_err st = TDP_OK;
-    a[1] = &st;
-    tdp__call_on_loop(pipe->loop, status_task, a);
-    return st;
-}
-
-static void recv_schema_task(void *arg)
-{
-    void **a = arg;
-    *(tdp_schema **)a[1] = ((tdp_pipe *)a[0])->rx_schema;
-}
-
-tdp_schema *tdp_pipe_recv_schema(const tdp_pipe *pipe)
-{
-    if (pipe == NULL)
-        return NULL;
-    /* read on the loop thread: it replaces the schema when a new one arrives */
-    tdp_schema *sc = NULL;
-    void *a[2] = {(void *)pipe, &sc};
-    tdp__call_on_loop(pipe->loop, recv_schema_task, a);
-    return sc;
-}
-
-const char *tdp_pipe_peer(const tdp_pipe *pipe, char *buf, size_t len)
-{
-    if (buf != NULL && len > 0)
-        snprintf(buf, len, "%s", pipe ? pipe->ctl.peer_name : "?");
-    return buf;
-}
-
-bool tdp_pipe_same_host(const tdp_pipe *pipe)
-{
-    return pipe && pipe->same_host;
-}
-
-tdp_plane tdp_pipe_plane(const tdp_pipe *pipe)
-{
-    return pipe && pipe->plane ? (tdp_plane)pipe->plane->id : TDP_PLANE_AUTO;
-}
-
-struct tdp__link *tdp__session_link(const tdp_pipe *p)
-{
-    return p->link;
-}
-
-tdp_loop *tdp__session_loop(const tdp_pipe *p)
-{
-    return p->loop;
 }

@@ -102,6 +102,49 @@ static bool planes_ok(const uint8_t *ids, size_t n)
     return true;
 }
 
+bool tdp_wire_hx_is_plane(uint16_t type)
+{
+    return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM;
+}
+
+static bool rec_ok(uint16_t type, uint32_t len)
+{
+    return tdp_wire_hx_is_plane(type) && len >= 1 && len <= TDP_HX_PLANE_REC_MAX;
+}
+
+const tdp_hx_rec *tdp_hello_rec(const tdp_hello *h, uint16_t type)
+{
+    for (uint32_t i = 0; i < h->nrecs && i < TDP_HX_PLANE_RECS; i++)
+        if (h->recs[i].type == type)
+            return &h->recs[i];
+    return NULL;
+}
+
+tdp_err tdp_hello_add_rec(tdp_hello *h, uint16_t type, const void *val, uint32_t len)
+{
+    if (val == NULL || !rec_ok(type, len) || tdp_hello_rec(h, type) != NULL)
+        return TDP_EINVAL;
+    if (h->nrecs >= TDP_HX_PLANE_RECS)
+        return TDP_ELIMIT;
+    h->recs[h->nrecs++] = (tdp_hx_rec){type, len, val};
+    return TDP_OK;
+}
+
+/* Plane records as the encoder takes them: each well formed, each type once. */
+static bool recs_ok(const tdp_hello *h)
+{
+    if (h->nrecs > TDP_HX_PLANE_RECS)
+        return false;
+    for (uint32_t i = 0; i < h->nrecs; i++) {
+        if (h->recs[i].val == NULL || !rec_ok(h->recs[i].type, h->recs[i].len))
+            return false;
+        for (uint32_t j = 0; j < i; j++)
+            if (h->recs[j].type == h->recs[i].type)
+                return false;
+    }
+    return true;
+}
+
 static bool fixed_ok(uint32_t recv_depth, uint32_t peer_mode)
 {
     return recv_depth >= 1 && recv_depth <= TDP_HX_MAX_DEPTH && peer_mode <= TDP_PEER_SOCKET;
@@ -121,21 +164,10 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
             return TDP_EINVAL;
         n += TDP_HX_HDR_LEN + hx_span(h->nplanes);
     }
-    if (h->addr != NULL) {
-        if (h->addr_len == 0 || h->addr_len > TDP_MAX_UCX_ADDR)
-            return TDP_EINVAL;
-        n += TDP_HX_HDR_LEN + hx_span(h->addr_len);
-    }
-    if (h->local_addr != NULL) {
-        if (h->local_addr_len == 0 || h->local_addr_len > TDP_MAX_UCX_ADDR)
-            return TDP_EINVAL;
-        n += TDP_HX_HDR_LEN + hx_span(h->local_addr_len);
-    }
-    if (h->shm.key != NULL) {
-        if (h->shm.name == NULL || h->shm.name_len == 0 || h->shm.name_len > TDP_SHM_NAME_MAX)
-            return TDP_EINVAL;
-        n += TDP_HX_HDR_LEN + hx_span(TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
-    }
+    if (!recs_ok(h))
+        return TDP_EINVAL;
+    for (uint32_t i = 0; i < h->nrecs; i++)
+        n += TDP_HX_HDR_LEN + hx_span(h->recs[i].len);
     if (h->auth != 0) /* the method: any but 0 goes on the wire (the session picks) */
         n += TDP_HX_HDR_LEN + hx_span(1);
     if (h->resume != 0) {
@@ -196,16 +228,12 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     /* in type order; a receiver accepts any order */
     if (h->planes != NULL)
         memcpy(hx_put(&p, TDP_HX_PLANES, h->nplanes), h->planes, h->nplanes);
-    if (h->addr != NULL)
-        memcpy(hx_put(&p, TDP_HX_UCX_ADDR, h->addr_len), h->addr, h->addr_len);
-    if (h->local_addr != NULL)
-        memcpy(hx_put(&p, TDP_HX_UCX_LOCAL_ADDR, h->local_addr_len), h->local_addr,
-               h->local_addr_len);
-    if (h->shm.key != NULL) {
-        uint8_t *v = hx_put(&p, TDP_HX_SHM, TDP_SHM_KEY_LEN + 2u + h->shm.name_len);
-        memcpy(v, h->shm.key, TDP_SHM_KEY_LEN);
-        put16(v + TDP_SHM_KEY_LEN, h->shm.name_len);
-        memcpy(v + TDP_SHM_KEY_LEN + 2, h->shm.name, h->shm.name_len);
+    /* the planes' records in type order too (they lie between PLANES and
+     * AUTH), whatever order the planes added them in: the same bytes */
+    for (uint16_t type = TDP_HX_UCX_ADDR; type <= TDP_HX_SHM; type++) {
+        const tdp_hx_rec *r = tdp_hello_rec(h, type);
+        if (r != NULL)
+            memcpy(hx_put(&p, type, r->len), r->val, r->len);
     }
     if (h->auth != 0)
         *hx_put(&p, TDP_HX_AUTH, 1) = h->auth;
@@ -228,28 +256,10 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         h->nplanes = vlen;
         return TDP_OK;
     case TDP_HX_UCX_ADDR:
-        if (h->addr != NULL || vlen == 0 || vlen > TDP_MAX_UCX_ADDR)
-            return TDP_EPROTO;
-        h->addr = v;
-        h->addr_len = vlen;
-        return TDP_OK;
     case TDP_HX_UCX_LOCAL_ADDR:
-        if (h->local_addr != NULL || vlen == 0 || vlen > TDP_MAX_UCX_ADDR)
-            return TDP_EPROTO;
-        h->local_addr = v;
-        h->local_addr_len = vlen;
-        return TDP_OK;
-    case TDP_HX_SHM: {
-        if (h->shm.key != NULL || vlen < TDP_SHM_KEY_LEN + 2u)
-            return TDP_EPROTO;
-        uint16_t name_len = get16(v + TDP_SHM_KEY_LEN);
-        if (name_len == 0 || name_len > TDP_SHM_NAME_MAX || vlen != TDP_SHM_KEY_LEN + 2u + name_len)
-            return TDP_EPROTO;
-        h->shm.key = v;
-        h->shm.name = (const char *)v + TDP_SHM_KEY_LEN + 2;
-        h->shm.name_len = name_len;
-        return TDP_OK;
-    }
+    case TDP_HX_SHM:
+        /* a plane's: framed here, read and checked by the plane */
+        return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
     case TDP_HX_AUTH:
         /* another method (a later version) is this side's to refuse, with TDP_EAUTH */
         if (h->auth != 0 || vlen != 1 || v[0] == 0)

@@ -89,8 +89,23 @@ enum tdp_hx_type {
 #define TDP_PLANE_BIT(id) (UINT64_C(1) << (id))
 #define TDP_MAX_PLANES    16u
 
-#define TDP_SHM_KEY_LEN  16u
-#define TDP_SHM_NAME_MAX 107u /* sun_path less the abstract namespace's leading NUL */
+/*
+ * A plane's record in a HELLO. wire.c frames it and checks only what every
+ * record obeys (a known plane type, 1..TDP_HX_PLANE_REC_MAX bytes, not
+ * repeated); what the value means, and whether it is well formed, is the
+ * owning plane's to decide (src/pipe/<plane>/).
+ */
+typedef struct tdp_hx_rec {
+    uint16_t type; /* a plane record type: tdp_wire_hx_is_plane */
+    uint32_t len;
+    const uint8_t *val;
+} tdp_hx_rec;
+
+#define TDP_HX_PLANE_RECS    8u               /* plane records in one HELLO, at most */
+#define TDP_HX_PLANE_REC_MAX TDP_MAX_UCX_ADDR /* a plane record's value, at most */
+
+/* Whether type is a plane's record (carried opaquely in tdp_hello.recs). */
+bool tdp_wire_hx_is_plane(uint16_t type);
 
 /*
  * A HELLO, both ways. Records are optional: a NULL pointer means absent,
@@ -109,15 +124,9 @@ typedef struct tdp_hello {
 
     const uint8_t *planes; /* TDP_HX_PLANES: nplanes (1..16) distinct ids, 0 excluded */
     uint32_t nplanes;
-    const void *addr; /* TDP_HX_UCX_ADDR: 1..TDP_MAX_UCX_ADDR bytes */
-    uint32_t addr_len;
-    const void *local_addr; /* TDP_HX_UCX_LOCAL_ADDR: 1..TDP_MAX_UCX_ADDR bytes */
-    uint32_t local_addr_len;
-    struct {
-        const uint8_t *key; /* TDP_SHM_KEY_LEN bytes; NULL: no TDP_HX_SHM record */
-        const char *name;   /* abstract socket name, not NUL-terminated */
-        uint16_t name_len;  /* 1..TDP_SHM_NAME_MAX */
-    } shm;
+    /* the planes' records (TDP_HX_UCX_ADDR, _UCX_LOCAL_ADDR, _SHM), one per type */
+    tdp_hx_rec recs[TDP_HX_PLANE_RECS];
+    uint32_t nrecs;
     uint8_t auth; /* TDP_HX_AUTH: 0 (none) or TDP_AUTH_HMAC_SHA256 */
     uint64_t resume; /* TDP_HX_RESUME: 0 (a fresh stream) or 2..2^62 */
     uint32_t want_depth; /* TDP_HX_WANT_DEPTH: 0 (no wish) or 1..64 */
@@ -133,6 +142,15 @@ typedef struct tdp_bye {
     uint64_t last_seq; /* seq of the last DATA this side sent */
     int32_t reason;    /* TDP_OK for a clean end, else why (ELIMIT, EVERSION...) */
 } tdp_bye;
+
+/* The plane record of that type in h, or NULL. */
+const tdp_hx_rec *tdp_hello_rec(const tdp_hello *h, uint16_t type);
+/*
+ * Add a plane record to h (val must outlive h's encoding). TDP_EINVAL: not
+ * a plane type, a length out of bounds, or one of that type already there;
+ * TDP_ELIMIT: TDP_HX_PLANE_RECS already.
+ */
+tdp_err tdp_hello_add_rec(tdp_hello *h, uint16_t type, const void *val, uint32_t len);
 
 void tdp_wire_ctl_hdr_encode(uint8_t out[TDP_CTL_HDR_LEN], uint16_t type, uint32_t length);
 

@@ -23,13 +23,12 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
-#include "op.h"
-#include "session.h"
+#include "../op.h"
 #include "ucx_addr.h"
 #include "ucx_workers.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/reap.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/reap.h"
 
 typedef struct ucx_ext ucx_ext;
 
@@ -958,11 +957,11 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
     if (rc != TDP_OK)
         return rc;
     h->token = l->token;
-    h->addr = addr;
-    h->addr_len = (uint32_t)alen;
-    h->local_addr = laddr;
-    h->local_addr_len = (uint32_t)llen;
-    return TDP_OK;
+    if (addr != NULL && alen > 0) /* no worker: no record */
+        rc = tdp_hello_add_rec(h, TDP_HX_UCX_ADDR, addr, (uint32_t)alen);
+    if (rc == TDP_OK && laddr != NULL && llen > 0)
+        rc = tdp_hello_add_rec(h, TDP_HX_UCX_LOCAL_ADDR, laddr, (uint32_t)llen);
+    return rc == TDP_OK ? TDP_OK : TDP_EINTERNAL;
 }
 
 /*
@@ -973,8 +972,9 @@ static tdp_err link_ep(struct tdp__link *l, const tdp__link_peer *peer)
 {
     const tdp_hello *h = peer->hello;
     bool loc = l->wi == TDP_WORKER_LOCAL;
-    const void *raw = loc ? h->local_addr : h->addr;
-    size_t rlen = loc ? h->local_addr_len : h->addr_len;
+    const tdp_hx_rec *r = tdp_hello_rec(h, loc ? TDP_HX_UCX_LOCAL_ADDR : TDP_HX_UCX_ADDR);
+    const void *raw = r != NULL ? r->val : NULL;
+    size_t rlen = r != NULL ? r->len : 0;
     const tdp__ucxa_profile *prof = l->x->profile[l->wi];
     const char *why = "no address";
     size_t clen = 0;
@@ -999,7 +999,7 @@ static tdp_err link_ep(struct tdp__link *l, const tdp__link_peer *peer)
 static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
 {
     const tdp_hello *h = peer->hello;
-    if (h->addr_len == 0)
+    if (tdp_hello_rec(h, TDP_HX_UCX_ADDR) == NULL)
         return TDP_EPROTO;
     l->peer_token = h->token;
     /*
@@ -1011,7 +1011,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
      * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
      * worker with / without it.
      */
-    bool local = peer->same_host && h->local_addr_len > 0 &&
+    bool local = peer->same_host && tdp_hello_rec(h, TDP_HX_UCX_LOCAL_ADDR) != NULL &&
                  l->x->ucx->nworkers > TDP_WORKER_LOCAL &&
                  l->x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
     int seen = l->wi;
@@ -1131,9 +1131,21 @@ static void u_poll_credit(tdp__link *l)
     u->progressing--;
 }
 
+/* CUDA only where this UCX was built with it (Debian's is not): else host only. */
+static uint32_t u_link_mem(const tdp__link *l)
+{
+    ucp_context_h c = l->x->ucx->context[l->wi];
+    ucp_context_attr_t a = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    if (c == NULL || ucp_context_query(c, &a) != UCS_OK)
+        return TDP__MEM_HOST;
+    return TDP__MEM_HOST | (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA) ? TDP__MEM_CUDA : 0);
+}
+
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA,
+    .link_mem = u_link_mem,
     .hello_fill = u_hello_fill,
     .usable = NULL,
     .link_new = u_link_new,

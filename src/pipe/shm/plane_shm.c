@@ -52,14 +52,14 @@
 #include <unistd.h>
 #include <event2/event.h>
 
-#include "plane.h"
+#include "../plane.h"
 #include "plane_shm.h"
-#include "session.h"
 #include "shm.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/loop_int.h"
-#include "../core/reap.h"
+#include "shm_hello.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/loop_int.h"
+#include "../../core/reap.h"
 
 /* ---- socket messages ---------------------------------------------------------- */
 
@@ -149,6 +149,7 @@ struct tdp__link {
     void *owner;
     const tdp__plane_up *up;
     uint8_t key[TDP_SHM_KEY_LEN], peer_key[TDP_SHM_KEY_LEN], proof_key[TDP_SHM_KEY_LEN];
+    uint8_t hello_rec[TDP_SHM_REC_MAX]; /* this side's TDP_HX_SHM value */
     bool started, closed, failed, proven;
     int sock;
     struct event *sev;
@@ -1373,26 +1374,32 @@ static tdp_err s_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
 
 static tdp_err s_hello_fill(tdp__link *l, tdp_hello *h)
 {
-    h->shm.key = l->key;
-    h->shm.name = l->x->name;
-    h->shm.name_len = TDP__SHM_NAME_LEN;
-    return TDP_OK;
+    tdp__shm_hello mine = {l->key, l->x->name, TDP__SHM_NAME_LEN};
+    return tdp__shm_hello_put(h, l->hello_rec, &mine);
+}
+
+static tdp_err s_hello_check(const tdp_hello *peer)
+{
+    tdp__shm_hello sh;
+    tdp_err rc = tdp__shm_hello_get(peer, &sh);
+    return rc == TDP_ENOENT ? TDP_OK : rc;
 }
 
 static bool s_usable(const tdp_hello *peer, bool same_host)
 {
-    return same_host && peer->shm.key != NULL;
+    tdp__shm_hello sh;
+    return same_host && tdp__shm_hello_get(peer, &sh) == TDP_OK;
 }
 
 static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
 {
-    const tdp_hello *h = peer->hello;
-    if (h->shm.key == NULL || h->shm.name_len == 0)
+    tdp__shm_hello sh, *const h = &sh;
+    if (tdp__shm_hello_get(peer->hello, &sh) != TDP_OK)
         return TDP_EPROTO;
-    int c = memcmp(l->key, h->shm.key, TDP_SHM_KEY_LEN);
+    int c = memcmp(l->key, sh.key, TDP_SHM_KEY_LEN);
     if (c == 0)
         return TDP_EPROTO;
-    memcpy(l->peer_key, h->shm.key, TDP_SHM_KEY_LEN);
+    memcpy(l->peer_key, sh.key, TDP_SHM_KEY_LEN);
     l->depth = peer->depth;
     l->peer_depth = peer->peer_depth;
     l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
@@ -1407,7 +1414,7 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     if (c < 0) {
         /* the smaller key connects and proves itself */
         int fd;
-        tdp_err rc = tdp__shm_connect(SOCK_SEQPACKET, h->shm.name, h->shm.name_len, true, &fd, NULL);
+        tdp_err rc = tdp__shm_connect(SOCK_SEQPACKET, h->name, h->name_len, true, &fd, NULL);
         if (rc != TDP_OK) {
             tdp_log_debug("shm: cannot reach the peer's socket: %s", tdp_strerror(rc));
             return rc == TDP_ENOMEM ? rc : TDP_ECONNREFUSED;
@@ -1450,7 +1457,9 @@ static void s_link_close(tdp__link *l, bool peer_gone)
 const tdp__plane_ops tdp__plane_shm = {
     .name = "shm",
     .id = TDP_PLANE_SHM,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA_STAGED, /* device buffers are copied into the slots */
     .hello_fill = s_hello_fill,
+    .hello_check = s_hello_check,
     .usable = s_usable,
     .link_new = s_link_new,
     .link_start = s_link_start,

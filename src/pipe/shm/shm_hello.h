@@ -1,0 +1,35 @@
+/*
+ * shm_hello.h (internal): the shm plane's HELLO record, TDP_HX_SHM —
+ * key[16] | name_len u16 | name: the socket a same-host peer connects to,
+ * and the key that proves it is the peer of this pipe. wire.c carries it
+ * as opaque bytes; this is where it is read and checked.
+ */
+#ifndef TDP_PIPE_SHM_HELLO_H
+#define TDP_PIPE_SHM_HELLO_H
+
+#include <stdint.h>
+
+#include "../wire.h"
+
+#define TDP_SHM_KEY_LEN  16u
+#define TDP_SHM_NAME_MAX 107u /* sun_path less the abstract namespace's leading NUL */
+#define TDP_SHM_REC_MAX  (TDP_SHM_KEY_LEN + 2u + TDP_SHM_NAME_MAX)
+
+typedef struct tdp__shm_hello {
+    const uint8_t *key; /* TDP_SHM_KEY_LEN bytes */
+    const char *name;   /* abstract socket name, not NUL-terminated */
+    uint16_t name_len;  /* 1..TDP_SHM_NAME_MAX */
+} tdp__shm_hello;
+
+/*
+ * Add this side's record to h, its value written into buf (which must
+ * outlive h's encoding). TDP_EINVAL for a name out of bounds.
+ */
+tdp_err tdp__shm_hello_put(tdp_hello *h, uint8_t buf[TDP_SHM_REC_MAX], const tdp__shm_hello *in);
+/*
+ * The peer's record: TDP_OK (*out points into h's record), TDP_ENOENT when
+ * h has none, TDP_EPROTO when it is malformed.
+ */
+tdp_err tdp__shm_hello_get(const tdp_hello *h, tdp__shm_hello *out);
+
+#endif
