@@ -1915,8 +1915,9 @@ static ssize_t read_frame(int fd, uint8_t *buf, size_t cap)
 /*
  * Both sides with the same secret: a working pipe. Wrong, missing on either
  * side: TDP_EAUTH at once, and no pipe on the listener's side. A stranger
- * that echoes the listener's own HELLO and proof back (a reflection) gets
- * a BYE saying TDP_EAUTH, never a pipe.
+ * that echoes the listener's own HELLO back gets no proof from it to
+ * reflect (the listener proves itself after the dialer), and a BYE saying
+ * TDP_EAUTH for the proof it makes up, never a pipe.
  */
 static void test_auth(void **state)
 {
@@ -1968,9 +1969,12 @@ static void test_auth(void **state)
     assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
     buf[TDP_CTL_HDR_LEN + 56] ^= 1; /* the nonce's first byte */
     assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* its HELLO, echoed */
-    n = read_frame(fd, buf, sizeof(buf));
-    assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN); /* its proof... */
-    assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* ...echoed */
+    /* the listener proves itself only after the dialer has: nothing to reflect */
+    usleep(200 * 1000);
+    assert_int_equal(recv(fd, buf, sizeof(buf), MSG_DONTWAIT), -1);
+    uint8_t forged[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN], tag[TDP_AUTH_TAG_LEN] = {0};
+    tdp_wire_auth_encode(forged, tag);
+    assert_int_equal(send(fd, forged, sizeof(forged), MSG_NOSIGNAL), (ssize_t)sizeof(forged));
     n = read_frame(fd, buf, sizeof(buf));
     assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_BYE_LEN);
     tdp_bye bye;

@@ -509,7 +509,11 @@ static void on_ctl_connected(void *owner)
     send_hello(owner);
 }
 
-/* The peer's HELLO is in: a listener with a hook chooses, then answers. */
+/*
+ * The peer's HELLO is in: a listener with a hook chooses, then answers.
+ * With a secret the hook runs only once the peer has proven it holds it
+ * (ctl.c), so our HELLO cannot wait for it (the proofs cover it).
+ */
 static void on_ctl_hello_in(void *owner, const tdp_hello *h)
 {
     tdp_pipe *p = owner;
@@ -523,6 +527,8 @@ static void on_ctl_hello_in(void *owner, const tdp_hello *h)
         pipe_fail(p, rc, "refused by the listener");
         return;
     }
+    if (p->secret_len > 0)
+        return; /* called after the proof: our HELLO, and its depth, went out before it */
     p->depth = o.recv_depth < 1              ? 1
                : o.recv_depth > TDP_MAX_DEPTH ? TDP_MAX_DEPTH
                                               : o.recv_depth;
@@ -670,6 +676,17 @@ static const tdp__plane_ops *frame_plane(tdp_pipe *p, tdp__link *l)
 {
     if (p->state == PIPE_DEAD)
         return NULL;
+    if (p->secret_len > 0 && !p->ctl.authed) {
+        /* its proof left before any frame: it may be unread on the socket */
+        tdp__ctl_pump(&p->ctl);
+        if (p->state == PIPE_DEAD)
+            return NULL;
+        if (!p->ctl.authed) {
+            /* nothing is decoded, received or allocated for it */
+            proto_fail(p, TDP_EAUTH, "data-plane frame before the peer proved it holds the secret");
+            return NULL;
+        }
+    }
     if (p->link != NULL)
         return l == p->link ? p->plane : NULL;
     int i = link_index(p, l);
@@ -1713,7 +1730,7 @@ tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockad
     p->ready_cb = ready;
     p->ready_arg = arg;
     ready_deadline(p);
-    if (p->hello_hook == NULL)
+    if (p->hello_hook == NULL || p->secret_len > 0)
         send_hello(p); /* a failure here is reported through ready */
     return TDP_OK;
 }
