@@ -75,7 +75,7 @@ typedef struct tdp__ctl {
     uint8_t *my_hello, *peer_hello;
     size_t my_hello_len, peer_hello_len;
     bool auth_sent, authed;
-    bool reading; /* read_frames is on the stack */
+    bool reading;                          /* read_frames is on the stack */
     uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
     bool nonce_sent;
     /*
