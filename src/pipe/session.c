@@ -578,6 +578,13 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->peer_depth = h->recv_depth;
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
+    if (h->resume != 0 && p->ctl.dialer) {
+        /* only a dialer reconnects: a listener has no earlier stream to resume */
+        tdp_log_warn("pipe %s: its HELLO claims to resume a stream, which only a dialer does",
+                     p->ctl.peer_name);
+        pipe_fail(p, TDP_EPROTO, "the listener's HELLO claims to resume a stream");
+        return;
+    }
     if (p->stats.resumed_from != 0 && h->resume != p->stats.resumed_from) {
         pipe_fail(p, TDP_EPROTO, "the peer's first message does not start where its HELLO says");
         return;
@@ -754,12 +761,13 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     if (ops == NULL)
         return;
     if (f->seq != p->rx_seq + 1 && length == f->length && p->state == PIPE_CONNECTING &&
-        p->rx_seq == 0 && p->stats.schemas_recv == 0 && f->seq >= 2 && f->seq <= TDP_RESUME_MAX) {
+        !p->ctl.dialer && p->rx_seq == 0 && p->stats.schemas_recv == 0 && f->seq >= 2 &&
+        f->seq <= TDP_RESUME_MAX) {
         /* a reconnected peer's first SCHEMA, ahead of the HELLO that says
          * where it resumes (the HELLO must then agree: on_ctl_hello) */
         p->rx_seq = f->seq - 1;
         p->stats.resumed_from = f->seq;
-        }
+    }
     if (f->seq != p->rx_seq + 1 || length != f->length) {
             proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
         return;
@@ -1634,6 +1642,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->released = p->credit_sent = 0;
     p->peer_bye = false;
     p->peer_last_seq = 0;
+    p->stats.resumed_from = 0; /* the next link's peer says for itself */
     p->link_failed = false;
     p->epoch++;
 
