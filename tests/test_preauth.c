@@ -1,6 +1,8 @@
 /*
- * test_preauth: a peer that has not proven it holds the shared secret gets
- * nothing from a listener but its HELLO. The attacker reads the listener's
+ * test_preauth: what one hostile peer can make a listener hold.
+ *
+ * Before its proof: a peer that has not proven it holds the shared secret
+ * gets nothing from a listener but its HELLO. The attacker reads the listener's
  * HELLO (its UCX worker address, pipe token, shared-memory socket name and
  * key), sends a HELLO of its own that asks for authentication, and never
  * sends its proof; then it speaks to the data planes directly:
@@ -11,6 +13,10 @@
  * The listener's process must allocate nothing (tdp_mem_stats), map nothing
  * (/proc/self/maps), keep its RSS and fds flat, end the attacker's pipe on
  * the first data-plane frame with TDP_EAUTH, and serve a good client.
+ *
+ * After it (a same-user peer on the shm plane): POOL and SCHEMA
+ * announcements whose DATA never comes are held unmapped and unread, and
+ * only so many per link (by this side's depth); one more ends the link.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -34,6 +40,9 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
+#include "pipe/op.h"
+#include "pipe/plane_shm.h"
+#include "pipe/session.h"
 #include "pipe/shm.h"
 #include "pipe/wire.h"
 
@@ -451,11 +460,140 @@ static void test_preauth_shm(void **state)
     server_down(&s);
 }
 
+/* ---- announcements that never come into force -------------------------------------- */
+
+typedef struct announce {
+    tdp__link *l;
+    bool pool;
+    uint64_t seq, bytes;
+    tdp_err rc;
+} announce;
+
+static void announce_task(void *arg)
+{
+    announce *a = arg;
+    a->rc = tdp__shm_rogue_announce(a->l, a->pool, a->seq, a->bytes);
+}
+
+typedef struct peak {
+    int fds;
+    uint64_t nmap, mbytes, rss, live;
+} peak;
+
+static void peak_take(peak *p, bool first)
+{
+    uint64_t n, b, r = rss_bytes(), lb = live_bytes();
+    int f = nfds();
+    maps(&n, &b);
+    if (first || f > p->fds)
+        p->fds = f;
+    if (first || n > p->nmap)
+        p->nmap = n;
+    if (first || b > p->mbytes)
+        p->mbytes = b;
+    if (first || r > p->rss)
+        p->rss = r;
+    if (first || lb > p->live)
+        p->live = lb;
+}
+
+/*
+ * A same-user sender on an open shm pipe (depth 4) announces POOLs of
+ * 3 x 1 GiB, or SCHEMAs of 1 MiB of JSON in memfds, all for a DATA that
+ * never comes, until the receiver ends the link. What the receiver's
+ * process holds meanwhile is sampled after every announcement.
+ */
+static void flood_case(bool pool)
+{
+    enum { DEPTH = 4, MAX_SENT = 200 };
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.recv_depth = DEPTH;
+    o.plane = TDP_PLANE_SHM;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    tdp_pipe *c, *p;
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &o, &c), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    if (tdp_pipe_plane(c) != TDP_PLANE_SHM) {
+        print_message("not the shm plane: nothing to do\n");
+        goto out;
+    }
+    /* one real message: the socket and rings are up on both sides */
+    tdp_schema *s = bytes_schema(4096);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    tdp_pipe_release(p, got);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+
+    peak base, top;
+    peak_take(&base, true);
+    top = base;
+    announce a = {.l = tdp__session_link(c),
+                  .pool = pool,
+                  .seq = 100,
+                  .bytes = pool ? (uint64_t)1 << 30 : (uint64_t)1 << 20};
+    int sent = 0;
+    for (; sent < MAX_SENT; sent++) {
+        tdp__call_on_loop(cl, announce_task, &a);
+        if (a.rc != TDP_OK)
+            break; /* the receiver hung up */
+        usleep(2000);
+        peak_take(&top, false);
+        if (tdp_pipe_status(p) != TDP_OK)
+            break;
+    }
+    tdp_err rc = tdp_pipe_recv(p, TMO, &got);
+    print_message("%s flood: %d sent until the receiver ended the link (%s); peak over the "
+                  "baseline: fds %+d, mappings %+" PRId64 " (%+" PRId64 " MiB), RSS %+" PRId64
+                  " KiB, live bytes %+" PRId64 "\n",
+                  pool ? "POOL" : "SCHEMA", sent, tdp_strerror(rc), top.fds - base.fds,
+                  (int64_t)(top.nmap - base.nmap),
+                  ((int64_t)top.mbytes - (int64_t)base.mbytes) >> 20,
+                  ((int64_t)top.rss - (int64_t)base.rss) / 1024, (int64_t)(top.live - base.live));
+    assert_int_equal(rc, TDP_EPROTO);
+    /* at most 2 x depth + 1 POOLs (3 fds each) or depth + 1 SCHEMAs (1 fd) */
+    assert_true(sent <= (pool ? 2 * DEPTH + 1 : DEPTH + 1) + 1);
+    assert_true(top.fds <= base.fds + (pool ? 3 * (2 * DEPTH + 1) : DEPTH + 1) + 4);
+    /* nothing mapped for them (the sender's own segment is mapped while it is made) */
+    assert_true(top.mbytes <= base.mbytes + ((uint64_t)4 << 30));
+    assert_true(top.live <= base.live + (256u << 10));
+    assert_true(top.rss <= base.rss + (16u << 20));
+out:
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
+static void test_pool_flood(void **state)
+{
+    (void)state;
+    flood_case(true);
+}
+
+static void test_schema_flood(void **state)
+{
+    (void)state;
+    flood_case(false);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_preauth_ucx),
         cmocka_unit_test(test_preauth_shm),
+        cmocka_unit_test(test_pool_flood),
+        cmocka_unit_test(test_schema_flood),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
