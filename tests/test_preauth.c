@@ -99,6 +99,17 @@ static int nfds(void)
     return n;
 }
 
+/* Allocations not yet freed, of every kind (tdp_mem_stats counts small ones apart). */
+static int64_t outstanding(void)
+{
+    tdp_mem_stats m;
+    tdp_mem_stats_get(&m);
+    int64_t n = (int64_t)m.small_allocs - (int64_t)m.small_frees;
+    for (int i = 0; i < TDP_MEM_TYPE_COUNT; i++)
+        n += (int64_t)m.allocs[i] - (int64_t)m.frees[i];
+    return n;
+}
+
 static uint64_t live_bytes(void)
 {
     tdp_mem_stats m;
@@ -460,6 +471,62 @@ static void test_preauth_shm(void **state)
     server_down(&s);
 }
 
+/*
+ * What unauthenticated peers hold: N of them, each with its HELLO sent, a
+ * connection to the shm socket proving the keys, and a UCX frame; the
+ * listener's growth per peer while they wait (for the handshake deadline).
+ */
+static void test_preauth_many(void **state)
+{
+    (void)state;
+    enum { N = 24 };
+    server s;
+    server_up(&s);
+    static attacker a[N];
+    int socks[N];
+    uint64_t live0 = live_bytes(), rss0 = rss_bytes(), nmap0, mbytes0;
+    int64_t out0 = outstanding();
+    maps(&nmap0, &mbytes0);
+    int fds0 = nfds();
+    for (int i = 0; i < N; i++) {
+        attacker_hello(&a[i], tdp_listener_port(s.l));
+        assert_int_equal(tdp__shm_connect(SOCK_SEQPACKET, a[i].h.shm.name, a[i].h.shm.name_len,
+                                          false, &socks[i], NULL),
+                         TDP_OK);
+        shm_msg m = {.magic = SHM_MAGIC, .type = 1};
+        memcpy(m.key, a[i].h.shm.key, TDP_SHM_KEY_LEN);
+        memcpy(m.peer_key, a[i].key, TDP_SHM_KEY_LEN);
+        assert_int_equal(tdp__shm_sock_send(socks[i], &m, sizeof(m), NULL, 0), TDP_OK);
+    }
+    usleep(300 * 1000);
+    uint64_t nmap1, mbytes1;
+    maps(&nmap1, &mbytes1);
+    uint64_t live1 = live_bytes(), rss1 = rss_bytes();
+    int64_t out1 = outstanding();
+    int fds1 = nfds();
+    print_message("%d unauthenticated peers waiting: per peer fds %.1f (ours included: 2), "
+                  "allocations held %.1f, live buffer bytes %" PRIu64 ", RSS %" PRId64
+                  " KiB, mappings %.1f (%+" PRId64 " KiB in all)\n",
+                  N, (double)(fds1 - fds0) / N, (double)(out1 - out0) / N, (live1 - live0) / N,
+                  ((int64_t)rss1 - (int64_t)rss0) / 1024 / N, (double)(nmap1 - nmap0) / N,
+                  ((int64_t)mbytes1 - (int64_t)mbytes0) / 1024);
+    /* each: its TCP socket and shm connection, two ends of each in this process */
+    assert_true(fds1 - fds0 <= 4 * N);
+    assert_true(out1 - out0 <= 64 * N);
+    assert_true(live1 - live0 <= (uint64_t)N * (256u << 10));
+    assert_true(mbytes1 <= mbytes0 + (4u << 20));
+    for (int i = 0; i < N; i++) {
+        close(socks[i]);
+        close(a[i].fd);
+    }
+    int64_t end = mono_ms() + 5000;
+    while (nfds() > fds0 && mono_ms() < end)
+        usleep(10 * 1000);
+    assert_true(nfds() <= fds0);
+    good_client(s.cl, s.l);
+    server_down(&s);
+}
+
 /* ---- announcements that never come into force -------------------------------------- */
 
 typedef struct announce {
@@ -590,9 +657,8 @@ static void test_schema_flood(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_preauth_ucx),
-        cmocka_unit_test(test_preauth_shm),
-        cmocka_unit_test(test_pool_flood),
+        cmocka_unit_test(test_preauth_ucx),  cmocka_unit_test(test_preauth_shm),
+        cmocka_unit_test(test_preauth_many), cmocka_unit_test(test_pool_flood),
         cmocka_unit_test(test_schema_flood),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -461,6 +461,14 @@ typedef struct tdp_pipe_stats {
     uint64_t resumed_from;
     /* receive depths once the HELLO is done (0 before): this side's, the peer's */
     uint32_t recv_depth, peer_depth;
+    /*
+     * Sending, a reconnecting pipe: messages handed to a link that then went
+     * down whose buffers the peer never gave back (sent on it, less the
+     * credit it returned), summed over outages. Each may or may not have
+     * reached the application on the other side; those whose send was still
+     * in flight ended with TDP_ECONNRESET and are counted here too.
+     */
+    uint64_t unconfirmed;
 } tdp_pipe_stats;
 
 /*

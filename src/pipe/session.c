@@ -1622,6 +1622,8 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->tx_inflight = 0;
     tdp_schema_unref(p->sent_schema);
     p->sent_schema = NULL; /* the schema goes again */
+    /* what the old link carried that its peer never gave back */
+    p->stats.unconfirmed += p->send_seq - p->credit_base - p->peer_credit;
     p->credit_base = p->send_seq;
     p->peer_credit = 0;
 
