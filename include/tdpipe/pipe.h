@@ -273,9 +273,11 @@ typedef struct tdp_listener_opts {
      * speaking first). *opts holds the pipe's options; the hook may change
      * recv_depth (clamped to 1..64) — other fields are fixed by then and
      * changes to them are ignored. Return TDP_OK to go on, or an error to
-     * refuse as admit does. With a shared secret the peer is not yet
-     * authenticated here: what it asked for is checked (the HELLOs are
-     * authenticated) before the pipe is handed over.
+     * refuse as admit does. With a shared secret it is called only once
+     * the peer has proven it holds the secret; this side's HELLO (which
+     * the proof covers) went out before, so recv_depth stays
+     * pipe.recv_depth and changes to it are ignored: the hook lets the
+     * peer in or refuses it.
      */
     tdp_err (*on_hello)(const tdp_accept_info *info, tdp_pipe_opts *opts, void *arg);
     void *hook_arg; /* passed to admit and on_hello */

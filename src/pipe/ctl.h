@@ -29,10 +29,10 @@ typedef struct tdp__ctl_up {
     /* dial: the socket is connected; the owner sends its HELLO */
     void (*connected)(void *owner);
     /*
-     * The peer's HELLO has arrived (decoded and checked; with a secret not
-     * yet authenticated); may be NULL. An accepting owner that waits for
-     * it before sending its own HELLO does so here: `hello` follows once
-     * the peer is authenticated (at once without a secret).
+     * The peer's HELLO has arrived (decoded and checked; with a secret,
+     * called only once the peer has proven it holds it, just before
+     * `hello`); may be NULL. Without a secret an accepting owner that waits
+     * for it before sending its own HELLO does so here. It may close.
      */
     void (*hello_in)(void *owner, const tdp_hello *h);
     /* the peer's HELLO (decoded, checked; its records valid during the call) */
