@@ -417,7 +417,10 @@ TDP_API void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg);
  * the shm plane a slot of the shared pool, so that tdp_pipe_send of it
  * copies nothing (the peer reads the same pages). Fill it, send it, then
  * drop the reference (tdp_td_unref) — a loan not sent goes back when
- * unreferenced. Other planes lend an ordinary buffer. Loop thread or any
+ * unreferenced. Other planes lend an ordinary buffer, and so does the shm
+ * plane for a loan that needs a larger pool while more than depth larger
+ * pools the receiver has not reached are out (loans of growing sizes held
+ * at once; docs/planes.md). Loop thread or any
  * thread; TDP_EAGAIN when every slot is in use (retry after a send
  * completes) and, on the shm plane just after the pipe opened, until the
  * peer's shared-memory connection is proven (retry shortly; microseconds

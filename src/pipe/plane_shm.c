@@ -177,6 +177,9 @@ struct tdp__link {
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     bool loan_starved; /* a loan was refused for want of a free slot */
+    /* seqs of POOLs announced that the receiver may not have in force yet */
+    uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
+    uint32_t pool_ann_head, npool_ann;
     bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
     early_tx *early;
     uint32_t nearly, capearly;
@@ -380,6 +383,20 @@ static tdp_err tx_ctl_up(struct tdp__link *l)
 }
 
 /* Make a pool that holds `bytes` per slot the current one, announced from the next DATA on. */
+/*
+ * POOLs the receiver may not have put in force: those announced for a DATA
+ * past the ones it has given back (it reads DATA in order, so it has read,
+ * and applied the announcements of, at least as many as it released).
+ */
+static uint32_t tx_pools_pending(struct tdp__link *l)
+{
+    while (l->npool_ann > 0 && l->pool_ann[l->pool_ann_head] <= l->seq0 + l->released) {
+        l->pool_ann_head = (l->pool_ann_head + 1) % PEND_POOLS(TDP_MAX_DEPTH);
+        l->npool_ann--;
+    }
+    return l->npool_ann;
+}
+
 static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
 {
     if (l->pool != NULL && l->pool->stride >= bytes)
@@ -394,6 +411,8 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
     p->slots = tdp__alloc_array(n, sizeof(*p->slots));
     tdp_err rc = p->slots == NULL ? TDP_ENOMEM
                                   : tdp__shm_seg_create(gen, n, bytes == 0 ? 1 : bytes, 0, &p->seg);
+    if (rc == TDP_OK && tx_pools_pending(l) >= PEND_POOLS(l->peer_depth))
+        rc = TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
     if (rc == TDP_OK)
         rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
     if (rc != TDP_OK) {
@@ -402,6 +421,7 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
         tdp__free(p);
         return rc;
     }
+    l->pool_ann[(l->pool_ann_head + l->npool_ann++) % PEND_POOLS(TDP_MAX_DEPTH)] = l->last_seq + 1;
     atomic_init(&p->refs, 1);
     p->gen = gen;
     p->nslots = n;
@@ -600,6 +620,11 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
          * now would be copied at its send, so ask for a retry instead */
         return TDP_EAGAIN;
     uint64_t need = tdp_schema_total_bytes(sc);
+    if ((l->pool == NULL || l->pool->stride < need) && tx_pools_pending(l) > l->peer_depth)
+        /* a new pool now could leave the receiver more announcements than
+         * it holds (PEND_POOLS) once the sends the credit allows add theirs:
+         * an ordinary buffer, copied at its send */
+        return tdp_td_new(sc, out);
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK)
         rc = tx_pool_grow(l, need);
