@@ -38,6 +38,7 @@
 #include <ucp/api/ucp.h>
 
 #include <tdpipe/pipe.h>
+#include <tdpipe/server.h>
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
@@ -340,12 +341,10 @@ static void server_down(server *s)
  * ucx: a SCHEMA for a 64 MiB message (a listener that took it would hold
  * depth 4 of them), then its 64 MiB of DATA by rendezvous, all before a proof.
  */
-static void test_preauth_ucx(void **state)
+/* The attack on port; the listener's process is this one. */
+static void ucx_attack(uint16_t port, const char *who)
 {
-    (void)state;
     enum { DATA = 64 << 20 };
-    server s;
-    server_up(&s);
     uint8_t *payload = malloc(DATA);
     assert_non_null(payload);
     memset(payload, 0xa5, DATA); /* resident before the baseline */
@@ -354,7 +353,7 @@ static void test_preauth_ucx(void **state)
     const char *json = tdp_schema_json(big, &jl);
 
     attacker a;
-    attacker_hello(&a, tdp_listener_port(s.l));
+    attacker_hello(&a, port);
     assert_non_null(a.h.addr);
     uint64_t live0 = live_bytes(), allocs0 = tdp_mem_total_allocs(), rss0 = rss_bytes();
     ucx_side u;
@@ -376,9 +375,9 @@ static void test_preauth_ucx(void **state)
     bool proof = false;
     int reason = attacker_bye(&a, 3000, &proof);
     uint64_t live1 = live_bytes(), allocs1 = tdp_mem_total_allocs(), rss1 = rss_bytes();
-    print_message("ucx pre-auth attack: BYE reason %d; live bytes %+" PRId64
+    print_message("ucx pre-auth attack on a %s: BYE reason %d; live bytes %+" PRId64
                   ", allocations %+" PRId64 ", RSS %+" PRId64 " KiB\n",
-                  reason, (int64_t)(live1 - live0), (int64_t)(allocs1 - allocs0),
+                  who, reason, (int64_t)(live1 - live0), (int64_t)(allocs1 - allocs0),
                   ((int64_t)rss1 - (int64_t)rss0) / 1024);
     /* nothing for the schema (64 MiB x 4), nothing for the data (64 MiB) */
     assert_true(live1 <= live0 + (64u << 10));
@@ -388,10 +387,73 @@ static void test_preauth_ucx(void **state)
     assert_false(proof); /* the listener proves itself only after the dialer */
     ucx_down(&u);
     close(a.fd);
-    good_client(s.cl, s.l);
     tdp_schema_unref(big);
     free(payload);
+}
+
+static void test_preauth_ucx(void **state)
+{
+    (void)state;
+    server s;
+    server_up(&s);
+    ucx_attack(tdp_listener_port(s.l), "listener");
+    good_client(s.cl, s.l);
     server_down(&s);
+}
+
+/* A tdp_server (what `tdpipe serve` runs) that echoes: the same attack, then a good client. */
+static tdp_err echo_msg(tdp_client *c, tdp_td *td, void *arg)
+{
+    (void)arg;
+    return tdp_client_send(c, td);
+}
+
+static void test_preauth_ucx_server(void **state)
+{
+    (void)state;
+    tdp_loop *sl, *cl;
+    tdp_server *srv;
+    tdp_server_opts so;
+    tdp_server_opts_default(&so);
+    so.pipe.secret = secret;
+    so.pipe.secret_len = sizeof(secret) - 1;
+    so.pipe.recv_depth = 4;
+    static const tdp_server_handler h = {.size = sizeof(h), .on_message = echo_msg};
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_server_new(sl, "127.0.0.1", 0, &so, &h, NULL, &srv), TDP_OK);
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.secret = secret;
+    o.secret_len = sizeof(secret) - 1;
+    tdp_schema *s = bytes_schema(4096);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (int round = 0; round < 2; round++) {
+        if (round == 1)
+            ucx_attack(tdp_server_port(srv), "server");
+        /* a good client is served (before the attack: the planes are up) */
+        tdp_pipe *c;
+        assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_server_port(srv), &o, &c), TDP_OK);
+        memset(tdp_td_data(td), 3 + round, 4096);
+        assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(c, TMO, &got), TDP_OK);
+        assert_int_equal(((uint8_t *)tdp_td_data(got))[4095], 3 + round);
+        tdp_pipe_release(c, got);
+        tdp_pipe_close(c, TMO);
+        tdp_pipe_free(c);
+    }
+    tdp_server_stats st;
+    tdp_server_stats_get(srv, &st);
+    assert_int_equal(st.clients_total, 2); /* the attacker never became a client */
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    assert_int_equal(tdp_server_shutdown(srv, TMO), TDP_OK);
+    tdp_server_free(srv);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
 }
 
 /* ---- the shm attack ----------------------------------------------------------------- */
@@ -712,9 +774,10 @@ static void test_growing_loans(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_preauth_ucx),  cmocka_unit_test(test_preauth_shm),
-        cmocka_unit_test(test_preauth_many), cmocka_unit_test(test_pool_flood),
-        cmocka_unit_test(test_schema_flood), cmocka_unit_test(test_growing_loans),
+        cmocka_unit_test(test_preauth_ucx),   cmocka_unit_test(test_preauth_ucx_server),
+        cmocka_unit_test(test_preauth_shm),   cmocka_unit_test(test_preauth_many),
+        cmocka_unit_test(test_pool_flood),    cmocka_unit_test(test_schema_flood),
+        cmocka_unit_test(test_growing_loans),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
