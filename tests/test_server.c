@@ -1456,9 +1456,10 @@ static tdp_err hook_connect(tdp_loop *cl, tdp_listener *l, const tdp_pipe_opts *
 
 /*
  * tdp_listener_opts' hooks: on_hello sets the accepted pipe's receive
- * depth from the dialer's want_peer_depth (WANT_DEPTH in its HELLO), also
- * with a shared secret; admit and on_hello turn a peer away with
- * TDP_ELIMIT, which is what its connect returns.
+ * depth from the dialer's want_peer_depth (WANT_DEPTH in its HELLO); with a
+ * shared secret it runs only after the dialer's proof, and the depth stays
+ * the listener's; admit and on_hello turn a peer away with TDP_ELIMIT,
+ * which is what its connect returns.
  */
 static void test_listener_hooks(void **state)
 {
@@ -1497,8 +1498,10 @@ static void test_listener_hooks(void **state)
         po.want_peer_depth = 8;
         assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_OK);
         assert_int_equal(atomic_load(&h.want), 8);
-        assert_int_equal(sd, 8);
-        assert_int_equal(cd, 8);
+        /* with a secret the hook runs after the proof, which covers the
+         * listener's HELLO: the depth in it stays the listener's */
+        assert_int_equal(sd, sec ? 2 : 8);
+        assert_int_equal(cd, sec ? 2 : 8);
         /* turned away after the HELLO, and before any */
         atomic_store(&h.refuse_hello, 1);
         assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_ELIMIT);
@@ -1508,9 +1511,17 @@ static void test_listener_hooks(void **state)
         assert_int_equal(hook_connect(cl, l, &po, &sd, &cd), TDP_ELIMIT);
         assert_int_equal(atomic_load(&h.hellos), hellos); /* no handshake began */
         atomic_store(&h.refuse_admit, 0);
+        if (sec) { /* a wrong secret never reaches application code */
+            static const char wrong[] = "sixteen-bytes-at-least?";
+            tdp_pipe_opts bad = po;
+            bad.secret = wrong;
+            hellos = atomic_load(&h.hellos);
+            assert_int_equal(hook_connect(cl, l, &bad, &sd, &cd), TDP_EAUTH);
+            assert_int_equal(atomic_load(&h.hellos), hellos);
+        }
         tdp_listener_free(l);
     }
-    assert_int_equal(atomic_load(&h.admits), 8);
+    assert_int_equal(atomic_load(&h.admits), 9);
     tdp_loop_free(cl);
     tdp_loop_free(sl);
 }

@@ -534,8 +534,13 @@ static const char send_help[] =
     "                      again until it listens or SECONDS passed (decimals\n"
     "                      allowed), then go on; without it a refusal fails at once\n"
     "      --reconnect MS  when the receiver goes away (or is not there yet), dial\n"
-    "                      it again for up to MS ms and go on from the next message\n"
-    "                      (a send the outage took is counted as lost)\n"
+    "                      it again for up to MS ms and go on from the next message;\n"
+    "                      'lost' counts sends that failed with the outage (still in\n"
+    "                      flight when the link went), 'unconfirmed' the messages\n"
+    "                      the link carried that the receiver never gave back (lost\n"
+    "                      ones included): any of these may or may not have reached\n"
+    "                      the receiving application; sends that completed are not\n"
+    "                      in 'lost'\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
     "                      must hold the same (authenticated, not encrypted)\n"
     "      --keepalive I,N,C\n"
@@ -883,6 +888,7 @@ static void send_report_json(tdp_pipe *pipe, const send_args *a, const tdp_cli_m
     if (a->reconnect_ms > 0) {
         json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
         json_object_set_new(o, "lost", json_integer((json_int_t)a->lost));
+        json_object_set_new(o, "unconfirmed", json_integer((json_int_t)st.unconfirmed));
     }
     if (tdp_pipe_latency_get(pipe, TDP_LAT_SEND, &sent) == TDP_OK)
         json_object_set_new(o, "send_ns", tdp_cli_hist_json(&sent));
@@ -1007,8 +1013,9 @@ int tdp_cmd_send(int argc, char **argv)
         if (a.reconnect_ms > 0) {
             tdp_pipe_stats st;
             tdp_pipe_stats_get(pipe, &st);
-            printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64 "\n", st.reconnects,
-                   a.lost);
+            printf("reconnects: %" PRIu64 "; sends lost to an outage: %" PRIu64
+                   "; messages the receiver never confirmed: %" PRIu64 "\n",
+                   st.reconnects, a.lost, st.unconfirmed);
         }
         send_report_extra(pipe, &a, &rtt);
     }

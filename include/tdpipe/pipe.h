@@ -273,9 +273,11 @@ typedef struct tdp_listener_opts {
      * speaking first). *opts holds the pipe's options; the hook may change
      * recv_depth (clamped to 1..64) — other fields are fixed by then and
      * changes to them are ignored. Return TDP_OK to go on, or an error to
-     * refuse as admit does. With a shared secret the peer is not yet
-     * authenticated here: what it asked for is checked (the HELLOs are
-     * authenticated) before the pipe is handed over.
+     * refuse as admit does. With a shared secret it is called only once
+     * the peer has proven it holds the secret; this side's HELLO (which
+     * the proof covers) went out before, so recv_depth stays
+     * pipe.recv_depth and changes to it are ignored: the hook lets the
+     * peer in or refuses it.
      */
     tdp_err (*on_hello)(const tdp_accept_info *info, tdp_pipe_opts *opts, void *arg);
     void *hook_arg; /* passed to admit and on_hello */
@@ -415,7 +417,10 @@ TDP_API void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg);
  * the shm plane a slot of the shared pool, so that tdp_pipe_send of it
  * copies nothing (the peer reads the same pages). Fill it, send it, then
  * drop the reference (tdp_td_unref) — a loan not sent goes back when
- * unreferenced. Other planes lend an ordinary buffer. Loop thread or any
+ * unreferenced. Other planes lend an ordinary buffer, and so does the shm
+ * plane for a loan that needs a larger pool while more than depth larger
+ * pools the receiver has not reached are out (loans of growing sizes held
+ * at once; docs/planes.md). Loop thread or any
  * thread; TDP_EAGAIN when every slot is in use (retry after a send
  * completes) and, on the shm plane just after the pipe opened, until the
  * peer's shared-memory connection is proven (retry shortly; microseconds
@@ -461,6 +466,14 @@ typedef struct tdp_pipe_stats {
     uint64_t resumed_from;
     /* receive depths once the HELLO is done (0 before): this side's, the peer's */
     uint32_t recv_depth, peer_depth;
+    /*
+     * Sending, a reconnecting pipe: messages handed to a link that then went
+     * down whose buffers the peer never gave back (sent on it, less the
+     * credit it returned), summed over outages. Each may or may not have
+     * reached the application on the other side; those whose send was still
+     * in flight ended with TDP_ECONNRESET and are counted here too.
+     */
+    uint64_t unconfirmed;
 } tdp_pipe_stats;
 
 /*

@@ -1056,10 +1056,10 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
     tdp_pipe *p = self->pipe;
     Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
+        "{sKsKsKsKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
         s.bytes_sent, "bytes_recv", s.bytes_recv, "schemas_sent", s.schemas_sent, "schemas_recv",
-        s.schemas_recv, "credit_waits", s.credit_waits, "reconnects", s.reconnects,
-        "resumed_from", s.resumed_from);
+        s.schemas_recv, "credit_waits", s.credit_waits, "reconnects", s.reconnects, "resumed_from",
+        s.resumed_from, "unconfirmed", s.unconfirmed);
 }
 
 /* latency(which): the summary of a latency histogram, in ns (None: not kept). */

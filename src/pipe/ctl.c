@@ -201,11 +201,17 @@ static void auth_tag(const tdp__ctl *c, bool of_dialer, uint8_t out[TDP_AUTH_TAG
     sodium_memzero(&st, sizeof(st));
 }
 
-/* Our proof, once both HELLOs are known. */
+/*
+ * Our proof, once both HELLOs are known; the accepting side's only once the
+ * dialer's has checked out. A dialer opens on the listener's proof, so it
+ * sends nothing on a data plane (and its connect returns nothing) before the
+ * listener has its proof and, with an on_hello hook, has let it in.
+ */
 static tdp_err send_auth(tdp__ctl *c)
 {
     uint8_t tag[TDP_AUTH_TAG_LEN], buf[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN];
-    if (c->auth_sent || c->my_hello == NULL || c->peer_hello == NULL || c->bev == NULL)
+    if (c->auth_sent || c->my_hello == NULL || c->peer_hello == NULL || c->bev == NULL ||
+        (!c->dialer && !c->authed))
         return TDP_OK;
     auth_tag(c, c->dialer, tag);
     tdp_wire_auth_encode(buf, tag);
@@ -328,7 +334,8 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
             c->hello_seen = true;
             /* asked now: a dialed socket's HELLO can be read before its connect event */
             c->peer_local = socket_peer_local(bufferevent_getfd(c->bev));
-            if (c->up->hello_in != NULL) {
+            if (c->up->hello_in != NULL && c->opts.secret == NULL) {
+                /* with a secret: once the peer has proven it holds it (below) */
                 c->up->hello_in(c->owner, &h); /* may send our HELLO, or close */
                 if (c->bev == NULL)
                     return;
@@ -371,17 +378,24 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 return;
             }
             c->authed = true;
-            uint8_t *ph = c->peer_hello; /* the records point into it during the call */
+            uint8_t *ph = c->peer_hello; /* the records point into it during the calls */
             size_t pl = c->peer_hello_len;
             c->peer_hello = NULL;
-            auth_drop(c);
             tdp_hello h;
             rc = tdp_wire_hello_decode(ph, pl, &h);
-            if (rc == TDP_OK)
+            if (rc == TDP_OK && c->up->hello_in != NULL)
+                c->up->hello_in(c->owner, &h); /* may close */
+            if (rc == TDP_OK && c->bev != NULL) {
+                c->peer_hello = ph; /* send_auth covers it */
+                rc = send_auth(c);
+                c->peer_hello = NULL;
+            }
+            auth_drop(c);
+            if (rc == TDP_OK && c->bev != NULL)
                 c->up->hello(c->owner, &h);
             tdp__free(ph);
-            if (rc != TDP_OK) { /* it decoded before: cannot happen */
-                fail(c, TDP_EINTERNAL);
+            if (rc != TDP_OK) { /* it decoded before: cannot happen; or no memory */
+                fail(c, rc == TDP_ENOMEM ? rc : TDP_EINTERNAL);
                 return;
             }
         } else {
@@ -404,7 +418,24 @@ static void read_cb(struct bufferevent *bev, void *arg)
     tdp__ctl *c = arg;
     if (c->greeting != NULL)
         evtimer_del(c->greeting); /* the peer speaks; what it says is judged below */
+    c->reading = true;
     read_frames(c, bufferevent_get_input(bev));
+    c->reading = false;
+}
+
+void tdp__ctl_pump(tdp__ctl *c)
+{
+    if (c->bev == NULL || c->reading)
+        return;
+    struct evbuffer *in = bufferevent_get_input(c->bev);
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    /* a few reads: a proof is 48 bytes, behind at most a HELLO */
+    for (int i = 0; i < 4 && fd >= 0; i++)
+        if (evbuffer_read(in, fd, 16384) <= 0)
+            break;
+    c->reading = true;
+    read_frames(c, in);
+    c->reading = false;
 }
 
 static void greeting_cb(evutil_socket_t fd, short what, void *arg)

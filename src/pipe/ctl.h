@@ -29,10 +29,10 @@ typedef struct tdp__ctl_up {
     /* dial: the socket is connected; the owner sends its HELLO */
     void (*connected)(void *owner);
     /*
-     * The peer's HELLO has arrived (decoded and checked; with a secret not
-     * yet authenticated); may be NULL. An accepting owner that waits for
-     * it before sending its own HELLO does so here: `hello` follows once
-     * the peer is authenticated (at once without a secret).
+     * The peer's HELLO has arrived (decoded and checked; with a secret,
+     * called only once the peer has proven it holds it, just before
+     * `hello`); may be NULL. Without a secret an accepting owner that waits
+     * for it before sending its own HELLO does so here. It may close.
      */
     void (*hello_in)(void *owner, const tdp_hello *h);
     /* the peer's HELLO (decoded, checked; its records valid during the call) */
@@ -75,6 +75,7 @@ typedef struct tdp__ctl {
     uint8_t *my_hello, *peer_hello;
     size_t my_hello_len, peer_hello_len;
     bool auth_sent, authed;
+    bool reading;                          /* read_frames is on the stack */
     uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
     bool nonce_sent;
     /*
@@ -101,6 +102,12 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h);
 /* Queue BYE once; up->bye_flushed when it has left. */
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b);
 bool tdp__ctl_open(const tdp__ctl *c);
+/*
+ * Read what the socket holds now and handle it, outside the read event:
+ * a frame on a data plane may overtake the proof that came before it on
+ * this socket. Nothing while the input is being handled already.
+ */
+void tdp__ctl_pump(tdp__ctl *c);
 /* Close now (a queued BYE is pushed out first). Safe inside an up-call. */
 void tdp__ctl_close(tdp__ctl *c);
 

@@ -307,7 +307,11 @@ static void on_ctl_connected(void *owner)
     send_hello(owner);
 }
 
-/* The peer's HELLO is in: a listener with a hook chooses, then answers. */
+/*
+ * The peer's HELLO is in: a listener with a hook chooses, then answers.
+ * With a secret the hook runs only once the peer has proven it holds it
+ * (ctl.c), so our HELLO cannot wait for it (the proofs cover it).
+ */
 static void on_ctl_hello_in(void *owner, const tdp_hello *h)
 {
     tdp_pipe *p = owner;
@@ -321,6 +325,8 @@ static void on_ctl_hello_in(void *owner, const tdp_hello *h)
         pipe_fail(p, rc, "refused by the listener");
         return;
     }
+    if (p->secret_len > 0)
+        return; /* called after the proof: our HELLO, and its depth, went out before it */
     p->depth = o.recv_depth < 1              ? 1
                : o.recv_depth > TDP_MAX_DEPTH ? TDP_MAX_DEPTH
                                               : o.recv_depth;
@@ -380,6 +386,13 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->peer_depth = h->recv_depth;
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
+    if (h->resume != 0 && p->ctl.dialer) {
+        /* only a dialer reconnects: a listener has no earlier stream to resume */
+        tdp_log_warn("pipe %s: its HELLO claims to resume a stream, which only a dialer does",
+                     p->ctl.peer_name);
+        pipe_fail(p, TDP_EPROTO, "the listener's HELLO claims to resume a stream");
+        return;
+    }
     if (p->stats.resumed_from != 0 && h->resume != p->stats.resumed_from) {
         pipe_fail(p, TDP_EPROTO, "the peer's first message does not start where its HELLO says");
         return;
@@ -482,6 +495,17 @@ static const tdp__plane_ops *frame_plane(tdp_pipe *p, tdp__link *l)
 {
     if (p->state == PIPE_DEAD)
         return NULL;
+    if (p->secret_len > 0 && !p->ctl.authed) {
+        /* its proof left before any frame: it may be unread on the socket */
+        tdp__ctl_pump(&p->ctl);
+        if (p->state == PIPE_DEAD)
+            return NULL;
+        if (!p->ctl.authed) {
+            /* nothing is decoded, received or allocated for it */
+            proto_fail(p, TDP_EAUTH, "data-plane frame before the peer proved it holds the secret");
+            return NULL;
+        }
+    }
     if (p->link != NULL)
         return l == p->link ? p->plane : NULL;
     int i = link_index(p, l);
@@ -549,12 +573,13 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     if (ops == NULL)
         return;
     if (f->seq != p->rx_seq + 1 && length == f->length && p->state == PIPE_CONNECTING &&
-        p->rx_seq == 0 && p->stats.schemas_recv == 0 && f->seq >= 2 && f->seq <= TDP_RESUME_MAX) {
+        !p->ctl.dialer && p->rx_seq == 0 && p->stats.schemas_recv == 0 && f->seq >= 2 &&
+        f->seq <= TDP_RESUME_MAX) {
         /* a reconnected peer's first SCHEMA, ahead of the HELLO that says
          * where it resumes (the HELLO must then agree: on_ctl_hello) */
         p->rx_seq = f->seq - 1;
         p->stats.resumed_from = f->seq;
-        }
+    }
     if (f->seq != p->rx_seq + 1 || length != f->length) {
             proto_fail(p, TDP_EPROTO, "schema frame out of sequence or with a wrong length");
         return;
@@ -1483,6 +1508,8 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->tx_inflight = 0;
     tdp_schema_unref(p->sent_schema);
     p->sent_schema = NULL; /* the schema goes again */
+    /* what the old link carried that its peer never gave back */
+    p->stats.unconfirmed += p->send_seq - p->credit_base - p->peer_credit;
     p->credit_base = p->send_seq;
     p->peer_credit = 0;
 
@@ -1503,6 +1530,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->released = p->credit_sent = 0;
     p->peer_bye = false;
     p->peer_last_seq = 0;
+    p->stats.resumed_from = 0; /* the next link's peer says for itself */
     p->link_failed = false;
     p->epoch++;
 
@@ -1599,7 +1627,7 @@ tdp_err tdp__session_accept(tdp_pipe *p, evutil_socket_t fd, const struct sockad
     p->ready_cb = ready;
     p->ready_arg = arg;
     ready_deadline(p);
-    if (p->hello_hook == NULL)
+    if (p->hello_hook == NULL || p->secret_len > 0)
         send_hello(p); /* a failure here is reported through ready */
     return TDP_OK;
 }

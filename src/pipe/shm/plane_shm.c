@@ -66,7 +66,16 @@
 #define MSG_MAGIC      0x314d5350u /* "PSM1" */
 #define MSG_INLINE_MAX (32u * 1024u) /* larger JSON travels in a memfd */
 #define MSG_HDR_BYTES  80u
-#define MAX_PENDING    (2u * TDP_MAX_DEPTH + 8u) /* announcements not yet in force */
+/*
+ * Announcements not yet in force, per link, scaled by this side's own depth
+ * (never the peer's word): each DATA in flight (at most depth) may bring a
+ * SCHEMA and a POOL, and each loan the sender holds (at most depth) a POOL.
+ * More is a protocol error. Until in force a POOL holds its three fds and
+ * is not mapped, and a SCHEMA holds its inline JSON (at most
+ * MSG_INLINE_MAX bytes) or its memfd, not yet read.
+ */
+#define PEND_POOLS(depth)   (2u * (depth) + 1u)
+#define PEND_SCHEMAS(depth) ((depth) + 1u)
 #define MAX_GEN        0x00ffffffu                /* generations fit 24 bits of a descriptor */
 #define ACCEPT_PENDING 64u /* connections not yet proven, per loop */
 
@@ -135,8 +144,9 @@ struct rx_pool {
 /* An announcement read from the socket, waiting for its DATA. */
 typedef struct pend_msg {
     shm_msg m;
-    char *json;        /* SCHEMA */
-    tdp__shm_seg *seg; /* POOL, mapped on arrival */
+    char *json; /* SCHEMA, inline */
+    int fds[3]; /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
+    uint32_t nfds;
 } pend_msg;
 
 /* A send that came before the socket was up. */
@@ -168,6 +178,9 @@ struct tdp__link {
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     bool loan_starved; /* a loan was refused for want of a free slot */
+    /* seqs of POOLs announced that the receiver may not have in force yet */
+    uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
+    uint32_t pool_ann_head, npool_ann;
     bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
     early_tx *early;
     uint32_t nearly, capearly;
@@ -178,8 +191,8 @@ struct tdp__link {
     bool rx_armed;
     rx_pool *rpool;      /* in force; retired ones in rpool->next */
     uint32_t last_gen;
-    pend_msg *pend;
-    uint32_t pend_head, npend;
+    pend_msg *pend; /* a ring of pend_cap */
+    uint32_t pend_head, npend, pend_cap, npend_pools, npend_schemas;
     tdp_schema *rx_schema;
     uint64_t rx_hash;
     rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
@@ -371,6 +384,20 @@ static tdp_err tx_ctl_up(struct tdp__link *l)
 }
 
 /* Make a pool that holds `bytes` per slot the current one, announced from the next DATA on. */
+/*
+ * POOLs the receiver may not have put in force: those announced for a DATA
+ * past the ones it has given back (it reads DATA in order, so it has read,
+ * and applied the announcements of, at least as many as it released).
+ */
+static uint32_t tx_pools_pending(struct tdp__link *l)
+{
+    while (l->npool_ann > 0 && l->pool_ann[l->pool_ann_head] <= l->seq0 + l->released) {
+        l->pool_ann_head = (l->pool_ann_head + 1) % PEND_POOLS(TDP_MAX_DEPTH);
+        l->npool_ann--;
+    }
+    return l->npool_ann;
+}
+
 static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
 {
     if (l->pool != NULL && l->pool->stride >= bytes)
@@ -385,6 +412,8 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
     p->slots = tdp__alloc_array(n, sizeof(*p->slots));
     tdp_err rc = p->slots == NULL ? TDP_ENOMEM
                                   : tdp__shm_seg_create(gen, n, bytes == 0 ? 1 : bytes, 0, &p->seg);
+    if (rc == TDP_OK && tx_pools_pending(l) >= PEND_POOLS(l->peer_depth))
+        rc = TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
     if (rc == TDP_OK)
         rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
     if (rc != TDP_OK) {
@@ -393,6 +422,7 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
         tdp__free(p);
         return rc;
     }
+    l->pool_ann[(l->pool_ann_head + l->npool_ann++) % PEND_POOLS(TDP_MAX_DEPTH)] = l->last_seq + 1;
     atomic_init(&p->refs, 1);
     p->gen = gen;
     p->nslots = n;
@@ -591,6 +621,11 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
          * now would be copied at its send, so ask for a retry instead */
         return TDP_EAGAIN;
     uint64_t need = tdp_schema_total_bytes(sc);
+    if ((l->pool == NULL || l->pool->stride < need) && tx_pools_pending(l) > l->peer_depth)
+        /* a new pool now could leave the receiver more announcements than
+         * it holds (PEND_POOLS) once the sends the credit allows add theirs:
+         * an ordinary buffer, copied at its send */
+        return tdp_td_new(sc, out);
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK)
         rc = tx_pool_grow(l, need);
@@ -654,22 +689,33 @@ static uint64_t rx_map_cap(const struct tdp__link *l, uint32_t nslots)
     return stride != 0 && cap / stride != nslots ? UINT64_MAX : cap + (8u << 20);
 }
 
-/* A pool announced: map it now (it is checked whole), put it in force later. */
-static tdp_err rx_map_pool(struct tdp__link *l, const shm_msg *m, int *fds, tdp__shm_seg **out)
+/* A pool announced: its generation in order and its size in bounds; mapped once in force. */
+static tdp_err rx_check_pool(struct tdp__link *l, const shm_msg *m, const int *fds)
 {
-    if (m->gen <= l->last_gen || m->gen > MAX_GEN)
+    struct stat st;
+    if (m->gen <= l->last_gen || m->gen > MAX_GEN || fstat(fds[0], &st) != 0 ||
+        (uint64_t)st.st_size > rx_map_cap(l, pool_slots(l->depth)))
         return TDP_EPROTO;
-    tdp_err rc = tdp__shm_seg_map(fds[0], fds[1], fds[2], m->gen,
+    l->last_gen = m->gen;
+    return TDP_OK;
+}
+
+/* A pool in force: map it (it is checked whole). The fds are the segment's, or closed. */
+static tdp_err rx_map_pool(struct tdp__link *l, const pend_msg *pm, tdp__shm_seg **out)
+{
+    tdp_err rc = tdp__shm_seg_map(pm->fds[0], pm->fds[1], pm->fds[2], pm->m.gen,
                                   rx_map_cap(l, pool_slots(l->depth)), out);
-    if (rc != TDP_OK)
-        return rc;
+    if (rc != TDP_OK) {
+        for (int i = 0; i < 3; i++)
+            close(pm->fds[i]);
+        return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
+    }
     const tdp__shm_geom *g = tdp__shm_seg_geom(*out);
     if (g->nslots > pool_slots(l->depth) || g->slot_bytes > page_round(l->max_total) + TDP__SHM_PAGE) {
         tdp__shm_seg_close(*out);
         *out = NULL;
         return TDP_EPROTO;
     }
-    l->last_gen = m->gen;
     return TDP_OK;
 }
 
@@ -753,17 +799,20 @@ static tdp_err sock_read_one(struct tdp__link *l)
             close_fds(fds, nfds);
         return rc == TDP_OK ? TDP_OK : TDP_EPROTO;
     }
-    /* POOL and SCHEMA wait for their DATA, in order */
-    if (l->npend == MAX_PENDING ||
-        (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % MAX_PENDING].m.seq)) {
+    /* POOL and SCHEMA wait for their DATA, in order, and only so many */
+    bool pool = m.type == MSG_POOL;
+    if ((pool ? l->npend_pools >= PEND_POOLS(l->depth)
+              : l->npend_schemas >= PEND_SCHEMAS(l->depth)) ||
+        (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % l->pend_cap].m.seq)) {
         close_fds(fds, nfds);
         return TDP_EPROTO;
     }
-    pend_msg pm = {.m = m};
-    if (m.type == MSG_POOL) {
-        if (tail != 0 || (rc = rx_map_pool(l, &m, fds, &pm.seg)) != TDP_OK) {
+    pend_msg pm = {.m = m, .nfds = (uint32_t)nfds};
+    memcpy(pm.fds, fds, nfds * sizeof(int));
+    if (pool) {
+        if (tail != 0 || rx_check_pool(l, &m, fds) != TDP_OK) {
             close_fds(fds, nfds);
-            return rc == TDP_ENOMEM ? TDP_ENOMEM : TDP_EPROTO;
+            return TDP_EPROTO;
         }
     } else {
         bool in_fd = m.flags & MSG_F_JSON_FD;
@@ -772,29 +821,26 @@ static tdp_err sock_read_one(struct tdp__link *l)
             close_fds(fds, nfds);
             return TDP_EPROTO;
         }
-        pm.json = tdp__malloc(m.json_len);
-        if (pm.json == NULL) {
-            close_fds(fds, nfds);
-            return TDP_ENOMEM;
-        }
-        rc = in_fd ? read_json_fd(fds[0], m.json_len, pm.json) : TDP_OK;
-        if (!in_fd)
+        if (!in_fd) {
+            pm.json = tdp__malloc(m.json_len);
+            if (pm.json == NULL)
+                return TDP_ENOMEM;
             memcpy(pm.json, buf + MSG_HDR_BYTES, m.json_len);
-        close_fds(fds, nfds);
-        if (rc != TDP_OK) {
-            tdp__free(pm.json);
-            return rc;
         }
     }
-    l->pend[(l->pend_head + l->npend) % MAX_PENDING] = pm;
+    l->pend[(l->pend_head + l->npend) % l->pend_cap] = pm;
     l->npend++;
+    if (pool)
+        l->npend_pools++;
+    else
+        l->npend_schemas++;
     return TDP_OK;
 }
 
 /* Read what the socket holds. TDP_OK (drained), TDP_ECLOSED, or an error. */
 static tdp_err sock_read_all(struct tdp__link *l)
 {
-    for (int i = 0; i < 4 * (int)MAX_PENDING; i++) {
+    for (int i = 0; i < 4 * (int)l->pend_cap; i++) {
         tdp_err rc = sock_read_one(l);
         if (rc == TDP_EAGAIN)
             return TDP_OK;
@@ -817,21 +863,26 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             return TDP_EPROTO; /* announced for a DATA that never came */
         pend_msg cur = *pm;
         pm->json = NULL;
-        pm->seg = NULL;
-        l->pend_head = (l->pend_head + 1) % MAX_PENDING;
+        pm->nfds = 0;
+        l->pend_head = (l->pend_head + 1) % l->pend_cap;
         l->npend--;
         if (cur.m.type == MSG_POOL) {
-            const tdp__shm_geom *g = tdp__shm_seg_geom(cur.seg);
+            l->npend_pools--;
+            tdp__shm_seg *seg;
+            tdp_err rc = rx_map_pool(l, &cur, &seg);
+            if (rc != TDP_OK)
+                return rc;
+            const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
             rx_pool *p = tdp__calloc(1, sizeof(*p));
             rx_slot *slots = tdp__alloc_array(g->nslots, sizeof(*slots));
             if (p == NULL || slots == NULL) {
                 tdp__free(p);
                 tdp__free(slots);
-                tdp__shm_seg_close(cur.seg);
+                tdp__shm_seg_close(seg);
                 return TDP_ENOMEM;
             }
             atomic_init(&p->refs, 1);
-            p->seg = cur.seg;
+            p->seg = seg;
             p->gen = cur.m.gen;
             p->nslots = g->nslots;
             p->stride = g->slot_bytes;
@@ -846,10 +897,22 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
                 p->next = old->next;
                 rx_pool_drop(old);
             }
-            tdp_err rc = rx_views(l);
+            rc = rx_views(l);
             if (rc != TDP_OK)
                 return rc;
         } else {
+            l->npend_schemas--;
+            if (cur.json == NULL) { /* in its memfd: read now */
+                tdp_err rc = TDP_ENOMEM;
+                cur.json = tdp__malloc(cur.m.json_len);
+                if (cur.json != NULL)
+                    rc = read_json_fd(cur.fds[0], cur.m.json_len, cur.json);
+                close(cur.fds[0]);
+                if (rc != TDP_OK) {
+                    tdp__free(cur.json);
+                    return rc;
+                }
+            }
             tdp__frame f = {.type = TDP_AM_SCHEMA,
                             .seq = cur.m.seq,
                             .hash = cur.m.hash,
@@ -1259,11 +1322,11 @@ static void link_teardown(struct tdp__link *l)
     tdp__shm_seg_close(l->tx_ctl);
     l->tx_ctl = NULL;
     for (uint32_t i = 0; i < l->npend; i++) {
-        pend_msg *pm = &l->pend[(l->pend_head + i) % MAX_PENDING];
+        pend_msg *pm = &l->pend[(l->pend_head + i) % l->pend_cap];
         tdp__free(pm->json);
-        tdp__shm_seg_close(pm->seg);
+        close_fds(pm->fds, pm->nfds);
     }
-    l->npend = 0;
+    l->npend = l->npend_pools = l->npend_schemas = 0;
     /* views the application holds keep their pool mapped */
     while (l->rpool != NULL) {
         rx_pool *p = l->rpool;
@@ -1407,7 +1470,8 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->max_total = peer->max_total_bytes;
     l->capearly = 2 * peer->peer_depth + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
-    l->pend = tdp__alloc_array(MAX_PENDING, sizeof(*l->pend));
+    l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);
+    l->pend = tdp__alloc_array(l->pend_cap, sizeof(*l->pend));
     if (l->early == NULL || l->pend == NULL)
         return TDP_ENOMEM;
     l->started = true;
@@ -1494,6 +1558,32 @@ tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *js
     if ((rc = tdp__shm_ring_push(r, d)) != TDP_OK)
         return rc;
     return tdp__shm_ring_notify(r);
+}
+
+tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t bytes)
+{
+    if (l == NULL || l->sock < 0 || !l->proven)
+        return TDP_EINVAL;
+    tdp_err rc;
+    if (pool) {
+        tdp__shm_seg *seg;
+        if ((rc = tdp__shm_seg_create(++l->next_gen, pool_slots(l->peer_depth), bytes, 0, &seg)) !=
+            TDP_OK)
+            return rc;
+        rc = announce_seg(l, MSG_POOL, seg, seq);
+        tdp__shm_seg_close(seg);
+        return rc;
+    }
+    int fd = memfd_create("tdpipe-rogue", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return TDP_ENOMEM;
+    rc = TDP_ENOMEM;
+    shm_msg m = {.type = MSG_SCHEMA, .flags = MSG_F_JSON_FD, .seq = seq, .json_len = bytes};
+    if (ftruncate(fd, (off_t)bytes) == 0 &&
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0)
+        rc = msg_send(l, &m, NULL, 0, &fd, 1);
+    close(fd);
+    return rc;
 }
 
 tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d)

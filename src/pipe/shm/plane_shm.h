@@ -21,6 +21,14 @@
 tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *json, size_t jlen,
                             uint64_t seq, uint64_t total);
 
+/*
+ * Act as a hostile sender on link l (whose socket is up): announce for
+ * `seq` a POOL of slots of `bytes` each (a new generation), or a SCHEMA
+ * whose `bytes` of JSON (not a schema: it is never read before its DATA)
+ * travel in a sealed memfd; no DATA follows.
+ */
+tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t bytes);
+
 /* Act as a hostile receiver: push *d on the release ring of what l receives. */
 tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d);
 
