@@ -42,9 +42,10 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
-#include "pipe/plane_shm.h"
+#include "pipe/shm/plane_shm.h"
 #include "pipe/session.h"
-#include "pipe/shm.h"
+#include "pipe/shm/shm.h"
+#include "pipe/shm/shm_hello.h"
 #include "pipe/wire.h"
 
 #define TMO 20000
@@ -174,13 +175,13 @@ static void attacker_hello(attacker *a, uint16_t port)
         .max_msg_bytes = 1u << 20,
         .planes = planes,
         .nplanes = 2,
-        .addr = "x", /* never looked at before a proof */
-        .addr_len = 1,
         .auth = TDP_AUTH_HMAC_SHA256,
     };
-    mine.shm.key = a->key;
-    mine.shm.name = name;
-    mine.shm.name_len = TDP__SHM_NAME_LEN;
+    /* the UCX address is never looked at before a proof */
+    assert_int_equal(tdp_hello_add_rec(&mine, TDP_HX_UCX_ADDR, "x", 1), TDP_OK);
+    static uint8_t shm_rec[TDP_SHM_REC_MAX];
+    tdp__shm_hello sh = {.key = a->key, .name = name, .name_len = TDP__SHM_NAME_LEN};
+    assert_int_equal(tdp__shm_hello_put(&mine, shm_rec, &sh), TDP_OK);
     memcpy(mine.host_id, a->h.host_id, TDP_HOST_ID_LEN);
     for (size_t i = 0; i < TDP_HELLO_NONCE_LEN; i++)
         mine.nonce[i] = (uint8_t)(i * 37 + 11);
@@ -354,10 +355,11 @@ static void ucx_attack(uint16_t port, const char *who)
 
     attacker a;
     attacker_hello(&a, port);
-    assert_non_null(a.h.addr);
+    const tdp_hx_rec *addr = tdp_hello_rec(&a.h, TDP_HX_UCX_ADDR);
+    assert_non_null(addr);
     uint64_t live0 = live_bytes(), allocs0 = tdp_mem_total_allocs(), rss0 = rss_bytes();
     ucx_side u;
-    ucx_up(&u, a.h.addr);
+    ucx_up(&u, addr->val);
     tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
                     .token = a.h.token,
                     .seq = 1,
@@ -482,17 +484,18 @@ static void test_preauth_shm(void **state)
     server_up(&s);
     attacker a;
     attacker_hello(&a, tdp_listener_port(s.l));
-    assert_non_null(a.h.shm.key);
+    tdp__shm_hello peer_shm;
+    assert_int_equal(tdp__shm_hello_get(&a.h, &peer_shm), TDP_OK);
     uint64_t live0 = live_bytes(), rss0 = rss_bytes(), nmap0, mbytes0;
     maps(&nmap0, &mbytes0);
     int fds0 = nfds();
 
     int sock;
     assert_int_equal(
-        tdp__shm_connect(SOCK_SEQPACKET, a.h.shm.name, a.h.shm.name_len, false, &sock, NULL),
+        tdp__shm_connect(SOCK_SEQPACKET, peer_shm.name, peer_shm.name_len, false, &sock, NULL),
         TDP_OK);
     shm_msg m = {.magic = SHM_MAGIC, .type = 1};
-    memcpy(m.key, a.h.shm.key, TDP_SHM_KEY_LEN);
+    memcpy(m.key, peer_shm.key, TDP_SHM_KEY_LEN);
     memcpy(m.peer_key, a.key, TDP_SHM_KEY_LEN);
     assert_int_equal(tdp__shm_sock_send(sock, &m, sizeof(m), NULL, 0), TDP_OK);
     int mfd = memfd_create("attack", MFD_CLOEXEC);
@@ -552,11 +555,13 @@ static void test_preauth_many(void **state)
     int fds0 = nfds();
     for (int i = 0; i < N; i++) {
         attacker_hello(&a[i], tdp_listener_port(s.l));
-        assert_int_equal(tdp__shm_connect(SOCK_SEQPACKET, a[i].h.shm.name, a[i].h.shm.name_len,
-                                          false, &socks[i], NULL),
-                         TDP_OK);
+        tdp__shm_hello ps;
+        assert_int_equal(tdp__shm_hello_get(&a[i].h, &ps), TDP_OK);
+        assert_int_equal(
+            tdp__shm_connect(SOCK_SEQPACKET, ps.name, ps.name_len, false, &socks[i], NULL),
+            TDP_OK);
         shm_msg m = {.magic = SHM_MAGIC, .type = 1};
-        memcpy(m.key, a[i].h.shm.key, TDP_SHM_KEY_LEN);
+        memcpy(m.key, ps.key, TDP_SHM_KEY_LEN);
         memcpy(m.peer_key, a[i].key, TDP_SHM_KEY_LEN);
         assert_int_equal(tdp__shm_sock_send(socks[i], &m, sizeof(m), NULL, 0), TDP_OK);
     }
