@@ -41,6 +41,8 @@ typedef struct shared_ep {
     bool failed;
     bool peer_gone; /* a link's control channel saw the peer die */
     uint32_t refs;
+    ucp_worker_h w;
+    struct tdp__link *solo; /* the one link of a private worker's endpoint */
     ucp_ep_h ep;
     size_t alen;
     uint8_t *addr;
@@ -88,6 +90,12 @@ struct tdp__link {
     uint32_t reg_index;
     int wi;       /* TDP_WORKER_ANY or TDP_WORKER_LOCAL */
     bool wi_seen; /* a frame pinned the worker before link_start */
+    /* the link's own same-host worker (ucx_workers.h says why), its address,
+     * and the forced close of its endpoint while that is in progress */
+    tdp__ucx_private *own;
+    ucp_address_t *own_addr;
+    size_t own_addr_len;
+    void *close_req;
     bool started, closed;
     bool peer_mode;
     shared_ep *sep;
@@ -158,6 +166,8 @@ static void track_close(ucx_ext *x, void *req)
 }
 
 static void rx_buf_drop(struct tdp__link *l, rx_buf *b);
+static void unlink_ep(shared_ep **list, shared_ep *e);
+static void link_drop_own(struct tdp__link *l);
 
 /*
  * Before the workers go: let endpoint closes finish (destroying a worker
@@ -200,6 +210,20 @@ static void ext_pre_fini(void *ext)
             ucp_request_free(l->credit_req);
         l->credit_req = NULL;
         l->reqs = 0;
+        if (l->own != NULL) {
+            if (l->sep != NULL && l->sep->solo == l) {
+                /* its endpoint goes with the worker */
+                shared_ep *e = l->sep;
+                l->sep = NULL;
+                unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
+                tdp__free(e->addr);
+                tdp__free(e);
+            }
+            if (l->close_req != NULL)
+                ucp_request_free(l->close_req);
+            l->close_req = NULL;
+            link_drop_own(l);
+        }
     }
     for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
         if (x->addr[i] != NULL)
@@ -422,11 +446,21 @@ static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
     ep_unref(e);
 }
 
+static ucp_worker_h link_worker(const struct tdp__link *l)
+{
+    if (l->wi == TDP_WORKER_LOCAL)
+        return l->own != NULL ? tdp__ucx_private_worker(l->own) : NULL;
+    return l->x->ucx->worker[TDP_WORKER_ANY];
+}
+
 static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
 {
     ucx_ext *x = l->x;
+    ucp_worker_h w = link_worker(l);
+    if (w == NULL)
+        return TDP_EINTERNAL; /* link_start made the link's own worker */
     for (shared_ep *e = x->eps; e != NULL; e = e->next) {
-        if (e->wi == l->wi && e->peer_mode == l->peer_mode && e->alen == alen &&
+        if (e->w == w && e->peer_mode == l->peer_mode && e->alen == alen &&
             memcmp(e->addr, addr, alen) == 0) {
             e->refs++;
             l->sep = e;
@@ -443,6 +477,8 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
     e->alen = alen;
     e->x = x;
     e->wi = l->wi;
+    e->w = w;
+    e->solo = l->wi == TDP_WORKER_LOCAL ? l : NULL;
     e->peer_mode = l->peer_mode;
     ucp_ep_params_t prm = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
@@ -454,7 +490,7 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
         prm.err_handler.cb = shared_ep_err;
         prm.err_handler.arg = e;
     }
-    ucs_status_t st = ucp_ep_create(x->ucx->worker[l->wi], &prm, &e->ep);
+    ucs_status_t st = ucp_ep_create(w, &prm, &e->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
         tdp__free(e->addr);
@@ -489,6 +525,8 @@ static void ep_unref(shared_ep *e)
          * needs peer-failure mode, which same-host endpoints cannot have):
          * UCX frees it when done or with the worker; nobody waits for it */
         ucp_request_free(req);
+    else if (req != NULL && e->solo != NULL)
+        e->solo->close_req = req; /* its private worker waits for it (link_drop_own) */
     else if (req != NULL)
         track_close(x, req); /* finished before the worker goes */
     tdp__loop_kick(x->loop);
@@ -666,8 +704,7 @@ static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     }
     b->posting = true;
     b->posted_done = false;
-    void *r = ucp_am_recv_data_nbx(l->x->ucx->worker[l->wi], d->data, b->td->data, d->length,
-                                   &prm);
+    void *r = ucp_am_recv_data_nbx(link_worker(l), d->data, b->td->data, d->length, &prm);
     b->posting = false;
     if (b->posted_done) { /* recv_cb ran and freed the request: r is not ours */
         if (b->posted_rc != TDP_OK)
@@ -948,15 +985,97 @@ static tdp_err u_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     return TDP_OK;
 }
 
-static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
+static bool have_local(const ucx_ext *x)
 {
-    const void *addr, *laddr;
-    size_t alen, llen;
-    tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
-    if (rc == TDP_OK)
-        rc = worker_address(l->x, TDP_WORKER_LOCAL, &laddr, &llen);
+    return x->ucx->nworkers > TDP_WORKER_LOCAL && x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
+}
+
+/*
+ * The link's own same-host worker, made on first need (its address goes in
+ * this side's HELLO). A worker per link, because one shared by every peer
+ * on this host is stopped for all of them by one killed mid-send
+ * (ucx_workers.h).
+ */
+static tdp_err link_own(struct tdp__link *l)
+{
+    ucx_ext *x = l->x;
+    if (l->own != NULL)
+        return TDP_OK;
+    tdp_err rc = tdp__ucx_private_new(x->ucx, &l->own);
     if (rc != TDP_OK)
         return rc;
+    ucp_worker_h w = tdp__ucx_private_worker(l->own);
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = TDP_AM_ID,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = am_cb,
+        .arg = &x->args[TDP_WORKER_LOCAL],
+    };
+    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
+    if (st == UCS_OK)
+        st = ucp_worker_get_address(w, &l->own_addr, &l->own_addr_len);
+    if (st != UCS_OK) {
+        tdp_log_error("link worker: %s", ucs_status_string(st));
+        l->own_addr = NULL;
+        tdp__ucx_private_free(l->own);
+        l->own = NULL;
+        return TDP_EUCX;
+    }
+    return TDP_OK;
+}
+
+/*
+ * The link's own worker goes, after the forced close of its endpoint
+ * finished (destroying a worker with a close in progress can crash UCX
+ * 1.13). Not from inside a progress of it; a close that does not finish
+ * in a second leaves the worker to the loop's end.
+ */
+static void link_drop_own(struct tdp__link *l)
+{
+    if (l->own == NULL)
+        return;
+    ucp_worker_h w = tdp__ucx_private_worker(l->own);
+    if (l->close_req != NULL) {
+        int64_t end = tdp__now_ms() + 1000;
+        while (l->x->ucx->progressing == 0 &&
+               ucp_request_check_status(l->close_req) == UCS_INPROGRESS && tdp__now_ms() <= end) {
+            l->x->ucx->progressing++;
+            ucp_worker_progress(w);
+            l->x->ucx->progressing--;
+        }
+        if (ucp_request_check_status(l->close_req) == UCS_INPROGRESS) {
+            tdp_log_warn("a link's endpoint close did not finish; its worker stays");
+            return;
+        }
+        ucp_request_free(l->close_req);
+        l->close_req = NULL;
+    }
+    if (l->own_addr != NULL)
+        ucp_worker_release_address(w, l->own_addr);
+    l->own_addr = NULL;
+    tdp__ucx_private_free(l->own);
+    l->own = NULL;
+}
+
+static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
+{
+    const void *addr, *laddr = NULL;
+    size_t alen, llen = 0;
+    tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
+    if (rc != TDP_OK)
+        return rc;
+    if (have_local(l->x)) {
+        if (link_own(l) == TDP_OK) {
+            laddr = l->own_addr;
+            llen = l->own_addr_len;
+        } else {
+            /* out of descriptors or memory: no same-host address, so both
+             * sides pick the general worker, which costs this side nothing */
+            tdp_log_info("no same-host worker for this pipe: it uses the general one");
+        }
+    }
     h->token = l->token;
     h->addr = addr;
     h->addr_len = (uint32_t)alen;
@@ -1011,9 +1130,8 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
      * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
      * worker with / without it.
      */
-    bool local = peer->same_host && h->local_addr_len > 0 &&
-                 l->x->ucx->nworkers > TDP_WORKER_LOCAL &&
-                 l->x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
+    /* this side's HELLO (sent first) gave a same-host address iff own is set */
+    bool local = peer->same_host && h->local_addr_len > 0 && l->own != NULL;
     int seen = l->wi;
     l->wi = TDP_WORKER_ANY;
     if (h->peer_mode == TDP_PEER_UCX || peer->mode == TDP_PEER_UCX) {
@@ -1021,7 +1139,9 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     } else if (h->peer_mode == TDP_PEER_SOCKET || peer->mode == TDP_PEER_SOCKET) {
         l->peer_mode = false;
     } else if (local) {
-        l->peer_mode = false;
+        /* the link's own worker, in peer-failure mode: a killed peer's
+         * endpoint can be closed at once, with what UCX held for it */
+        l->peer_mode = true;
         l->wi = TDP_WORKER_LOCAL;
     } else {
         l->peer_mode = true;
@@ -1046,6 +1166,8 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
             if (!l->rx[i].lent && l->rx[i].req == NULL)
                 rx_buf_drop(l, &l->rx[i]);
     }
+    if (l->wi != TDP_WORKER_LOCAL && l->own != NULL)
+        link_drop_own(l); /* unused: not a peer on this host (no progress is on the stack) */
     tdp_err rc = link_ep(l, peer);
     if (rc != TDP_OK)
         return rc;
@@ -1071,6 +1193,7 @@ static void link_destroy(struct tdp__link *l)
     if (l->sep != NULL)
         ep_unref(l->sep);
     l->sep = NULL;
+    link_drop_own(l);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         rx_buf_drop(l, &l->rx[i]);
     for (uint32_t i = 0; i < l->nticket; i++)
@@ -1124,10 +1247,11 @@ static tdp_err u_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 static void u_poll_credit(tdp__link *l)
 {
     tdp__ucx *u = l->x->ucx;
-    if (l->closed || u->progressing > 0 || u->worker[l->wi] == NULL)
+    ucp_worker_h w = link_worker(l);
+    if (l->closed || u->progressing > 0 || w == NULL)
         return;
     u->progressing++;
-    (void)ucp_worker_progress(u->worker[l->wi]);
+    (void)ucp_worker_progress(w);
     u->progressing--;
 }
 
