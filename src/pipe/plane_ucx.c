@@ -93,6 +93,7 @@ struct tdp__link {
     /* the link's own same-host worker (ucx_workers.h says why), its address,
      * and the forced close of its endpoint while that is in progress */
     tdp__ucx_private *own;
+    bool no_own; /* none, for good: the HELLO has (or will have) no same-host address */
     ucp_address_t *own_addr;
     size_t own_addr_len;
     void *close_req;
@@ -1001,9 +1002,13 @@ static tdp_err link_own(struct tdp__link *l)
     ucx_ext *x = l->x;
     if (l->own != NULL)
         return TDP_OK;
+    if (l->no_own || !have_local(x))
+        return TDP_ENOTSUP;
     tdp_err rc = tdp__ucx_private_new(x->ucx, &l->own);
-    if (rc != TDP_OK)
+    if (rc != TDP_OK) {
+        l->no_own = true;
         return rc;
+    }
     ucp_worker_h w = tdp__ucx_private_worker(l->own);
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
@@ -1021,6 +1026,7 @@ static tdp_err link_own(struct tdp__link *l)
         l->own_addr = NULL;
         tdp__ucx_private_free(l->own);
         l->own = NULL;
+        l->no_own = true;
         return TDP_EUCX;
     }
     return TDP_OK;
@@ -1066,7 +1072,7 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
     tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
     if (rc != TDP_OK)
         return rc;
-    if (have_local(l->x)) {
+    if (have_local(l->x) && !l->no_own) {
         if (link_own(l) == TDP_OK) {
             laddr = l->own_addr;
             llen = l->own_addr_len;
@@ -1130,7 +1136,13 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
      * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
      * worker with / without it.
      */
-    /* this side's HELLO (sent first) gave a same-host address iff own is set */
+    /*
+     * This side's HELLO gives a same-host address iff the link has its own
+     * worker. The peer's HELLO may be read before this side's is sent:
+     * the worker is made now, and one this side goes without stays so.
+     */
+    if (have_local(l->x) && !l->no_own)
+        (void)link_own(l); /* a failure sets no_own */
     bool local = peer->same_host && h->local_addr_len > 0 && l->own != NULL;
     int seen = l->wi;
     l->wi = TDP_WORKER_ANY;
@@ -1166,8 +1178,10 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
             if (!l->rx[i].lent && l->rx[i].req == NULL)
                 rx_buf_drop(l, &l->rx[i]);
     }
-    if (l->wi != TDP_WORKER_LOCAL && l->own != NULL)
+    if (l->wi != TDP_WORKER_LOCAL && l->own != NULL) {
         link_drop_own(l); /* unused: not a peer on this host (no progress is on the stack) */
+        l->no_own = true; /* a HELLO still to send says so */
+    }
     tdp_err rc = link_ep(l, peer);
     if (rc != TDP_OK)
         return rc;
