@@ -10,7 +10,8 @@
  * per remote worker shared by every link
  * between the same two workers (UCX pairs the endpoints two workers create
  * to each other in creation order, which two sides opening several pipes
- * at once need not agree on).
+ * at once need not agree on). A same-host link has a worker of its own
+ * (ucx_workers.h says why), and so an endpoint of its own.
  *
  * A closed link lives on while UCX holds any of its buffers (a send or a
  * rendezvous receive in flight) and is freed when the last request
@@ -523,7 +524,7 @@ static void ep_unref(shared_ep *e)
         tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(req)));
     else if (req != NULL && e->peer_gone && !e->peer_mode)
         /* a flush towards a dead process never ends (and a forced close
-         * needs peer-failure mode, which same-host endpoints cannot have):
+         * needs peer-failure mode, which TDP_PEER_SOCKET turns off):
          * UCX frees it when done or with the worker; nobody waits for it */
         ucp_request_free(req);
     else if (req != NULL && e->solo != NULL)
@@ -1130,9 +1131,8 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
-     * both have a shared-memory worker, gets that worker without UCX's
-     * peer-failure mode (shared memory stays usable; the control socket
-     * sees the peer die); any other peer gets the general worker with UCX's
+     * both offer a same-host address, gets the link's own shared-memory
+     * worker; any other peer gets the general worker; both with UCX's
      * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
      * worker with / without it.
      */

@@ -78,8 +78,8 @@ static const tdp__source_ops worker_ops = {
  * when the user's list leaves none. cma is never among them: it reads a
  * peer's memory with process_vm_readv, and in UCX 1.13 a peer that dies
  * during such a read is a fatal error in the reading process whenever the
- * endpoint has no peer-failure mode (which same-host endpoints cannot have:
- * UCX's shared-memory transports do not support it).
+ * endpoint has no peer-failure mode (with it, untried here: posix and sysv
+ * carry rendezvous data well enough).
  */
 static char *local_tls(const char *user)
 {
