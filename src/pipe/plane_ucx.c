@@ -124,6 +124,12 @@ struct ucx_ext {
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
     shared_ep *eps, *dead_eps;
+    struct stray { /* a link's own worker whose endpoint close did not finish */
+        tdp__ucx_private *own;
+        ucp_address_t *addr;
+        void *req;
+        struct stray *next;
+    } * strays;
     void **closing; /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
     struct am_arg {
@@ -227,6 +233,21 @@ static void ext_pre_fini(void *ext)
             link_drop_own(l);
         }
     }
+    while (x->strays != NULL) {
+        struct stray *st = x->strays;
+        ucp_worker_h w = tdp__ucx_private_worker(st->own);
+        for (int64_t stop = tdp__now_ms() + 100;
+             ucp_request_check_status(st->req) == UCS_INPROGRESS && tdp__now_ms() <= stop;) {
+            x->ucx->progressing++;
+            ucp_worker_progress(w);
+            x->ucx->progressing--;
+        }
+        ucp_request_free(st->req);
+        ucp_worker_release_address(w, st->addr);
+        tdp__ucx_private_free(st->own);
+        x->strays = st->next;
+        tdp__free(st);
+    }
     for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
         if (x->addr[i] != NULL)
             ucp_worker_release_address(x->ucx->worker[i], x->addr[i]);
@@ -298,7 +319,8 @@ static void ext_free_unregistered(ucx_ext *x)
 static bool ext_in_use(void *arg)
 {
     const ucx_ext *x = arg;
-    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0;
+    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0 ||
+           x->strays != NULL;
 }
 
 static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
@@ -1053,7 +1075,15 @@ static void link_drop_own(struct tdp__link *l)
             l->x->ucx->progressing--;
         }
         if (ucp_request_check_status(l->close_req) == UCS_INPROGRESS) {
+            struct stray *st = tdp__calloc(1, sizeof(*st));
             tdp_log_warn("a link's endpoint close did not finish; its worker stays");
+            if (st != NULL) { /* the loop's end frees it (ext_pre_fini) */
+                *st = (struct stray){l->own, l->own_addr, l->close_req, l->x->strays};
+                l->x->strays = st;
+            }
+            l->own = NULL;
+            l->own_addr = NULL;
+            l->close_req = NULL;
             return;
         }
         ucp_request_free(l->close_req);
