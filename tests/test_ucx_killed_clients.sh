@@ -12,7 +12,7 @@
 #      messages), then the server's VmRSS is the baseline;
 #   2. a rate-limited ucx client (`tdpipe send`, 5 s per-message deadline)
 #      streams through all of step 3 and must still be alive after it;
-#   3. KILLS ucx clients, one after the other, each SIGKILLed 20..150 ms
+#   3. KILLS ucx clients, one after the other, each SIGKILLed 50..300 ms
 #      after it printed "connected" while streaming 100 MB messages;
 #   4. good clients, each under a deadline: ucx (1 KB and 1 MB messages)
 #      and shm (1 KB), every message delivered and checked by the sink;
@@ -30,7 +30,7 @@ set -uo pipefail
 TDPIPE=${1:?usage: test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT}
 CLIENT=${2:?usage: test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT}
 KILLS=${TDP_TEST_KILLS:-40}
-RSS_BOUND_MB=64
+RSS_BOUND_MB=16
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tdp-kill.XXXXXX")
@@ -126,7 +126,7 @@ for ((i = 1; i <= KILLS && SECONDS - T0 < 60; i++)); do
         cp "$WORK/victim.out" "$WORK/noconn$i.out"
         dump "$WORK/noconn$i.out"
     else
-        sleep "0.$(printf '%03d' $((20 + RANDOM % 131)))"
+        sleep "0.$(printf '%03d' $((50 + RANDOM % 251)))"
         if kill -0 "$VICTIM" 2>/dev/null; then
             MID=$((MID + 1))
         else
