@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "../core/alloc.h"
 #include "../core/log.h"
@@ -262,11 +264,30 @@ struct tdp__ucx_private {
     tdp__source *src;
 };
 
+/*
+ * Whether this process can open PRIVATE_FDS more descriptors now. A worker
+ * of the same-host context opens about 7 (shared-memory segments, signal
+ * sockets, event fds); UCX 1.13 leaks memory, and logs a screenful, when
+ * that runs out halfway, so a worker is not tried without the headroom.
+ */
+#define PRIVATE_FDS 12
+static bool fds_to_spare(void)
+{
+    int fd[PRIVATE_FDS], n = 0;
+    while (n < PRIVATE_FDS && (fd[n] = eventfd(0, EFD_CLOEXEC)) >= 0)
+        n++;
+    for (int i = 0; i < n; i++)
+        close(fd[i]);
+    return n == PRIVATE_FDS;
+}
+
 tdp_err tdp__ucx_private_new(tdp__ucx *pub, tdp__ucx_private **out)
 {
     ucx_state *u = (ucx_state *)pub; /* pub is ucx_state's first member */
     if (pub->nworkers <= TDP_WORKER_LOCAL || pub->context[TDP_WORKER_LOCAL] == NULL)
         return TDP_EINVAL;
+    if (!fds_to_spare())
+        return TDP_ENOMEM;
     tdp__ucx_private *p = tdp__calloc(1, sizeof(*p));
     if (p == NULL)
         return TDP_ENOMEM;

@@ -66,7 +66,8 @@ typedef struct tdp__ucx_private tdp__ucx_private;
 /*
  * A private worker of the same-host context (worker 1's), driven by the
  * loop like the shared ones. TDP_EINVAL when the loop has no same-host
- * context; TDP_EUCX (logged), TDP_ENOMEM. Loop thread.
+ * context; TDP_ENOMEM, also when the process is short of descriptors;
+ * TDP_EUCX (logged). Loop thread.
  */
 tdp_err tdp__ucx_private_new(tdp__ucx *u, tdp__ucx_private **out);
 
