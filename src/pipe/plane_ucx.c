@@ -117,6 +117,14 @@ struct tdp__link {
     rx_buf rx[TDP_MAX_DEPTH];
 };
 
+/* A link's own worker whose endpoint close did not finish: freed last. */
+struct stray {
+    tdp__ucx_private *own;
+    ucp_address_t *addr;
+    void *req;
+    struct stray *next;
+};
+
 struct ucx_ext {
     tdp_loop *loop;
     tdp__ucx *ucx;
@@ -124,12 +132,7 @@ struct ucx_ext {
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
     shared_ep *eps, *dead_eps;
-    struct stray { /* a link's own worker whose endpoint close did not finish */
-        tdp__ucx_private *own;
-        ucp_address_t *addr;
-        void *req;
-        struct stray *next;
-    } * strays;
+    struct stray *strays;
     void **closing; /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
     struct am_arg {
