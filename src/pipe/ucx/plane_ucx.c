@@ -10,7 +10,8 @@
  * per remote worker shared by every link
  * between the same two workers (UCX pairs the endpoints two workers create
  * to each other in creation order, which two sides opening several pipes
- * at once need not agree on).
+ * at once need not agree on). A same-host link has a worker of its own
+ * (ucx_workers.h says why), and so an endpoint of its own.
  *
  * A closed link lives on while UCX holds any of its buffers (a send or a
  * rendezvous receive in flight) and is freed when the last request
@@ -40,6 +41,8 @@ typedef struct shared_ep {
     bool failed;
     bool peer_gone; /* a link's control channel saw the peer die */
     uint32_t refs;
+    ucp_worker_h w;
+    struct tdp__link *solo; /* the one link of a private worker's endpoint */
     ucp_ep_h ep;
     size_t alen;
     uint8_t *addr;
@@ -87,6 +90,13 @@ struct tdp__link {
     uint32_t reg_index;
     int wi;       /* TDP_WORKER_ANY or TDP_WORKER_LOCAL */
     bool wi_seen; /* a frame pinned the worker before link_start */
+    /* the link's own same-host worker (ucx_workers.h says why), its address,
+     * and the forced close of its endpoint while that is in progress */
+    tdp__ucx_private *own;
+    bool no_own; /* none, for good: the HELLO has (or will have) no same-host address */
+    ucp_address_t *own_addr;
+    size_t own_addr_len;
+    void *close_req;
     bool started, closed;
     bool peer_mode;
     shared_ep *sep;
@@ -106,6 +116,14 @@ struct tdp__link {
     rx_buf rx[TDP_MAX_DEPTH];
 };
 
+/* A link's own worker whose endpoint close did not finish: freed last. */
+struct stray {
+    tdp__ucx_private *own;
+    ucp_address_t *addr;
+    void *req;
+    struct stray *next;
+};
+
 struct ucx_ext {
     tdp_loop *loop;
     tdp__ucx *ucx;
@@ -113,6 +131,7 @@ struct ucx_ext {
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
     shared_ep *eps, *dead_eps;
+    struct stray *strays;
     void **closing; /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
     struct am_arg {
@@ -157,6 +176,8 @@ static void track_close(ucx_ext *x, void *req)
 }
 
 static void rx_buf_drop(struct tdp__link *l, rx_buf *b);
+static void unlink_ep(shared_ep **list, shared_ep *e);
+static void link_drop_own(struct tdp__link *l);
 
 /*
  * Before the workers go: let endpoint closes finish (destroying a worker
@@ -199,6 +220,35 @@ static void ext_pre_fini(void *ext)
             ucp_request_free(l->credit_req);
         l->credit_req = NULL;
         l->reqs = 0;
+        if (l->own != NULL) {
+            if (l->sep != NULL && l->sep->solo == l) {
+                /* its endpoint goes with the worker */
+                shared_ep *e = l->sep;
+                l->sep = NULL;
+                unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
+                tdp__free(e->addr);
+                tdp__free(e);
+            }
+            if (l->close_req != NULL)
+                ucp_request_free(l->close_req);
+            l->close_req = NULL;
+            link_drop_own(l);
+        }
+    }
+    while (x->strays != NULL) {
+        struct stray *st = x->strays;
+        ucp_worker_h w = tdp__ucx_private_worker(st->own);
+        for (int64_t stop = tdp__now_ms() + 100;
+             ucp_request_check_status(st->req) == UCS_INPROGRESS && tdp__now_ms() <= stop;) {
+            x->ucx->progressing++;
+            ucp_worker_progress(w);
+            x->ucx->progressing--;
+        }
+        ucp_request_free(st->req);
+        ucp_worker_release_address(w, st->addr);
+        tdp__ucx_private_free(st->own);
+        x->strays = st->next;
+        tdp__free(st);
     }
     for (int i = 0; i < TDP_LOOP_WORKERS; i++) {
         if (x->addr[i] != NULL)
@@ -271,7 +321,8 @@ static void ext_free_unregistered(ucx_ext *x)
 static bool ext_in_use(void *arg)
 {
     const ucx_ext *x = arg;
-    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0;
+    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0 ||
+           x->strays != NULL;
 }
 
 static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
@@ -421,11 +472,21 @@ static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
     ep_unref(e);
 }
 
+static ucp_worker_h link_worker(const struct tdp__link *l)
+{
+    if (l->wi == TDP_WORKER_LOCAL)
+        return l->own != NULL ? tdp__ucx_private_worker(l->own) : NULL;
+    return l->x->ucx->worker[TDP_WORKER_ANY];
+}
+
 static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
 {
     ucx_ext *x = l->x;
+    ucp_worker_h w = link_worker(l);
+    if (w == NULL)
+        return TDP_EINTERNAL; /* link_start made the link's own worker */
     for (shared_ep *e = x->eps; e != NULL; e = e->next) {
-        if (e->wi == l->wi && e->peer_mode == l->peer_mode && e->alen == alen &&
+        if (e->w == w && e->peer_mode == l->peer_mode && e->alen == alen &&
             memcmp(e->addr, addr, alen) == 0) {
             e->refs++;
             l->sep = e;
@@ -442,6 +503,8 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
     e->alen = alen;
     e->x = x;
     e->wi = l->wi;
+    e->w = w;
+    e->solo = l->wi == TDP_WORKER_LOCAL ? l : NULL;
     e->peer_mode = l->peer_mode;
     ucp_ep_params_t prm = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
@@ -453,7 +516,7 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
         prm.err_handler.cb = shared_ep_err;
         prm.err_handler.arg = e;
     }
-    ucs_status_t st = ucp_ep_create(x->ucx->worker[l->wi], &prm, &e->ep);
+    ucs_status_t st = ucp_ep_create(w, &prm, &e->ep);
     if (st != UCS_OK) {
         tdp_log_error("ucp_ep_create: %s", ucs_status_string(st));
         tdp__free(e->addr);
@@ -485,9 +548,11 @@ static void ep_unref(shared_ep *e)
         tdp_log_debug("ucp_ep_close_nbx: %s", ucs_status_string(UCS_PTR_STATUS(req)));
     else if (req != NULL && e->peer_gone && !e->peer_mode)
         /* a flush towards a dead process never ends (and a forced close
-         * needs peer-failure mode, which same-host endpoints cannot have):
+         * needs peer-failure mode, which TDP_PEER_SOCKET turns off):
          * UCX frees it when done or with the worker; nobody waits for it */
         ucp_request_free(req);
+    else if (req != NULL && e->solo != NULL)
+        e->solo->close_req = req; /* its private worker waits for it (link_drop_own) */
     else if (req != NULL)
         track_close(x, req); /* finished before the worker goes */
     tdp__loop_kick(x->loop);
@@ -665,8 +730,7 @@ static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     }
     b->posting = true;
     b->posted_done = false;
-    void *r = ucp_am_recv_data_nbx(l->x->ucx->worker[l->wi], d->data, b->td->data, d->length,
-                                   &prm);
+    void *r = ucp_am_recv_data_nbx(link_worker(l), d->data, b->td->data, d->length, &prm);
     b->posting = false;
     if (b->posted_done) { /* recv_cb ran and freed the request: r is not ours */
         if (b->posted_rc != TDP_OK)
@@ -947,15 +1011,110 @@ static tdp_err u_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     return TDP_OK;
 }
 
+static bool have_local(const ucx_ext *x)
+{
+    return x->ucx->nworkers > TDP_WORKER_LOCAL && x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
+}
+
+/*
+ * The link's own same-host worker, made on first need (its address goes in
+ * this side's HELLO). A worker per link, because one shared by every peer
+ * on this host is stopped for all of them by one killed mid-send
+ * (ucx_workers.h).
+ */
+static tdp_err link_own(struct tdp__link *l)
+{
+    ucx_ext *x = l->x;
+    if (l->own != NULL)
+        return TDP_OK;
+    if (l->no_own || !have_local(x))
+        return TDP_ENOTSUP;
+    tdp_err rc = tdp__ucx_private_new(x->ucx, &l->own);
+    if (rc != TDP_OK) {
+        l->no_own = true;
+        return rc;
+    }
+    ucp_worker_h w = tdp__ucx_private_worker(l->own);
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = TDP_AM_ID,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = am_cb,
+        .arg = &x->args[TDP_WORKER_LOCAL],
+    };
+    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
+    if (st == UCS_OK)
+        st = ucp_worker_get_address(w, &l->own_addr, &l->own_addr_len);
+    if (st != UCS_OK) {
+        tdp_log_error("link worker: %s", ucs_status_string(st));
+        l->own_addr = NULL;
+        tdp__ucx_private_free(l->own);
+        l->own = NULL;
+        l->no_own = true;
+        return TDP_EUCX;
+    }
+    return TDP_OK;
+}
+
+/*
+ * The link's own worker goes, after the forced close of its endpoint
+ * finished (destroying a worker with a close in progress can crash UCX
+ * 1.13). Not from inside a progress of it; a close that does not finish
+ * in a second leaves the worker to the loop's end.
+ */
+static void link_drop_own(struct tdp__link *l)
+{
+    if (l->own == NULL)
+        return;
+    ucp_worker_h w = tdp__ucx_private_worker(l->own);
+    if (l->close_req != NULL) {
+        int64_t end = tdp__now_ms() + 1000;
+        while (l->x->ucx->progressing == 0 &&
+               ucp_request_check_status(l->close_req) == UCS_INPROGRESS && tdp__now_ms() <= end) {
+            l->x->ucx->progressing++;
+            ucp_worker_progress(w);
+            l->x->ucx->progressing--;
+        }
+        if (ucp_request_check_status(l->close_req) == UCS_INPROGRESS) {
+            struct stray *st = tdp__calloc(1, sizeof(*st));
+            tdp_log_warn("a link's endpoint close did not finish; its worker stays");
+            if (st != NULL) { /* the loop's end frees it (ext_pre_fini) */
+                *st = (struct stray){l->own, l->own_addr, l->close_req, l->x->strays};
+                l->x->strays = st;
+            }
+            l->own = NULL;
+            l->own_addr = NULL;
+            l->close_req = NULL;
+            return;
+        }
+        ucp_request_free(l->close_req);
+        l->close_req = NULL;
+    }
+    if (l->own_addr != NULL)
+        ucp_worker_release_address(w, l->own_addr);
+    l->own_addr = NULL;
+    tdp__ucx_private_free(l->own);
+    l->own = NULL;
+}
+
 static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
 {
-    const void *addr, *laddr;
-    size_t alen, llen;
+    const void *addr, *laddr = NULL;
+    size_t alen, llen = 0;
     tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
-    if (rc == TDP_OK)
-        rc = worker_address(l->x, TDP_WORKER_LOCAL, &laddr, &llen);
     if (rc != TDP_OK)
         return rc;
+    if (have_local(l->x) && !l->no_own) {
+        if (link_own(l) == TDP_OK) {
+            laddr = l->own_addr;
+            llen = l->own_addr_len;
+        } else {
+            /* out of descriptors or memory: no same-host address, so both
+             * sides pick the general worker, which costs this side nothing */
+            tdp_log_info("no same-host worker for this pipe: it uses the general one");
+        }
+    }
     h->token = l->token;
     if (addr != NULL && alen > 0) /* no worker: no record */
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_ADDR, addr, (uint32_t)alen);
@@ -1005,15 +1164,19 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
-     * both have a shared-memory worker, gets that worker without UCX's
-     * peer-failure mode (shared memory stays usable; the control socket
-     * sees the peer die); any other peer gets the general worker with UCX's
+     * both offer a same-host address, gets the link's own shared-memory
+     * worker; any other peer gets the general worker; both with UCX's
      * peer-failure mode. TDP_PEER_UCX / TDP_PEER_SOCKET force the general
      * worker with / without it.
      */
-    bool local = peer->same_host && tdp_hello_rec(h, TDP_HX_UCX_LOCAL_ADDR) != NULL &&
-                 l->x->ucx->nworkers > TDP_WORKER_LOCAL &&
-                 l->x->ucx->worker[TDP_WORKER_LOCAL] != NULL;
+    /*
+     * This side's HELLO gives a same-host address iff the link has its own
+     * worker. The peer's HELLO may be read before this side's is sent:
+     * the worker is made now, and one this side goes without stays so.
+     */
+    if (have_local(l->x) && !l->no_own)
+        (void)link_own(l); /* a failure sets no_own */
+    bool local = peer->same_host && tdp_hello_rec(h, TDP_HX_UCX_LOCAL_ADDR) != NULL && l->own != NULL;
     int seen = l->wi;
     l->wi = TDP_WORKER_ANY;
     if (h->peer_mode == TDP_PEER_UCX || peer->mode == TDP_PEER_UCX) {
@@ -1021,7 +1184,9 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     } else if (h->peer_mode == TDP_PEER_SOCKET || peer->mode == TDP_PEER_SOCKET) {
         l->peer_mode = false;
     } else if (local) {
-        l->peer_mode = false;
+        /* the link's own worker, in peer-failure mode: a killed peer's
+         * endpoint can be closed at once, with what UCX held for it */
+        l->peer_mode = true;
         l->wi = TDP_WORKER_LOCAL;
     } else {
         l->peer_mode = true;
@@ -1045,6 +1210,10 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
         for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
             if (!l->rx[i].lent && l->rx[i].req == NULL)
                 rx_buf_drop(l, &l->rx[i]);
+    }
+    if (l->wi != TDP_WORKER_LOCAL && l->own != NULL) {
+        link_drop_own(l); /* unused: not a peer on this host (no progress is on the stack) */
+        l->no_own = true; /* a HELLO still to send says so */
     }
     tdp_err rc = link_ep(l, peer);
     if (rc != TDP_OK)
@@ -1071,6 +1240,7 @@ static void link_destroy(struct tdp__link *l)
     if (l->sep != NULL)
         ep_unref(l->sep);
     l->sep = NULL;
+    link_drop_own(l);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         rx_buf_drop(l, &l->rx[i]);
     for (uint32_t i = 0; i < l->nticket; i++)
@@ -1124,10 +1294,11 @@ static tdp_err u_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 static void u_poll_credit(tdp__link *l)
 {
     tdp__ucx *u = l->x->ucx;
-    if (l->closed || u->progressing > 0 || u->worker[l->wi] == NULL)
+    ucp_worker_h w = link_worker(l);
+    if (l->closed || u->progressing > 0 || w == NULL)
         return;
     u->progressing++;
-    (void)ucp_worker_progress(u->worker[l->wi]);
+    (void)ucp_worker_progress(w);
     u->progressing--;
 }
 

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "../../core/alloc.h"
 #include "../../core/log.h"
@@ -78,8 +80,8 @@ static const tdp__source_ops worker_ops = {
  * when the user's list leaves none. cma is never among them: it reads a
  * peer's memory with process_vm_readv, and in UCX 1.13 a peer that dies
  * during such a read is a fatal error in the reading process whenever the
- * endpoint has no peer-failure mode (which same-host endpoints cannot have:
- * UCX's shared-memory transports do not support it).
+ * endpoint has no peer-failure mode (with it, untried here: posix and sysv
+ * carry rendezvous data well enough).
  */
 static char *local_tls(const char *user)
 {
@@ -111,13 +113,38 @@ static char *local_tls(const char *user)
     return out;
 }
 
+/* A worker of context ci as a loop source; on failure nothing is left. */
+static tdp_err worker_open(ucx_state *u, int ci, ucx_worker_src *ws, tdp__source **src)
+{
+    ucp_worker_params_t wparams = {
+        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        .thread_mode = UCS_THREAD_MODE_SINGLE,
+    };
+    ucp_worker_h w;
+    int efd;
+    ucs_status_t st = ucp_worker_create(u->pub.context[ci], &wparams, &w);
+    if (st != UCS_OK)
+        return ucx_fail("ucp_worker_create", st);
+    st = ucp_worker_get_efd(w, &efd);
+    if (st != UCS_OK) {
+        ucp_worker_destroy(w);
+        return ucx_fail("ucp_worker_get_efd", st);
+    }
+    *ws = (ucx_worker_src){.worker = w, .u = &u->pub, .src = src};
+    tdp_err rc = tdp__loop_source_add(u->loop, efd, &worker_ops, ws, src);
+    if (rc != TDP_OK) {
+        ucp_worker_destroy(w);
+        return rc;
+    }
+    return TDP_OK;
+}
+
 /* Context, worker and loop source number i; on failure nothing of i is left. */
 static tdp_err worker_init(ucx_state *u, int i, const char *tls)
 {
     ucp_config_t *config;
     ucs_status_t st;
     tdp_err rc;
-    int efd;
 
     /* NULL env prefix: UCX_* variables (UCX_TLS, ...) apply as usual */
     st = ucp_config_read(NULL, NULL, &config);
@@ -133,6 +160,13 @@ static tdp_err worker_init(ucx_state *u, int i, const char *tls)
         ucp_config_release(config);
         return ucx_fail("ucp_config_modify(UNIFIED_MODE)", st);
     }
+    /* the shared-memory transports support peer failure only when asked:
+     * (UCX_POSIX_ERROR_HANDLING, UCX_SYSV_ERROR_HANDLING: "MM_" names both
+     * here); without it an endpoint to a killed peer keeps what it holds forever */
+    if (tls != NULL && (st = ucp_config_modify(config, "MM_ERROR_HANDLING", "y")) != UCS_OK) {
+        ucp_config_release(config);
+        return ucx_fail("ucp_config_modify(ERROR_HANDLING)", st);
+    }
     ucp_params_t params = {
         .field_mask = UCP_PARAM_FIELD_FEATURES,
         .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
@@ -143,31 +177,13 @@ static tdp_err worker_init(ucx_state *u, int i, const char *tls)
         u->pub.context[i] = NULL;
         return ucx_fail("ucp_init", st);
     }
-    ucp_worker_params_t wparams = {
-        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-        .thread_mode = UCS_THREAD_MODE_SINGLE,
-    };
-    st = ucp_worker_create(u->pub.context[i], &wparams, &u->pub.worker[i]);
-    if (st != UCS_OK) {
-        u->pub.worker[i] = NULL;
-        rc = ucx_fail("ucp_worker_create", st);
-        goto err_cleanup_context;
-    }
-    st = ucp_worker_get_efd(u->pub.worker[i], &efd);
-    if (st != UCS_OK) {
-        rc = ucx_fail("ucp_worker_get_efd", st);
-        goto err_destroy_worker;
-    }
-    u->ws[i] = (ucx_worker_src){.worker = u->pub.worker[i], .u = &u->pub, .src = &u->src[i]};
-    rc = tdp__loop_source_add(u->loop, efd, &worker_ops, &u->ws[i], &u->src[i]);
+    rc = worker_open(u, i, &u->ws[i], &u->src[i]);
     if (rc != TDP_OK)
-        goto err_destroy_worker;
+        goto err_cleanup_context;
+    u->pub.worker[i] = u->ws[i].worker;
     u->pub.nworkers = i + 1;
     return TDP_OK;
 
-err_destroy_worker:
-    ucp_worker_destroy(u->pub.worker[i]);
-    u->pub.worker[i] = NULL;
 err_cleanup_context:
     ucp_cleanup(u->pub.context[i]);
     u->pub.context[i] = NULL;
@@ -218,7 +234,7 @@ tdp_err tdp__ucx_get(tdp_loop *loop, tdp__ucx **out)
         goto err_free;
     char *tls = local_tls(getenv("UCX_TLS"));
     if (tls != NULL) {
-        /* without it, same-host pipes use worker 0 in peer-failure mode */
+        /* without it, same-host pipes use worker 0 */
         if (worker_init(u, TDP_WORKER_LOCAL, tls) != TDP_OK)
             tdp_log_info("no same-host shared-memory worker (%s); peers on this host use TCP", tls);
         else
@@ -238,4 +254,64 @@ tdp__ucx *tdp__ucx_peek(tdp_loop *loop)
 {
     ucx_state *u = tdp__loop_ext(loop, TDP__EXT_UCX);
     return u != NULL ? &u->pub : NULL;
+}
+
+/* ---- private same-host workers -------------------------------------------------- */
+
+struct tdp__ucx_private {
+    ucx_state *u;
+    ucx_worker_src ws;
+    tdp__source *src;
+};
+
+/*
+ * Whether this process can open PRIVATE_FDS more descriptors now. A worker
+ * of the same-host context opens about 7 (shared-memory segments, signal
+ * sockets, event fds); UCX 1.13 leaks memory, and logs a screenful, when
+ * that runs out halfway, so a worker is not tried without the headroom.
+ */
+#define PRIVATE_FDS 12
+static bool fds_to_spare(void)
+{
+    int fd[PRIVATE_FDS], n = 0;
+    while (n < PRIVATE_FDS && (fd[n] = eventfd(0, EFD_CLOEXEC)) >= 0)
+        n++;
+    for (int i = 0; i < n; i++)
+        close(fd[i]);
+    return n == PRIVATE_FDS;
+}
+
+tdp_err tdp__ucx_private_new(tdp__ucx *pub, tdp__ucx_private **out)
+{
+    ucx_state *u = (ucx_state *)pub; /* pub is ucx_state's first member */
+    if (pub->nworkers <= TDP_WORKER_LOCAL || pub->context[TDP_WORKER_LOCAL] == NULL)
+        return TDP_EINVAL;
+    if (!fds_to_spare())
+        return TDP_ENOMEM;
+    tdp__ucx_private *p = tdp__calloc(1, sizeof(*p));
+    if (p == NULL)
+        return TDP_ENOMEM;
+    p->u = u;
+    tdp_err rc = worker_open(u, TDP_WORKER_LOCAL, &p->ws, &p->src);
+    if (rc != TDP_OK) {
+        tdp__free(p);
+        return rc;
+    }
+    *out = p;
+    return TDP_OK;
+}
+
+ucp_worker_h tdp__ucx_private_worker(const tdp__ucx_private *p)
+{
+    return p->ws.worker;
+}
+
+void tdp__ucx_private_free(tdp__ucx_private *p)
+{
+    if (p == NULL)
+        return;
+    /* the source first: its fd must leave epoll before the worker closes it */
+    tdp__loop_source_remove(p->u->loop, p->src);
+    ucp_worker_destroy(p->ws.worker);
+    tdp__free(p);
 }

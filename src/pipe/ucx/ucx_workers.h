@@ -14,8 +14,14 @@
  * A loop has up to two UCP workers, each with its own context: worker 0
  * (TDP_WORKER_ANY) uses the transports UCX_TLS allows and serves any peer;
  * worker 1 (TDP_WORKER_LOCAL), when it exists, uses only UCX's
- * shared-memory transports (never cma) and serves peers on this host
- * without UCX's peer-failure mode.
+ * shared-memory transports (never cma), with their peer-failure support
+ * turned on. Peers on this host are served by private workers of that
+ * context (tdp__ucx_private_new), one per link: UCX's shared-memory
+ * transports give each worker one receive FIFO that every sender writes
+ * into in order, and a sender killed between claiming a FIFO slot and
+ * filling it stops that FIFO for good. Worker 1 itself carries no link;
+ * its address is the model the private workers' addresses are checked
+ * against.
  */
 #define TDP_LOOP_WORKERS 2
 #define TDP_WORKER_ANY   0
@@ -54,5 +60,21 @@ tdp_err tdp__ucx_get(tdp_loop *loop, tdp__ucx **out);
 
 /* The loop's UCX state, NULL if never created. */
 tdp__ucx *tdp__ucx_peek(tdp_loop *loop);
+
+typedef struct tdp__ucx_private tdp__ucx_private;
+
+/*
+ * A private worker of the same-host context (worker 1's), driven by the
+ * loop like the shared ones. TDP_EINVAL when the loop has no same-host
+ * context; TDP_ENOMEM, also when the process is short of descriptors;
+ * TDP_EUCX (logged). Loop thread.
+ */
+tdp_err tdp__ucx_private_new(tdp__ucx *u, tdp__ucx_private **out);
+
+ucp_worker_h tdp__ucx_private_worker(const tdp__ucx_private *p);
+
+/* Destroys the worker (and every endpoint on it); NULL is a no-op. Never
+ * from inside a progress of that worker. */
+void tdp__ucx_private_free(tdp__ucx_private *p);
 
 #endif
