@@ -259,6 +259,9 @@ static void send_hello(tdp_pipe *p)
         .peer_mode = (uint32_t)p->opts.peer_mode,
         .caps = TDP_CAP_MEM_HOST | (tdp_cuda_built() ? TDP_CAP_MEM_CUDA : 0),
         .max_msg_bytes = p->limits.max_total_bytes,
+        /* set before the planes fill theirs: what a plane may hold for a
+         * peer that has not proven itself yet depends on it */
+        .auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0,
     };
     uint32_t n = 0;
     if (p->state == PIPE_DEAD)
@@ -276,7 +279,6 @@ static void send_hello(tdp_pipe *p)
     }
     h.planes = ids;
     h.nplanes = n;
-    h.auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0;
     /* a reconnected stream goes on where it was: the peer is told from where
      * (the link's start, not send_seq now: a dialer may open, and send, on
      * the peer's HELLO before its own connect event has sent this one) */

@@ -1105,6 +1105,15 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
     tdp_err rc = worker_address(l->x, TDP_WORKER_ANY, &addr, &alen);
     if (rc != TDP_OK)
         return rc;
+    /*
+     * With a shared secret, nothing is made for a peer before its proof,
+     * and this HELLO goes out before it: no worker of its own, so no
+     * same-host address, and both sides use the general worker (the shm
+     * plane is the same-host default; docs/security.md says what this
+     * leaves open).
+     */
+    if (h->auth != 0)
+        l->no_own = true;
     if (have_local(l->x) && !l->no_own) {
         if (link_own(l) == TDP_OK) {
             laddr = l->own_addr;
