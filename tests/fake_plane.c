@@ -75,6 +75,7 @@ struct tdp__link {
 static struct {
     bool with_credit;
     bool usable;
+    uint32_t mem; /* what links carry (TDP__MEM_*) */
     tdp_err link_new_rc;
     fake_cfg defaults;
     struct tdp__link *links;
@@ -515,6 +516,7 @@ static tdp_err f_link_start(tdp__link *l, const tdp__link_peer *peer)
         CONTRACT(l);
     l->peer_token = peer->hello->token;
     l->st.peer_depth = peer->peer_depth;
+    l->st.peer_caps = peer->peer_caps;
     l->st.started = true;
     return TDP_OK;
 }
@@ -563,9 +565,17 @@ static void f_link_close(tdp__link *l, bool peer_gone)
     maybe_free(l);
 }
 
+static uint32_t f_link_mem(const tdp__link *l)
+{
+    (void)l;
+    return g.mem;
+}
+
 static const tdp__plane_ops fake_ops = {
     .name = "fake",
     .id = TDP__PLANE_TEST,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA,
+    .link_mem = f_link_mem,
     .hello_fill = f_hello_fill,
     .usable = f_usable,
     .link_new = f_link_new,
@@ -584,6 +594,8 @@ static const tdp__plane_ops fake_ops = {
 static const tdp__plane_ops fake_ops_nocredit = {
     .name = "fake",
     .id = TDP__PLANE_TEST,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA,
+    .link_mem = f_link_mem,
     .hello_fill = f_hello_fill,
     .usable = f_usable,
     .link_new = f_link_new,
@@ -607,6 +619,7 @@ void fake_plane_install(bool with_credit)
     g.live = g.pending = 0;
     g.with_credit = with_credit;
     g.usable = true;
+    g.mem = TDP__MEM_HOST | TDP__MEM_CUDA;
     g.link_new_rc = TDP_OK;
     g.defaults = (fake_cfg){0};
     g.guard_errors = 0;
@@ -627,6 +640,16 @@ fake_cfg *fake_defaults(void)
 void fake_set_usable(bool usable)
 {
     g.usable = usable;
+}
+
+void fake_set_mem(uint32_t mem)
+{
+    g.mem = mem;
+}
+
+const tdp__plane_ops *fake_plane_ops(void)
+{
+    return g.with_credit ? &fake_ops : &fake_ops_nocredit;
 }
 
 void fake_set_link_new_rc(tdp_err rc)

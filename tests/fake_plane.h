@@ -41,6 +41,7 @@ typedef struct fake_cfg {
 
 typedef struct fake_stats {
     uint32_t peer_depth;                    /* from link_start */
+    uint64_t peer_caps;                     /* from link_start: the peer's HELLO caps */
     bool started;                           /* link_start succeeded */
     uint64_t tx_schema, tx_data, tx_credit; /* frames sent, by type */
     uint64_t rx_schema, rx_data, rx_credit; /* frames delivered to the session */
@@ -62,6 +63,10 @@ void fake_plane_uninstall(void);
 fake_cfg *fake_defaults(void);
 void fake_set_usable(bool usable);
 void fake_set_link_new_rc(tdp_err rc);
+/* What new links say they carry (TDP__MEM_*; installed: host and CUDA). */
+void fake_set_mem(uint32_t mem);
+/* The ops installed (to register copies under other ids). */
+const tdp__plane_ops *fake_plane_ops(void);
 
 /* The chosen link of a pipe (after the HELLO), or the only live link of a pipe. */
 tdp__link *fake_link_of(const tdp_pipe *p);

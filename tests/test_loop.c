@@ -26,7 +26,7 @@
 #include <tdpipe/mem.h>
 
 #include "core/loop_int.h"
-#include "pipe/ucx_workers.h"
+#include "pipe/ucx/ucx_workers.h"
 
 /* ---- helpers ------------------------------------------------------------- */
 

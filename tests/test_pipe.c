@@ -30,10 +30,10 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
-#include "pipe/plane_shm.h"
-#include "pipe/plane_ucx.h"
+#include "pipe/shm/plane_shm.h"
+#include "pipe/ucx/plane_ucx.h"
 #include "pipe/session.h"
-#include "pipe/ucx_workers.h"
+#include "pipe/ucx/ucx_workers.h"
 
 #define TMO 20000 /* ms: generous bound for any single wait in this suite */
 

@@ -24,7 +24,7 @@
 #include "fake_plane.h"
 #include "pipe/host.h"
 #include "pipe/session.h"
-#include "pipe/ucx_workers.h"
+#include "pipe/ucx/ucx_workers.h"
 #include "schema/schema_int.h"
 
 #define TMO    5000 /* ms: bound of any single wait */
@@ -293,6 +293,98 @@ static void test_hello_opens_on_fake(void **state)
     assert_int_equal(tdp_pipe_status(e.cli.p), TDP_OK);
     assert_null(tdp__ucx_peek(e.loop));
     env_down(&e);
+}
+
+/*
+ * More planes than the registry ever held before (two built, one test):
+ * fill it to the brim; the registry refuses the one too many, and a pipe
+ * offering every plane there is opens on the most preferred.
+ */
+static tdp_err no_records(tdp__link *l, tdp_hello *h)
+{
+    (void)l;
+    (void)h;
+    return TDP_OK; /* the fake's records are the installed plane's */
+}
+
+static void test_registry_full(void **state)
+{
+    static tdp__plane_ops more[TDP__PLANE_TEST - TDP__PLANE_TEST_MIN];
+    size_t added = 0;
+    tdp_err rc = TDP_OK;
+    for (uint8_t id = TDP__PLANE_TEST_MIN; id < TDP__PLANE_TEST; id++) {
+        more[id - TDP__PLANE_TEST_MIN] = *fake_plane_ops();
+        more[id - TDP__PLANE_TEST_MIN].id = id;
+        more[id - TDP__PLANE_TEST_MIN].hello_fill = no_records;
+        if ((rc = tdp__plane_add_test(&more[id - TDP__PLANE_TEST_MIN])) != TDP_OK)
+            break;
+        added++;
+    }
+    assert_int_equal(rc, TDP_ELIMIT);
+    assert_int_equal(tdp__plane_count(), TDP__PLANES_MAX);
+    assert_true(added + 1 > 4); /* more test links than make_links once had room for */
+    assert_null(tdp__plane_at(TDP__PLANES_MAX));
+    /* an id already there, or out of the test range, is refused */
+    assert_int_equal(tdp__plane_add_test(fake_plane_ops()), TDP_EINVAL);
+
+    env e = {0};
+    tdp_pipe_opts co = fake_opts(2), so = fake_opts(2);
+    co.plane = so.plane = TDP_PLANE_AUTO;
+    co.planes_forbidden = so.planes_forbidden =
+        (1u << TDP_PLANE_UCX) | (1u << TDP_PLANE_SHM); /* test planes only: no transport */
+    env_up_cfg(&e, &co, &so, NULL, NULL);
+    assert_int_equal(e.cli.ready_rc, TDP_OK);
+    assert_int_equal(e.srv.ready_rc, TDP_OK);
+    assert_int_equal(tdp_pipe_plane(e.cli.p), TDP__PLANE_TEST); /* first on both lists */
+    assert_int_equal(tdp_pipe_plane(e.srv.p), TDP__PLANE_TEST);
+    tdp_schema *sc = bytes_schema(100);
+    tdp_op *s = new_op(), *r = new_op();
+    send_one(e.cli.p, sc, 1, s);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_OK);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(sc);
+}
+
+/*
+ * A link that carries host memory only is never handed a device buffer:
+ * the send ends with TDP_ENOTSUP, the plane sees nothing, the pipe goes on.
+ * The peer's HELLO caps reach the plane.
+ */
+static void test_memory_refused(void **state)
+{
+    fake_set_mem(TDP__MEM_HOST);
+    env e = {0};
+    env_up(&e, 2, 2);
+    assert_true(stats(&e, true)->peer_caps & TDP_CAP_MEM_HOST);
+    assert_true(stats(&e, false)->peer_caps & TDP_CAP_MEM_HOST);
+    tdp_schema *host = bytes_schema(64), *dev;
+    tdp_device cuda = {TDP_DEVICE_CUDA, 0};
+    assert_int_equal(tdp_schema_with_device(host, cuda, &dev), TDP_OK);
+    static _Alignas(64) uint8_t buf[4096];
+    tdp_td *td;
+    assert_int_equal(tdp_td_wrap(dev, buf, sizeof(buf), cuda, NULL, NULL, &td), TDP_OK);
+    tdp_op *s = new_op(), *r = new_op();
+    tdp_pipe_send_async(e.cli.p, td, s);
+    tdp_td_unref(td);
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_ENOTSUP);
+    assert_int_equal(stats(&e, true)->tx_data, 0);
+    assert_int_equal(stats(&e, true)->tx_schema, 0);
+    assert_int_equal(tdp_pipe_status(e.cli.p), TDP_OK);
+    /* host memory still goes, numbered as if nothing had been tried */
+    send_one(e.cli.p, host, 1, s);
+    tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
+    WAIT(&e, done(s));
+    assert_int_equal(tdp_op_result(s), TDP_OK);
+    env_down(&e);
+    tdp_op_free(s);
+    tdp_op_free(r);
+    tdp_schema_unref(host);
+    tdp_schema_unref(dev);
 }
 
 static void test_hello_no_common_plane(void **state)
@@ -1415,6 +1507,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hello_opens_on_fake, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_registry_full, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_memory_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_no_common_plane, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_plane_refuses, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_peer_lacks_plane, setup, teardown),

@@ -29,7 +29,7 @@
 
 #include <tdpipe/mem.h>
 
-#include "pipe/shm.h"
+#include "pipe/shm/shm.h"
 
 /* ---- helpers ----------------------------------------------------------- */
 

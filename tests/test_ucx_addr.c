@@ -1,6 +1,6 @@
 /*
  * test_ucx_addr: the guard between a peer's UCX worker address and UCX
- * (src/pipe/ucx_addr.c). Real addresses of real workers (address versions
+ * (src/pipe/ucx/ucx_addr.c). Real addresses of real workers (address versions
  * 1 and 2, several transport sets) parse and come back unchanged; every
  * prefix of one, and every rule broken on purpose, is refused; interfaces
  * this side cannot use are dropped; a remote peer cannot pass this host's
@@ -16,7 +16,7 @@
 #include <cmocka.h>
 #include <ucp/api/ucp.h>
 
-#include "pipe/ucx_addr.h"
+#include "pipe/ucx/ucx_addr.h"
 
 /* ---- real workers ------------------------------------------------------------------ */
 

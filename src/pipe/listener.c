@@ -13,7 +13,7 @@
 #include "listener.h"
 #include "op.h"
 #include "session.h"
-#include "ucx_workers.h"
+#include "ucx/ucx_workers.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 

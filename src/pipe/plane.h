@@ -33,6 +33,19 @@
 
 typedef struct tdp__link tdp__link;
 
+/* Most receive buffers a pipe holds (recv_depth is clamped to it). */
+#define TDP_MAX_DEPTH 64u
+
+/*
+ * What memory a plane can carry (tdp__plane_ops.mem, link_mem). The
+ * session never hands a plane a message in memory its mask lacks: the send
+ * ends with TDP_ENOTSUP (docs/planes.md, "Memory").
+ */
+#define TDP__MEM_HOST        (1u << 0) /* host memory */
+#define TDP__MEM_CUDA        (1u << 1) /* CUDA device pointers, given to the transport as they are */
+#define TDP__MEM_CUDA_STAGED (1u << 2) /* CUDA device buffers, copied through host memory */
+#define TDP__MEM_ANY_CUDA    (TDP__MEM_CUDA | TDP__MEM_CUDA_STAGED)
+
 /* A frame as the session sees it, whatever carried it. */
 typedef struct tdp__frame {
     uint8_t type;    /* TDP_AM_SCHEMA / TDP_AM_DATA */
@@ -69,6 +82,7 @@ typedef struct tdp__link_peer {
     bool local;          /* the control socket proves one network stack (tdp__ctl.peer_local) */
     uint32_t peer_depth; /* buffers the peer holds: most sends in flight */
     uint32_t depth;      /* buffers this side holds */
+    uint64_t peer_caps;  /* the peer's HELLO caps (TDP_CAP_MEM_*: what memory it takes) */
     tdp_peer_mode mode;  /* this side's option */
     uint64_t max_json_bytes, max_total_bytes; /* this side's schema limits */
     /* seq of the last DATA this side sent before this link (a reconnected
@@ -88,6 +102,12 @@ typedef struct tdp__tx {
 typedef struct tdp__plane_ops {
     const char *name;
     uint8_t id; /* TDP_PLANE_* */
+    uint32_t mem; /* TDP__MEM_*: the most this plane can carry in this build */
+    /*
+     * Optional: what this link can carry, a subset of mem, known once the
+     * transport is up (the ucx plane asks UCX). NULL: mem.
+     */
+    uint32_t (*link_mem)(const tdp__link *l);
     /*
      * Records this side's HELLO carries for the plane (token, addresses,
      * names). TDP_OK with nothing added is fine.
@@ -138,19 +158,32 @@ extern const tdp__plane_ops tdp__plane_ucx;
 extern const tdp__plane_ops tdp__plane_shm; /* same host, host memory; Linux only */
 #endif
 
-/* Planes this build has, in this library's order of preference. */
+/*
+ * The registry: the planes this build has, in this library's order of
+ * preference (position 0 first), then the test planes. At most
+ * TDP__PLANES_MAX in all (the wire's TDP_MAX_PLANES), so arrays sized by it
+ * hold every plane a pipe may offer.
+ */
+#define TDP__PLANES_MAX TDP_MAX_PLANES
+size_t tdp__plane_count(void);
+const tdp__plane_ops *tdp__plane_at(size_t i); /* NULL past the end */
 const tdp__plane_ops *tdp__plane_by_id(uint8_t id);
 const tdp__plane_ops *tdp__plane_by_name(const char *name);
 
 /*
- * For tests: a plane this build does not have (tests/fake_plane.c, an
+ * For tests: planes this build does not have (tests/fake_plane.c, an
  * in-memory one), so the session's rules can be checked without any
- * transport. ops->id must be TDP__PLANE_TEST (below 32: it fits the
- * planes_forbidden mask); the session offers it after the real planes, and
- * a test forces it with tdp_pipe_opts.plane = TDP__PLANE_TEST. NULL takes
- * it away. Call it while no pipe exists; not thread-safe.
+ * transport. Their ids lie in TDP__PLANE_TEST_MIN..TDP__PLANE_TEST (below
+ * 32: they fit the planes_forbidden mask); the session offers them after the
+ * real planes, and a test forces one with tdp_pipe_opts.plane = its id.
+ * register_test makes ops the only test plane (NULL takes them all away);
+ * add_test appends one: TDP_EINVAL for an id out of range or taken,
+ * TDP_ELIMIT once the registry is full. Call them while no pipe exists;
+ * not thread-safe.
  */
-#define TDP__PLANE_TEST 31
+#define TDP__PLANE_TEST     31
+#define TDP__PLANE_TEST_MIN 16
 void tdp__plane_register_test(const tdp__plane_ops *ops);
+tdp_err tdp__plane_add_test(const tdp__plane_ops *ops);
 
 #endif

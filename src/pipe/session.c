@@ -24,8 +24,6 @@
 #include "../core/sized.h"
 #include "../schema/schema_int.h"
 
-#define MAX_PLANES 4
-
 enum slot_state { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_LENT };
 
 typedef struct rx_slot {
@@ -66,11 +64,13 @@ struct tdp_pipe {
     void *hello_hook_arg;
 
     /* planes: a link per candidate until the HELLO picks one */
-    const tdp__plane_ops *cand[MAX_PLANES];
-    tdp__link *links[MAX_PLANES];
+    const tdp__plane_ops *cand[TDP__PLANES_MAX];
+    tdp__link *links[TDP__PLANES_MAX];
     int ncand;
     const tdp__plane_ops *plane;
     tdp__link *link;
+    uint32_t plane_mem; /* TDP__MEM_*: what the link carries */
+    uint64_t peer_caps; /* the peer's HELLO caps (TDP_CAP_MEM_*) */
     bool link_failed; /* the plane saw the peer go; the socket decides how it ended */
 
     /* ending */
@@ -455,7 +455,7 @@ static void on_ctl_bye_flushed(void *owner)
 
 static void send_hello(tdp_pipe *p)
 {
-    uint8_t ids[MAX_PLANES];
+    uint8_t ids[TDP__PLANES_MAX];
     tdp_hello h = {
         .recv_depth = p->depth,
         .peer_mode = (uint32_t)p->opts.peer_mode,
@@ -584,7 +584,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     }
 
     /* both sides compute the same choice: the same lists, the same filter */
-    uint8_t mine[MAX_PLANES], theirs[TDP_MAX_PLANES];
+    uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
     size_t nm = 0, nt = 0;
     for (int i = 0; i < p->ncand; i++)
         if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, p->same_host))
@@ -612,6 +612,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     }
     p->plane = p->cand[ci];
     p->link = p->links[ci];
+    p->peer_caps = h->caps;
 
     /* sends in flight are bounded by the peer's credit; twice that covers a
      * credit that comes back before the local completion of its send */
@@ -631,6 +632,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .local = p->ctl.peer_local,
         .peer_depth = p->peer_depth,
         .depth = p->depth,
+        .peer_caps = h->caps,
         .mode = p->opts.peer_mode,
         .max_json_bytes = p->limits.max_json_bytes,
         .max_total_bytes = p->limits.max_total_bytes,
@@ -641,6 +643,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         pipe_fail(p, rc, "cannot start the data plane");
         return;
     }
+    p->plane_mem = p->plane->link_mem != NULL ? p->plane->link_mem(p->link) & p->plane->mem
+                                              : p->plane->mem;
     become_open(p);
 }
 
@@ -966,9 +970,29 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
     }
 }
 
+/*
+ * A message in memory the link cannot carry is refused, never handed over
+ * (a transport given a device pointer it cannot read crashes).
+ */
+static bool refuse_memory(tdp_pipe *p, tdp_op *op)
+{
+    tdp_device dev = tdp_td_device(op->td);
+    uint32_t need = dev.type == TDP_DEVICE_CPU ? TDP__MEM_HOST : TDP__MEM_ANY_CUDA;
+    if ((p->plane_mem & need) != 0)
+        return false;
+    char d[TDP_DEVICE_STRLEN];
+    tdp_log_error("pipe %s: the %s plane cannot carry %s memory; send refused", p->ctl.peer_name,
+                  p->plane->name, tdp_device_format(dev, d));
+    return true;
+}
+
 static void send_kick(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
+        if (refuse_memory(p, p->sendq.head)) {
+            tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOTSUP);
+            continue;
+        }
         if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
             p->free_tickets == NULL) {
             if (!p->sendq.head->waited && p->plane->poll_credit != NULL) {
@@ -1475,16 +1499,15 @@ static void ctl_setup(tdp_pipe *p)
     tdp__ctl_init(&p->ctl, p->loop, &co, &ctl_up, p);
 }
 
-/* A link per candidate plane, in this side's order of preference. */
+/* A link per candidate plane, in the registry's order of preference. */
 static tdp_err make_links(tdp_pipe *p)
 {
-    static const uint8_t order[] = {TDP_PLANE_SHM, TDP_PLANE_UCX, TDP__PLANE_TEST};
     tdp_err err = TDP_ENOTSUP;
+    const tdp__plane_ops *o;
     p->ncand = 0;
-    for (size_t i = 0; i < sizeof(order); i++) {
-        const tdp__plane_ops *o = tdp__plane_by_id(order[i]);
-        if (o == NULL || (p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != order[i]) ||
-            (p->opts.planes_forbidden & (1u << order[i])))
+    for (size_t i = 0; (o = tdp__plane_at(i)) != NULL && p->ncand < (int)TDP__PLANES_MAX; i++) {
+        if ((p->opts.plane != TDP_PLANE_AUTO && p->opts.plane != o->id) || o->id >= 32 ||
+            (p->opts.planes_forbidden & (1u << o->id)))
             continue;
         tdp_err rc = o->link_new(p->loop, p, &plane_up, &p->links[p->ncand]);
         if (rc != TDP_OK) {

@@ -10,8 +10,7 @@
 #include <tdpipe/pipe.h>
 
 #include "ctl.h"
-
-#define TDP_MAX_DEPTH 64u
+#include "plane.h" /* TDP_MAX_DEPTH */
 
 /* Defaults applied, limits copied into *lim (out->limits = NULL). */
 void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_limits *lim);

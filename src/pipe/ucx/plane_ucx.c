@@ -23,13 +23,12 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
-#include "op.h"
-#include "session.h"
+#include "../op.h"
 #include "ucx_addr.h"
 #include "ucx_workers.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/reap.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/reap.h"
 
 typedef struct ucx_ext ucx_ext;
 
@@ -1131,9 +1130,21 @@ static void u_poll_credit(tdp__link *l)
     u->progressing--;
 }
 
+/* CUDA only where this UCX was built with it (Debian's is not): else host only. */
+static uint32_t u_link_mem(const tdp__link *l)
+{
+    ucp_context_h c = l->x->ucx->context[l->wi];
+    ucp_context_attr_t a = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    if (c == NULL || ucp_context_query(c, &a) != UCS_OK)
+        return TDP__MEM_HOST;
+    return TDP__MEM_HOST | (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA) ? TDP__MEM_CUDA : 0);
+}
+
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA,
+    .link_mem = u_link_mem,
     .hello_fill = u_hello_fill,
     .usable = NULL,
     .link_new = u_link_new,

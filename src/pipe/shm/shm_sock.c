@@ -10,7 +10,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "../core/log.h"
+#include "../../core/log.h"
 
 _Static_assert(TDP__SHM_NAME_MAX + 1 == sizeof(((struct sockaddr_un *)0)->sun_path),
                "an abstract name fills sun_path after its leading zero byte");

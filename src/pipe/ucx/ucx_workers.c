@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/alloc.h"
-#include "../core/log.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
 
 typedef struct ucx_worker_src {
     ucp_worker_h worker;

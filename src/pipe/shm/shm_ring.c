@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../core/log.h"
+#include "../../core/log.h"
 
 /* The indices are shared with another process: they must be real atomics. */
 _Static_assert(__atomic_always_lock_free(sizeof(uint64_t), 0), "64-bit atomics must be lock-free");

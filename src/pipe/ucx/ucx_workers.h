@@ -8,7 +8,7 @@
 
 #include <ucp/api/ucp.h>
 
-#include "../core/loop_int.h"
+#include "../../core/loop_int.h"
 
 /*
  * A loop has up to two UCP workers, each with its own context: worker 0

@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "../core/alloc.h"
-#include "../core/log.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
 
 _Static_assert(sizeof(tdp__shm_hdr) == 64, "the header is 64 bytes");
 _Static_assert(sizeof(tdp__shm_desc) == TDP__SHM_DESC_BYTES, "a descriptor is 32 bytes");

@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "plane.h"
+#include "../plane.h"
 #include "shm.h"
 
 /*

@@ -4,7 +4,7 @@
 
 #include <ucp/api/ucp.h>
 
-#include "plane.h"
+#include "../plane.h"
 
 ucp_ep_h tdp__ucx_link_ep(const tdp__link *l);
 int tdp__ucx_link_worker(const tdp__link *l);

@@ -32,8 +32,8 @@
 #include <ucp/api/ucp.h>
 
 #include "ucx_addr.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
 
 #define A_V1 0u
 #define A_V2 1u

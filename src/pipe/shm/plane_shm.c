@@ -52,14 +52,13 @@
 #include <unistd.h>
 #include <event2/event.h>
 
-#include "plane.h"
+#include "../plane.h"
 #include "plane_shm.h"
-#include "session.h"
 #include "shm.h"
-#include "../core/alloc.h"
-#include "../core/log.h"
-#include "../core/loop_int.h"
-#include "../core/reap.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/loop_int.h"
+#include "../../core/reap.h"
 
 /* ---- socket messages ---------------------------------------------------------- */
 
@@ -1450,6 +1449,7 @@ static void s_link_close(tdp__link *l, bool peer_gone)
 const tdp__plane_ops tdp__plane_shm = {
     .name = "shm",
     .id = TDP_PLANE_SHM,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA_STAGED, /* device buffers are copied into the slots */
     .hello_fill = s_hello_fill,
     .usable = s_usable,
     .link_new = s_link_new,
