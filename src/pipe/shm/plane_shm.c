@@ -219,6 +219,7 @@ struct tdp__link {
     uint32_t stx_head, nstx, capstx;
     staged_rx srx[TDP_MAX_DEPTH]; /* by session slot */
     uint32_t nsrx;                /* receives copying */
+    bool peer_gone; /* the socket said so while receives were copying: told after them */
 };
 
 typedef struct pending_conn {
@@ -1209,6 +1210,8 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
     }
     if (!l->closed)
         l->up->landed(l->owner, l, r->slot, st);
+    if (l->peer_gone && l->nsrx == 0 && !l->closed)
+        link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
 }
 
 /*
@@ -1319,6 +1322,13 @@ static void sock_cb(evutil_socket_t fd, short what, void *arg)
          * is in the ring; hand that over first, then report the end */
         if (l->rx_ctl != NULL)
             rx_progress(l);
+        if (l->nsrx > 0 && !l->failed && !l->closed) {
+            /* receives still copying out of our mapping land first (it
+             * outlives the peer): the end is told after the last one */
+            l->peer_gone = true;
+            event_del(l->sev);
+            return;
+        }
         link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
         return;
     }
