@@ -361,8 +361,37 @@ static void child_sender(int rfd)
         fill(td, (uint64_t)i + 1);
         if (tdp_pipe_send(p, td, TMO) != TDP_OK)
             _exit(13);
+        char ack;
+        /* the parent has message 1 before this one dies mid-message 2 */
+        if (i == 0 && read(rfd, &ack, 1) != 1)
+            _exit(16);
     }
     _exit(14); /* never: killed after the second message's copy */
+}
+
+/* In the child: one large GPU message, streamed; killed once two of its three
+ * chunks are in the slot (copies: the fill, chunk 1, chunk 2). */
+static void child_streamer(int rfd)
+{
+    uint16_t port = 0;
+    if (read(rfd, &port, sizeof(port)) != (ssize_t)sizeof(port))
+        _exit(10);
+    tdp_loop *loop;
+    tdp_pipe *p;
+    tdp_pipe_opts o;
+    opts_for(&o, true, NULL);
+    if (tdp_loop_new(NULL, &loop) != TDP_OK ||
+        tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p) != TDP_OK)
+        _exit(11);
+    tdp_schema *sc = schema_of(BIG, CUDA0);
+    tdp_td *td;
+    if (tdp_td_new(sc, &td) != TDP_OK)
+        _exit(12);
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY, 3);
+    tdp__cuda_fake_set_delay_us(20000); /* the parent sees the first chunks first */
+    fill(td, 1);
+    (void)tdp_pipe_send(p, td, TMO);
+    _exit(14);
 }
 
 /* In the child: receive into the GPU; killed after the second message's copy in. */
@@ -434,7 +463,6 @@ static void listen_for(int wfd, tdp_loop **loop, tdp_listener **l, tdp_pipe **p,
     OK(tdp_listener_new(*loop, "127.0.0.1", 0, &o, NULL, NULL, l));
     uint16_t port = tdp_listener_port(*l);
     assert_int_equal(write(wfd, &port, sizeof(port)), (ssize_t)sizeof(port));
-    close(wfd);
     OK(tdp_listener_accept(*l, TMO, p));
 }
 
@@ -452,6 +480,8 @@ static void test_sender_killed(void **state)
     tdp_td *got;
     OK(tdp_pipe_recv(p, TMO, &got));
     assert_true(holds(got, 1));
+    assert_int_equal(write(wfd, "k", 1), 1);
+    close(wfd);
     assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECONNRESET);
     int st = reap(pid, TMO);
     assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
@@ -472,6 +502,7 @@ static void test_receiver_killed(void **state)
     tdp_listener *l;
     tdp_pipe *p;
     listen_for(wfd, &loop, &l, &p, false);
+    close(wfd);
     tdp_schema *sc = schema_of(100000, CUDA0);
     tdp_td *td;
     OK(tdp_td_new(sc, &td));
@@ -496,17 +527,83 @@ static void test_receiver_killed(void **state)
     still_usable();
 }
 
+/* The sender dies with a streamed message partly in the slot: into a GPU
+ * layout (following the sender) and a host one (waiting for all of it). */
+static void test_streamer_killed(void **state)
+{
+    (void)state;
+    tdp__cuda_fake_set_delay_us(0);
+    for (int gpu = 0; gpu < 2; gpu++) {
+        int wfd;
+        pid_t pid = fork_peer(child_streamer, &wfd);
+        tdp_loop *loop;
+        tdp_listener *l;
+        tdp_pipe *p;
+        tdp_pipe_opts o;
+        tdp_device dev = gpu ? CUDA0 : (tdp_device)TDP_DEVICE_CPU_INIT;
+        opts_for(&o, true, &dev);
+        OK(tdp_loop_new(NULL, &loop));
+        OK(tdp_loop_start_thread(loop));
+        OK(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l));
+        uint16_t port = tdp_listener_port(l);
+        assert_int_equal(write(wfd, &port, sizeof(port)), (ssize_t)sizeof(port));
+        close(wfd);
+        OK(tdp_listener_accept(l, TMO, &p));
+        tdp_td *got = NULL;
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECONNRESET);
+        int st = reap(pid, TMO);
+        assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+        tdp_pipe_free(p);
+        tdp_listener_free(l);
+        tdp_loop_free(loop);
+    }
+    still_usable();
+}
+
+/*
+ * A large message is copied out as it is copied in: with each copy taking
+ * D, five chunks land in about 6 D (copy-out of chunk i + 1 beside the
+ * copy-in of chunk i), not the 10 D of one copy after the other.
+ */
+static void test_pipelined(void **state)
+{
+    (void)state;
+    enum { D_MS = 200 };
+    env e;
+    env_up(&e, true, NULL);
+    tdp_schema *sc = schema_of(5u * (4u << 20), CUDA0);
+    tdp_td *td, *got;
+    OK(tdp_td_new(sc, &td));
+    fill(td, 1);
+    tdp__cuda_fake_set_delay_us(D_MS * 1000);
+    int64_t t0 = now_ms();
+    OK(tdp_pipe_send(e.cli, td, TMO));
+    OK(tdp_pipe_recv(e.srv, TMO, &got));
+    int64_t ms = now_ms() - t0;
+    tdp__cuda_fake_set_delay_us(0);
+    print_message("5 chunks, %d ms a copy: landed in %lld ms\n", D_MS, (long long)ms);
+    assert_true(holds(got, 1));
+    assert_true(ms >= 6 * D_MS - 10);
+    assert_true(ms < 9 * D_MS); /* one after the other: 10 D or more */
+    tdp_pipe_release(e.srv, got);
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+    env_down(&e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         /* first: they fork, and the child must not inherit a running thread */
         cmocka_unit_test_setup(test_sender_killed, setup),
         cmocka_unit_test_setup(test_receiver_killed, setup),
+        cmocka_unit_test_setup(test_streamer_killed, setup),
         cmocka_unit_test_setup(test_gpu_to_gpu, setup),
         cmocka_unit_test_setup(test_override_host_to_gpu, setup),
         cmocka_unit_test_setup(test_override_gpu_to_host, setup),
         cmocka_unit_test_setup(test_schema_change, setup),
         cmocka_unit_test_setup(test_no_alloc, setup),
+        cmocka_unit_test_setup(test_pipelined, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
