@@ -1155,6 +1155,8 @@ static bool rx_follow(struct tdp__link *l)
         if (r->prog == NULL || !r->copy.active)
             continue;
         uint64_t v = atomic_load_explicit(r->prog, memory_order_acquire);
+        if (v > r->copy.n)
+            v = r->copy.n; /* a hostile word beyond the message must not keep us busy */
         if (v > r->copy.avail) {
             tdp__stage_copy_avail(l->stage, &r->copy, v);
             moved = true;
@@ -1174,7 +1176,7 @@ static bool rx_follow_due(const struct tdp__link *l)
 {
     for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
         const staged_rx *r = &l->srx[i];
-        if (r->prog != NULL && r->copy.active &&
+        if (r->prog != NULL && r->copy.active && r->copy.avail < r->copy.n &&
             atomic_load_explicit(r->prog, memory_order_acquire) > r->copy.avail)
             return true;
     }
