@@ -641,8 +641,7 @@ static void tx_copied(tdp__stage_copy *c, tdp_err st)
  * false: the payload is in s already (a loan, or a host payload copied
  * here) and waits only for the sends before it.
  */
-static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy,
-                        bool posted)
+static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy, bool posted)
 {
     if (l->nstx == l->capstx)
         return TDP_EINTERNAL; /* the credit bounds sends in flight below this */
@@ -1402,8 +1401,8 @@ static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const voi
         if (avail < n)
             r->prog = progress_word(l->rx_ctl, d->seq);
     }
-    tdp_err rc = tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, avail, STAGE_CHUNK,
-                                       STAGE_INFLIGHT);
+    tdp_err rc =
+        tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, avail, STAGE_CHUNK, STAGE_INFLIGHT);
     if (rc != TDP_OK)
         return rc;
     l->nsrx++;
