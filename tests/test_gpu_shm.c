@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -274,6 +275,51 @@ static void test_schema_change(void **state)
         tdp_schema_unref(sc[i]);
     }
     env_down(&e);
+}
+
+static int count_threads(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    assert_non_null(d);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/*
+ * With cuda_device, each link makes its stream when the pipe connects (on
+ * the fake, a stream is an engine thread): two more threads before any
+ * message than without it. Without it, the first GPU message makes them.
+ */
+static void test_setup_at_connect(void **state)
+{
+    (void)state;
+    int grown[2];
+    for (int named = 0; named < 2; named++) {
+        int before = count_threads();
+        env e;
+        env_up(&e, named == 1, NULL);
+        grown[named] = count_threads() - before;
+        if (named == 0) {
+            tdp_schema *sc = schema_of(1000, CUDA0);
+            tdp_td *td, *got;
+            OK(tdp_td_new(sc, &td));
+            int at_open = count_threads();
+            fill(td, 1);
+            OK(tdp_pipe_send(e.cli, td, TMO));
+            OK(tdp_pipe_recv(e.srv, TMO, &got));
+            assert_true(holds(got, 1));
+            assert_int_equal(count_threads() - at_open, 2);
+            tdp_pipe_release(e.srv, got);
+            tdp_td_unref(td);
+            tdp_schema_unref(sc);
+        }
+        env_down(&e);
+    }
+    assert_int_equal(grown[1] - grown[0], 2);
 }
 
 /* Steady state: no allocation per message, either side, staged or streamed. */
@@ -620,6 +666,7 @@ int main(void)
         cmocka_unit_test_setup(test_override_gpu_to_host, setup),
         cmocka_unit_test_setup(test_schema_change, setup),
         cmocka_unit_test_setup(test_no_alloc, setup),
+        cmocka_unit_test_setup(test_setup_at_connect, setup),
         cmocka_unit_test_setup(test_pipelined, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
