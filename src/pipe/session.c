@@ -460,6 +460,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .max_json_bytes = p->limits.max_json_bytes,
         .max_total_bytes = p->limits.max_total_bytes,
         .sent_seq = p->send_seq,
+        .cuda_device = p->opts.cuda_device_set ? p->opts.cuda_device : -1,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {

@@ -22,6 +22,7 @@ void tdp_pipe_opts_default(tdp_pipe_opts *o)
         .keepalive_intvl_s = 1,
         .keepalive_cnt = 15,
         .plane = TDP_PLANE_AUTO,
+        .cuda_device = -1,
     };
 }
 
@@ -51,7 +52,10 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(want_peer_depth)
     TAKE(latency_stats)
     TAKE(connect_wait_ms)
+    TAKE(cuda_device_set)
 #undef TAKE
+    if (out->cuda_device_set)
+        out->cuda_device = in->cuda_device;
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
     if (offsetof(tdp_pipe_opts, limits) + sizeof(in->limits) <= n && in->limits != NULL)

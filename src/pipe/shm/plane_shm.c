@@ -53,10 +53,12 @@
 #include <event2/event.h>
 
 #include "../plane.h"
+#include "../stage.h"
 #include "plane_shm.h"
 #include "shm.h"
 #include "shm_hello.h"
 #include "../../core/alloc.h"
+#include "../../core/cuda.h"
 #include "../../core/log.h"
 #include "../../core/loop_int.h"
 #include "../../core/reap.h"
@@ -115,6 +117,7 @@ typedef struct tx_slot {
     tdp_td *td;
     uint32_t idx;
     bool in_flight; /* sent, not yet released by the receiver */
+    bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
 struct tx_pool {
@@ -123,7 +126,8 @@ struct tx_pool {
     uint32_t gen, nslots, nflight;
     uint64_t stride;
     tx_slot *slots;
-    tx_pool *next; /* older generations still out */
+    tx_pool *next;   /* older generations still out */
+    bool registered; /* page-locked with the CUDA driver (GPU copies) */
 };
 
 typedef struct rx_slot {
@@ -138,7 +142,8 @@ struct rx_pool {
     uint32_t gen, nslots, nheld;
     uint64_t stride;
     rx_slot *slots;
-    rx_pool *next; /* retired generations with slots still held */
+    rx_pool *next;   /* retired generations with slots still held */
+    bool registered; /* page-locked with the CUDA driver (GPU copies) */
 };
 
 /* An announcement read from the socket, waiting for its DATA. */
@@ -154,6 +159,41 @@ typedef struct early_tx {
     tdp__tx tx;
 } early_tx;
 
+/*
+ * A send whose payload is being copied into its slot (from a GPU, or a
+ * host send queued behind one so that descriptors keep their order); its
+ * descriptor goes out when the copy has landed.
+ */
+typedef struct staged_tx {
+    tdp__stage_copy copy; /* first: the callback finds the record from it */
+    struct tdp__link *l;
+    tx_slot *s;
+    tdp__tx tx;  /* holds a reference on tx.td */
+    bool posted; /* streamed: its descriptor went before the copy */
+} staged_tx;
+
+/* A receive being copied from its slot into the session slot's device buffer. */
+typedef struct staged_rx {
+    tdp__stage_copy copy; /* first */
+    struct tdp__link *l;
+    uint32_t slot;
+    _Atomic uint64_t *prog; /* streamed: the sender's progress word */
+} staged_rx;
+
+/* GPU copies: chunks in flight per copy, and their size */
+#define STAGE_CHUNK    (4u << 20)
+#define STAGE_INFLIGHT 4u
+
+/*
+ * Streaming: a GPU payload of STREAM_MIN bytes or more has its descriptor
+ * sent when its copy into the slot starts, and the sender publishes the
+ * bytes landed so far in a progress word, one per seq modulo
+ * PROGRESS_WORDS (more than the most sends in flight), in the control
+ * segment's slot; a receiver with a GPU layout copies each chunk out as it
+ * lands, one with a host layout waits for the whole message.
+ */
+#define STREAM_MIN     (2u * STAGE_CHUNK)
+#define PROGRESS_WORDS (2u * TDP_MAX_DEPTH)
 struct tdp__link {
     shm_ext *x;
     void *owner;
@@ -197,6 +237,20 @@ struct tdp__link {
     uint64_t rx_hash;
     rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
     tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
+
+    /* GPU payloads (stage.h): the link's stream, made at start when the pipe
+     * names a device (tdp_pipe_opts.cuda_device), else at the first GPU payload */
+    tdp__stage *stage;
+    int cuda_device;
+    staged_tx *stx; /* a ring, in seq order: copies land in start order */
+    uint32_t stx_head, nstx, capstx;
+    uint32_t stx_unposted;        /* staged sends whose descriptor waits for their copy */
+    staged_rx srx[TDP_MAX_DEPTH]; /* by session slot */
+    uint32_t nsrx;                /* receives copying */
+    uint32_t nstream;             /* of them, streamed ones still following the sender */
+    tdp__shm_desc parked;         /* a streamed DATA waiting for all its bytes */
+    bool has_parked;
+    bool peer_gone; /* the socket said so while receives were copying: told after them */
 };
 
 typedef struct pending_conn {
@@ -223,10 +277,33 @@ static void sock_arm(struct tdp__link *l);
 
 /* ---- pools ------------------------------------------------------------------------- */
 
+/*
+ * Page-lock a pool's mapping once, so the link's GPU copies run at pinned
+ * speed straight from or into the slots (pageable memory would make the
+ * driver bounce them through its own buffers, synchronously). Failure only
+ * costs speed.
+ */
+static bool seg_register(tdp__shm_seg *seg)
+{
+    tdp_err rc =
+        tdp__cuda_host_register(tdp__shm_seg_base(seg), tdp__shm_seg_geom(seg)->total_bytes);
+    if (rc != TDP_OK)
+        tdp_log_debug("shm: pool not page-locked (%s): GPU copies go at pageable speed",
+                      tdp_strerror(rc));
+    return rc == TDP_OK;
+}
+
+static void seg_unregister(tdp__shm_seg *seg, bool registered)
+{
+    if (registered)
+        (void)tdp__cuda_host_unregister(tdp__shm_seg_base(seg));
+}
+
 static void tx_pool_unref(tx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
+    seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
     tdp__free(p->slots);
     tdp__free(p);
@@ -254,6 +331,7 @@ static void rx_pool_unref(rx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
+    seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
     tdp__free(p->slots);
     tdp__free(p);
@@ -287,10 +365,63 @@ static uint64_t page_round(uint64_t n)
     return (n + TDP__SHM_PAGE - 1) / TDP__SHM_PAGE * TDP__SHM_PAGE;
 }
 
+/* The progress word of message seq in a control segment (its slot, checked at map). */
+static _Atomic uint64_t *progress_word(const tdp__shm_seg *ctl, uint64_t seq)
+{
+    return (_Atomic uint64_t *)tdp__shm_seg_slot(ctl, 0) + seq % PROGRESS_WORDS;
+}
+
 /* Slots a sender's pool has: the receiver's depth in flight, and as many loans. */
 static uint32_t pool_slots(uint32_t peer_depth)
 {
     return peer_depth + (peer_depth < 2 ? 2 : peer_depth);
+}
+
+/* ---- GPU staging --------------------------------------------------------------------- */
+
+/*
+ * The link's stage, made now if need be: at link start when the pipe named
+ * a device (so that the first GPU payload pays for neither the context,
+ * the stream nor the page-locking), else at the first GPU payload or
+ * layout. The pools get page-locked with it. One stage per link: the
+ * driver's unified addressing lets its stream copy any device's memory.
+ */
+static tdp_err link_stage(struct tdp__link *l, int dev)
+{
+    if (l->stage != NULL)
+        return TDP_OK;
+    if (l->cuda_device < 0)
+        tdp_log_debug("shm: GPU staging starts with the first GPU payload (no cuda_device)");
+    tdp_err rc = tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
+    if (rc != TDP_OK)
+        return rc;
+    for (tx_pool *p = l->pool; p != NULL; p = p->next)
+        if (!p->registered)
+            p->registered = seg_register(p->seg);
+    for (rx_pool *p = l->rpool; p != NULL; p = p->next)
+        if (!p->registered)
+            p->registered = seg_register(p->seg);
+    return TDP_OK;
+}
+
+/* Stop every copy in flight (the stream passes them first): close and teardown. */
+static void link_stage_cancel(struct tdp__link *l)
+{
+    if (l->stage == NULL)
+        return;
+    while (l->nstx > 0) {
+        staged_tx *e = &l->stx[l->stx_head];
+        tdp__stage_copy_cancel(l->stage, &e->copy);
+        tdp_td_unref(e->tx.td);
+        tdp_schema_unref((tdp_schema *)e->tx.schema);
+        e->tx.td = NULL;
+        l->stx_head = (l->stx_head + 1) % l->capstx;
+        l->nstx--;
+    }
+    l->stx_unposted = 0;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        tdp__stage_copy_cancel(l->stage, &l->srx[i].copy);
+    l->nsrx = l->nstream = 0;
 }
 
 /* ---- the socket ------------------------------------------------------------------- */
@@ -429,6 +560,8 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
     p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
     for (uint32_t i = 0; i < n; i++)
         p->slots[i] = (tx_slot){.pool = p, .idx = i};
+    if (l->stage != NULL)
+        p->registered = seg_register(p->seg);
     p->next = l->pool;
     l->pool = p;
     /* older pools with nothing out go now */
@@ -463,11 +596,129 @@ static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
     return s;
 }
 
+/* Put the descriptor of tx (in slot s) on the ring. */
+static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint32_t type)
+{
+    tdp__shm_desc d = {.type = DESC_WORD(type, s->pool->gen),
+                       .slot = s->idx,
+                       .seq = tx->seq,
+                       .hash = tdp_schema_hash(tx->td->schema),
+                       .arg = tx->td->nbytes};
+    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
+    tdp_err rc = tdp__shm_ring_push(r, &d);
+    if (rc != TDP_OK)
+        return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    return tdp__shm_ring_notify(r) == TDP_OK ? TDP_OK : TDP_ECONNRESET;
+}
+
+/* The payload is in slot s: post its descriptor; the send is complete. */
+static tdp_err tx_post(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+{
+    tdp_err rc = tx_push(l, s, tx, TDP__SHM_DESC_DATA);
+    if (rc != TDP_OK)
+        return rc;
+    s->staging = false;
+    /* the receiver has it: the caller's buffer is free again */
+    l->up->sent(l->owner, l, tx->cookie, TDP_OK);
+    return TDP_OK;
+}
+
+/* A streamed send's chunks landed in its slot: tell the receiver. */
+static void tx_progressed(tdp__stage_copy *c, size_t landed)
+{
+    staged_tx *e = (staged_tx *)c;
+    struct tdp__link *l = e->l;
+    if (l->closed || l->failed)
+        return;
+    atomic_store_explicit(progress_word(l->tx_ctl, e->tx.seq), landed, memory_order_release);
+    if (tdp__shm_ring_notify(tdp__shm_seg_tx(l->tx_ctl)) != TDP_OK)
+        link_fail(l, TDP_ECONNRESET, "cannot ring the shared-memory doorbell");
+}
+
+/* A staged send's copy landed (or failed): post it, in order. */
+static void tx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    staged_tx *e = (staged_tx *)c;
+    struct tdp__link *l = e->l;
+    tdp__tx tx = e->tx;
+    tx_slot *s = e->s;
+    bool posted = e->posted;
+    /* copies land in start order, so this is the ring's head */
+    e->tx.td = NULL;
+    l->stx_head = (l->stx_head + 1) % l->capstx;
+    l->nstx--;
+    if (!posted)
+        l->stx_unposted--;
+    if (st == TDP_OK && (l->failed || l->closed)) {
+        st = TDP_ECONNRESET;
+    } else if (st == TDP_OK && posted) {
+        tx_progressed(c, tx.td->nbytes);
+        s->staging = false;
+        l->up->sent(l->owner, l, tx.cookie, l->failed ? TDP_ECONNRESET : TDP_OK);
+    } else if (st == TDP_OK) {
+        st = tx_post(l, s, &tx);
+    }
+    if (st != TDP_OK && !l->closed) {
+        l->up->sent(l->owner, l, tx.cookie, st);
+        link_fail(l, st == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
+                  "cannot stage a payload into shared memory");
+    }
+    tdp_td_unref(tx.td);
+    tdp_schema_unref((tdp_schema *)tx.schema);
+}
+
+/*
+ * Copy the payload into s on the link's stream; the descriptor goes when
+ * the copy has landed, or went already (posted: a streamed send). copy
+ * false: the payload is in s already (a loan, or a host payload copied
+ * here) and waits only for the sends before it.
+ */
+static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy, bool posted)
+{
+    if (l->nstx == l->capstx)
+        return TDP_EINTERNAL; /* the credit bounds sends in flight below this */
+    staged_tx *e = &l->stx[(l->stx_head + l->nstx) % l->capstx];
+    *e = (staged_tx){.copy = {.done = tx_copied, .progress = posted ? tx_progressed : NULL},
+                     .l = l,
+                     .s = s,
+                     .tx = *tx,
+                     .posted = posted};
+    e->copy.arg = e;
+    size_t n = copy ? tx->td->nbytes : 0;
+    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tdp__shm_seg_slot(s->pool->seg, s->idx),
+                                       tx->td->data, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_td_ref(tx->td);
+    if (tx->schema != NULL)
+        tdp_schema_ref((tdp_schema *)tx->schema);
+    e->tx.schema = tx->schema;
+    s->staging = true;
+    l->nstx++;
+    if (!posted)
+        l->stx_unposted++;
+    return TDP_OK;
+}
+
+/* A large GPU payload goes out as it is copied, unless a send before it still waits. */
+static tdp_err tx_stream(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+{
+    atomic_store_explicit(progress_word(l->tx_ctl, tx->seq), 0, memory_order_release);
+    tdp_err rc = tx_push(l, s, tx, TDP__SHM_DESC_DATA_STREAM);
+    if (rc == TDP_OK)
+        rc = tx_stage(l, s, tx, true, true);
+    if (rc != TDP_OK && rc != TDP_ECONNRESET)
+        rc = TDP_ECONNRESET; /* the descriptor may be out: the stream cannot go on */
+    return rc;
+}
+
 static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
 {
     tdp_td *td = tx->td;
     bool gpu = td->device.type == TDP_DEVICE_CUDA;
     tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK && gpu)
+        rc = link_stage(l, td->device.index);
     if (rc == TDP_OK)
         rc = tx_pool_grow(l, td->nbytes);
     if (rc == TDP_OK && tx->schema != NULL)
@@ -475,30 +726,26 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     if (rc != TDP_OK)
         return rc;
     tx_slot *s = tx_loaned(l, td);
-    if (s == NULL) {
-        /* a plain send: one copy, into a slot (staged from the GPU if need be) */
-        if ((s = tx_pick(l->pool)) == NULL)
-            return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
-        void *dst = tdp__shm_seg_slot(l->pool->seg, s->idx);
-        if ((rc = tdp__mem_copy(dst, false, td->data, gpu, td->nbytes)) != TDP_OK)
-            return rc;
-    }
-    tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_DATA, l->pool->gen),
-                       .slot = s->idx,
-                       .seq = tx->seq,
-                       .hash = tdp_schema_hash(td->schema),
-                       .arg = td->nbytes};
-    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
-    if ((rc = tdp__shm_ring_push(r, &d)) != TDP_OK)
-        return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    bool loaned = s != NULL;
+    if (!loaned && (s = tx_pick(l->pool)) == NULL)
+        return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
+    if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
+        memcpy(tdp__shm_seg_slot(l->pool->seg, s->idx), td->data, td->nbytes);
+    /* the slot is taken from now on, and later announcements follow this seq */
     s->in_flight = true;
-    l->pool->nflight++;
+    s->pool->nflight++;
     l->last_seq = tx->seq;
-    if (tdp__shm_ring_notify(r) != TDP_OK)
-        return TDP_ECONNRESET;
-    /* the receiver has it: the caller's buffer is free again */
-    l->up->sent(l->owner, l, tx->cookie, TDP_OK);
-    return TDP_OK;
+    if (gpu && !loaned && td->nbytes >= STREAM_MIN && l->stx_unposted == 0)
+        rc = tx_stream(l, s, tx);
+    else if (gpu || l->nstx > 0)
+        rc = tx_stage(l, s, tx, gpu && !loaned, false);
+    else
+        rc = tx_post(l, s, tx);
+    if (rc != TDP_OK && rc != TDP_ECONNRESET) {
+        s->in_flight = s->staging = false;
+        s->pool->nflight--;
+    }
+    return rc;
 }
 
 static tdp_err s_send(tdp__link *l, const tdp__tx *tx)
@@ -565,7 +812,7 @@ static unsigned tx_progress_now(struct tdp__link *l)
         while (p != NULL && p->gen != gen)
             p = p->next;
         if (DESC_TYPE(d.type) != TDP__SHM_DESC_RELEASE || p == NULL || d.slot >= p->nslots ||
-            !p->slots[d.slot].in_flight) {
+            !p->slots[d.slot].in_flight || p->slots[d.slot].staging) {
             link_fail(l, TDP_EPROTO, "invalid release descriptor");
             return n;
         }
@@ -730,7 +977,8 @@ static tdp_err rx_map_ctl(struct tdp__link *l, const shm_msg *m, int *fds)
     uint32_t want = 1;
     while (want < 2 * pool_slots(l->depth))
         want <<= 1;
-    if (tdp__shm_seg_geom(seg)->ring_cap > want) {
+    const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
+    if (g->ring_cap > want || g->nslots < 1 || g->slot_bytes < PROGRESS_WORDS * sizeof(uint64_t)) {
         tdp__shm_seg_close(seg);
         return TDP_EPROTO;
     }
@@ -889,6 +1137,8 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             p->slots = slots;
             for (uint32_t i = 0; i < p->nslots; i++)
                 slots[i].pool = p;
+            if (l->stage != NULL)
+                p->registered = seg_register(p->seg);
             /* keep the superseded pool in the list while it has slots out */
             rx_pool *old = l->rpool;
             p->next = old;
@@ -941,6 +1191,83 @@ static bool rx_fits(const struct tdp__link *l, const tdp__shm_desc *d)
     return l->rpool != NULL && DESC_GEN(d->type) == l->rpool->gen && d->hash == l->rx_hash;
 }
 
+/* The bytes of streamed message seq in its slot so far (a hostile sender's word capped at n). */
+static uint64_t rx_stream_have(const struct tdp__link *l, uint64_t seq, uint64_t n)
+{
+    uint64_t v = atomic_load_explicit(progress_word(l->rx_ctl, seq), memory_order_acquire);
+    return v < n ? v : n;
+}
+
+/* A DATA for the session (its announcements are in force). */
+static void rx_data(struct tdp__link *l, tdp__shm_desc *d)
+{
+    /* the session checks order and layout, then recv checks the slot */
+    tdp__frame f = {.type = TDP_AM_DATA, .seq = d->seq, .hash = d->hash, .length = d->arg};
+    l->up->data(l->owner, l, &f, d);
+}
+
+/*
+ * Streamed receives follow their sender: copies get what has landed, a
+ * parked DATA goes to the session once all of it is there. Returns true
+ * when anything moved.
+ */
+static bool rx_follow(struct tdp__link *l)
+{
+    bool moved = false;
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        staged_rx *r = &l->srx[i];
+        if (r->prog == NULL || !r->copy.active)
+            continue;
+        uint64_t v = atomic_load_explicit(r->prog, memory_order_acquire);
+        if (v > r->copy.n)
+            v = r->copy.n; /* a hostile word beyond the message must not keep us busy */
+        if (v > r->copy.avail) {
+            tdp__stage_copy_avail(l->stage, &r->copy, v);
+            moved = true;
+        }
+    }
+    if (l->has_parked && rx_stream_have(l, l->parked.seq, l->parked.arg) == l->parked.arg) {
+        tdp__shm_desc d = l->parked;
+        l->has_parked = false;
+        rx_data(l, &d);
+        moved = true;
+    }
+    return moved;
+}
+
+/* Whether a streamed receive could move now (checked after arming). */
+static bool rx_follow_due(const struct tdp__link *l)
+{
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        const staged_rx *r = &l->srx[i];
+        if (r->prog != NULL && r->copy.active && r->copy.avail < r->copy.n &&
+            atomic_load_explicit(r->prog, memory_order_acquire) > r->copy.avail)
+            return true;
+    }
+    return l->has_parked && rx_stream_have(l, l->parked.seq, l->parked.arg) == l->parked.arg;
+}
+
+/* Whether every streamed receive has all its bytes in the slot (a dead sender adds none). */
+static bool rx_streams_whole(const struct tdp__link *l)
+{
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        const staged_rx *r = &l->srx[i];
+        if (r->prog != NULL && r->copy.active && r->copy.avail < r->copy.n)
+            return false;
+    }
+    return !l->has_parked;
+}
+
+/* A streamed DATA the session cannot take yet: only a GPU layout follows the sender. */
+static bool rx_must_park(const struct tdp__link *l, const tdp__shm_desc *d)
+{
+    if (DESC_TYPE(d->type) != TDP__SHM_DESC_DATA_STREAM)
+        return false;
+    bool follows = l->stage != NULL && l->rx_schema != NULL &&
+                   tdp_schema_device(l->rx_schema).type == TDP_DEVICE_CUDA;
+    return !follows && rx_stream_have(l, d->seq, d->arg) < d->arg;
+}
+
 static unsigned rx_progress(void *arg)
 {
     struct tdp__link *l = arg;
@@ -955,10 +1282,14 @@ static unsigned rx_progress(void *arg)
     }
     tdp__shm_desc d;
     tdp_err rc = TDP_OK;
-    /* bounded: each DATA needs a free session slot, which the credit ensures */
-    while (!l->closed && !l->failed && n < TDP_MAX_DEPTH && (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+    if (rx_follow(l))
         n++;
-        if (DESC_TYPE(d.type) != TDP__SHM_DESC_DATA) {
+    /* bounded: each DATA needs a free session slot, which the credit ensures */
+    while (!l->closed && !l->failed && !l->has_parked && n < TDP_MAX_DEPTH &&
+           (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+        n++;
+        if (DESC_TYPE(d.type) != TDP__SHM_DESC_DATA &&
+            DESC_TYPE(d.type) != TDP__SHM_DESC_DATA_STREAM) {
             link_fail(l, TDP_EPROTO, "invalid data descriptor");
             return n;
         }
@@ -983,9 +1314,13 @@ static unsigned rx_progress(void *arg)
         }
         if (l->closed)
             return n;
-        /* the session checks order and layout, then recv checks the slot */
-        tdp__frame f = {.type = TDP_AM_DATA, .seq = d.seq, .hash = d.hash, .length = d.arg};
-        l->up->data(l->owner, l, &f, &d);
+        if (rx_must_park(l, &d)) {
+            /* later DATA stay in the ring: they come after this one */
+            l->parked = d;
+            l->has_parked = true;
+            break;
+        }
+        rx_data(l, &d);
     }
     if (!l->closed && !l->failed && n < TDP_MAX_DEPTH && rc == TDP_EPROTO)
         link_fail(l, TDP_EPROTO, "data ring corrupted");
@@ -997,6 +1332,9 @@ static int rx_arm(void *arg)
     struct tdp__link *l = arg;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->rx_ctl));
     l->rx_armed |= a == 0;
+    /* progress published before the arm rang no bell: look after arming */
+    if (a == 0 && rx_follow_due(l))
+        return 1;
     return a < 0 ? 1 : a;
 }
 
@@ -1044,6 +1382,13 @@ static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
     (void)depth;
     if (l->rpool == NULL || l->rpool->stride < tdp_schema_total_bytes(sc))
         return TDP_EPROTO; /* the pool in force cannot hold this layout */
+    tdp_device dev = tdp_schema_device(sc);
+    if (dev.type == TDP_DEVICE_CUDA) {
+        /* before the first message of a GPU layout: the stream and page-locking */
+        tdp_err rc = link_stage(l, dev.index);
+        if (rc != TDP_OK)
+            return rc;
+    }
     if (l->rx_schema != sc) {
         tdp_schema_unref(l->rx_schema);
         l->rx_schema = tdp_schema_ref(sc);
@@ -1075,11 +1420,83 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     }
 }
 
+/* A receive's copy landed (or failed): the session has the message now. */
+static void rx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    staged_rx *r = (staged_rx *)c;
+    struct tdp__link *l = r->l;
+    l->nsrx--;
+    if (r->prog != NULL) {
+        r->prog = NULL;
+        l->nstream--;
+    }
+    if (st != TDP_OK) {
+        /* the session frees the slot without a release: give it back here */
+        rx_slot *s = l->held[r->slot];
+        l->held[r->slot] = NULL;
+        if (s != NULL)
+            rx_give_back(l, s);
+    }
+    if (!l->closed)
+        l->up->landed(l->owner, l, r->slot, st);
+    if (l->peer_gone && l->nsrx == 0 && !l->closed)
+        link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
+}
+
+/*
+ * Land the message in the session slot through the stage: a copy from the
+ * shared slot into dst (NULL: it is in place, and waits only for the
+ * receives before it). The shared slot stays held until the session
+ * releases the message, which is the sender's credit.
+ */
+static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const void *src, size_t n,
+                        const tdp__shm_desc *d)
+{
+    staged_rx *r = &l->srx[slot];
+    r->copy = (tdp__stage_copy){.done = rx_copied, .arg = r};
+    r->l = l;
+    r->slot = slot;
+    r->prog = NULL;
+    if (dst == NULL)
+        n = 0;
+    size_t avail = n;
+    if (n > 0 && DESC_TYPE(d->type) == TDP__SHM_DESC_DATA_STREAM) {
+        /* streamed: copy out what has landed, follow the rest (rx_follow) */
+        avail = rx_stream_have(l, d->seq, n);
+        if (avail < n)
+            r->prog = progress_word(l->rx_ctl, d->seq);
+    }
+    tdp_err rc =
+        tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, avail, STAGE_CHUNK, STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    l->nsrx++;
+    l->nstream += r->prog != NULL;
+    return TDP_OK;
+}
+
+/* The device buffer session slot `slot` receives a GPU layout into. */
+static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out)
+{
+    tdp_td *g = l->staged[slot];
+    if (g == NULL || g->schema != sc) {
+        tdp_td *n;
+        tdp_err rc = tdp_td_new(sc, &n);
+        if (rc != TDP_OK)
+            return rc;
+        tdp_td_unref(g);
+        l->staged[slot] = g = n;
+    }
+    *out = g;
+    return TDP_OK;
+}
+
 static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
 {
     const tdp__shm_desc *d = desc;
     rx_slot *s = rx_slot_of(l, d);
-    if (slot >= TDP_MAX_DEPTH || l->held[slot] != NULL || l->rx_schema == NULL || s == NULL)
+    if (slot >= TDP_MAX_DEPTH || l->held[slot] != NULL || l->rx_schema == NULL || s == NULL ||
+        l->srx[slot].copy.active)
         return TDP_EPROTO;
     tdp_schema *sc = l->rx_schema;
     uint64_t total = tdp_schema_total_bytes(sc);
@@ -1088,34 +1505,30 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     rx_pool *p = s->pool;
     void *mem = tdp__shm_seg_slot(p->seg, d->slot);
     tdp_device dev = tdp_schema_device(sc);
+    tdp_err rc;
     if (dev.type == TDP_DEVICE_CUDA) {
-        /* a GPU receive layout: staged into a device buffer, the slot goes back now */
-        tdp_td *g = l->staged[slot];
-        if (g == NULL || g->schema != sc) {
-            tdp_td *n;
-            tdp_err rc = tdp_td_new(sc, &n);
-            if (rc != TDP_OK)
-                return rc;
-            tdp_td_unref(g);
-            l->staged[slot] = g = n;
-        }
-        s->held = true;
-        p->nheld++;
-        tdp_err rc = tdp__mem_copy(g->data, true, mem, false, total);
-        rx_give_back(l, s);
-        if (rc != TDP_OK)
+        /* a GPU receive layout: copied into a device buffer on the link's stream */
+        tdp_td *g;
+        if ((rc = link_stage(l, dev.index)) != TDP_OK ||
+            (rc = rx_device_buf(l, slot, sc, &g)) != TDP_OK ||
+            (rc = rx_stage(l, slot, g->data, mem, total, d)) != TDP_OK)
             return rc;
         *td = g;
-        return TDP_OK;
+    } else {
+        if (DESC_TYPE(d->type) == TDP__SHM_DESC_DATA_STREAM &&
+            rx_stream_have(l, d->seq, total) < total)
+            return TDP_EPROTO; /* parked until complete: cannot happen */
+        if ((rc = rx_view(l, s)) != TDP_OK)
+            return rc;
+        /* behind a GPU receive still copying: land after it, in order */
+        if (l->nsrx > 0 && (rc = rx_stage(l, slot, NULL, NULL, 0, d)) != TDP_OK)
+            return rc;
+        *td = s->td;
     }
-    tdp_err rc = rx_view(l, s);
-    if (rc != TDP_OK)
-        return rc;
     s->held = true;
     p->nheld++;
     l->held[slot] = s;
-    *td = s->td;
-    return TDP_OK;
+    return l->srx[slot].copy.active ? TDP_EAGAIN : TDP_OK;
 }
 
 static void s_release(tdp__link *l, uint32_t slot)
@@ -1152,6 +1565,14 @@ static void sock_cb(evutil_socket_t fd, short what, void *arg)
          * is in the ring; hand that over first, then report the end */
         if (l->rx_ctl != NULL)
             rx_progress(l);
+        /* (a streamed message not all there will never be) */
+        if (l->nsrx > 0 && rx_streams_whole(l) && !l->failed && !l->closed) {
+            /* receives still copying out of our mapping land first (it
+             * outlives the peer): the end is told after the last one */
+            l->peer_gone = true;
+            event_del(l->sev);
+            return;
+        }
         link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
         return;
     }
@@ -1298,6 +1719,7 @@ static void accept_cb(evutil_socket_t lfd, short what, void *arg)
 
 static void link_teardown(struct tdp__link *l)
 {
+    link_stage_cancel(l); /* before the pools go: the stream may still copy into them */
     if (l->tx_src != NULL)
         tdp__loop_source_remove(l->x->loop, l->tx_src);
     if (l->rx_src != NULL)
@@ -1350,6 +1772,9 @@ static void link_destroy(struct tdp__link *l)
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         tdp_td_unref(l->staged[i]);
     tdp_schema_unref(l->rx_schema);
+    /* here, not in teardown: a close may come from inside one of its callbacks */
+    tdp__stage_free(l->stage);
+    tdp__free(l->stx);
     tdp__free(l->early);
     tdp__free(l->pend);
     tdp__free(l);
@@ -1427,6 +1852,7 @@ static tdp_err s_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->owner = owner;
     l->up = up;
     l->sock = -1;
+    l->cuda_device = -1;
     l->next = x->links;
     if (x->links != NULL)
         x->links->prev = l;
@@ -1472,8 +1898,17 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
     l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);
     l->pend = tdp__alloc_array(l->pend_cap, sizeof(*l->pend));
-    if (l->early == NULL || l->pend == NULL)
+    l->capstx = l->capearly;
+    l->stx = tdp__alloc_array(l->capstx, sizeof(*l->stx));
+    if (l->early == NULL || l->pend == NULL || l->stx == NULL)
         return TDP_ENOMEM;
+    l->cuda_device = peer->cuda_device;
+    if (l->cuda_device >= 0 && tdp__cuda_device_count() > l->cuda_device) {
+        /* the pipe names a device: stream and page-locking now, not in the first send */
+        tdp_err rc = link_stage(l, l->cuda_device);
+        if (rc != TDP_OK)
+            return rc;
+    }
     l->started = true;
     if (c < 0) {
         /* the smaller key connects and proves itself */
