@@ -321,6 +321,15 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
     return rc;
 }
 
+/* --mem cuda: the pipe sets up its GPU staging when it connects, not in the first message. */
+static void opts_mem(const bench_cfg *cfg, tdp_pipe_opts *po)
+{
+    if (cfg->mem.type == TDP_DEVICE_CUDA) {
+        po->cuda_device_set = true;
+        po->cuda_device = cfg->mem.index;
+    }
+}
+
 static int run_consumer(const bench_cfg *cfg)
 {
     char host[TDP_CLI_HOST_LEN];
@@ -336,6 +345,7 @@ static int run_consumer(const bench_cfg *cfg)
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
+    opts_mem(cfg, &po);
     if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
         return TDP_EXIT_CONNECT;
     tdp_err rc = consume(cfg, pipe, false);
@@ -975,6 +985,7 @@ static int run_producer(bench_cfg *cfg)
     po.recv_depth = cfg->depth;
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
+    opts_mem(cfg, &po);
     if (tdp_loop_new(&lo, &loop) != TDP_OK) {
         fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
         return TDP_EXIT_FAIL;
@@ -1053,6 +1064,7 @@ static int run_client(bench_cfg *cfg)
     po.want_peer_depth = cfg->depth; /* the server receives as the loopback consumer would */
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
+    opts_mem(cfg, &po);
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
         tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;

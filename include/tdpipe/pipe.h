@@ -174,6 +174,17 @@ typedef struct tdp_pipe_opts {
      * docs/pipe.md#waiting-for-the-listener.
      */
     int64_t connect_wait_ms;
+    /*
+     * The GPU this pipe's payloads live on (cuda_device_set true; default
+     * none, cuda_device -1). A plane that copies GPU payloads through host
+     * memory (shm) then starts the device's primary context, makes its copy
+     * stream and page-locks its buffers when the pipe connects, so the
+     * first send or receive of a GPU tensordict does not pay for them.
+     * Without it the same happens at the first GPU payload or layout.
+     * A device that does not exist is ignored. docs/gpu.md.
+     */
+    bool cuda_device_set;
+    int cuda_device;
 } tdp_pipe_opts;
 
 #define TDP_SECRET_MIN 16

@@ -88,6 +88,9 @@ typedef struct tdp__link_peer {
     /* seq of the last DATA this side sent before this link (a reconnected
      * pipe goes on from there; 0 for a fresh one): the next is sent_seq + 1 */
     uint64_t sent_seq;
+    /* tdp_pipe_opts.cuda_device: the GPU this pipe's payloads live on, -1
+     * for none; a plane that stages GPU payloads sets up for it now */
+    int cuda_device;
 } tdp__link_peer;
 
 /* A send: the session has checked credit and order. */

@@ -166,6 +166,7 @@ void tdp_pipe_opts_default(tdp_pipe_opts *o)
         .keepalive_intvl_s = 1,
         .keepalive_cnt = 15,
         .plane = TDP_PLANE_AUTO,
+        .cuda_device = -1,
     };
 }
 
@@ -195,7 +196,10 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(want_peer_depth)
     TAKE(latency_stats)
     TAKE(connect_wait_ms)
+    TAKE(cuda_device_set)
 #undef TAKE
+    if (out->cuda_device_set)
+        out->cuda_device = in->cuda_device;
     if (out->recv_device_set)
         out->recv_device = in->recv_device;
     if (offsetof(tdp_pipe_opts, limits) + sizeof(in->limits) <= n && in->limits != NULL)
@@ -637,6 +641,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .max_json_bytes = p->limits.max_json_bytes,
         .max_total_bytes = p->limits.max_total_bytes,
         .sent_seq = p->send_seq,
+        .cuda_device = p->opts.cuda_device_set ? p->opts.cuda_device : -1,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {

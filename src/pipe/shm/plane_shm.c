@@ -53,9 +53,11 @@
 #include <event2/event.h>
 
 #include "../plane.h"
+#include "../stage.h"
 #include "plane_shm.h"
 #include "shm.h"
 #include "../../core/alloc.h"
+#include "../../core/cuda.h"
 #include "../../core/log.h"
 #include "../../core/loop_int.h"
 #include "../../core/reap.h"
@@ -105,6 +107,7 @@ typedef struct tx_slot {
     tdp_td *td;
     uint32_t idx;
     bool in_flight; /* sent, not yet released by the receiver */
+    bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
 struct tx_pool {
@@ -113,7 +116,8 @@ struct tx_pool {
     uint32_t gen, nslots, nflight;
     uint64_t stride;
     tx_slot *slots;
-    tx_pool *next; /* older generations still out */
+    tx_pool *next;   /* older generations still out */
+    bool registered; /* page-locked with the CUDA driver (GPU copies) */
 };
 
 typedef struct rx_slot {
@@ -128,7 +132,8 @@ struct rx_pool {
     uint32_t gen, nslots, nheld;
     uint64_t stride;
     rx_slot *slots;
-    rx_pool *next; /* retired generations with slots still held */
+    rx_pool *next;   /* retired generations with slots still held */
+    bool registered; /* page-locked with the CUDA driver (GPU copies) */
 };
 
 /* An announcement read from the socket, waiting for its DATA. */
@@ -142,6 +147,29 @@ typedef struct pend_msg {
 typedef struct early_tx {
     tdp__tx tx;
 } early_tx;
+
+/*
+ * A send whose payload is being copied into its slot (from a GPU, or a
+ * host send queued behind one so that descriptors keep their order); its
+ * descriptor goes out when the copy has landed.
+ */
+typedef struct staged_tx {
+    tdp__stage_copy copy; /* first: the callback finds the record from it */
+    struct tdp__link *l;
+    tx_slot *s;
+    tdp__tx tx; /* holds a reference on tx.td */
+} staged_tx;
+
+/* A receive being copied from its slot into the session slot's device buffer. */
+typedef struct staged_rx {
+    tdp__stage_copy copy; /* first */
+    struct tdp__link *l;
+    uint32_t slot;
+} staged_rx;
+
+/* GPU copies: chunks in flight per copy, and their size */
+#define STAGE_CHUNK    (4u << 20)
+#define STAGE_INFLIGHT 4u
 
 struct tdp__link {
     shm_ext *x;
@@ -182,6 +210,15 @@ struct tdp__link {
     uint64_t rx_hash;
     rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
     tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
+
+    /* GPU payloads (stage.h): the link's stream, made at start when the pipe
+     * names a device (tdp_pipe_opts.cuda_device), else at the first GPU payload */
+    tdp__stage *stage;
+    int cuda_device;
+    staged_tx *stx; /* a ring, in seq order: copies land in start order */
+    uint32_t stx_head, nstx, capstx;
+    staged_rx srx[TDP_MAX_DEPTH]; /* by session slot */
+    uint32_t nsrx;                /* receives copying */
 };
 
 typedef struct pending_conn {
@@ -208,10 +245,33 @@ static void sock_arm(struct tdp__link *l);
 
 /* ---- pools ------------------------------------------------------------------------- */
 
+/*
+ * Page-lock a pool's mapping once, so the link's GPU copies run at pinned
+ * speed straight from or into the slots (pageable memory would make the
+ * driver bounce them through its own buffers, synchronously). Failure only
+ * costs speed.
+ */
+static bool seg_register(tdp__shm_seg *seg)
+{
+    tdp_err rc =
+        tdp__cuda_host_register(tdp__shm_seg_base(seg), tdp__shm_seg_geom(seg)->total_bytes);
+    if (rc != TDP_OK)
+        tdp_log_debug("shm: pool not page-locked (%s): GPU copies go at pageable speed",
+                      tdp_strerror(rc));
+    return rc == TDP_OK;
+}
+
+static void seg_unregister(tdp__shm_seg *seg, bool registered)
+{
+    if (registered)
+        (void)tdp__cuda_host_unregister(tdp__shm_seg_base(seg));
+}
+
 static void tx_pool_unref(tx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
+    seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
     tdp__free(p->slots);
     tdp__free(p);
@@ -239,6 +299,7 @@ static void rx_pool_unref(rx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
+    seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
     tdp__free(p->slots);
     tdp__free(p);
@@ -276,6 +337,52 @@ static uint64_t page_round(uint64_t n)
 static uint32_t pool_slots(uint32_t peer_depth)
 {
     return peer_depth + (peer_depth < 2 ? 2 : peer_depth);
+}
+
+/* ---- GPU staging --------------------------------------------------------------------- */
+
+/*
+ * The link's stage, made now if need be: at link start when the pipe named
+ * a device (so that the first GPU payload pays for neither the context,
+ * the stream nor the page-locking), else at the first GPU payload or
+ * layout. The pools get page-locked with it. One stage per link: the
+ * driver's unified addressing lets its stream copy any device's memory.
+ */
+static tdp_err link_stage(struct tdp__link *l, int dev)
+{
+    if (l->stage != NULL)
+        return TDP_OK;
+    if (l->cuda_device < 0)
+        tdp_log_debug("shm: GPU staging starts with the first GPU payload (no cuda_device)");
+    tdp_err rc = tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
+    if (rc != TDP_OK)
+        return rc;
+    for (tx_pool *p = l->pool; p != NULL; p = p->next)
+        if (!p->registered)
+            p->registered = seg_register(p->seg);
+    for (rx_pool *p = l->rpool; p != NULL; p = p->next)
+        if (!p->registered)
+            p->registered = seg_register(p->seg);
+    return TDP_OK;
+}
+
+/* Stop every copy in flight (the stream passes them first): close and teardown. */
+static void link_stage_cancel(struct tdp__link *l)
+{
+    if (l->stage == NULL)
+        return;
+    while (l->nstx > 0) {
+        staged_tx *e = &l->stx[l->stx_head];
+        tdp__stage_copy_cancel(l->stage, &e->copy);
+        tdp_td_unref(e->tx.td);
+        tdp_schema_unref((tdp_schema *)e->tx.schema);
+        e->tx.td = NULL;
+        l->stx_head = (l->stx_head + 1) % l->capstx;
+        l->nstx--;
+    }
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        tdp__stage_copy_cancel(l->stage, &l->srx[i].copy);
+    l->nsrx = 0;
 }
 
 /* ---- the socket ------------------------------------------------------------------- */
@@ -397,6 +504,8 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
     p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
     for (uint32_t i = 0; i < n; i++)
         p->slots[i] = (tx_slot){.pool = p, .idx = i};
+    if (l->stage != NULL)
+        p->registered = seg_register(p->seg);
     p->next = l->pool;
     l->pool = p;
     /* older pools with nothing out go now */
@@ -431,11 +540,83 @@ static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
     return s;
 }
 
+/* The payload is in slot s: post its descriptor; the send is complete. */
+static tdp_err tx_post(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+{
+    tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_DATA, s->pool->gen),
+                       .slot = s->idx,
+                       .seq = tx->seq,
+                       .hash = tdp_schema_hash(tx->td->schema),
+                       .arg = tx->td->nbytes};
+    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
+    tdp_err rc = tdp__shm_ring_push(r, &d);
+    if (rc != TDP_OK)
+        return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    s->staging = false;
+    if (tdp__shm_ring_notify(r) != TDP_OK)
+        return TDP_ECONNRESET;
+    /* the receiver has it: the caller's buffer is free again */
+    l->up->sent(l->owner, l, tx->cookie, TDP_OK);
+    return TDP_OK;
+}
+
+/* A staged send's copy landed (or failed): post it, in order. */
+static void tx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    staged_tx *e = (staged_tx *)c;
+    struct tdp__link *l = e->l;
+    tdp__tx tx = e->tx;
+    tx_slot *s = e->s;
+    /* copies land in start order, so this is the ring's head */
+    e->tx.td = NULL;
+    l->stx_head = (l->stx_head + 1) % l->capstx;
+    l->nstx--;
+    if (st == TDP_OK && !l->failed && !l->closed)
+        st = tx_post(l, s, &tx);
+    else if (st == TDP_OK)
+        st = TDP_ECONNRESET;
+    if (st != TDP_OK && !l->closed) {
+        l->up->sent(l->owner, l, tx.cookie, st);
+        link_fail(l, st == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
+                  "cannot stage a payload into shared memory");
+    }
+    tdp_td_unref(tx.td);
+    tdp_schema_unref((tdp_schema *)tx.schema);
+}
+
+/*
+ * Copy the payload into s on the link's stream; the descriptor goes when
+ * the copy has landed. copy false: the payload is in s already (a loan, or
+ * a host payload copied here) and waits only for the sends before it.
+ */
+static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy)
+{
+    if (l->nstx == l->capstx)
+        return TDP_EINTERNAL; /* the credit bounds sends in flight below this */
+    staged_tx *e = &l->stx[(l->stx_head + l->nstx) % l->capstx];
+    *e = (staged_tx){.copy = {.done = tx_copied}, .l = l, .s = s, .tx = *tx};
+    e->copy.arg = e;
+    size_t n = copy ? tx->td->nbytes : 0;
+    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tdp__shm_seg_slot(s->pool->seg, s->idx),
+                                       tx->td->data, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_td_ref(tx->td);
+    if (tx->schema != NULL)
+        tdp_schema_ref((tdp_schema *)tx->schema);
+    e->tx.schema = tx->schema;
+    s->staging = true;
+    l->nstx++;
+    return TDP_OK;
+}
+
 static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
 {
     tdp_td *td = tx->td;
     bool gpu = td->device.type == TDP_DEVICE_CUDA;
     tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK && gpu)
+        rc = link_stage(l, td->device.index);
     if (rc == TDP_OK)
         rc = tx_pool_grow(l, td->nbytes);
     if (rc == TDP_OK && tx->schema != NULL)
@@ -443,30 +624,24 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     if (rc != TDP_OK)
         return rc;
     tx_slot *s = tx_loaned(l, td);
-    if (s == NULL) {
-        /* a plain send: one copy, into a slot (staged from the GPU if need be) */
-        if ((s = tx_pick(l->pool)) == NULL)
-            return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
-        void *dst = tdp__shm_seg_slot(l->pool->seg, s->idx);
-        if ((rc = tdp__mem_copy(dst, false, td->data, gpu, td->nbytes)) != TDP_OK)
-            return rc;
-    }
-    tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_DATA, l->pool->gen),
-                       .slot = s->idx,
-                       .seq = tx->seq,
-                       .hash = tdp_schema_hash(td->schema),
-                       .arg = td->nbytes};
-    tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
-    if ((rc = tdp__shm_ring_push(r, &d)) != TDP_OK)
-        return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    bool loaned = s != NULL;
+    if (!loaned && (s = tx_pick(l->pool)) == NULL)
+        return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
+    if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
+        memcpy(tdp__shm_seg_slot(l->pool->seg, s->idx), td->data, td->nbytes);
+    /* the slot is taken from now on, and later announcements follow this seq */
     s->in_flight = true;
-    l->pool->nflight++;
+    s->pool->nflight++;
     l->last_seq = tx->seq;
-    if (tdp__shm_ring_notify(r) != TDP_OK)
-        return TDP_ECONNRESET;
-    /* the receiver has it: the caller's buffer is free again */
-    l->up->sent(l->owner, l, tx->cookie, TDP_OK);
-    return TDP_OK;
+    if (gpu || l->nstx > 0)
+        rc = tx_stage(l, s, tx, gpu && !loaned);
+    else
+        rc = tx_post(l, s, tx);
+    if (rc != TDP_OK && rc != TDP_ECONNRESET) {
+        s->in_flight = s->staging = false;
+        s->pool->nflight--;
+    }
+    return rc;
 }
 
 static tdp_err s_send(tdp__link *l, const tdp__tx *tx)
@@ -533,7 +708,7 @@ static unsigned tx_progress_now(struct tdp__link *l)
         while (p != NULL && p->gen != gen)
             p = p->next;
         if (DESC_TYPE(d.type) != TDP__SHM_DESC_RELEASE || p == NULL || d.slot >= p->nslots ||
-            !p->slots[d.slot].in_flight) {
+            !p->slots[d.slot].in_flight || p->slots[d.slot].staging) {
             link_fail(l, TDP_EPROTO, "invalid release descriptor");
             return n;
         }
@@ -836,6 +1011,8 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             p->slots = slots;
             for (uint32_t i = 0; i < p->nslots; i++)
                 slots[i].pool = p;
+            if (l->stage != NULL)
+                p->registered = seg_register(p->seg);
             /* keep the superseded pool in the list while it has slots out */
             rx_pool *old = l->rpool;
             p->next = old;
@@ -979,6 +1156,13 @@ static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
     (void)depth;
     if (l->rpool == NULL || l->rpool->stride < tdp_schema_total_bytes(sc))
         return TDP_EPROTO; /* the pool in force cannot hold this layout */
+    tdp_device dev = tdp_schema_device(sc);
+    if (dev.type == TDP_DEVICE_CUDA) {
+        /* before the first message of a GPU layout: the stream and page-locking */
+        tdp_err rc = link_stage(l, dev.index);
+        if (rc != TDP_OK)
+            return rc;
+    }
     if (l->rx_schema != sc) {
         tdp_schema_unref(l->rx_schema);
         l->rx_schema = tdp_schema_ref(sc);
@@ -1010,11 +1194,66 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     }
 }
 
+/* A receive's copy landed (or failed): the session has the message now. */
+static void rx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    staged_rx *r = (staged_rx *)c;
+    struct tdp__link *l = r->l;
+    l->nsrx--;
+    if (st != TDP_OK) {
+        /* the session frees the slot without a release: give it back here */
+        rx_slot *s = l->held[r->slot];
+        l->held[r->slot] = NULL;
+        if (s != NULL)
+            rx_give_back(l, s);
+    }
+    if (!l->closed)
+        l->up->landed(l->owner, l, r->slot, st);
+}
+
+/*
+ * Land the message in the session slot through the stage: a copy from the
+ * shared slot into dst (NULL: it is in place, and waits only for the
+ * receives before it). The shared slot stays held until the session
+ * releases the message, which is the sender's credit.
+ */
+static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const void *src, size_t n)
+{
+    staged_rx *r = &l->srx[slot];
+    r->copy = (tdp__stage_copy){.done = rx_copied, .arg = r};
+    r->l = l;
+    r->slot = slot;
+    if (dst == NULL)
+        n = 0;
+    tdp_err rc =
+        tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
+    if (rc == TDP_OK)
+        l->nsrx++;
+    return rc;
+}
+
+/* The device buffer session slot `slot` receives a GPU layout into. */
+static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out)
+{
+    tdp_td *g = l->staged[slot];
+    if (g == NULL || g->schema != sc) {
+        tdp_td *n;
+        tdp_err rc = tdp_td_new(sc, &n);
+        if (rc != TDP_OK)
+            return rc;
+        tdp_td_unref(g);
+        l->staged[slot] = g = n;
+    }
+    *out = g;
+    return TDP_OK;
+}
+
 static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
 {
     const tdp__shm_desc *d = desc;
     rx_slot *s = rx_slot_of(l, d);
-    if (slot >= TDP_MAX_DEPTH || l->held[slot] != NULL || l->rx_schema == NULL || s == NULL)
+    if (slot >= TDP_MAX_DEPTH || l->held[slot] != NULL || l->rx_schema == NULL || s == NULL ||
+        l->srx[slot].copy.active)
         return TDP_EPROTO;
     tdp_schema *sc = l->rx_schema;
     uint64_t total = tdp_schema_total_bytes(sc);
@@ -1023,34 +1262,27 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     rx_pool *p = s->pool;
     void *mem = tdp__shm_seg_slot(p->seg, d->slot);
     tdp_device dev = tdp_schema_device(sc);
+    tdp_err rc;
     if (dev.type == TDP_DEVICE_CUDA) {
-        /* a GPU receive layout: staged into a device buffer, the slot goes back now */
-        tdp_td *g = l->staged[slot];
-        if (g == NULL || g->schema != sc) {
-            tdp_td *n;
-            tdp_err rc = tdp_td_new(sc, &n);
-            if (rc != TDP_OK)
-                return rc;
-            tdp_td_unref(g);
-            l->staged[slot] = g = n;
-        }
-        s->held = true;
-        p->nheld++;
-        tdp_err rc = tdp__mem_copy(g->data, true, mem, false, total);
-        rx_give_back(l, s);
-        if (rc != TDP_OK)
+        /* a GPU receive layout: copied into a device buffer on the link's stream */
+        tdp_td *g;
+        if ((rc = link_stage(l, dev.index)) != TDP_OK ||
+            (rc = rx_device_buf(l, slot, sc, &g)) != TDP_OK ||
+            (rc = rx_stage(l, slot, g->data, mem, total)) != TDP_OK)
             return rc;
         *td = g;
-        return TDP_OK;
+    } else {
+        if ((rc = rx_view(l, s)) != TDP_OK)
+            return rc;
+        /* behind a GPU receive still copying: land after it, in order */
+        if (l->nsrx > 0 && (rc = rx_stage(l, slot, NULL, NULL, 0)) != TDP_OK)
+            return rc;
+        *td = s->td;
     }
-    tdp_err rc = rx_view(l, s);
-    if (rc != TDP_OK)
-        return rc;
     s->held = true;
     p->nheld++;
     l->held[slot] = s;
-    *td = s->td;
-    return TDP_OK;
+    return l->srx[slot].copy.active ? TDP_EAGAIN : TDP_OK;
 }
 
 static void s_release(tdp__link *l, uint32_t slot)
@@ -1233,6 +1465,7 @@ static void accept_cb(evutil_socket_t lfd, short what, void *arg)
 
 static void link_teardown(struct tdp__link *l)
 {
+    link_stage_cancel(l); /* before the pools go: the stream may still copy into them */
     if (l->tx_src != NULL)
         tdp__loop_source_remove(l->x->loop, l->tx_src);
     if (l->rx_src != NULL)
@@ -1285,6 +1518,9 @@ static void link_destroy(struct tdp__link *l)
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         tdp_td_unref(l->staged[i]);
     tdp_schema_unref(l->rx_schema);
+    /* here, not in teardown: a close may come from inside one of its callbacks */
+    tdp__stage_free(l->stage);
+    tdp__free(l->stx);
     tdp__free(l->early);
     tdp__free(l->pend);
     tdp__free(l);
@@ -1362,6 +1598,7 @@ static tdp_err s_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->owner = owner;
     l->up = up;
     l->sock = -1;
+    l->cuda_device = -1;
     l->next = x->links;
     if (x->links != NULL)
         x->links->prev = l;
@@ -1400,8 +1637,17 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->capearly = 2 * peer->peer_depth + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
     l->pend = tdp__alloc_array(MAX_PENDING, sizeof(*l->pend));
-    if (l->early == NULL || l->pend == NULL)
+    l->capstx = l->capearly;
+    l->stx = tdp__alloc_array(l->capstx, sizeof(*l->stx));
+    if (l->early == NULL || l->pend == NULL || l->stx == NULL)
         return TDP_ENOMEM;
+    l->cuda_device = peer->cuda_device;
+    if (l->cuda_device >= 0 && tdp__cuda_device_count() > l->cuda_device) {
+        /* the pipe names a device: stream and page-locking now, not in the first send */
+        tdp_err rc = link_stage(l, l->cuda_device);
+        if (rc != TDP_OK)
+            return rc;
+    }
     l->started = true;
     if (c < 0) {
         /* the smaller key connects and proves itself */

@@ -1,0 +1,108 @@
+/*
+ * stage.h (internal): the staging engine. A plane that moves GPU payloads
+ * through host memory (the shm plane's slots, the ucx plane's bounce
+ * buffers) copies them here: one CUDA stream per link, copies cut into
+ * chunks with a bounded number in flight, and the loop thread told of each
+ * finished chunk by an eventfd that a host function queued behind the chunk
+ * writes. Nothing polls the stream, nothing blocks the loop for a copy, and
+ * nothing is allocated per copy once the stage exists.
+ *
+ * Threads: every function runs on the loop's thread (or while nobody runs
+ * the loop); callbacks run on the loop's thread, never from inside the call
+ * that started or extended a copy.
+ */
+#ifndef TDP_PIPE_STAGE_H
+#define TDP_PIPE_STAGE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <tdpipe/err.h>
+#include <tdpipe/loop.h>
+
+#include "../core/cuda.h"
+
+typedef struct tdp__stage tdp__stage;
+typedef struct tdp__stage_copy tdp__stage_copy;
+
+/*
+ * The copy is over: every byte landed (TDP_OK), or a chunk could not be
+ * queued (TDP_ECUDA, TDP_ENOMEM; the bytes of dst are then undefined). The
+ * stage is done with c, which the callback may reuse or free.
+ */
+typedef void (*tdp__stage_done_fn)(tdp__stage_copy *c, tdp_err status);
+
+/* Bytes [0, landed) of dst hold their final value (called as chunks land). */
+typedef void (*tdp__stage_progress_fn)(tdp__stage_copy *c, size_t landed);
+
+/*
+ * One copy, embedded in the caller's own object (a send, a receive slot):
+ * fill done, progress and arg, then start it. The rest is the stage's.
+ */
+struct tdp__stage_copy {
+    tdp__stage_done_fn done;
+    tdp__stage_progress_fn progress; /* NULL: not told */
+    void *arg;
+    /* the stage's */
+    char *dst;
+    const char *src;
+    size_t n, avail, issued, landed, reported, chunk;
+    unsigned max_inflight, inflight;
+    tdp_err status;
+    bool active;
+    tdp__stage_copy *next;
+};
+
+/* Chunks in flight on one stage, across its copies, at most. */
+enum { TDP__STAGE_MAX_INFLIGHT = 64 };
+
+/*
+ * A stage on `loop` for device `dev`: makes the device's context current,
+ * creates the stream and the wake event. max_inflight: chunks in flight
+ * across all copies (1..TDP__STAGE_MAX_INFLIGHT; 0 = the maximum). Errors:
+ * TDP_ENOTSUP (no such device), TDP_ECUDA, TDP_ENOMEM, TDP_EINVAL.
+ * *out is written only on success.
+ */
+tdp_err tdp__stage_new(tdp_loop *loop, int dev, unsigned max_inflight, tdp__stage **out);
+
+/*
+ * Cancel every copy (no callback runs, now or later), wait for the stream
+ * to pass what was queued, and free the stage. NULL is a no-op.
+ */
+void tdp__stage_free(tdp__stage *st);
+
+/*
+ * Copy n bytes from src to dst (host or device on either side) in chunks
+ * of `chunk` bytes (0: one chunk), at most max_inflight chunks of this copy
+ * queued at once (0: no limit but the stage's). avail: bytes of src that
+ * may be copied now (n: all); tdp__stage_copy_avail raises it, so a copy
+ * can follow a producer chunk by chunk. Copies finish in the order they
+ * were started: a later copy queues nothing until the earlier ones have
+ * queued all their bytes, and its done runs after theirs. Both buffers
+ * must stay valid until done runs or the copy is cancelled. Returns
+ * TDP_EINVAL (bad arguments, c already active) without starting; otherwise
+ * TDP_OK and done will run, failures included.
+ */
+tdp_err tdp__stage_copy_start(tdp__stage *st, tdp__stage_copy *c, void *dst, const void *src,
+                              size_t n, size_t avail, size_t chunk, unsigned max_inflight);
+
+/* More of src is ready: bytes [0, avail) may be copied (capped at n). */
+void tdp__stage_copy_avail(tdp__stage *st, tdp__stage_copy *c, size_t avail);
+
+/*
+ * Forget c: its callbacks never run. When chunks of it are still queued
+ * this waits for the stream to pass them, so dst and src may be freed or
+ * unmapped on return (a close path, not a per-message one). Not active: a
+ * no-op. Safe inside any of the stage's callbacks.
+ */
+void tdp__stage_copy_cancel(tdp__stage *st, tdp__stage_copy *c);
+
+/* The stage's stream (for an event or a wait ordered after its copies). */
+tdp__cuda_stream *tdp__stage_stream(const tdp__stage *st);
+int tdp__stage_device(const tdp__stage *st);
+
+/* Chunks queued now, and the most ever queued at once. */
+unsigned tdp__stage_inflight(const tdp__stage *st);
+unsigned tdp__stage_inflight_max(const tdp__stage *st);
+
+#endif /* TDP_PIPE_STAGE_H */
