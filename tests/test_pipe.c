@@ -764,6 +764,48 @@ static void test_kill_receiver(void **state)
     kill_case(false);
 }
 
+/*
+ * A device copy that fails (the fake's injected fault), on the sending side
+ * (k = 1: the copy out of the sender's buffer) or the receiving side (k = 2:
+ * the copy into the receiver's device buffer): the pipe fails with an error
+ * on at least one side, nothing crashes, nothing hangs, and a receive never
+ * hands out a message whose copy failed.
+ */
+static void test_device_copy_fault(void **state)
+{
+    if (!dev_mode || tdp__cuda_backend_get() != TDP__CUDA_FAKE) {
+        print_message("skipped: needs device mode on the fake device (injected faults)\n");
+        skip();
+    }
+    for (unsigned k = 1; k <= 2; k++) {
+        env e;
+        env_up(&e, NULL, NULL);
+        tdp_schema *s = bytes_schema(1 << 20);
+        tdp_td *td, *got;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        fill(td, 1);
+        assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK); /* a good one first */
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, 1));
+        tdp_pipe_release(e.srv, got);
+        fill(td, 2);
+        tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, k);
+        tdp_err src = tdp_pipe_send(e.cli, td, 5000);
+        tdp_err rrc = tdp_pipe_recv(e.srv, 5000, &got);
+        tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, 0);
+        print_message("copy %u fails: send %s, recv %s, status %s / %s\n", k, tdp_errname(src),
+                      tdp_errname(rrc), tdp_errname(tdp_pipe_status(e.cli)),
+                      tdp_errname(tdp_pipe_status(e.srv)));
+        assert_int_not_equal(rrc, TDP_OK); /* the message whose copy failed is never handed out */
+        /* the side whose copy failed says so */
+        assert_int_equal(k == 1 ? src : rrc, TDP_ECUDA);
+        assert_true(tdp_pipe_status(e.cli) != TDP_OK || tdp_pipe_status(e.srv) != TDP_OK);
+        env_down(&e);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+    }
+}
+
 /* ---- hostile peers ------------------------------------------------------------- */
 
 /*
@@ -2410,6 +2452,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_ipv6_and_names),
         cmocka_unit_test(test_kill_sender),
         cmocka_unit_test(test_kill_receiver),
+        cmocka_unit_test(test_device_copy_fault),
         cmocka_unit_test(test_garbage_frame),
         cmocka_unit_test(test_hostile_schema),
         cmocka_unit_test(test_data_without_schema),
