@@ -183,8 +183,8 @@ stage_asan() {
 # process-wide count replaces malloc, which TSan must own.
 # UCX_MEM_EVENTS=no: UCX's memory hooks patch the allocator's symbols
 # under TSan's interceptors and crash the process before main.
-TSAN_TESTS='^test_(pipe_.*|server|loop|shm|cuda|stage)$'
-TSAN_TARGETS=(test_pipe test_pipe_alloc test_server test_loop test_shm test_cuda test_stage)
+TSAN_TESTS='^test_(pipe_.*|server|loop|shm|cuda|stage|gpu_shm)$'
+TSAN_TARGETS=(test_pipe test_pipe_alloc test_server test_loop test_shm test_cuda test_stage test_gpu_shm)
 
 stage_tsan() {
     export UCX_MEM_EVENTS=${UCX_MEM_EVENTS:-no}

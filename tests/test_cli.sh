@@ -965,6 +965,21 @@ test_bench_mem() {
     expect_in bmem_bad err "--mem is cpu or cuda[:N], not 'gpu'"
 }
 
+# --mem cuda over the shm plane on the fake device (its device memory faults
+# when host code touches it): GPU payloads staged through the slots, small,
+# multi-chunk and 100 MB, with and without loans on the host side.
+test_bench_mem_fake() {
+    local v
+    for v in loan no_loan; do
+        run "bfake_$v" 120 env TDPIPE_CUDA=fake "$TDPIPE" bench --mem cuda --plane shm \
+            --sizes 1KB,1MB,100MB --rounds 5 $([[ $v == no_loan ]] && echo --no-loan)
+        expect_rc "bfake_$v" 0
+        expect_in "bfake_$v" out "mem cuda:0"
+        expect_in "bfake_$v" out "plane shm"
+        expect_in "bfake_$v" out "100 MB"
+    done
+}
+
 # ---- serve -----------------------------------------------------------------------
 
 test_serve() {
@@ -1354,6 +1369,7 @@ test_bench_outputs
 test_bench_two_hosts
 test_bench_busy
 test_bench_mem
+test_bench_mem_fake
 test_serve
 test_credit_kept_up
 test_live

@@ -181,7 +181,7 @@ typedef struct tdp_pipe_opts {
      * stream and page-locks its buffers when the pipe connects, so the
      * first send or receive of a GPU tensordict does not pay for them.
      * Without it the same happens at the first GPU payload or layout.
-     * A device that does not exist is ignored. docs/gpu.md.
+     * A device that does not exist is ignored. docs/gpu.md, "Staging".
      */
     bool cuda_device_set;
     int cuda_device;

@@ -157,7 +157,8 @@ typedef struct staged_tx {
     tdp__stage_copy copy; /* first: the callback finds the record from it */
     struct tdp__link *l;
     tx_slot *s;
-    tdp__tx tx; /* holds a reference on tx.td */
+    tdp__tx tx;  /* holds a reference on tx.td */
+    bool posted; /* streamed: its descriptor went before the copy */
 } staged_tx;
 
 /* A receive being copied from its slot into the session slot's device buffer. */
@@ -165,12 +166,23 @@ typedef struct staged_rx {
     tdp__stage_copy copy; /* first */
     struct tdp__link *l;
     uint32_t slot;
+    _Atomic uint64_t *prog; /* streamed: the sender's progress word */
 } staged_rx;
 
 /* GPU copies: chunks in flight per copy, and their size */
 #define STAGE_CHUNK    (4u << 20)
 #define STAGE_INFLIGHT 4u
 
+/*
+ * Streaming: a GPU payload of STREAM_MIN bytes or more has its descriptor
+ * sent when its copy into the slot starts, and the sender publishes the
+ * bytes landed so far in a progress word, one per seq modulo
+ * PROGRESS_WORDS (more than the most sends in flight), in the control
+ * segment's slot; a receiver with a GPU layout copies each chunk out as it
+ * lands, one with a host layout waits for the whole message.
+ */
+#define STREAM_MIN     (2u * STAGE_CHUNK)
+#define PROGRESS_WORDS (2u * TDP_MAX_DEPTH)
 struct tdp__link {
     shm_ext *x;
     void *owner;
@@ -217,8 +229,13 @@ struct tdp__link {
     int cuda_device;
     staged_tx *stx; /* a ring, in seq order: copies land in start order */
     uint32_t stx_head, nstx, capstx;
+    uint32_t stx_unposted;        /* staged sends whose descriptor waits for their copy */
     staged_rx srx[TDP_MAX_DEPTH]; /* by session slot */
     uint32_t nsrx;                /* receives copying */
+    uint32_t nstream;             /* of them, streamed ones still following the sender */
+    tdp__shm_desc parked;         /* a streamed DATA waiting for all its bytes */
+    bool has_parked;
+    bool peer_gone; /* the socket said so while receives were copying: told after them */
 };
 
 typedef struct pending_conn {
@@ -333,6 +350,12 @@ static uint64_t page_round(uint64_t n)
     return (n + TDP__SHM_PAGE - 1) / TDP__SHM_PAGE * TDP__SHM_PAGE;
 }
 
+/* The progress word of message seq in a control segment (its slot, checked at map). */
+static _Atomic uint64_t *progress_word(const tdp__shm_seg *ctl, uint64_t seq)
+{
+    return (_Atomic uint64_t *)tdp__shm_seg_slot(ctl, 0) + seq % PROGRESS_WORDS;
+}
+
 /* Slots a sender's pool has: the receiver's depth in flight, and as many loans. */
 static uint32_t pool_slots(uint32_t peer_depth)
 {
@@ -380,9 +403,10 @@ static void link_stage_cancel(struct tdp__link *l)
         l->stx_head = (l->stx_head + 1) % l->capstx;
         l->nstx--;
     }
+    l->stx_unposted = 0;
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         tdp__stage_copy_cancel(l->stage, &l->srx[i].copy);
-    l->nsrx = 0;
+    l->nsrx = l->nstream = 0;
 }
 
 /* ---- the socket ------------------------------------------------------------------- */
@@ -540,10 +564,10 @@ static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
     return s;
 }
 
-/* The payload is in slot s: post its descriptor; the send is complete. */
-static tdp_err tx_post(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+/* Put the descriptor of tx (in slot s) on the ring. */
+static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint32_t type)
 {
-    tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_DATA, s->pool->gen),
+    tdp__shm_desc d = {.type = DESC_WORD(type, s->pool->gen),
                        .slot = s->idx,
                        .seq = tx->seq,
                        .hash = tdp_schema_hash(tx->td->schema),
@@ -552,12 +576,31 @@ static tdp_err tx_post(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
     tdp_err rc = tdp__shm_ring_push(r, &d);
     if (rc != TDP_OK)
         return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
+    return tdp__shm_ring_notify(r) == TDP_OK ? TDP_OK : TDP_ECONNRESET;
+}
+
+/* The payload is in slot s: post its descriptor; the send is complete. */
+static tdp_err tx_post(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+{
+    tdp_err rc = tx_push(l, s, tx, TDP__SHM_DESC_DATA);
+    if (rc != TDP_OK)
+        return rc;
     s->staging = false;
-    if (tdp__shm_ring_notify(r) != TDP_OK)
-        return TDP_ECONNRESET;
     /* the receiver has it: the caller's buffer is free again */
     l->up->sent(l->owner, l, tx->cookie, TDP_OK);
     return TDP_OK;
+}
+
+/* A streamed send's chunks landed in its slot: tell the receiver. */
+static void tx_progressed(tdp__stage_copy *c, size_t landed)
+{
+    staged_tx *e = (staged_tx *)c;
+    struct tdp__link *l = e->l;
+    if (l->closed || l->failed)
+        return;
+    atomic_store_explicit(progress_word(l->tx_ctl, e->tx.seq), landed, memory_order_release);
+    if (tdp__shm_ring_notify(tdp__shm_seg_tx(l->tx_ctl)) != TDP_OK)
+        link_fail(l, TDP_ECONNRESET, "cannot ring the shared-memory doorbell");
 }
 
 /* A staged send's copy landed (or failed): post it, in order. */
@@ -567,14 +610,22 @@ static void tx_copied(tdp__stage_copy *c, tdp_err st)
     struct tdp__link *l = e->l;
     tdp__tx tx = e->tx;
     tx_slot *s = e->s;
+    bool posted = e->posted;
     /* copies land in start order, so this is the ring's head */
     e->tx.td = NULL;
     l->stx_head = (l->stx_head + 1) % l->capstx;
     l->nstx--;
-    if (st == TDP_OK && !l->failed && !l->closed)
-        st = tx_post(l, s, &tx);
-    else if (st == TDP_OK)
+    if (!posted)
+        l->stx_unposted--;
+    if (st == TDP_OK && (l->failed || l->closed)) {
         st = TDP_ECONNRESET;
+    } else if (st == TDP_OK && posted) {
+        tx_progressed(c, tx.td->nbytes);
+        s->staging = false;
+        l->up->sent(l->owner, l, tx.cookie, l->failed ? TDP_ECONNRESET : TDP_OK);
+    } else if (st == TDP_OK) {
+        st = tx_post(l, s, &tx);
+    }
     if (st != TDP_OK && !l->closed) {
         l->up->sent(l->owner, l, tx.cookie, st);
         link_fail(l, st == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
@@ -586,15 +637,21 @@ static void tx_copied(tdp__stage_copy *c, tdp_err st)
 
 /*
  * Copy the payload into s on the link's stream; the descriptor goes when
- * the copy has landed. copy false: the payload is in s already (a loan, or
- * a host payload copied here) and waits only for the sends before it.
+ * the copy has landed, or went already (posted: a streamed send). copy
+ * false: the payload is in s already (a loan, or a host payload copied
+ * here) and waits only for the sends before it.
  */
-static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy)
+static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool copy,
+                        bool posted)
 {
     if (l->nstx == l->capstx)
         return TDP_EINTERNAL; /* the credit bounds sends in flight below this */
     staged_tx *e = &l->stx[(l->stx_head + l->nstx) % l->capstx];
-    *e = (staged_tx){.copy = {.done = tx_copied}, .l = l, .s = s, .tx = *tx};
+    *e = (staged_tx){.copy = {.done = tx_copied, .progress = posted ? tx_progressed : NULL},
+                     .l = l,
+                     .s = s,
+                     .tx = *tx,
+                     .posted = posted};
     e->copy.arg = e;
     size_t n = copy ? tx->td->nbytes : 0;
     tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tdp__shm_seg_slot(s->pool->seg, s->idx),
@@ -607,7 +664,21 @@ static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool
     e->tx.schema = tx->schema;
     s->staging = true;
     l->nstx++;
+    if (!posted)
+        l->stx_unposted++;
     return TDP_OK;
+}
+
+/* A large GPU payload goes out as it is copied, unless a send before it still waits. */
+static tdp_err tx_stream(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
+{
+    atomic_store_explicit(progress_word(l->tx_ctl, tx->seq), 0, memory_order_release);
+    tdp_err rc = tx_push(l, s, tx, TDP__SHM_DESC_DATA_STREAM);
+    if (rc == TDP_OK)
+        rc = tx_stage(l, s, tx, true, true);
+    if (rc != TDP_OK && rc != TDP_ECONNRESET)
+        rc = TDP_ECONNRESET; /* the descriptor may be out: the stream cannot go on */
+    return rc;
 }
 
 static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
@@ -633,8 +704,10 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     s->in_flight = true;
     s->pool->nflight++;
     l->last_seq = tx->seq;
-    if (gpu || l->nstx > 0)
-        rc = tx_stage(l, s, tx, gpu && !loaned);
+    if (gpu && !loaned && td->nbytes >= STREAM_MIN && l->stx_unposted == 0)
+        rc = tx_stream(l, s, tx);
+    else if (gpu || l->nstx > 0)
+        rc = tx_stage(l, s, tx, gpu && !loaned, false);
     else
         rc = tx_post(l, s, tx);
     if (rc != TDP_OK && rc != TDP_ECONNRESET) {
@@ -857,7 +930,8 @@ static tdp_err rx_map_ctl(struct tdp__link *l, const shm_msg *m, int *fds)
     uint32_t want = 1;
     while (want < 2 * pool_slots(l->depth))
         want <<= 1;
-    if (tdp__shm_seg_geom(seg)->ring_cap > want) {
+    const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
+    if (g->ring_cap > want || g->nslots < 1 || g->slot_bytes < PROGRESS_WORDS * sizeof(uint64_t)) {
         tdp__shm_seg_close(seg);
         return TDP_EPROTO;
     }
@@ -1053,6 +1127,81 @@ static bool rx_fits(const struct tdp__link *l, const tdp__shm_desc *d)
     return l->rpool != NULL && DESC_GEN(d->type) == l->rpool->gen && d->hash == l->rx_hash;
 }
 
+/* The bytes of streamed message seq in its slot so far (a hostile sender's word capped at n). */
+static uint64_t rx_stream_have(const struct tdp__link *l, uint64_t seq, uint64_t n)
+{
+    uint64_t v = atomic_load_explicit(progress_word(l->rx_ctl, seq), memory_order_acquire);
+    return v < n ? v : n;
+}
+
+/* A DATA for the session (its announcements are in force). */
+static void rx_data(struct tdp__link *l, tdp__shm_desc *d)
+{
+    /* the session checks order and layout, then recv checks the slot */
+    tdp__frame f = {.type = TDP_AM_DATA, .seq = d->seq, .hash = d->hash, .length = d->arg};
+    l->up->data(l->owner, l, &f, d);
+}
+
+/*
+ * Streamed receives follow their sender: copies get what has landed, a
+ * parked DATA goes to the session once all of it is there. Returns true
+ * when anything moved.
+ */
+static bool rx_follow(struct tdp__link *l)
+{
+    bool moved = false;
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        staged_rx *r = &l->srx[i];
+        if (r->prog == NULL || !r->copy.active)
+            continue;
+        uint64_t v = atomic_load_explicit(r->prog, memory_order_acquire);
+        if (v > r->copy.avail) {
+            tdp__stage_copy_avail(l->stage, &r->copy, v);
+            moved = true;
+        }
+    }
+    if (l->has_parked && rx_stream_have(l, l->parked.seq, l->parked.arg) == l->parked.arg) {
+        tdp__shm_desc d = l->parked;
+        l->has_parked = false;
+        rx_data(l, &d);
+        moved = true;
+    }
+    return moved;
+}
+
+/* Whether a streamed receive could move now (checked after arming). */
+static bool rx_follow_due(const struct tdp__link *l)
+{
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        const staged_rx *r = &l->srx[i];
+        if (r->prog != NULL && r->copy.active &&
+            atomic_load_explicit(r->prog, memory_order_acquire) > r->copy.avail)
+            return true;
+    }
+    return l->has_parked && rx_stream_have(l, l->parked.seq, l->parked.arg) == l->parked.arg;
+}
+
+/* Whether every streamed receive has all its bytes in the slot (a dead sender adds none). */
+static bool rx_streams_whole(const struct tdp__link *l)
+{
+    for (uint32_t i = 0; l->nstream > 0 && i < TDP_MAX_DEPTH; i++) {
+        const staged_rx *r = &l->srx[i];
+        if (r->prog != NULL && r->copy.active && r->copy.avail < r->copy.n)
+            return false;
+    }
+    return !l->has_parked;
+}
+
+/* A streamed DATA the session cannot take yet: only a GPU layout follows the sender. */
+static bool rx_must_park(const struct tdp__link *l, const tdp__shm_desc *d)
+{
+    if (DESC_TYPE(d->type) != TDP__SHM_DESC_DATA_STREAM)
+        return false;
+    bool follows = l->stage != NULL && l->rx_schema != NULL &&
+                   tdp_schema_device(l->rx_schema).type == TDP_DEVICE_CUDA;
+    return !follows && rx_stream_have(l, d->seq, d->arg) < d->arg;
+}
+
 static unsigned rx_progress(void *arg)
 {
     struct tdp__link *l = arg;
@@ -1067,10 +1216,14 @@ static unsigned rx_progress(void *arg)
     }
     tdp__shm_desc d;
     tdp_err rc = TDP_OK;
-    /* bounded: each DATA needs a free session slot, which the credit ensures */
-    while (!l->closed && !l->failed && n < TDP_MAX_DEPTH && (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+    if (rx_follow(l))
         n++;
-        if (DESC_TYPE(d.type) != TDP__SHM_DESC_DATA) {
+    /* bounded: each DATA needs a free session slot, which the credit ensures */
+    while (!l->closed && !l->failed && !l->has_parked && n < TDP_MAX_DEPTH &&
+           (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
+        n++;
+        if (DESC_TYPE(d.type) != TDP__SHM_DESC_DATA &&
+            DESC_TYPE(d.type) != TDP__SHM_DESC_DATA_STREAM) {
             link_fail(l, TDP_EPROTO, "invalid data descriptor");
             return n;
         }
@@ -1095,9 +1248,13 @@ static unsigned rx_progress(void *arg)
         }
         if (l->closed)
             return n;
-        /* the session checks order and layout, then recv checks the slot */
-        tdp__frame f = {.type = TDP_AM_DATA, .seq = d.seq, .hash = d.hash, .length = d.arg};
-        l->up->data(l->owner, l, &f, &d);
+        if (rx_must_park(l, &d)) {
+            /* later DATA stay in the ring: they come after this one */
+            l->parked = d;
+            l->has_parked = true;
+            break;
+        }
+        rx_data(l, &d);
     }
     if (!l->closed && !l->failed && n < TDP_MAX_DEPTH && rc == TDP_EPROTO)
         link_fail(l, TDP_EPROTO, "data ring corrupted");
@@ -1109,6 +1266,9 @@ static int rx_arm(void *arg)
     struct tdp__link *l = arg;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->rx_ctl));
     l->rx_armed |= a == 0;
+    /* progress published before the arm rang no bell: look after arming */
+    if (a == 0 && rx_follow_due(l))
+        return 1;
     return a < 0 ? 1 : a;
 }
 
@@ -1200,6 +1360,10 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
     staged_rx *r = (staged_rx *)c;
     struct tdp__link *l = r->l;
     l->nsrx--;
+    if (r->prog != NULL) {
+        r->prog = NULL;
+        l->nstream--;
+    }
     if (st != TDP_OK) {
         /* the session frees the slot without a release: give it back here */
         rx_slot *s = l->held[r->slot];
@@ -1209,6 +1373,8 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
     }
     if (!l->closed)
         l->up->landed(l->owner, l, r->slot, st);
+    if (l->peer_gone && l->nsrx == 0 && !l->closed)
+        link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
 }
 
 /*
@@ -1217,19 +1383,30 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
  * receives before it). The shared slot stays held until the session
  * releases the message, which is the sender's credit.
  */
-static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const void *src, size_t n)
+static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const void *src, size_t n,
+                        const tdp__shm_desc *d)
 {
     staged_rx *r = &l->srx[slot];
     r->copy = (tdp__stage_copy){.done = rx_copied, .arg = r};
     r->l = l;
     r->slot = slot;
+    r->prog = NULL;
     if (dst == NULL)
         n = 0;
-    tdp_err rc =
-        tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
-    if (rc == TDP_OK)
-        l->nsrx++;
-    return rc;
+    size_t avail = n;
+    if (n > 0 && DESC_TYPE(d->type) == TDP__SHM_DESC_DATA_STREAM) {
+        /* streamed: copy out what has landed, follow the rest (rx_follow) */
+        avail = rx_stream_have(l, d->seq, n);
+        if (avail < n)
+            r->prog = progress_word(l->rx_ctl, d->seq);
+    }
+    tdp_err rc = tdp__stage_copy_start(l->stage, &r->copy, dst, src, n, avail, STAGE_CHUNK,
+                                       STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    l->nsrx++;
+    l->nstream += r->prog != NULL;
+    return TDP_OK;
 }
 
 /* The device buffer session slot `slot` receives a GPU layout into. */
@@ -1268,14 +1445,17 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         tdp_td *g;
         if ((rc = link_stage(l, dev.index)) != TDP_OK ||
             (rc = rx_device_buf(l, slot, sc, &g)) != TDP_OK ||
-            (rc = rx_stage(l, slot, g->data, mem, total)) != TDP_OK)
+            (rc = rx_stage(l, slot, g->data, mem, total, d)) != TDP_OK)
             return rc;
         *td = g;
     } else {
+        if (DESC_TYPE(d->type) == TDP__SHM_DESC_DATA_STREAM &&
+            rx_stream_have(l, d->seq, total) < total)
+            return TDP_EPROTO; /* parked until complete: cannot happen */
         if ((rc = rx_view(l, s)) != TDP_OK)
             return rc;
         /* behind a GPU receive still copying: land after it, in order */
-        if (l->nsrx > 0 && (rc = rx_stage(l, slot, NULL, NULL, 0)) != TDP_OK)
+        if (l->nsrx > 0 && (rc = rx_stage(l, slot, NULL, NULL, 0, d)) != TDP_OK)
             return rc;
         *td = s->td;
     }
@@ -1319,6 +1499,14 @@ static void sock_cb(evutil_socket_t fd, short what, void *arg)
          * is in the ring; hand that over first, then report the end */
         if (l->rx_ctl != NULL)
             rx_progress(l);
+        /* (a streamed message not all there will never be) */
+        if (l->nsrx > 0 && rx_streams_whole(l) && !l->failed && !l->closed) {
+            /* receives still copying out of our mapping land first (it
+             * outlives the peer): the end is told after the last one */
+            l->peer_gone = true;
+            event_del(l->sev);
+            return;
+        }
         link_fail(l, TDP_ECONNRESET, "the peer closed the shared-memory socket");
         return;
     }

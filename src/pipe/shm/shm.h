@@ -126,6 +126,9 @@ tdp_err tdp__shm_geom_compute(uint32_t nslots, uint64_t slot_bytes, uint32_t rin
 enum tdp__shm_desc_type {
     TDP__SHM_DESC_DATA = 1,    /* slot holds message seq of schema hash; arg: bytes */
     TDP__SHM_DESC_RELEASE = 2, /* slot is free again */
+    /* as DATA, sent while the slot still fills: the bytes there so far are
+     * in the sender's progress word for seq (plane_shm.c) */
+    TDP__SHM_DESC_DATA_STREAM = 3,
 };
 
 /* A descriptor: 32 bytes in the ring, a plain private struct outside it. */
