@@ -1070,6 +1070,9 @@ static void test_storage_reuse(void **state)
     }
     tdp_mem_stats_get(&m1);
     for (int t = 0; t < TDP_MEM_TYPE_COUNT; t++) /* host, pinned and device memory alike */
+        print_message("allocations of memory type %d: %" PRIu64 "\n", t,
+                      m1.allocs[t] - m0.allocs[t]);
+    for (int t = 0; t < TDP_MEM_TYPE_COUNT; t++)
         assert_int_equal(m1.allocs[t], m0.allocs[t]);
     tdp_pipe_stats st;
     tdp_pipe_stats_get(e.srv, &st);
