@@ -130,7 +130,7 @@ struct tdp__link {
     tdp_schema *rx_schema;
     rx_buf rx[TDP_MAX_DEPTH];
 
-    /* GPU payloads where UCX cannot take device memory (ucx_stage below) */
+    /* GPU payloads where UCX cannot take device memory ("GPU payloads" below) */
     int cuda_device;        /* tdp_pipe_opts.cuda_device, -1 for none */
     tdp__stage *stage;      /* the link's copy stream, made once */
     bounce txb[2];          /* send bounces: a copy overlaps the previous transfer */
@@ -543,14 +543,16 @@ static void ep_unref(shared_ep *e)
 /*
  * Whether this UCX can take device memory (ucp_context_query's memory
  * types; Debian's UCX has no CUDA support). Asked once per loop: every
- * worker's context comes from the same library.
+ * worker's context comes from the same library. The fake device's memory
+ * is ours alone: even a UCX with CUDA could not read it.
  */
 static bool ucx_takes_cuda(ucx_ext *x)
 {
     if (x->cuda_mem < 0) {
         ucp_context_attr_t a = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
         ucp_context_h c = x->ucx->context[TDP_WORKER_ANY];
-        x->cuda_mem = c != NULL && ucp_context_query(c, &a) == UCS_OK &&
+        x->cuda_mem = tdp__cuda_backend_get() == TDP__CUDA_DRIVER && c != NULL &&
+                      ucp_context_query(c, &a) == UCS_OK &&
                       (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
         tdp_log_debug("ucx: device memory %s",
                       x->cuda_mem ? "handed to UCX" : "staged through host memory");
