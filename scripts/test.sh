@@ -176,6 +176,9 @@ stage_asan() {
 #     transports can leave the server's worker stalled for the other
 #     clients (UCX's receive FIFO waits for the dead writer) — a flake in
 #     every build, not a threading question; build/ and build-asan/ keep it.
+# The suite's device-memory runs (test_pipe_cuda_*, TDP_TEST_MEM=cuda, on the
+# fake device without a GPU) match the pattern, as do test_pipe_alloc's
+# device cases; the asan stage runs every test, them included.
 # test_pipe_alloc runs with the library's allocation counter only: its
 # process-wide count replaces malloc, which TSan must own.
 # UCX_MEM_EVENTS=no: UCX's memory hooks patch the allocator's symbols

@@ -941,6 +941,20 @@ test_bench_mem() {
         expect_rc bmem_cli 2
         expect_in bmem_cli err "--mem cuda: "
     fi
+    # the fake device on any machine: device memory that faults when host code
+    # touches it, so a device pointer handed to a UCX without CUDA crashes
+    # here as it did on a GPU; the ucx plane stages it through host memory
+    local tls
+    for tls in "-u UCX_TLS" "UCX_TLS=tcp"; do
+        # shellcheck disable=SC2086 # two words for env: -u NAME, or one NAME=value
+        run bmem_fake 240 env $tls TDPIPE_CUDA=fake \
+            "$TDPIPE" bench --mem cuda --plane ucx --sizes 1KB,1MB,100MB --rounds 20 --quiet
+        expect_rc bmem_fake 0
+        expect_in bmem_fake out "plane ucx"
+        expect_in bmem_fake out "mem cuda:0"
+        expect_in bmem_fake out "1.00 MB         1000000"
+        expect_in bmem_fake out "100 MB        100000000"
+    done
     run bmem_srv 10 "$TDPIPE" bench --server --mem cuda
     expect_rc bmem_srv 2
     expect_in bmem_srv err "--mem is the client's to give"

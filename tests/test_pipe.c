@@ -29,6 +29,7 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
+#include "core/cuda.h"
 #include "pipe/op.h"
 #include "pipe/shm/plane_shm.h"
 #include "pipe/ucx/plane_ucx.h"
@@ -42,6 +43,25 @@ static int64_t mono_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/*
+ * TDP_TEST_MEM=cuda: the device-memory mode. The schemas' device is cuda:0
+ * (on the fake device where no GPU exists: its memory faults when host
+ * code touches it), and fill() / verify() reach the payload through copies,
+ * never directly. Cases that do not apply to device buffers are skipped
+ * with their reason (main, host_only).
+ */
+static bool dev_mode;
+
+static tdp_schema *on_test_device(tdp_schema *s)
+{
+    if (!dev_mode)
+        return s;
+    tdp_schema *d = NULL;
+    assert_int_equal(tdp_schema_with_device(s, (tdp_device){TDP_DEVICE_CUDA, 0}, &d), TDP_OK);
+    tdp_schema_unref(s);
+    return d;
 }
 
 /* ---- schemas and payload patterns ------------------------------------------- */
@@ -72,7 +92,7 @@ static tdp_schema *make_schema(int variant, int64_t n)
     assert_int_equal(tdp_schema_builder_int(b, "meta.epoch", 7), TDP_OK);
     assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
     tdp_schema_builder_free(b);
-    return s;
+    return on_test_device(s);
 }
 
 static tdp_schema *bytes_schema(int64_t nbytes)
@@ -83,14 +103,17 @@ static tdp_schema *bytes_schema(int64_t nbytes)
     assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
     assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
     tdp_schema_builder_free(b);
-    return s;
+    return on_test_device(s);
+}
+
+static bool on_device(const tdp_td *td)
+{
+    return tdp_td_device(td).type == TDP_DEVICE_CUDA;
 }
 
 /* A pattern that depends on the sequence number: a stale buffer fails it. */
-static void fill(tdp_td *td, uint64_t seq)
+static void fill_host(uint8_t *p, uint64_t n, uint64_t seq)
 {
-    uint8_t *p = tdp_td_data(td);
-    uint64_t n = tdp_td_nbytes(td);
     uint64_t x = seq * 0x9E3779B97F4A7C15ull;
     for (uint64_t i = 0; i + 8 <= n; i += 8) {
         uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull);
@@ -100,10 +123,8 @@ static void fill(tdp_td *td, uint64_t seq)
         p[i] = (uint8_t)(seq + i);
 }
 
-static bool verify(const tdp_td *td, uint64_t seq)
+static bool verify_host(const uint8_t *p, uint64_t n, uint64_t seq)
 {
-    const uint8_t *p = tdp_td_data(td);
-    uint64_t n = tdp_td_nbytes(td);
     uint64_t x = seq * 0x9E3779B97F4A7C15ull;
     for (uint64_t i = 0; i + 8 <= n; i += 8) {
         uint64_t v = x ^ (i * 0xBF58476D1CE4E5B9ull), got;
@@ -115,6 +136,34 @@ static bool verify(const tdp_td *td, uint64_t seq)
         if (p[i] != (uint8_t)(seq + i))
             return false;
     return true;
+}
+
+/* Device buffers are written through a host copy (touching them faults). */
+static void fill(tdp_td *td, uint64_t seq)
+{
+    uint64_t n = tdp_td_nbytes(td);
+    if (!on_device(td)) {
+        fill_host(tdp_td_data(td), n, seq);
+        return;
+    }
+    uint8_t *h = malloc(n > 0 ? n : 1);
+    assert_non_null(h);
+    fill_host(h, n, seq);
+    assert_int_equal(tdp_mem_copy(tdp_td_data(td), h, n), TDP_OK);
+    free(h);
+}
+
+static bool verify(const tdp_td *td, uint64_t seq)
+{
+    uint64_t n = tdp_td_nbytes(td);
+    if (!on_device(td))
+        return verify_host(tdp_td_data(td), n, seq);
+    uint8_t *h = malloc(n > 0 ? n : 1);
+    assert_non_null(h);
+    assert_int_equal(tdp_mem_copy(h, tdp_td_data(td), n), TDP_OK);
+    bool ok = verify_host(h, n, seq);
+    free(h);
+    return ok;
 }
 
 /*
@@ -716,6 +765,48 @@ static void test_kill_receiver(void **state)
     kill_case(false);
 }
 
+/*
+ * A device copy that fails (the fake's injected fault), on the sending side
+ * (k = 1: the copy out of the sender's buffer) or the receiving side (k = 2:
+ * the copy into the receiver's device buffer): the pipe fails with an error
+ * on at least one side, nothing crashes, nothing hangs, and a receive never
+ * hands out a message whose copy failed.
+ */
+static void test_device_copy_fault(void **state)
+{
+    if (!dev_mode || tdp__cuda_backend_get() != TDP__CUDA_FAKE) {
+        print_message("skipped: needs device mode on the fake device (injected faults)\n");
+        skip();
+    }
+    for (unsigned k = 1; k <= 2; k++) {
+        env e;
+        env_up(&e, NULL, NULL);
+        tdp_schema *s = bytes_schema(1 << 20);
+        tdp_td *td, *got;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        fill(td, 1);
+        assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK); /* a good one first */
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, 1));
+        tdp_pipe_release(e.srv, got);
+        fill(td, 2);
+        tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, k);
+        tdp_err src = tdp_pipe_send(e.cli, td, 5000);
+        tdp_err rrc = tdp_pipe_recv(e.srv, 5000, &got);
+        tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, 0);
+        print_message("copy %u fails: send %s, recv %s, status %s / %s\n", k, tdp_errname(src),
+                      tdp_errname(rrc), tdp_errname(tdp_pipe_status(e.cli)),
+                      tdp_errname(tdp_pipe_status(e.srv)));
+        assert_int_not_equal(rrc, TDP_OK); /* the message whose copy failed is never handed out */
+        /* the side whose copy failed says so */
+        assert_int_equal(k == 1 ? src : rrc, TDP_ECUDA);
+        assert_true(tdp_pipe_status(e.cli) != TDP_OK || tdp_pipe_status(e.srv) != TDP_OK);
+        env_down(&e);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+    }
+}
+
 /* ---- hostile peers ------------------------------------------------------------- */
 
 /*
@@ -979,7 +1070,11 @@ static void test_storage_reuse(void **state)
         tdp_pipe_release(e.srv, got);
     }
     tdp_mem_stats_get(&m1);
-    assert_int_equal(m1.allocs[TDP_MEM_HOST], m0.allocs[TDP_MEM_HOST]);
+    for (int t = 0; t < TDP_MEM_TYPE_COUNT; t++) /* host, pinned and device memory alike */
+        print_message("allocations of memory type %d: %" PRIu64 "\n", t,
+                      m1.allocs[t] - m0.allocs[t]);
+    for (int t = 0; t < TDP_MEM_TYPE_COUNT; t++)
+        assert_int_equal(m1.allocs[t], m0.allocs[t]);
     tdp_pipe_stats st;
     tdp_pipe_stats_get(e.srv, &st);
     assert_int_equal(st.schemas_recv, 5);
@@ -1184,27 +1279,47 @@ static void test_version_mismatch(void **state)
     close(lfd);
 }
 
-/* The receiver may place the data on another device than the sender's. */
-static void test_recv_device_override(void **state)
+/*
+ * The receiver may place the data on another device than the sender's: the
+ * message arrives whole, in the receiver's memory, under a schema that
+ * names the receiver's device.
+ */
+static void override_case(tdp_device send_dev, tdp_device recv_dev)
 {
     env e;
     tdp_pipe_opts so;
+    char d1[TDP_DEVICE_STRLEN], d2[TDP_DEVICE_STRLEN];
     tdp_pipe_opts_default(&so);
     so.recv_device_set = true;
-    so.recv_device = (tdp_device){TDP_DEVICE_CPU, 0};
+    so.recv_device = recv_dev;
+    print_message("%s -> %s\n", tdp_device_format(send_dev, d1), tdp_device_format(recv_dev, d2));
     env_up(&e, &so, NULL);
-    tdp_schema *s = bytes_schema(1000), *sc;
+    tdp_schema *base = bytes_schema(100000), *s;
+    assert_int_equal(tdp_schema_with_device(base, send_dev, &s), TDP_OK);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
-    fill(td, 1);
-    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
-    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
-    assert_true(verify(got, 1));
-    sc = tdp_td_schema(got);
-    assert_int_equal(tdp_schema_device(sc).type, TDP_DEVICE_CPU);
+    assert_int_equal(tdp_td_device(td).type, send_dev.type);
+    for (uint64_t i = 1; i <= 5; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+        assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, i));
+        assert_true(tdp_device_equal(tdp_schema_device(tdp_td_schema(got)), recv_dev));
+        assert_true(tdp_device_equal(tdp_td_device(got), recv_dev));
+        tdp_pipe_release(e.srv, got);
+    }
     env_down(&e);
     tdp_td_unref(td);
     tdp_schema_unref(s);
+    tdp_schema_unref(base);
+}
+
+static void test_recv_device_override(void **state)
+{
+    const tdp_device cpu = {TDP_DEVICE_CPU, 0}, gpu = {TDP_DEVICE_CUDA, 0};
+    override_case(dev_mode ? gpu : cpu, cpu); /* GPU -> host in device mode */
+    if (dev_mode)
+        override_case(cpu, gpu); /* host -> GPU */
 }
 
 static void test_gather(void **state)
@@ -2268,8 +2383,66 @@ static void child_hold(uint16_t port)
     _exit(0);
 }
 
+/*
+ * Cases that do not apply to device buffers, and why. Everything else runs
+ * in device mode with the schemas on cuda:0.
+ */
+static const struct {
+    const char *name, *why;
+} host_only[] = {
+    {"test_ipv6_and_names", "addressing and name resolution: no payload"},
+    {"test_garbage_frame", "hostile frames: the decoder never sees payload memory"},
+    {"test_hostile_schema", "hostile schemas: rejected before any buffer exists"},
+    {"test_data_without_schema", "hostile frames: rejected before any buffer is used"},
+    {"test_forged_credit", "hostile credit frames: no payload"},
+    {"test_garbage_control", "hostile control bytes: no payload"},
+    {"test_version_mismatch", "the handshake only"},
+    {"test_connect_cycles", "connection churn: no payload"},
+    {"test_many_pipes_two_loops", "connection fan-out with host echo payloads"},
+    {"test_gather", "gathers from host pointers (tdp_pipe_send_gather)"},
+    {"test_ucx_unavailable", "UCX start-up failure: no payload"},
+    {"test_loans", "loans are host memory from the plane's pool"},
+    {"test_shm_hostile_descriptors", "hostile shm descriptors: no payload"},
+    {"test_accept_out_of_fds", "descriptor exhaustion: no payload"},
+    {"test_auth", "authentication: the handshake only"},
+    {"test_reconnect", "reconnection: control-channel logic with host payloads"},
+    {"test_connect_wait", "connect waiting: no payload"},
+    {"test_reconnect_killed", "reconnection after a kill: control-channel logic"},
+};
+
+static void skip_host_only(void **state)
+{
+    print_message("skipped with device buffers: %s\n", (const char *)*state);
+    skip();
+}
+
+/*
+ * TDP_TEST_MEM=cuda: the real driver where it has a GPU, else the fake
+ * (children inherit the choice through TDPIPE_CUDA).
+ */
+static void device_mode_setup(void)
+{
+    const char *mem = getenv("TDP_TEST_MEM");
+    char d[128];
+    dev_mode = mem != NULL && strcmp(mem, "cuda") == 0;
+    if (!dev_mode)
+        return;
+    if (getenv("TDPIPE_CUDA") == NULL && tdp__cuda_device_count() == 0) {
+        setenv("TDPIPE_CUDA", "fake", 1);
+        if (tdp__cuda_select("fake") != TDP_OK)
+            abort();
+    }
+    if (tdp__cuda_device_count() == 0) {
+        fprintf(stderr, "TDP_TEST_MEM=cuda: no CUDA device (%s)\n",
+                tdp__cuda_describe(d, sizeof(d)));
+        exit(1);
+    }
+    printf("# device mode: payloads on cuda:0, %s\n", tdp__cuda_describe(d, sizeof(d)));
+}
+
 int main(int argc, char **argv)
 {
+    device_mode_setup();
     if (argc == 3 && strcmp(argv[1], "--hold") == 0)
         child_hold((uint16_t)atoi(argv[2]));
     if (argc == 4 && strcmp(argv[1], "--child") == 0)
@@ -2294,6 +2467,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_ipv6_and_names),
         cmocka_unit_test(test_kill_sender),
         cmocka_unit_test(test_kill_receiver),
+        cmocka_unit_test(test_device_copy_fault),
         cmocka_unit_test(test_garbage_frame),
         cmocka_unit_test(test_hostile_schema),
         cmocka_unit_test(test_data_without_schema),
@@ -2324,6 +2498,14 @@ int main(int argc, char **argv)
     if (filter != NULL && *filter != '\0')
         cmocka_set_test_filter(filter);
     size_t ntests = sizeof(tests) / sizeof(tests[0]);
+    for (size_t i = 0; dev_mode && i < ntests; i++) {
+        for (size_t k = 0; k < sizeof(host_only) / sizeof(host_only[0]); k++) {
+            if (strcmp(tests[i].name, host_only[k].name) == 0) {
+                tests[i].test_func = skip_host_only;
+                tests[i].initial_state = (void *)host_only[k].why;
+            }
+        }
+    }
     if (skip != NULL && strchr(skip, ':') != NULL)
         ntests = skip_named(tests, ntests, skip); /* a list of names */
     else if (skip != NULL && *skip != '\0')

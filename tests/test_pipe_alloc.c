@@ -25,6 +25,8 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
+#include "core/cuda.h"
+
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define HAVE_INTERPOSE 0
 #elif defined(__has_feature)
@@ -92,10 +94,30 @@ typedef struct side {
     tdp_err rc;
     bool send;
     bool loan; /* send loaned buffers (tdp_pipe_loan) instead of td */
+    bool dev;  /* device buffers: the counter goes through copies */
     /* counters read at message WARMUP and at the end */
     uint64_t lib0, lib1, m0, m1;
     pthread_barrier_t *bar;
 } side;
+
+/* The message number in the first 8 bytes; device memory through a copy. */
+static tdp_err put_seq(tdp_td *td, bool dev, uint64_t v)
+{
+    if (dev)
+        return tdp_mem_copy(tdp_td_data(td), &v, sizeof(v));
+    memcpy(tdp_td_data(td), &v, sizeof(v));
+    return TDP_OK;
+}
+
+static uint64_t get_seq(const tdp_td *td, bool dev)
+{
+    uint64_t v = UINT64_MAX;
+    if (dev)
+        (void)tdp_mem_copy(&v, tdp_td_data(td), sizeof(v));
+    else
+        memcpy(&v, tdp_td_data(td), sizeof(v));
+    return v;
+}
 
 static void *run_side(void *arg)
 {
@@ -114,7 +136,8 @@ static void *run_side(void *arg)
             tdp_td *buf = NULL;
             /* every slot may be out for a moment: a send completing frees one */
             for (int k = 0; k < 100000 && (s->rc = tdp_pipe_loan(s->pipe, tdp_td_schema(s->td),
-                                                                   &buf)) == TDP_EAGAIN; k++)
+                                                                 &buf)) == TDP_EAGAIN;
+                 k++)
                 sched_yield();
             if (s->rc != TDP_OK)
                 break;
@@ -122,11 +145,12 @@ static void *run_side(void *arg)
             s->rc = tdp_pipe_send(s->pipe, buf, TMO);
             tdp_td_unref(buf);
         } else if (s->send) {
-            ((uint64_t *)tdp_td_data(s->td))[0] = (uint64_t)i;
-            s->rc = tdp_pipe_send(s->pipe, s->td, TMO);
+            s->rc = put_seq(s->td, s->dev, (uint64_t)i);
+            if (s->rc == TDP_OK)
+                s->rc = tdp_pipe_send(s->pipe, s->td, TMO);
         } else {
             s->rc = tdp_pipe_recv(s->pipe, TMO, &got);
-            if (s->rc == TDP_OK && ((uint64_t *)tdp_td_data(got))[0] != (uint64_t)i)
+            if (s->rc == TDP_OK && get_seq(got, s->dev) != (uint64_t)i)
                 s->rc = TDP_EINTERNAL;
             if (s->rc == TDP_OK)
                 tdp_pipe_release(s->pipe, got); /* depth > 1: lent until released */
@@ -139,8 +163,12 @@ static void *run_side(void *arg)
     return NULL;
 }
 
-/* lat: both sides keep latency histograms (opts.latency_stats), which must not allocate either */
-static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat)
+/*
+ * lat: both sides keep latency histograms (opts.latency_stats), which must
+ * not allocate either; dev: the buffers are on cuda:0 (the fake without a GPU)
+ */
+static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat,
+                            bool dev)
 {
     tdp_loop *sl, *cl;
     tdp_listener *l;
@@ -160,8 +188,14 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     assert_int_equal(tdp_schema_builder_string(b, "note", "steady"), TDP_OK);
     assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
     tdp_schema_builder_free(b);
+    if (dev) {
+        tdp_schema *d;
+        assert_int_equal(tdp_schema_with_device(s, (tdp_device){TDP_DEVICE_CUDA, 0}, &d), TDP_OK);
+        tdp_schema_unref(s);
+        s = d;
+    }
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
-    memset(tdp_td_data(td), 0x5a, tdp_td_nbytes(td));
+    assert_int_equal(tdp_mem_set(tdp_td_data(td), 0x5a, tdp_td_nbytes(td)), TDP_OK);
 
     assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
@@ -174,9 +208,14 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
 
     pthread_barrier_t bar;
     pthread_barrier_init(&bar, NULL, 2);
-    side tx = {.pipe = cli, .td = td, .count = WARMUP + STEADY, .send = true, .loan = loan,
+    side tx = {.pipe = cli,
+               .td = td,
+               .count = WARMUP + STEADY,
+               .send = true,
+               .loan = loan,
+               .dev = dev,
                .bar = &bar};
-    side rx = {.pipe = srv, .count = WARMUP + STEADY, .bar = &bar};
+    side rx = {.pipe = srv, .count = WARMUP + STEADY, .dev = dev, .bar = &bar};
     pthread_t t1, t2;
     pthread_create(&t1, NULL, run_side, &tx);
     pthread_create(&t2, NULL, run_side, &rx);
@@ -186,11 +225,12 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     assert_int_equal(tx.rc, TDP_OK);
     assert_int_equal(rx.rc, TDP_OK);
 
-    print_message(
-        "%s%s%s %" PRIu64 " B depth %u: library allocations in %d steady messages: %" PRIu64
-        "; process mallocs: %s%" PRIu64 "\n",
-        tdp_plane_name(plane), loan ? " loaned" : "", lat ? " latency_stats" : "", nbytes, depth,
-        STEADY, rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
+    print_message("%s%s%s%s %" PRIu64
+                  " B depth %u: library allocations in %d steady messages: %" PRIu64
+                  "; process mallocs: %s%" PRIu64 "\n",
+                  tdp_plane_name(plane), dev ? " cuda" : "", loan ? " loaned" : "",
+                  lat ? " latency_stats" : "", nbytes, depth, STEADY, rx.lib1 - rx.lib0,
+                  HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     if (HAVE_INTERPOSE) {
         assert_true(rx.m1 > 0); /* the interposition works at all */
@@ -211,6 +251,11 @@ static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool l
     tdp_loop_free(sl);
     tdp_td_unref(td);
     tdp_schema_unref(s);
+}
+
+static void steady_case(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat)
+{
+    steady_case_mem(nbytes, depth, plane, loan, lat, false);
 }
 
 static void test_small_depth1(void **state)
@@ -244,8 +289,33 @@ static void test_shm_loan_large_depth4(void **state)
     steady_case(4 << 20, 4, TDP_PLANE_SHM, true, true);
 }
 
+/* Device buffers (cuda:0; the fake device where the machine has no GPU). */
+static void test_cuda_ucx_small_depth1(void **state)
+{
+    steady_case_mem(1000, 1, TDP_PLANE_UCX, false, false, true);
+}
+
+static void test_cuda_ucx_large_depth4(void **state)
+{
+    steady_case_mem(4 << 20, 4, TDP_PLANE_UCX, false, true, true);
+}
+
+static void test_cuda_shm_small_depth1(void **state)
+{
+    steady_case_mem(1000, 1, TDP_PLANE_SHM, false, false, true);
+}
+
+static void test_cuda_shm_large_depth4(void **state)
+{
+    steady_case_mem(4 << 20, 4, TDP_PLANE_SHM, false, true, true);
+}
+
 int main(void)
 {
+    /* the fake device stands in where there is no GPU: its memory faults on host access */
+    if (getenv("TDPIPE_CUDA") == NULL && tdp__cuda_device_count() == 0 &&
+        tdp__cuda_select("fake") != TDP_OK)
+        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_depth1),
         cmocka_unit_test(test_large_depth4),
@@ -253,6 +323,10 @@ int main(void)
         cmocka_unit_test(test_shm_large_depth4),
         cmocka_unit_test(test_shm_loan_small_depth1),
         cmocka_unit_test(test_shm_loan_large_depth4),
+        cmocka_unit_test(test_cuda_ucx_small_depth1),
+        cmocka_unit_test(test_cuda_ucx_large_depth4),
+        cmocka_unit_test(test_cuda_shm_small_depth1),
+        cmocka_unit_test(test_cuda_shm_large_depth4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

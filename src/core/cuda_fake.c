@@ -449,16 +449,22 @@ typedef struct fake_op {
     void *arg;
     tdp__cuda_event *ev;
     uint64_t gen;
-    struct fake_op *next;
 } fake_op;
+
+/*
+ * Work a stream holds at once, as a driver's command queue: queueing more
+ * waits for the engine (nothing is allocated per operation, so the pipe's
+ * no-allocation checks hold on the fake as they would on a GPU).
+ */
+#define FAKE_STREAM_OPS 1024u
 
 struct tdp__cuda_stream {
     pthread_t engine;
     pthread_mutex_t mu;
     pthread_cond_t cv;      /* work queued, or stop */
     pthread_cond_t idle_cv; /* work done */
-    fake_op *head, *tail;
-    uint64_t queued, done;
+    fake_op ring[FAKE_STREAM_OPS];
+    uint64_t queued, taken, done;
     bool stop;
     int device;
 };
@@ -505,17 +511,13 @@ static void *engine_main(void *arg)
     tdp__cuda_stream *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (s->head == NULL && !s->stop)
+        while (s->taken == s->queued && !s->stop)
             pthread_cond_wait(&s->cv, &s->mu);
-        if (s->head == NULL)
+        if (s->taken == s->queued)
             break; /* stop, and nothing left */
-        fake_op *op = s->head;
-        s->head = op->next;
-        if (s->head == NULL)
-            s->tail = NULL;
+        fake_op op = s->ring[s->taken++ % FAKE_STREAM_OPS];
         pthread_mutex_unlock(&s->mu);
-        op_run(op);
-        free(op);
+        op_run(&op);
         pthread_mutex_lock(&s->mu);
         s->done++;
         pthread_cond_broadcast(&s->idle_cv);
@@ -526,18 +528,10 @@ static void *engine_main(void *arg)
 
 static tdp_err enqueue(tdp__cuda_stream *s, const fake_op *tmpl)
 {
-    fake_op *op = malloc(sizeof(*op));
-    if (op == NULL)
-        return TDP_ENOMEM;
-    *op = *tmpl;
-    op->next = NULL;
     pthread_mutex_lock(&s->mu);
-    if (s->tail != NULL)
-        s->tail->next = op;
-    else
-        s->head = op;
-    s->tail = op;
-    s->queued++;
+    while (s->queued - s->taken >= FAKE_STREAM_OPS) /* full: wait for the engine */
+        pthread_cond_wait(&s->idle_cv, &s->mu);
+    s->ring[s->queued++ % FAKE_STREAM_OPS] = *tmpl;
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return TDP_OK;

@@ -725,7 +725,10 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
     if (st != TDP_OK) {
         /* never hand out a partly filled buffer */
         slot_free(s);
-        pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
+        if (st == TDP_ECUDA) /* this side's copy to the device, not the peer */
+            pipe_fail(p, TDP_ECUDA, "copying a message to the device failed");
+        else
+            pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
         return;
     }
     slot_ready(p, s);

@@ -25,9 +25,11 @@
 
 #include "plane_ucx.h"
 #include "../op.h"
+#include "../stage.h"
 #include "ucx_addr.h"
 #include "ucx_workers.h"
 #include "../../core/alloc.h"
+#include "../../core/cuda.h"
 #include "../../core/log.h"
 #include "../../core/reap.h"
 
@@ -49,8 +51,22 @@ typedef struct shared_ep {
     struct shared_ep *next;
 } shared_ep;
 
+/*
+ * A registered page-locked host buffer: where a GPU payload waits between
+ * its device->host copy and UCX (sending), or between UCX and its
+ * host->device copy (receiving), on a UCX without CUDA support. Made when a
+ * layout is first sent or received, grown only when a layout needs more.
+ */
+typedef struct bounce {
+    void *p;
+    size_t cap;
+    ucp_mem_h memh;
+    bool busy;
+} bounce;
+
 /* A send UCX may hold: the headers live here until both requests finish. */
 typedef struct ticket {
+    tdp__stage_copy copy; /* a staged send's device->bounce copy (copy.arg: the ticket) */
     struct tdp__link *l;
     void *cookie;
     tdp_td *td;
@@ -58,6 +74,12 @@ typedef struct ticket {
     tdp_err status;
     void *req[2];
     struct ticket *next_free;
+    struct ticket *next_q; /* in l->txq: sends waiting behind a staged one */
+    bounce *bn;            /* a staged send's bounce, while it holds one */
+    bool send_schema;      /* the SCHEMA frame goes first */
+    bool staged;           /* a GPU payload copied through a bounce */
+    bool copying, copied;  /* its copy is queued / has landed */
+    tdp_err copy_rc;
     uint8_t schema_hdr[TDP_AM_HDR_LEN];
     uint8_t data_hdr[TDP_AM_HDR_LEN];
 } ticket;
@@ -71,9 +93,12 @@ typedef struct rx_store {
 } rx_store;
 
 typedef struct rx_buf {
+    tdp__stage_copy copy; /* a staged receive's bounce->device copy (copy.arg: the buffer) */
     struct tdp__link *l;
     rx_store *store;
     ucp_mem_h memh;
+    bounce rb;    /* GPU layouts on a UCX without CUDA: UCX lands the bytes here */
+    bool copying; /* the bounce->device copy is queued */
     tdp_td *td; /* wraps store for the schema it was built for */
     void *req;  /* rendezvous receive in flight */
     bool lent;  /* given to the session, not yet released */
@@ -114,6 +139,14 @@ struct tdp__link {
 
     tdp_schema *rx_schema;
     rx_buf rx[TDP_MAX_DEPTH];
+
+    /* GPU payloads where UCX cannot take device memory ("GPU payloads" below) */
+    int cuda_device;        /* tdp_pipe_opts.cuda_device, -1 for none */
+    tdp__stage *stage;      /* the link's copy stream, made once */
+    bounce txb[2];          /* send bounces: a copy overlaps the previous transfer */
+    uint32_t ntxb;          /* in use: min(peer depth, 2) */
+    ticket *txq, *txq_tail; /* sends in order behind a staged one */
+    bool stage_failed;
 };
 
 /* A link's own worker whose endpoint close did not finish: freed last. */
@@ -127,6 +160,7 @@ struct stray {
 struct ucx_ext {
     tdp_loop *loop;
     tdp__ucx *ucx;
+    int cuda_mem; /* -1 not asked yet, 0: this UCX cannot take device memory, 1: it can */
     struct tdp__link *links;
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
@@ -341,6 +375,7 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
         return TDP_ENOMEM;
     x->loop = loop;
     x->ucx = ucx;
+    x->cuda_mem = -1;
     /* before any handler points at x: a failure here leaves nothing behind */
     if ((rc = learn_profiles(x)) != TDP_OK) {
         ext_free_unregistered(x);
@@ -560,6 +595,85 @@ static void ep_unref(shared_ep *e)
     tdp__free(e);
 }
 
+/* ---- GPU payloads on a UCX without CUDA --------------------------------------- */
+
+/*
+ * Copies on the link's stream: 4 MiB chunks, at most 4 of a copy queued at
+ * once, so a large payload neither waits for one huge copy nor floods the
+ * stream.
+ */
+#define STAGE_CHUNK    (4u << 20)
+#define STAGE_INFLIGHT 4u
+
+/*
+ * Whether this UCX can take device memory (ucp_context_query's memory
+ * types; Debian's UCX has no CUDA support). Asked once per loop: every
+ * worker's context comes from the same library. The fake device's memory
+ * is ours alone: even a UCX with CUDA could not read it.
+ */
+static bool ucx_takes_cuda(ucx_ext *x)
+{
+    if (x->cuda_mem < 0) {
+        ucp_context_attr_t a = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+        ucp_context_h c = x->ucx->context[TDP_WORKER_ANY];
+        x->cuda_mem = tdp__cuda_backend_get() == TDP__CUDA_DRIVER && c != NULL &&
+                      ucp_context_query(c, &a) == UCS_OK &&
+                      (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+        tdp_log_debug("ucx: device memory %s",
+                      x->cuda_mem ? "handed to UCX" : "staged through host memory");
+    }
+    return x->cuda_mem == 1;
+}
+
+/* Device memory this link copies through bounces (UCX cannot take it). */
+static bool stages(const struct tdp__link *l, tdp_device dev)
+{
+    return dev.type == TDP_DEVICE_CUDA && !ucx_takes_cuda(l->x);
+}
+
+static void bounce_free(struct tdp__link *l, bounce *b)
+{
+    if (b->memh != NULL)
+        ucp_mem_unmap(l->x->ucx->context[l->wi], b->memh);
+    tdp_mem_free(TDP_MEM_HOST_PINNED, b->p);
+    *b = (bounce){0};
+}
+
+/*
+ * At least `need` bytes of registered page-locked memory in b: made (or
+ * grown) when a layout is first sent or received, never per message.
+ */
+static tdp_err bounce_fit(struct tdp__link *l, bounce *b, size_t need)
+{
+    if (b->p != NULL && b->cap >= need)
+        return TDP_OK;
+    bounce_free(l, b);
+    tdp_err rc = tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, need, 0, &b->p);
+    if (rc != TDP_OK)
+        return rc;
+    b->cap = need;
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .address = b->p,
+        .length = need > 0 ? need : 1,
+    };
+    ucs_status_t us = ucp_mem_map(l->x->ucx->context[l->wi], &mp, &b->memh);
+    if (us != UCS_OK) {
+        tdp_log_debug("ucp_mem_map of a bounce: %s (sending without a handle)",
+                      ucs_status_string(us));
+        b->memh = NULL;
+    }
+    return TDP_OK;
+}
+
+/* The link's stream, made at link start when the pipe names a device, else now. */
+static tdp_err stage_ready(struct tdp__link *l, int dev)
+{
+    if (l->stage != NULL)
+        return TDP_OK;
+    return tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
+}
+
 /* ---- receive storage ------------------------------------------------------------ */
 
 static void store_unref(void *buf, void *arg)
@@ -577,13 +691,14 @@ static void rx_buf_drop(struct tdp__link *l, rx_buf *b)
         ucp_mem_unmap(l->x->ucx->context[l->wi], b->memh);
         b->memh = NULL;
     }
+    bounce_free(l, &b->rb);
     tdp_td_unref(b->td); /* the store goes with the last td that wraps it */
     b->td = NULL;
     b->store = NULL;
 }
 
-/* Make b hold a td of the current receive schema. */
-static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
+/* Make b hold a td of the current receive schema (storage only). */
+static tdp_err rx_store_build(struct tdp__link *l, rx_buf *b)
 {
     tdp_schema *sc = l->rx_schema;
     tdp_device dev = tdp_schema_device(sc);
@@ -591,6 +706,7 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
     uint64_t need = tdp_schema_total_bytes(sc);
     tdp_err rc;
 
+    bool staged = stages(l, dev);
     if (b->td != NULL && b->td->schema == sc)
         return TDP_OK;
     if (b->store != NULL && b->store->cap >= need && b->store->mt == mt &&
@@ -623,7 +739,7 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
         return rc;
     }
     b->store = st;
-    if (need > 0) {
+    if (need > 0 && !staged) {
         /* registered once: every rendezvous lands here without a lookup */
         ucp_mem_map_params_t mp = {
             .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
@@ -643,6 +759,21 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
     return TDP_OK;
 }
 
+/*
+ * Make b hold a td of the current receive schema; a GPU layout on a UCX
+ * without CUDA gets its bounce (as large as the storage) and the stream now.
+ */
+static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
+{
+    tdp_err rc = rx_store_build(l, b);
+    tdp_device dev = tdp_schema_device(l->rx_schema);
+    if (rc != TDP_OK || !stages(l, dev))
+        return rc;
+    if ((rc = stage_ready(l, dev.index)) != TDP_OK)
+        return rc;
+    return bounce_fit(l, &b->rb, b->store->cap);
+}
+
 static tdp_err u_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
 {
     if (l->rx_schema != sc) {
@@ -658,6 +789,36 @@ static tdp_err u_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
         if (rc != TDP_OK)
             return rc;
     }
+    return TDP_OK;
+}
+
+/* A GPU layout on a UCX without CUDA: the bytes land in the bounce first. */
+static bool rx_staged(const rx_buf *b)
+{
+    return b->rb.p != NULL && b->store != NULL && b->store->mt == TDP_MEM_CUDA;
+}
+
+/* The bounce->device copy landed: the message is whole on the device. */
+static void rx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    rx_buf *b = c->arg;
+    struct tdp__link *l = b->l;
+    b->copying = false;
+    l->reqs--;
+    if (!l->closed)
+        l->up->landed(l->owner, l, (uint32_t)(b - l->rx), st);
+    link_maybe_free(l);
+}
+
+static tdp_err rx_copy_start(struct tdp__link *l, rx_buf *b, size_t n)
+{
+    b->copy = (tdp__stage_copy){.done = rx_copied, .arg = b};
+    tdp_err rc = tdp__stage_copy_start(l->stage, &b->copy, b->td->data, b->rb.p, n, n, STAGE_CHUNK,
+                                       STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    b->copying = true;
+    l->reqs++;
     return TDP_OK;
 }
 
@@ -684,9 +845,30 @@ static void recv_cb(void *req, ucs_status_t st, size_t length, void *user)
     }
     b->req = NULL;
     l->reqs--;
+    /* staged: landed once the copy to the device is done (rx_copied) */
+    if (!l->closed && rc == TDP_OK && rx_staged(b) &&
+        (rc = rx_copy_start(l, b, b->td->nbytes)) == TDP_OK) {
+        link_maybe_free(l);
+        return;
+    }
     if (!l->closed)
         l->up->landed(l->owner, l, (uint32_t)(b - l->rx), rc);
     link_maybe_free(l);
+}
+
+/*
+ * The bytes of a staged receive are in the bounce (st TDP_OK): copy them to
+ * the device; the session hears of it through up->landed (TDP_EAGAIN).
+ */
+static tdp_err rx_staged_landed(struct tdp__link *l, rx_buf *b, tdp_err st)
+{
+    if (st == TDP_OK)
+        st = rx_copy_start(l, b, b->td->nbytes);
+    if (st != TDP_OK) {
+        b->lent = false;
+        return st;
+    }
+    return TDP_EAGAIN;
 }
 
 typedef struct am_desc {
@@ -710,35 +892,38 @@ static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         return TDP_EMSGSIZE;
     b->lent = true;
     *td = b->td;
+    bool staged = rx_staged(b);
+    void *into = staged ? b->rb.p : b->td->data;
     if (!(d->param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         if (d->length > 0)
-            memcpy(b->td->data, d->data, d->length);
-        return TDP_OK;
+            memcpy(into, d->data, d->length);
+        return staged ? rx_staged_landed(l, b, TDP_OK) : TDP_OK;
     }
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
         .cb.recv_am = recv_cb,
         .user_data = b,
     };
-    if (b->memh != NULL) {
+    ucp_mem_h memh = staged ? b->rb.memh : b->memh;
+    if (memh != NULL) {
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        prm.memh = b->memh;
+        prm.memh = memh;
     }
-    if (b->store->mt == TDP_MEM_CUDA) {
+    if (b->store->mt == TDP_MEM_CUDA && !staged) {
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = UCS_MEMORY_TYPE_CUDA;
     }
     b->posting = true;
     b->posted_done = false;
-    void *r = ucp_am_recv_data_nbx(link_worker(l), d->data, b->td->data, d->length, &prm);
+    void *r = ucp_am_recv_data_nbx(link_worker(l), d->data, into, d->length, &prm);
     b->posting = false;
     if (b->posted_done) { /* recv_cb ran and freed the request: r is not ours */
         if (b->posted_rc != TDP_OK)
             b->lent = false;
-        return b->posted_rc;
+        return staged ? rx_staged_landed(l, b, b->posted_rc) : b->posted_rc;
     }
     if (r == NULL)
-        return TDP_OK;
+        return staged ? rx_staged_landed(l, b, TDP_OK) : TDP_OK;
     if (UCS_PTR_IS_ERR(r)) {
         b->lent = false;
         return TDP_ECONNRESET;
@@ -821,6 +1006,8 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
 
 /* ---- sending ------------------------------------------------------------------ */
 
+static void tx_pump(struct tdp__link *l);
+
 static void ticket_done(ticket *t, ucs_status_t st)
 {
     struct tdp__link *l = t->l;
@@ -832,6 +1019,10 @@ static void ticket_done(ticket *t, ucs_status_t st)
         return;
     void *cookie = t->cookie;
     tdp_err status = t->status;
+    bool had_bounce = t->bn != NULL;
+    if (t->bn != NULL)
+        t->bn->busy = false; /* UCX is done with it: the next staged send may copy into it */
+    t->bn = NULL;
     tdp_td_unref(t->td);
     t->td = NULL;
     t->cookie = NULL;
@@ -839,6 +1030,8 @@ static void ticket_done(ticket *t, ucs_status_t st)
     l->free_tickets = t;
     if (!l->closed)
         l->up->sent(l->owner, l, cookie, status);
+    if (had_bounce && !l->closed)
+        tx_pump(l);
     link_maybe_free(l);
 }
 
@@ -855,7 +1048,7 @@ static void send_cb(void *req, ucs_status_t st, void *user)
 
 /* Post one AM for a ticket; counts it in flight unless it finished at once. */
 static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void *buf, size_t len,
-                       uint32_t flags, ucs_memory_type_t mt)
+                       uint32_t flags, ucs_memory_type_t mt, ucp_mem_h memh)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -867,6 +1060,10 @@ static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void 
     if (mt != UCS_MEMORY_TYPE_HOST) {
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = mt;
+    }
+    if (memh != NULL) { /* a bounce, registered once */
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        prm.memh = memh;
     }
     void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, TDP_AM_HDR_LEN, buf, len, &prm);
     if (r == NULL)
@@ -881,23 +1078,192 @@ static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void 
     return TDP_OK;
 }
 
+/* Hand a ticket back unsent, without telling the session. */
+static void ticket_return(struct tdp__link *l, ticket *t)
+{
+    tdp_td_unref(t->td);
+    t->td = NULL;
+    t->cookie = NULL;
+    t->bn = NULL;
+    t->next_free = l->free_tickets;
+    l->free_tickets = t;
+}
+
+/*
+ * Post a ticket's frames: the schema if asked, then the data, from the
+ * bounce for a staged send (host memory to UCX). TDP_OK: the ticket
+ * completes through ticket_done; else nothing was posted.
+ */
+static tdp_err tx_post(struct tdp__link *l, ticket *t)
+{
+    tdp_td *td = t->td;
+    tdp_err rc = TDP_OK;
+    t->inflight = 1; /* held until both posts are made */
+    if (t->send_schema) {
+        size_t jl;
+        const char *json = tdp_schema_json(td->schema, &jl);
+        /* eager: the schema is whole in the receiver's callback, before its data */
+        rc = am_post(l, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST,
+                     NULL);
+    }
+    if (rc == TDP_OK) {
+        const void *src = t->bn != NULL ? t->bn->p : td->data;
+        ucs_memory_type_t mt = td->device.type == TDP_DEVICE_CUDA && t->bn == NULL
+                                   ? UCS_MEMORY_TYPE_CUDA
+                                   : UCS_MEMORY_TYPE_HOST;
+        rc = am_post(l, t, t->data_hdr, src, td->nbytes, 0, mt, t->bn != NULL ? t->bn->memh : NULL);
+    }
+    tdp__loop_kick(l->x->loop);
+    if (rc != TDP_OK && t->inflight == 1)
+        return rc;
+    if (rc != TDP_OK)
+        t->status = rc;
+    ticket_done(t, UCS_OK); /* drop the hold: completes now if UCX finished both */
+    return TDP_OK;
+}
+
+/* A free send bounce, made large enough; NULL while every one is in flight. */
+static bounce *bounce_take(struct tdp__link *l, size_t need, tdp_err *rc)
+{
+    *rc = TDP_OK;
+    for (uint32_t i = 0; i < l->ntxb; i++) {
+        bounce *b = &l->txb[i];
+        if (b->busy)
+            continue;
+        if ((*rc = bounce_fit(l, b, need)) != TDP_OK)
+            return NULL;
+        b->busy = true;
+        return b;
+    }
+    return NULL;
+}
+
+/* A staged send's device->bounce copy landed (or failed). */
+static void tx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    ticket *t = c->arg;
+    struct tdp__link *l = t->l;
+    t->copying = false;
+    t->copied = true;
+    t->copy_rc = st;
+    l->reqs--;
+    if (!l->closed)
+        tx_pump(l);
+    link_maybe_free(l);
+}
+
+/* The queue's head leaves it; a failure ends that send (and the link). */
+static void tx_finish_head(struct tdp__link *l, ticket *t, tdp_err rc)
+{
+    l->txq = t->next_q;
+    if (l->txq == NULL)
+        l->txq_tail = NULL;
+    t->next_q = NULL;
+    if (rc == TDP_OK && (rc = tx_post(l, t)) == TDP_OK)
+        return;
+    void *cookie = t->cookie;
+    if (t->bn != NULL)
+        t->bn->busy = false;
+    ticket_return(l, t);
+    l->stage_failed = true;
+    l->up->sent(l->owner, l, cookie, rc);
+    if (!l->closed)
+        l->up->failed(l->owner, l, rc == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
+                      "cannot stage a GPU payload through host memory");
+}
+
+/*
+ * Move the queue on, in order: staged sends take a free bounce and start
+ * their copy (the stage lands copies in start order); the head is posted
+ * once its copy has landed, and host sends behind it right after it.
+ */
+static void tx_pump_copies(struct tdp__link *l)
+{
+    for (ticket *t = l->txq; t != NULL; t = t->next_q) {
+        if (!t->staged || t->bn != NULL || t->copied)
+            continue;
+        tdp_err rc;
+        bounce *b = bounce_take(l, t->td->nbytes, &rc);
+        if (b == NULL && rc == TDP_OK)
+            break; /* every bounce in flight: a completion brings this back */
+        if (rc == TDP_OK) {
+            t->bn = b;
+            t->copy = (tdp__stage_copy){.done = tx_copied, .arg = t};
+            rc = tdp__stage_copy_start(l->stage, &t->copy, b->p, t->td->data, t->td->nbytes,
+                                       t->td->nbytes, STAGE_CHUNK, STAGE_INFLIGHT);
+        }
+        if (rc != TDP_OK) {
+            t->copied = true; /* fails when it reaches the head */
+            t->copy_rc = rc;
+            break;
+        }
+        t->copying = true;
+        l->reqs++;
+    }
+}
+
+static void tx_pump(struct tdp__link *l)
+{
+    tx_pump_copies(l);
+    while (l->txq != NULL && !l->closed && (!l->txq->staged || l->txq->copied)) {
+        ticket *t = l->txq;
+        tx_finish_head(l, t, l->stage_failed ? TDP_ECONNRESET : t->copy_rc);
+    }
+}
+
+/* Cancel what waits in the queue (closing: no up-call). */
+static void tx_queue_drop(struct tdp__link *l)
+{
+    while (l->txq != NULL) {
+        ticket *t = l->txq;
+        l->txq = t->next_q;
+        t->next_q = NULL;
+        if (t->copying) {
+            tdp__stage_copy_cancel(l->stage, &t->copy); /* waits for the stream */
+            t->copying = false;
+            l->reqs--;
+        }
+        if (t->bn != NULL)
+            t->bn->busy = false;
+        ticket_return(l, t);
+    }
+    l->txq_tail = NULL;
+}
+
+/*
+ * A staged send's resources: the stream, and the bounces sized for this
+ * layout as soon as it is first sent (not at its first message after).
+ */
+static tdp_err tx_stage_ready(struct tdp__link *l, const ticket *t)
+{
+    tdp_err rc = stage_ready(l, t->td->device.index);
+    for (uint32_t i = 0; rc == TDP_OK && t->send_schema && i < l->ntxb; i++)
+        if (!l->txb[i].busy)
+            rc = bounce_fit(l, &l->txb[i], t->td->nbytes);
+    return rc;
+}
+
 static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
 {
     ticket *t = l->free_tickets;
     if (t == NULL || l->sep == NULL)
         return TDP_EINTERNAL; /* the session bounds sends by its own tickets */
+    if (l->stage_failed)
+        return TDP_ECONNRESET;
     l->free_tickets = t->next_free;
     tdp_td *td = tx->td;
-    ucs_memory_type_t mt =
-        td->device.type == TDP_DEVICE_CUDA ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
-    tdp_err rc = TDP_OK;
     t->cookie = tx->cookie;
     t->td = tdp_td_ref(td);
     t->status = TDP_OK;
-    t->inflight = 1; /* held until both posts are made */
+    t->send_schema = tx->schema != NULL;
+    t->staged = stages(l, td->device);
+    t->copying = t->copied = false;
+    t->copy_rc = TDP_OK;
+    t->bn = NULL;
+    t->next_q = NULL;
     if (tx->schema != NULL) {
         size_t jl;
-        const char *json = tdp_schema_json(tx->schema, &jl);
+        (void)tdp_schema_json(tx->schema, &jl);
         tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
                         .token = l->peer_token,
                         .seq = tx->seq,
@@ -905,32 +1271,42 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
                         .length = jl,
                         .arg = tdp_schema_total_bytes(tx->schema)};
         tdp_wire_am_encode(t->schema_hdr, &h);
-        /* eager: the schema is whole in the receiver's callback, before its data */
-        rc = am_post(l, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST);
     }
-    if (rc == TDP_OK) {
-        tdp_am_hdr h = {.type = TDP_AM_DATA,
-                        .token = l->peer_token,
-                        .seq = tx->seq,
-                        .hash = tdp_schema_hash(td->schema),
-                        .length = td->nbytes,
-                        .arg = tx->credit};
-        tdp_wire_am_encode(t->data_hdr, &h);
-        rc = am_post(l, t, t->data_hdr, td->data, td->nbytes, 0, mt);
-    }
-    tdp__loop_kick(l->x->loop);
-    if (rc != TDP_OK && t->inflight == 1) {
-        /* nothing posted: hand the ticket back without telling the session */
-        tdp_td_unref(t->td);
-        t->td = NULL;
-        t->cookie = NULL;
-        t->next_free = l->free_tickets;
-        l->free_tickets = t;
+    tdp_am_hdr h = {.type = TDP_AM_DATA,
+                    .token = l->peer_token,
+                    .seq = tx->seq,
+                    .hash = tdp_schema_hash(td->schema),
+                    .length = td->nbytes,
+                    .arg = tx->credit};
+    tdp_wire_am_encode(t->data_hdr, &h);
+    if (!t->staged && l->txq == NULL) {
+        tdp_err rc = tx_post(l, t);
+        if (rc != TDP_OK)
+            ticket_return(l, t);
         return rc;
     }
-    if (rc != TDP_OK)
-        t->status = rc;
-    ticket_done(t, UCS_OK); /* drop the hold: completes now if UCX finished both */
+    /* a GPU payload through a bounce, or a send behind one: in order */
+    tdp_err rc = t->staged ? tx_stage_ready(l, t) : TDP_OK;
+    if (rc != TDP_OK) {
+        ticket_return(l, t);
+        return rc;
+    }
+    if (l->txq_tail != NULL)
+        l->txq_tail->next_q = t;
+    else
+        l->txq = t;
+    l->txq_tail = t;
+    /* start the copy now; posting waits for its completion on the loop */
+    tx_pump_copies(l);
+    if (t == l->txq && t->copied && t->copy_rc != TDP_OK) {
+        /* nothing ahead of it to wake the queue: refuse it here */
+        rc = t->copy_rc;
+        if (t->bn != NULL)
+            t->bn->busy = false;
+        l->txq = l->txq_tail = NULL;
+        ticket_return(l, t);
+        return rc;
+    }
     return TDP_OK;
 }
 
@@ -996,6 +1372,7 @@ static tdp_err u_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->owner = owner;
     l->up = up;
     l->wi = TDP_WORKER_ANY;
+    l->cuda_device = -1;
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         l->rx[i].l = l;
     if ((rc = tab_add(x, l)) != TDP_OK) {
@@ -1227,6 +1604,15 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     tdp_err rc = link_ep(l, peer);
     if (rc != TDP_OK)
         return rc;
+    /* two send bounces at most: the copy of one overlaps the transfer of the other */
+    l->ntxb = peer->peer_depth < 2 ? 1 : 2;
+    l->cuda_device = peer->cuda_device;
+    if (l->cuda_device >= 0 && l->cuda_device < tdp__cuda_device_count() && !ucx_takes_cuda(l->x)) {
+        /* the context and the stream now, not in the first GPU send */
+        if ((rc = tdp__cuda_ctx_set(l->cuda_device)) != TDP_OK ||
+            (rc = stage_ready(l, l->cuda_device)) != TDP_OK)
+            return rc;
+    }
     l->started = true;
     return TDP_OK;
 }
@@ -1250,8 +1636,12 @@ static void link_destroy(struct tdp__link *l)
         ep_unref(l->sep);
     l->sep = NULL;
     link_drop_own(l);
+    tdp__stage_free(l->stage); /* cancels its copies: the bounces are free to go */
+    l->stage = NULL;
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         rx_buf_drop(l, &l->rx[i]);
+    for (uint32_t i = 0; i < sizeof(l->txb) / sizeof(l->txb[0]); i++)
+        bounce_free(l, &l->txb[i]);
     for (uint32_t i = 0; i < l->nticket; i++)
         tdp_td_unref(l->tickets[i].td); /* only sends UCX never gave back */
     tdp__free(l->tickets);
@@ -1280,6 +1670,15 @@ static void u_link_close(tdp__link *l, bool peer_gone)
     if (peer_gone && l->sep != NULL)
         l->sep->peer_gone = true;
     tab_remove(l); /* no frame finds it any more */
+    /* staged copies stop here (the stream is waited for): nothing is told */
+    tx_queue_drop(l);
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+        if (l->rx[i].copying) {
+            tdp__stage_copy_cancel(l->stage, &l->rx[i].copy);
+            l->rx[i].copying = false;
+            l->reqs--;
+        }
+    }
     /* the last link on an endpoint closes it: in peer-failure mode that
      * completes (with an error) what UCX still holds for this link */
     if (l->sep != NULL) {
@@ -1311,20 +1710,19 @@ static void u_poll_credit(tdp__link *l)
     u->progressing--;
 }
 
-/* CUDA only where this UCX was built with it (Debian's is not): else host only. */
+/*
+ * Device memory goes to UCX as it is only where this UCX was built with
+ * CUDA (Debian's is not); elsewhere it is staged through host bounces.
+ */
 static uint32_t u_link_mem(const tdp__link *l)
 {
-    ucp_context_h c = l->x->ucx->context[l->wi];
-    ucp_context_attr_t a = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
-    if (c == NULL || ucp_context_query(c, &a) != UCS_OK)
-        return TDP__MEM_HOST;
-    return TDP__MEM_HOST | (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA) ? TDP__MEM_CUDA : 0);
+    return TDP__MEM_HOST | (ucx_takes_cuda(l->x) ? TDP__MEM_CUDA : TDP__MEM_CUDA_STAGED);
 }
 
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
-    .mem = TDP__MEM_HOST | TDP__MEM_CUDA,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA | TDP__MEM_CUDA_STAGED,
     .link_mem = u_link_mem,
     .hello_fill = u_hello_fill,
     .usable = NULL,
