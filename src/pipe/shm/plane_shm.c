@@ -237,6 +237,7 @@ struct tdp__link {
     uint64_t rx_hash;
     rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
     tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
+    struct dev_store *dstore[TDP_MAX_DEPTH]; /* their storage, kept across layouts */
 
     /* GPU payloads (stage.h): the link's stream, made at start when the pipe
      * names a device (tdp_pipe_opts.cuda_device), else at the first GPU payload */
@@ -1475,19 +1476,63 @@ static tdp_err rx_stage(struct tdp__link *l, uint32_t slot, void *dst, const voi
     return TDP_OK;
 }
 
+/*
+ * Device storage of a session slot's GPU layouts, shared by the tds that
+ * wrap it (the link holds one reference): a layout change that fits reuses
+ * it, as the ucx plane reuses its receive storage.
+ */
+typedef struct dev_store {
+    _Atomic uint32_t refs;
+    void *buf;
+    uint64_t cap;
+    int dev;
+} dev_store;
+
+static void dev_store_unref(void *buf, void *arg)
+{
+    dev_store *st = arg;
+    (void)buf;
+    if (st != NULL && atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
+        tdp_mem_free(TDP_MEM_CUDA, st->buf);
+        tdp__free(st);
+    }
+}
+
 /* The device buffer session slot `slot` receives a GPU layout into. */
 static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out)
 {
     tdp_td *g = l->staged[slot];
-    if (g == NULL || g->schema != sc) {
-        tdp_td *n;
-        tdp_err rc = tdp_td_new(sc, &n);
-        if (rc != TDP_OK)
-            return rc;
-        tdp_td_unref(g);
-        l->staged[slot] = g = n;
+    if (g != NULL && g->schema == sc) {
+        *out = g;
+        return TDP_OK;
     }
-    *out = g;
+    tdp_device dev = tdp_schema_device(sc);
+    uint64_t need = tdp_schema_total_bytes(sc);
+    dev_store *st = l->dstore[slot];
+    tdp_err rc;
+    if (st == NULL || st->cap < need || st->dev != dev.index) {
+        dev_store *n = tdp__calloc(1, sizeof(*n));
+        if (n == NULL)
+            return TDP_ENOMEM;
+        if ((rc = tdp_mem_alloc(TDP_MEM_CUDA, dev.index, need, 0, &n->buf)) != TDP_OK) {
+            tdp__free(n);
+            return rc;
+        }
+        n->cap = need;
+        n->dev = dev.index;
+        atomic_init(&n->refs, 1);
+        dev_store_unref(NULL, st); /* the link's reference to the old one */
+        l->dstore[slot] = st = n;
+    }
+    atomic_fetch_add_explicit(&st->refs, 1, memory_order_relaxed);
+    tdp_td *n;
+    if ((rc = tdp_td_wrap(sc, st->buf, st->cap, dev, dev_store_unref, st, &n)) != TDP_OK) {
+        dev_store_unref(NULL, st);
+        return rc;
+    }
+    tdp_td_unref(g);
+    l->staged[slot] = n;
+    *out = n;
     return TDP_OK;
 }
 
@@ -1769,8 +1814,10 @@ static void link_destroy(struct tdp__link *l)
         x->links = l->next;
     if (l->next != NULL)
         l->next->prev = l->prev;
-    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         tdp_td_unref(l->staged[i]);
+        dev_store_unref(NULL, l->dstore[i]);
+    }
     tdp_schema_unref(l->rx_schema);
     /* here, not in teardown: a close may come from inside one of its callbacks */
     tdp__stage_free(l->stage);
