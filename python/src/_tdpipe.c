@@ -691,32 +691,60 @@ static PyObject *td_alloc(PyObject *cls, PyObject *arg)
     return (PyObject *)o;
 }
 
-/* fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). */
+static void fill_leaves(tdp_td *td, const void *const *src, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_leaf lf;
+        if (tdp_td_leaf_at(td, i, &lf) == TDP_OK && lf.nbytes > 0)
+            memcpy(lf.data, src[i], lf.nbytes);
+    }
+}
+
+/* Copies of this many bytes or more are made without the GIL. */
+#define FILL_NOGIL_BYTES (64u * 1024u)
+
+/*
+ * fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). The
+ * caller keeps the source leaves alive for the call; a large copy is made
+ * without the GIL so other threads (an asyncio loop's executor, the loop
+ * thread's handlers) run meanwhile.
+ */
 static PyObject *td_fill(TdObject *self, PyObject *arg)
 {
     PyObject *f = PySequence_Fast(arg, "ptrs");
     if (f == NULL)
         return NULL;
-    tdp_schema *s = tdp_td_schema(self->td);
-    uint32_t n = tdp_schema_num_tensors(s);
+    tdp_td *td = self->td;
+    uint32_t n = tdp_schema_num_tensors(tdp_td_schema(td));
     if ((uint32_t)PySequence_Fast_GET_SIZE(f) != n) {
         Py_DECREF(f);
         PyErr_SetString(PyExc_ValueError, "one address per tensor leaf");
         return NULL;
     }
-    char *base = tdp_td_data(self->td);
+    const void *small[64];
+    const void **v = small;
+    if (n > 64 && (v = PyMem_Malloc(sizeof(*v) * n)) == NULL) {
+        Py_DECREF(f);
+        return PyErr_NoMemory();
+    }
     for (uint32_t i = 0; i < n; i++) {
-        tdp_leaf lf;
-        void *p = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
-        if (p == NULL && PyErr_Occurred()) {
+        v[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
+        if (v[i] == NULL && PyErr_Occurred()) {
+            if (v != small)
+                PyMem_Free(v);
             Py_DECREF(f);
             return NULL;
         }
-        tdp_schema_leaf_at(s, i, &lf);
-        if (lf.nbytes > 0)
-            memcpy(base + lf.offset, p, lf.nbytes);
     }
     Py_DECREF(f);
+    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS fill_leaves(td, v, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        fill_leaves(td, v, n);
+    }
+    if (v != small)
+        PyMem_Free(v);
     Py_RETURN_NONE;
 }
 
@@ -1058,8 +1086,8 @@ static PyObject *pipe_stats(PipeObject *self, PyObject *unused)
     Py_END_ALLOW_THREADS return Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsK}", "msgs_sent", s.msgs_sent, "msgs_recv", s.msgs_recv, "bytes_sent",
         s.bytes_sent, "bytes_recv", s.bytes_recv, "schemas_sent", s.schemas_sent, "schemas_recv",
-        s.schemas_recv, "credit_waits", s.credit_waits, "reconnects", s.reconnects,
-        "resumed_from", s.resumed_from);
+        s.schemas_recv, "credit_waits", s.credit_waits, "reconnects", s.reconnects, "resumed_from",
+        s.resumed_from);
 }
 
 /* latency(which): the summary of a latency histogram, in ns (None: not kept). */
@@ -1560,8 +1588,8 @@ static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
     PyObject *handler, *on_close = Py_None, *d = NULL;
     PyObject *max_clients = NULL, *max_pending = NULL, *max_per_source = NULL;
     PyObject *idle = NULL, *handshake = NULL;
-    if (!PyArg_ParseTuple(args, "ziO|OOOOOOO", &host, &port, &handler, &on_close, &d,
-                          &max_clients, &max_pending, &max_per_source, &idle, &handshake))
+    if (!PyArg_ParseTuple(args, "ziO|OOOOOOO", &host, &port, &handler, &on_close, &d, &max_clients,
+                          &max_pending, &max_per_source, &idle, &handshake))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
@@ -1652,11 +1680,10 @@ static PyObject *server_stats(ServerObject *self, PyObject *unused)
     Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total",
-        s.clients_total, "pending_now", s.pending_now, "idle_closed", s.idle_closed,
-        "refused", s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors",
-        s.handler_errors, "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent",
-        s.msgs_sent, "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv",
-        s.schemas_recv);
+        s.clients_total, "pending_now", s.pending_now, "idle_closed", s.idle_closed, "refused",
+        s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors", s.handler_errors,
+        "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent", s.msgs_sent,
+        "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv", s.schemas_recv);
 }
 
 static PyMethodDef server_methods[] = {
@@ -1711,6 +1738,21 @@ static PyObject *mod_strerror(PyObject *m, PyObject *arg)
     return PyUnicode_FromString(tdp_strerror((int)c));
 }
 
+/*
+ * mem_stats() -> the library's allocation counters (cumulative since the
+ * process started): buffers by memory kind and its small objects. Two
+ * snapshots around a loop count the allocations per message.
+ */
+static PyObject *mod_mem_stats(PyObject *m, PyObject *unused)
+{
+    tdp_mem_stats s;
+    tdp_mem_stats_get(&s);
+    return Py_BuildValue("{sKsKsKsKsK}", "host_allocs", s.allocs[TDP_MEM_HOST], "host_frees",
+                         s.frees[TDP_MEM_HOST], "host_live_bytes", s.live_bytes[TDP_MEM_HOST],
+                         "small_allocs", s.small_allocs, "total_allocs",
+                         (unsigned long long)tdp_mem_total_allocs());
+}
+
 static PyObject *mod_version(PyObject *m, PyObject *unused)
 {
     return PyUnicode_FromString(tdp_version_string());
@@ -1722,6 +1764,7 @@ static PyMethodDef mod_methods[] = {
     {"errname", mod_errname, METH_O, NULL},
     {"strerror", mod_strerror, METH_O, NULL},
     {"library_version", mod_version, METH_NOARGS, NULL},
+    {"mem_stats", mod_mem_stats, METH_NOARGS, NULL},
     {NULL},
 };
 

@@ -20,18 +20,20 @@ import time
 
 from . import _tdpipe
 from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
-                     RefusedError, TimeoutError)
+                     RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
     consolidated_check
 
 __all__ = [
-    "connect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
+    "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
-    "RefusedError", "CanceledError", "AuthError", "Schema", "library_version",
+    "RefusedError", "CanceledError", "AuthError", "SchemaError", "Schema", "library_version",
+    "mem_stats",
 ]
 
 Schema = _tdpipe.Schema
 library_version = _tdpipe.library_version
+mem_stats = _tdpipe.mem_stats
 __version__ = _tdpipe.library_version()
 
 # Nothing on the library's loop thread may take the GIL once the
@@ -46,6 +48,32 @@ def _loop_flag(loop):
     if loop not in ("caller", "thread"):
         raise ValueError("loop must be 'caller' or 'thread'")
     return loop == "thread"
+
+
+def _check_device(device):
+    """Receive devices this build serves: the host only."""
+    if device is None:
+        return
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind != "cpu":
+        raise NotImplementedError(
+            "recv(device=%r): receiving onto a GPU is not available in this build of tdpipe's "
+            "Python binding yet; receive on the host (device='cpu') and move the tensors "
+            "with .to(device)" % (str(device),))
+
+
+def _as_timeout(td, timeout):
+    """recv(td) takes the tensordict first (as tensordict's pipe does); a
+    number there is the timeout of older calls, recv(5)."""
+    if isinstance(td, (int, float)) and not isinstance(td, bool):
+        return None, td
+    return td, timeout
+
+
+async def _run_blocking(fn):
+    """fn() on the default executor: for the calls with no async form in the
+    library (connect, accept, close), which release the GIL while they wait."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 def _opts(kw):
@@ -71,6 +99,9 @@ class Pipe:
         self._rop = None
         self._rop_pending = False
         self._sop = None
+        self._sop_pending = False
+        self._abuf = None  # asend's gather buffer, reused while its schema holds
+        self._abuf_schema = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
 
     # -- sending
@@ -129,7 +160,7 @@ class Pipe:
 
     # -- receiving
 
-    def recv(self, timeout=None, as_=None):
+    def recv(self, td=None, timeout=None, as_=None, device=None):
         """The next message: a Message (nested dict) of views into the
         receive buffer. Raises ClosedError at the peer's clean end,
         TimeoutError when `timeout` seconds pass (the pipe stays usable).
@@ -137,8 +168,24 @@ class Pipe:
         Depth 1: the message is lent until the next recv (which overwrites
         it) or release(). Depth N: until release(), the end of its `with`
         block, or until the Message object is garbage.
-        """
-        return self._unpack(self._raw.recv(timeout), as_ or self.as_)
+
+        recv(td): receive into an existing nested mapping of tensors (a
+        tensordict, a dict of tensors or arrays) laid out like the message:
+        its leaves are overwritten in place, the message is released at once
+        and td is returned (one copy, no allocation). A leaf it lacks, or of
+        another shape or dtype, raises ValueError (the message is consumed).
+
+        device: "cpu" (or None); a GPU raises NotImplementedError (not
+        available in this build)."""
+        td, timeout = _as_timeout(td, timeout)
+        _check_device(device)
+        raw = self._raw.recv(timeout)
+        if td is None:
+            return self._unpack(raw, as_ or self.as_)
+        try:
+            return self._unpack.into(raw, td)
+        finally:
+            raw.release()
 
     def release(self, msg):
         msg.release()
@@ -206,21 +253,31 @@ class Pipe:
         threading.Thread(target=run, daemon=True).start()
         return fut
 
-    async def arecv(self, as_=None):
+    async def arecv(self, td=None, as_=None, device=None):
         """recv() for asyncio. On a loop="thread" pipe it waits on an
         eventfd the library's completion callback signals (loop.add_reader);
         on a loop="caller" pipe a daemon thread makes the blocking call.
         Either way the event loop never blocks, and a cancelled arecv leaves
-        its receive pending: the next arecv takes its message."""
+        its receive pending: the next arecv takes its message. arecv(td)
+        receives into td as recv(td) does."""
+        _check_device(device)
+        raw = await self._arecv_raw()
+        if td is None:
+            return self._unpack(raw, as_ or self.as_)
+        try:
+            return self._unpack.into(raw, td)
+        finally:
+            raw.release()
+
+    async def _arecv_raw(self):
         if not self._raw.on_thread:
             if self._bg_recv is None:
                 self._bg_recv = self._in_thread(lambda: self._raw.recv(None))
             try:
-                td = await asyncio.shield(self._bg_recv)
+                return await asyncio.shield(self._bg_recv)
             finally:
                 if self._bg_recv.done():
                     self._bg_recv = None
-            return self._unpack(td, as_ or self.as_)
         if self._rop is None:
             self._rop = _tdpipe.Op()
         if not self._rop_pending:
@@ -232,24 +289,39 @@ class Pipe:
             self._rop_pending = False
             raise
         self._rop_pending = False
-        return self._unpack(td, as_ or self.as_)
+        return td
 
     async def asend(self, td):
-        """send() for asyncio. The data is referenced until it completes."""
+        """send() for asyncio. A Consolidated goes as it is; separate
+        leaves are gathered (one copy) into a send buffer this pipe keeps
+        for its asynchronous sends and reuses while the layout repeats: no
+        allocation in steady state, as for send(). The data is referenced
+        until the send completes; a cancelled asend's send still completes,
+        and the next asend waits for it first."""
         if not self._raw.on_thread:
             await self._in_thread(lambda: self.send(td))
             return
         if self._sop is None:
             self._sop = _tdpipe.Op()
+        if self._sop_pending:
+            # a cancelled asend's send is still using the buffer: finish it
+            try:
+                await self._wait(self._sop)
+            finally:
+                self._sop_pending = False
         raw_td, gather = self._send_args(td)
         if raw_td is None:
-            # gather into a fresh buffer: the op reads it after this returns
             schema, addrs, keep = gather
-            raw_td = _tdpipe.Td.alloc(schema)
+            if self._abuf_schema is not schema:
+                self._abuf = _tdpipe.Td.alloc(schema)
+                self._abuf_schema = schema
+            raw_td = self._abuf
             raw_td.fill(addrs)
             del keep
         self._sop.start_send(self._raw, raw_td)
+        self._sop_pending = True
         await self._wait(self._sop)
+        self._sop_pending = False
 
     def __aiter__(self):
         return self
@@ -276,12 +348,28 @@ class Pipe:
         self._raw.abort()
         self._raw.free()
 
+    async def aclose(self, timeout=10.0):
+        """close() for asyncio (the close runs on an executor thread)."""
+        await _run_blocking(lambda: self.close(timeout))
+
     def __enter__(self):
         return self
 
     def __exit__(self, et, ev, tb):
         if et is None:
             self.close()
+        else:
+            self.abort()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, et, ev, tb):
+        """`async with pipe:` closes cleanly on normal exit, aborts on an
+        exception (as `with pipe:` does)."""
+        if et is None:
+            await self.aclose()
         else:
             self.abort()
         return False
@@ -330,12 +418,21 @@ def connect(host, port, *, as_="torch", loop="caller", **opts):
     return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts), _loop_flag(loop)), as_)
 
 
+async def aconnect(host, port, *, as_="torch", loop="thread", **opts):
+    """connect() for asyncio: the connect and handshake run on an executor
+    thread, so the event loop goes on. loop defaults to "thread", the pipe
+    kind whose arecv/asend wait on an eventfd. `async with await
+    tdpipe.aconnect(...) as pipe:` closes it at the end."""
+    return await _run_blocking(lambda: connect(host, port, as_=as_, loop=loop, **opts))
+
+
 class Listener:
     """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
 
     def __init__(self, host, port=0, *, as_="torch", loop="caller", **opts):
         self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts), _loop_flag(loop))
         self.as_ = as_
+        self._bg_accept = None
 
     @property
     def port(self):
@@ -347,6 +444,30 @@ class Listener:
         wrong version) are dropped by the library and never returned."""
         return Pipe(self._raw.accept(timeout), self.as_)
 
+    async def aaccept(self, timeout=None):
+        """accept() for asyncio, on an executor thread. A cancelled aaccept
+        leaves its accept running: the next aaccept returns its pipe."""
+        if self._bg_accept is None:
+            fut = asyncio.get_running_loop().run_in_executor(None, self._raw.accept, timeout)
+            self._bg_accept = fut
+        try:
+            raw = await asyncio.shield(self._bg_accept)
+        finally:
+            if self._bg_accept is not None and self._bg_accept.done():
+                self._bg_accept = None
+        return Pipe(raw, self.as_)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        """`async for pipe in listener`: each pipe as its handshake completes
+        (ends when the listener is closed)."""
+        try:
+            return await self.aaccept()
+        except CanceledError:
+            raise StopAsyncIteration from None
+
     def close(self):
         self._raw.close()
 
@@ -354,6 +475,13 @@ class Listener:
         return self
 
     def __exit__(self, *exc):
+        self.close()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
         self.close()
         return False
 
@@ -372,7 +500,10 @@ class Server:
     fine), copied into a new buffer and sent back on the client's pipe.
     The handler runs on the library's loop thread, holding the GIL; an
     exception in it is printed and closes that client only (it sees
-    PeerError). on_close(client_id, code) is called when a client goes.
+    PeerError). on_close(client_id, error) is called when a client goes:
+    error is the tdpipe exception object of how it ended (ClosedError for
+    the client's clean close, PeerError when it died, ...; its .code and
+    .errname are the library's), or None when this side closed it cleanly.
 
     Limits (None or 0: the library's default; docs/server.md, "Limits"):
     max_clients; max_pending, handshakes under way (one more drops the
@@ -388,9 +519,14 @@ class Server:
         self.as_ = as_
         self._unpack = Unpacker()
         self._cache = SchemaCache()
-        self._raw = _tdpipe.Server(host, int(port), self._on_message, on_close,
+        self._on_close = on_close
+        self._raw = _tdpipe.Server(host, int(port), self._on_message,
+                                   None if on_close is None else self._closed,
                                    _opts(opts), max_clients, max_pending, max_per_source,
                                    idle_timeout, handshake_timeout)
+
+    def _closed(self, client_id, code):
+        self._on_close(client_id, error_for(code))
 
     def _on_message(self, td, client_id):
         req = self._unpack(td, self.as_)
