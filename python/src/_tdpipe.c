@@ -85,6 +85,34 @@ static tdp_loop *get_loop_caller(void)
     return g_loop_caller;
 }
 
+/*
+ * One pass of the caller loop's queued work, made after a pipe or listener
+ * on it is freed. The free defers part of its teardown to a later turn of
+ * the loop (libevent finalizes the control socket there, the pipe's memory
+ * is reaped there), and nobody drives this loop between calls: without the
+ * pass the socket stays open, and a server keeps the client until its
+ * linger runs out. A stop task posted behind that work ends the pass; it
+ * stops only a run this thread makes (another thread driving the loop does
+ * the work itself, and its run must not be ended). Without the GIL.
+ */
+static _Thread_local int t_pumping;
+
+static void pump_stop(void *arg)
+{
+    if (t_pumping)
+        tdp_loop_stop(arg);
+}
+
+static void pump_caller_loop(void)
+{
+    tdp_loop *l = g_loop_caller;
+    if (l == NULL || tdp_loop_post(l, pump_stop, l) != TDP_OK)
+        return;
+    t_pumping = 1;
+    (void)tdp_loop_run(l);
+    t_pumping = 0;
+}
+
 static tdp_loop *get_loop(void)
 {
     pthread_mutex_lock(&g_loop_mu);
@@ -1055,7 +1083,10 @@ static void pipe_free_now(PipeObject *self)
         return;
     self->pipe = NULL;
     /* Messages still lent stay valid (we hold references) but go back to nobody. */
+    int caller = !self->on_thread;
     Py_BEGIN_ALLOW_THREADS tdp_pipe_free(p);
+    if (caller)
+        pump_caller_loop();
     Py_END_ALLOW_THREADS
 }
 
@@ -1274,7 +1305,10 @@ static void listener_free_now(ListenerObject *self)
     if (l == NULL)
         return;
     self->l = NULL;
+    int caller = !self->on_thread;
     Py_BEGIN_ALLOW_THREADS tdp_listener_free(l);
+    if (caller)
+        pump_caller_loop();
     Py_END_ALLOW_THREADS
 }
 
