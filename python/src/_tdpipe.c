@@ -1450,7 +1450,21 @@ static PyObject *op_start_send(OpObject *self, PyObject *args)
     self->td = td;
     self->pending = 1;
     self->is_recv = 0;
-    tdp_pipe_send_async(p->pipe, td->td, self->op);
+    /*
+     * A large send without the GIL: starting runs the send's first steps
+     * here when the loop is idle, the copy into a shared-memory slot among
+     * them. The completion callback only writes the eventfd. A small one
+     * keeps it (dropping and taking the GIL would cost more than the copy).
+     */
+    tdp_pipe *pp = p->pipe;
+    tdp_td *t = td->td;
+    tdp_op *op = self->op;
+    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(pp, t, op);
+        Py_END_ALLOW_THREADS
+    } else {
+        tdp_pipe_send_async(pp, t, op);
+    }
     Py_RETURN_NONE;
 }
 
