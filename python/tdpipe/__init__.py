@@ -15,6 +15,7 @@ See docs/python.md for lending rules, threading and asyncio.
 """
 import asyncio
 import atexit
+import inspect
 import threading
 import time
 
@@ -492,8 +493,22 @@ def listen(host="127.0.0.1", port=0, *, as_="torch", loop="caller", **opts):
     return Listener(host, port, as_=as_, loop=loop, **opts)
 
 
+def _takes_two(fn):
+    """Does handler take (request, client_id)? One positional parameter: (request)."""
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    ps = list(ps)
+    pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+           and p.default is p.empty]
+    return len(pos) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in ps)
+
+
 class Server:
-    """Many clients, one handler: handler(request) -> reply or None.
+    """Many clients, one handler: handler(request) -> reply or None, or
+    handler(request, client_id) when it takes two positional parameters
+    (per-client state, keyed by the id on_close also gets).
 
     request is a Message (nested dict of views) lent for the call only;
     the reply is any nested mapping (another schema than the request's is
@@ -516,6 +531,7 @@ class Server:
                  max_clients=None, max_pending=None, max_per_source=None,
                  idle_timeout=None, handshake_timeout=None, **opts):
         self._handler = handler
+        self._with_id = _takes_two(handler)
         self.as_ = as_
         self._unpack = Unpacker()
         self._cache = SchemaCache()
@@ -530,7 +546,7 @@ class Server:
 
     def _on_message(self, td, client_id):
         req = self._unpack(td, self.as_)
-        reply = self._handler(req)
+        reply = self._handler(req, client_id) if self._with_id else self._handler(req)
         if reply is None:
             return None
         raw_td = consolidated_check(reply)
