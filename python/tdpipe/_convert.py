@@ -344,18 +344,21 @@ def shared_buffer(tensors, addrs, keep):
     wrapped buffer); else None. Then the span is sent as it is."""
     if len(tensors) < 2:
         return None
+    nbytes = [x.element_size() * x.numel() if torch is not None and isinstance(x, torch.Tensor)
+              else x.nbytes for x in keep]
+    base = min(addrs)
+    end = max(a + n for a, n in zip(addrs, nbytes))
+    # the cheap tests first: separate allocations usually fail them, and
+    # then no storage is looked up (that is most of a plain send's cost)
+    if base % 64 or end - base > 2 * sum(nbytes):
+        return None
     st = _storage_of(keep[0])
     if st is None:
         return None
-    nbytes = []
-    for (path, dt, shape), x in zip(tensors, keep):
+    for x in keep[1:]:
         if _storage_of(x) != st:
             return None
-        nbytes.append(x.element_size() * x.numel() if torch is not None and
-                      isinstance(x, torch.Tensor) else x.nbytes)
-    base = min(addrs)
-    end = max(a + n for a, n in zip(addrs, nbytes))
-    if base % 64 or base < st[0] or end > st[0] + st[1] or end - base > 2 * sum(nbytes):
+    if base < st[0] or end > st[0] + st[1]:
         return None
     order = sorted(range(len(addrs)), key=lambda i: addrs[i])
     for prev, nxt in zip(order, order[1:]):
