@@ -427,6 +427,13 @@ async def aconnect(host, port, *, as_="torch", loop="thread", **opts):
     return await _run_blocking(lambda: connect(host, port, as_=as_, loop=loop, **opts))
 
 
+def _closed_listener():
+    exc = CanceledError("accept: listener closed (ECANCELED)")
+    exc.code = _tdpipe.ECANCELED
+    exc.errname = "ECANCELED"
+    return exc
+
+
 class Listener:
     """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
 
@@ -434,6 +441,7 @@ class Listener:
         self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts), _loop_flag(loop))
         self.as_ = as_
         self._bg_accept = None
+        self._closing = False
 
     @property
     def port(self):
@@ -447,9 +455,10 @@ class Listener:
 
     async def aaccept(self, timeout=None):
         """accept() for asyncio, on an executor thread. A cancelled aaccept
-        leaves its accept running: the next aaccept returns its pipe."""
+        leaves its accept running: the next aaccept returns its pipe. close()
+        ends a pending one with CanceledError (within 0.1 s)."""
         if self._bg_accept is None:
-            fut = asyncio.get_running_loop().run_in_executor(None, self._raw.accept, timeout)
+            fut = asyncio.get_running_loop().run_in_executor(None, self._accept_bg, timeout)
             self._bg_accept = fut
         try:
             raw = await asyncio.shield(self._bg_accept)
@@ -457,6 +466,27 @@ class Listener:
             if self._bg_accept is not None and self._bg_accept.done():
                 self._bg_accept = None
         return Pipe(raw, self.as_)
+
+    def _accept_bg(self, timeout):
+        """accept in slices of 0.1 s, so that a close() from the event loop
+        is seen; a pipe that arrives between slices waits in the listener's
+        queue for the next one. The listener is freed here if close() came
+        meanwhile (the C listener takes no close while an accept runs)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._closing:
+                step = 0.1
+                if deadline is not None:
+                    step = max(0.0, min(step, deadline - time.monotonic()))
+                try:
+                    return self._raw.accept(step)
+                except TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+            raise _closed_listener()
+        finally:
+            if self._closing:
+                self._raw.close()
 
     def __aiter__(self):
         return self
@@ -470,6 +500,13 @@ class Listener:
             raise StopAsyncIteration from None
 
     def close(self):
+        """Stop listening. A pending aaccept ends with CanceledError (and
+        `async for` over the listener ends); the listener is freed when it
+        has."""
+        self._closing = True
+        bg = self._bg_accept
+        if bg is not None and not bg.done():
+            return  # _accept_bg frees it
         self._raw.close()
 
     def __enter__(self):

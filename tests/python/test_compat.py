@@ -334,3 +334,35 @@ def test_server_handler_may_take_the_client_id():
         b.close(5)
         srv.shutdown(5)
     assert counts == {}
+
+
+def test_async_for_over_listener_ends_at_close():
+    async def main():
+        lst = tdpipe.listen("127.0.0.1", loop="thread")
+        got = []
+
+        async def serve():
+            async for pipe in lst:
+                got.append(pipe)
+
+        task = asyncio.create_task(serve())
+        for _ in range(2):
+            p = await tdpipe.aconnect("127.0.0.1", lst.port)
+            p.send({"x": torch.ones(1)}, timeout=5)
+            p.close(5)
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        lst.close()
+        await asyncio.wait_for(task, 5)  # the iteration ends
+        assert time.monotonic() - t0 < 2
+        assert len(got) == 2
+        for p in got:
+            with p.recv(timeout=5) as m:
+                assert m["x"].tolist() == [1.0]
+            p.abort()
+        with pytest.raises(tdpipe.CanceledError):
+            await lst.aaccept(timeout=1)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
