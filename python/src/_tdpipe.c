@@ -1499,6 +1499,15 @@ static PyObject *op_result(OpObject *self, PyObject *unused)
     return res;
 }
 
+/* drain(): empty the eventfd (a wake-up nobody waits for any more). */
+static PyObject *op_drain(OpObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *op_fileno(OpObject *self, PyObject *unused)
 {
     return PyLong_FromLong(self->efd);
@@ -1527,6 +1536,7 @@ static PyMethodDef op_methods[] = {
     {"start_send", (PyCFunction)op_start_send, METH_VARARGS, NULL},
     {"result", (PyCFunction)op_result, METH_NOARGS, NULL},
     {"fileno", (PyCFunction)op_fileno, METH_NOARGS, NULL},
+    {"drain", (PyCFunction)op_drain, METH_NOARGS, NULL},
     {NULL},
 };
 

@@ -84,6 +84,22 @@ def _opts(kw):
     return dict(kw)
 
 
+def _op_ready(op, holder):
+    """The eventfd of op is readable: hand its result to the waiting future
+    (holder[0]); with none waiting, only empty the fd (it is level-triggered)."""
+    fut = holder[0]
+    if fut is None or fut.done():
+        op.drain()
+        return
+    try:
+        res = op.result()
+    except BaseException as e:  # the op's error, raised in the coroutine
+        fut.set_exception(e)
+        return
+    if res is not None:
+        fut.set_result(res)
+
+
 class Pipe:
     """One end of a stream. Made by connect() or Listener.accept().
 
@@ -104,6 +120,7 @@ class Pipe:
         self._abuf = None  # asend's gather buffer, reused while its schema holds
         self._abuf_schema = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
+        self._watch = {}  # op -> (event loop its fd is registered with, [waiting future])
 
     # -- sending
 
@@ -203,29 +220,39 @@ class Pipe:
     # -- asyncio
 
     async def _wait(self, op):
+        """The op's result, awaited on its eventfd. The fd stays registered
+        with the event loop between operations (one registration per op and
+        loop, not an add and a remove per message); _unwatch drops it."""
         r = op.result()
         if r is not None:
             return r
         loop = asyncio.get_running_loop()
+        w = self._watch.get(op)
+        if w is None or w[0] is not loop:
+            if w is not None:
+                self._unwatch(op)
+            w = (loop, [None])
+            loop.add_reader(op.fileno(), _op_ready, op, w[1])
+            self._watch[op] = w
         fut = loop.create_future()
-        fd = op.fileno()
-
-        def ready():
-            if fut.done():
-                return
-            try:
-                res = op.result()
-            except BaseException as e:  # the op's error, raised in the coroutine
-                fut.set_exception(e)
-                return
-            if res is not None:
-                fut.set_result(res)
-
-        loop.add_reader(fd, ready)
+        w[1][0] = fut
         try:
             return await fut
         finally:
-            loop.remove_reader(fd)
+            w[1][0] = None
+
+    def _unwatch(self, op=None):
+        """Take op's eventfd (every op's, with None) off its event loop:
+        directly on that loop's thread or while it does not run, else
+        through call_soon_threadsafe."""
+        for o in ([op] if op is not None else list(self._watch)):
+            loop, _holder = self._watch.pop(o)
+            if loop.is_closed():
+                continue
+            if asyncio._get_running_loop() is loop or not loop.is_running():
+                loop.remove_reader(o.fileno())
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, o.fileno())
 
     def _in_thread(self, fn):
         """An asyncio future of fn() run on a daemon thread (the blocking
@@ -343,14 +370,17 @@ class Pipe:
             self._raw.close(timeout)
         finally:
             self._raw.free()
+            self._unwatch()
 
     def abort(self):
         """End at once; the peer sees PeerError."""
         self._raw.abort()
         self._raw.free()
+        self._unwatch()
 
     async def aclose(self, timeout=10.0):
         """close() for asyncio (the close runs on an executor thread)."""
+        self._unwatch()
         await _run_blocking(lambda: self.close(timeout))
 
     def __enter__(self):
