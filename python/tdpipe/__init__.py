@@ -143,6 +143,9 @@ class Pipe:
         and so do leaves that are views into one allocation (a
         TensorDict.consolidate() storage, say; see docs/python.md).
         Returns when the buffer may be reused (the transport took the bytes).
+        A key or value that breaks a schema rule (a '.' in a key, an empty
+        key, a value over 4096 bytes, ...) raises SchemaError, a
+        ValueError naming the key, before anything is sent.
         """
         raw_td, gather = self._send_args(td)
         if raw_td is not None:
