@@ -91,16 +91,16 @@ static tdp_loop *get_loop_caller(void)
  * the loop (libevent finalizes the control socket there, the pipe's memory
  * is reaped there), and nobody drives this loop between calls: without the
  * pass the socket stays open, and a server keeps the client until its
- * linger runs out. A stop task posted behind that work ends the pass; it
- * stops only a run this thread makes (another thread driving the loop does
- * the work itself, and its run must not be ended). Without the GIL.
+ * linger runs out. A stop task posted behind that work ends the pass. When
+ * another thread drives the loop (a blocking call on another pipe), that
+ * thread does the work: if the task runs there first, the stop it leaves
+ * ends this run at once (a run never blocks waiting for a stop that went
+ * elsewhere); if this run is refused, the stop left behind makes some later
+ * pass empty, which costs only that pass. Without the GIL.
  */
-static _Thread_local int t_pumping;
-
 static void pump_stop(void *arg)
 {
-    if (t_pumping)
-        tdp_loop_stop(arg);
+    tdp_loop_stop(arg);
 }
 
 static void pump_caller_loop(void)
@@ -108,9 +108,7 @@ static void pump_caller_loop(void)
     tdp_loop *l = g_loop_caller;
     if (l == NULL || tdp_loop_post(l, pump_stop, l) != TDP_OK)
         return;
-    t_pumping = 1;
     (void)tdp_loop_run(l);
-    t_pumping = 0;
 }
 
 static tdp_loop *get_loop(void)
