@@ -196,7 +196,7 @@ def flatten(obj):
             if type(k) is not str:
                 if not isinstance(k, str):
                     raise TypeError("keys must be strings, got %r" % (k,))
-                k = str(k)
+                k = str.__str__(k)  # the text itself, not a subclass's __str__
             if "." in k:
                 raise _dot_key_error(prefix[:-1], k)
             path = prefix + k
