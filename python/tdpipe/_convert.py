@@ -143,16 +143,29 @@ def _is_mapping(x):
         and not hasattr(x, "__array_interface__"))
 
 
+_DTYPE_NAME = {}
+
+
+def _is_cpu(x):
+    cpu = getattr(x, "is_cpu", None)
+    return cpu if cpu is not None else x.device.type == "cpu"
+
+
 def _leaf_info(x):
     """(dtype_name, shape, address, keepalive) of a host tensor leaf, made
     C-contiguous (a copy only if it was not)."""
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
+        # is_cpu and a dtype-name table: x.device and str(x.dtype) cost more
+        # than the rest of a small send's Python work
+        if not _is_cpu(x):
             raise NotImplementedError(
                 "tdpipe's Python binding sends host tensors only (got %s)" % x.device)
         if not x.is_contiguous():
             x = x.contiguous()
-        return str(x.dtype), tuple(x.shape), x.data_ptr(), x
+        name = _DTYPE_NAME.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAME[x.dtype] = str(x.dtype)
+        return name, tuple(x.shape), x.data_ptr(), x
     if np is not None and isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
