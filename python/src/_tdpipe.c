@@ -24,10 +24,12 @@
 #include <dlpack/dlpack.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <tdpipe/tdpipe.h>
@@ -1497,6 +1499,34 @@ static PyObject *op_result(OpObject *self, PyObject *unused)
     return res;
 }
 
+/*
+ * settle(us): wait up to us microseconds, without the GIL, yielding the
+ * CPU, for the operation to complete; then as result(). A send started
+ * while the loop thread held the loop usually completes within a few
+ * microseconds: waiting here for it costs less than a round through the
+ * asyncio event loop (eventfd, epoll, a callback, a task step).
+ */
+static PyObject *op_result(OpObject *self, PyObject *unused);
+
+static PyObject *op_settle(OpObject *self, PyObject *arg)
+{
+    long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred())
+        return NULL;
+    if (self->pending && us > 0 && tdp_op_result(self->op) == TDP_EAGAIN) {
+        tdp_op *op = self->op;
+        Py_BEGIN_ALLOW_THREADS struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            sched_yield();
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while (tdp_op_result(op) == TDP_EAGAIN &&
+                 (t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000 < us);
+        Py_END_ALLOW_THREADS
+    }
+    return op_result(self, NULL);
+}
+
 /* drain(): empty the eventfd (a wake-up nobody waits for any more). */
 static PyObject *op_drain(OpObject *self, PyObject *unused)
 {
@@ -1535,6 +1565,7 @@ static PyMethodDef op_methods[] = {
     {"result", (PyCFunction)op_result, METH_NOARGS, NULL},
     {"fileno", (PyCFunction)op_fileno, METH_NOARGS, NULL},
     {"drain", (PyCFunction)op_drain, METH_NOARGS, NULL},
+    {"settle", (PyCFunction)op_settle, METH_O, NULL},
     {NULL},
 };
 

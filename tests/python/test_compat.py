@@ -366,3 +366,37 @@ def test_async_for_over_listener_ends_at_close():
             await lst.aaccept(timeout=1)
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.parametrize("spin", [0, None, 5000])
+def test_asend_spin_bound_and_event_loop_path(pair, spin):
+    """asend's short wait on the calling thread is bounded (async_spin_us;
+    0: the event loop's wait alone) and every setting delivers in order."""
+    tx, rx = pair
+    tx.async_spin_us = spin
+
+    async def main():
+        t0 = time.monotonic()
+        for i in range(30):
+            await tx.asend({"i": torch.tensor([i]), "x": torch.zeros(100000)})
+            with await rx.arecv() as m:
+                assert m["i"].item() == i
+        # a send that cannot complete (the receiver holds its only buffer)
+        # is waited for on the event loop once the bound has passed
+        await tx.asend({"i": torch.tensor([99]), "x": torch.zeros(100000)})
+        held = await rx.arecv()
+        t1 = time.monotonic()
+        task = asyncio.ensure_future(tx.asend({"i": torch.tensor([100]),
+                                               "x": torch.zeros(100000)}))
+        await asyncio.sleep(0)  # the asend runs until it waits
+        blocked = time.monotonic() - t1
+        assert not task.done()
+        held.release()
+        await asyncio.wait_for(task, 10)
+        with await rx.arecv() as m:
+            assert m["i"].item() == 100
+        return blocked, time.monotonic() - t0
+
+    blocked, _total = asyncio.run(asyncio.wait_for(main(), 30))
+    bound = 1e-3 if spin is None else spin * 1e-6
+    assert blocked < bound + 0.5  # the bound, plus scheduling slack on a busy machine
