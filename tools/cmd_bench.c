@@ -106,6 +106,15 @@ typedef struct size_result {
     double tp_bps[TP_REPEATS]; /* bytes per second, each repeat */
     double tp_median, tp_min, tp_max;
     uint64_t tp_msgs;
+    /*
+     * Loaned slots (shm plane, host memory): no byte is copied, so tp_* is
+     * a hand-off rate (messages times their size per second), not a data
+     * rate. Then plain_* is the data rate of plain sends (one copy into a
+     * slot) of the same messages, measured the same way.
+     */
+    bool loaned;
+    double plain_bps[TP_REPEATS];
+    double plain_median, plain_min, plain_max;
 } size_result;
 
 /* A message of `bytes` on dev (SETUP and the acks are always host memory). */
@@ -516,6 +525,38 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
     return rc;
 }
 
+/*
+ * TP_REPEATS streams of back-to-back messages of td's layout, each timed by
+ * the consumer from the first counted message to the last: bytes per
+ * second into bps[], messages timed per repeat into *msgs.
+ */
+static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uint64_t bytes,
+                              const char *label, const char *what, double *bps, uint64_t *msgs)
+{
+    tdp_err rc = TDP_OK;
+    tdp_td *got;
+    int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
+    for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
+        for (int i = 0; i < count && rc == TDP_OK; i++) {
+            int64_t h[4] = {PH_STREAM, i, count, twarm};
+            rc = bench_send(cfg, p, td, h);
+            if (cfg->progress && (i % 512 == 0 || i == count - 1))
+                fprintf(stderr, "\r  %-9s %s %d/%d  %6d/%d ", label, what, r + 1, TP_REPEATS, i + 1,
+                        count);
+        }
+        if (rc == TDP_OK)
+            rc = tdp_pipe_recv(p, BENCH_TMO, &got);
+        if (rc == TDP_OK) {
+            int64_t *h = hdr_of(got);
+            double secs = (double)h[1] / 1e9;
+            *msgs = (uint64_t)h[2];
+            bps[r] = secs > 0 ? (double)h[2] * (double)bytes / secs : 0;
+            tdp_pipe_release(p, got);
+        }
+    }
+    return rc;
+}
+
 static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, size_result *out)
 {
     tdp_schema *s = bench_schema_on(bytes, cfg->mem);
@@ -574,27 +615,20 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
     free(lat);
 
     /* throughput: back to back, timed on the receiver, repeated */
-    int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
-    for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
-        for (int i = 0; i < count && rc == TDP_OK; i++) {
-            int64_t h[4] = {PH_STREAM, i, count, twarm};
-            rc = bench_send(cfg, p, td, h);
-            if (cfg->progress && (i % 512 == 0 || i == count - 1))
-                fprintf(stderr, "\r  %-9s throughput %d/%d  %6d/%d ", label, r + 1, TP_REPEATS,
-                        i + 1, count);
-        }
-        if (rc == TDP_OK)
-            rc = tdp_pipe_recv(p, BENCH_TMO, &got);
-        if (rc == TDP_OK) {
-            int64_t *h = hdr_of(got);
-            double secs = (double)h[1] / 1e9;
-            out->tp_msgs = (uint64_t)h[2];
-            out->tp_bps[r] = secs > 0 ? (double)h[2] * (double)bytes / secs : 0;
-            tdp_pipe_release(p, got);
-        }
-    }
+    rc = stream_repeats(cfg, p, td, bytes, label, "throughput", out->tp_bps, &out->tp_msgs);
     if (rc == TDP_OK)
         tdp_bm_spread(out->tp_bps, TP_REPEATS, &out->tp_min, &out->tp_median, &out->tp_max);
+    out->loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && !on_gpu(td);
+    if (rc == TDP_OK && out->loaned) {
+        /* the same stream sent plainly: the data rate beside the hand-off rate */
+        bench_cfg plain = *cfg;
+        uint64_t msgs;
+        plain.no_loan = true;
+        rc = stream_repeats(&plain, p, td, bytes, label, "plain send", out->plain_bps, &msgs);
+        if (rc == TDP_OK)
+            tdp_bm_spread(out->plain_bps, TP_REPEATS, &out->plain_min, &out->plain_median,
+                          &out->plain_max);
+    }
     if (cfg->progress)
         fprintf(stderr, "\r%60s\r", "");
 out:
@@ -603,21 +637,42 @@ out:
     return rc;
 }
 
+/* Did any size run on loaned slots (its throughput a hand-off rate)? */
+static bool any_loaned(const size_result *r, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (r[i].loaned)
+            return true;
+    return false;
+}
+
 static void print_table(const bench_cfg *cfg, const size_result *r, int n, FILE *f)
 {
-    char sz[32], tp[32], lo[32], hi[32];
-    fprintf(f, "%-10s %12s %12s %11s %11s %11s %11s %12s %s\n", "size", "bytes", "first send",
-            "lat mean", "lat p50", "lat p99", "lat p99.9", "throughput", "(min..max of 3)");
+    char sz[32], tp[32], lo[32], hi[32], pl[32];
+    bool loaned = any_loaned(r, n);
+    /* the range column is padded only when the plain-send column follows it */
+    int rw = loaned ? 32 : 0;
+    fprintf(f, "%-10s %12s %12s %11s %11s %11s %11s %12s %-*s%s\n", "size", "bytes", "first send",
+            "lat mean", "lat p50", "lat p99", "lat p99.9", loaned ? "hand-off" : "throughput", rw,
+            "(min..max of 3)", loaned ? " plain send" : "");
     for (int i = 0; i < n; i++) {
         tdp_cli_format_size(r[i].bytes, sz, sizeof(sz));
         tdp_cli_format_rate(r[i].tp_median, tp, sizeof(tp));
         tdp_cli_format_rate(r[i].tp_min, lo, sizeof(lo));
         tdp_cli_format_rate(r[i].tp_max, hi, sizeof(hi));
+        char range[80];
+        snprintf(range, sizeof(range), "(%s..%s)", lo, hi);
+        if (r[i].loaned)
+            tdp_cli_format_rate(r[i].plain_median, pl, sizeof(pl));
         fprintf(f,
-                "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %8.2f us %12s (%s..%s)\n",
+                "%-10s %12" PRIu64 " %9.1f us %8.2f us %8.2f us %8.2f us %8.2f us %12s %-*s%s%s\n",
                 sz, r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99,
-                r[i].lat_p999, tp, lo, hi);
+                r[i].lat_p999, tp, rw, range, r[i].loaned ? " " : "", r[i].loaned ? pl : "");
     }
+    if (loaned)
+        fprintf(f, "hand-off: messages x size per second with loaned slots, where the receiver "
+                   "reads the sender's pages and no byte is copied (not a data rate); plain send: "
+                   "the data rate of the same messages sent from their own buffer (one copy)\n");
 }
 
 /* False (and a message) when the file could not be written. */
@@ -666,11 +721,18 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
                 "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
                 "     \"latency_us\": {\"mean\": %.3f, \"p50\": %.3f, \"p99\": %.3f, "
                 "\"p999\": %.3f, \"min\": %.3f, \"n\": %d},\n"
+                "     \"throughput_is\": \"%s\",\n"
                 "     \"throughput_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": %.0f, "
-                "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}}%s\n",
+                "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}",
                 r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, r[i].lat_p999,
-                r[i].lat_min, r[i].lat_n, r[i].tp_median, r[i].tp_min, r[i].tp_max, TP_REPEATS,
-                r[i].tp_msgs, i + 1 < n ? "," : "");
+                r[i].lat_min, r[i].lat_n, r[i].loaned ? "handoff" : "data", r[i].tp_median,
+                r[i].tp_min, r[i].tp_max, TP_REPEATS, r[i].tp_msgs);
+        if (r[i].loaned)
+            fprintf(f,
+                    ",\n     \"plain_send_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": "
+                    "%.0f, \"repeats\": %d}",
+                    r[i].plain_median, r[i].plain_min, r[i].plain_max, TP_REPEATS);
+        fprintf(f, "}%s\n", i + 1 < n ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     bool ok = !ferror(f);
@@ -792,8 +854,8 @@ static bool write_plot(const bench_cfg *cfg, const size_result *r, int n, const 
         goto out;
     }
     for (int i = 0; i < n; i++)
-        fprintf(f, "%" PRIu64 " %.3f %.3f %.3f\n", r[i].bytes, r[i].lat_p50, r[i].lat_p99,
-                r[i].tp_median / 1e9);
+        fprintf(f, "%" PRIu64 " %.3f %.3f %.3f %.3f\n", r[i].bytes, r[i].lat_p50, r[i].lat_p99,
+                r[i].tp_median / 1e9, r[i].loaned ? r[i].plain_median / 1e9 : r[i].tp_median / 1e9);
     fclose(f);
     f = NULL;
     dfd = -1;
@@ -823,7 +885,23 @@ static bool write_plot(const bench_cfg *cfg, const size_result *r, int n, const 
                 *c = '?';
     }
     FILE *g = fdopen(to_gp[1], "w");
-    if (g != NULL) {
+    bool loaned = any_loaned(r, n);
+    if (g != NULL && loaned) {
+        /* the hand-off rate of loaned slots is no data rate: say so, and draw the data rate */
+        fprintf(g,
+                "set terminal %s\n"
+                "set multiplot layout 1,2 title 'tdpipe bench (%s)'\n"
+                "set logscale xy\nset xlabel 'message size (bytes)'\nset grid\n"
+                "set ylabel 'one-way latency (us)'\n"
+                "plot '%s' using 1:2 with linespoints title 'p50', '' using 1:3 with "
+                "linespoints title 'p99'\n"
+                "set ylabel 'GB/s, median of 3'\n"
+                "plot '%s' using 1:5 with linespoints title 'plain send (data rate, one copy)', "
+                "'' using 1:4 with linespoints title 'hand-off rate, loaned slots (no copy: not "
+                "a data rate)'\nunset multiplot\n",
+                term, title, dat, dat);
+        fclose(g);
+    } else if (g != NULL) {
         fprintf(g,
                 "set terminal %s\n"
                 "set multiplot layout 1,2 title 'tdpipe bench (%s)'\n"
@@ -938,8 +1016,17 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             char sz[32], tp[32];
             tdp_cli_format_size(res[i].bytes, sz, sizeof(sz));
             tdp_cli_format_rate(res[i].tp_median, tp, sizeof(tp));
-            fprintf(stderr, "  %-9s first %.1f us, latency p50 %.2f us, throughput %s\n", sz,
-                    res[i].first_us, res[i].lat_p50, tp);
+            if (res[i].loaned) {
+                char pl[32];
+                tdp_cli_format_rate(res[i].plain_median, pl, sizeof(pl));
+                fprintf(stderr,
+                        "  %-9s first %.1f us, latency p50 %.2f us, hand-off %s (loaned slots, "
+                        "no copy), plain send %s\n",
+                        sz, res[i].first_us, res[i].lat_p50, tp, pl);
+            } else {
+                fprintf(stderr, "  %-9s first %.1f us, latency p50 %.2f us, throughput %s\n", sz,
+                        res[i].first_us, res[i].lat_p50, tp);
+            }
         }
     }
     return rc;

@@ -24,10 +24,12 @@
 #include <dlpack/dlpack.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <tdpipe/tdpipe.h>
@@ -83,6 +85,32 @@ static tdp_loop *get_loop_caller(void)
         return NULL;
     }
     return g_loop_caller;
+}
+
+/*
+ * One pass of the caller loop's queued work, made after a pipe or listener
+ * on it is freed. The free defers part of its teardown to a later turn of
+ * the loop (libevent finalizes the control socket there, the pipe's memory
+ * is reaped there), and nobody drives this loop between calls: without the
+ * pass the socket stays open, and a server keeps the client until its
+ * linger runs out. A stop task posted behind that work ends the pass. When
+ * another thread drives the loop (a blocking call on another pipe), that
+ * thread does the work: if the task runs there first, the stop it leaves
+ * ends this run at once (a run never blocks waiting for a stop that went
+ * elsewhere); if this run is refused, the stop left behind makes some later
+ * pass empty, which costs only that pass. Without the GIL.
+ */
+static void pump_stop(void *arg)
+{
+    tdp_loop_stop(arg);
+}
+
+static void pump_caller_loop(void)
+{
+    tdp_loop *l = g_loop_caller;
+    if (l == NULL || tdp_loop_post(l, pump_stop, l) != TDP_OK)
+        return;
+    (void)tdp_loop_run(l);
 }
 
 static tdp_loop *get_loop(void)
@@ -691,32 +719,60 @@ static PyObject *td_alloc(PyObject *cls, PyObject *arg)
     return (PyObject *)o;
 }
 
-/* fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). */
+static void fill_leaves(tdp_td *td, const void *const *src, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        tdp_leaf lf;
+        if (tdp_td_leaf_at(td, i, &lf) == TDP_OK && lf.nbytes > 0)
+            memcpy(lf.data, src[i], lf.nbytes);
+    }
+}
+
+/* Copies of this many bytes or more are made without the GIL. */
+#define FILL_NOGIL_BYTES (64u * 1024u)
+
+/*
+ * fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). The
+ * caller keeps the source leaves alive for the call; a large copy is made
+ * without the GIL so other threads (an asyncio loop's executor, the loop
+ * thread's handlers) run meanwhile.
+ */
 static PyObject *td_fill(TdObject *self, PyObject *arg)
 {
     PyObject *f = PySequence_Fast(arg, "ptrs");
     if (f == NULL)
         return NULL;
-    tdp_schema *s = tdp_td_schema(self->td);
-    uint32_t n = tdp_schema_num_tensors(s);
+    tdp_td *td = self->td;
+    uint32_t n = tdp_schema_num_tensors(tdp_td_schema(td));
     if ((uint32_t)PySequence_Fast_GET_SIZE(f) != n) {
         Py_DECREF(f);
         PyErr_SetString(PyExc_ValueError, "one address per tensor leaf");
         return NULL;
     }
-    char *base = tdp_td_data(self->td);
+    const void *small[64];
+    const void **v = small;
+    if (n > 64 && (v = PyMem_Malloc(sizeof(*v) * n)) == NULL) {
+        Py_DECREF(f);
+        return PyErr_NoMemory();
+    }
     for (uint32_t i = 0; i < n; i++) {
-        tdp_leaf lf;
-        void *p = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
-        if (p == NULL && PyErr_Occurred()) {
+        v[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
+        if (v[i] == NULL && PyErr_Occurred()) {
+            if (v != small)
+                PyMem_Free(v);
             Py_DECREF(f);
             return NULL;
         }
-        tdp_schema_leaf_at(s, i, &lf);
-        if (lf.nbytes > 0)
-            memcpy(base + lf.offset, p, lf.nbytes);
     }
     Py_DECREF(f);
+    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS fill_leaves(td, v, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        fill_leaves(td, v, n);
+    }
+    if (v != small)
+        PyMem_Free(v);
     Py_RETURN_NONE;
 }
 
@@ -1027,7 +1083,10 @@ static void pipe_free_now(PipeObject *self)
         return;
     self->pipe = NULL;
     /* Messages still lent stay valid (we hold references) but go back to nobody. */
+    int caller = !self->on_thread;
     Py_BEGIN_ALLOW_THREADS tdp_pipe_free(p);
+    if (caller)
+        pump_caller_loop();
     Py_END_ALLOW_THREADS
 }
 
@@ -1246,7 +1305,10 @@ static void listener_free_now(ListenerObject *self)
     if (l == NULL)
         return;
     self->l = NULL;
+    int caller = !self->on_thread;
     Py_BEGIN_ALLOW_THREADS tdp_listener_free(l);
+    if (caller)
+        pump_caller_loop();
     Py_END_ALLOW_THREADS
 }
 
@@ -1388,7 +1450,21 @@ static PyObject *op_start_send(OpObject *self, PyObject *args)
     self->td = td;
     self->pending = 1;
     self->is_recv = 0;
-    tdp_pipe_send_async(p->pipe, td->td, self->op);
+    /*
+     * A large send without the GIL: starting runs the send's first steps
+     * here when the loop is idle, the copy into a shared-memory slot among
+     * them. The completion callback only writes the eventfd. A small one
+     * keeps it (dropping and taking the GIL would cost more than the copy).
+     */
+    tdp_pipe *pp = p->pipe;
+    tdp_td *t = td->td;
+    tdp_op *op = self->op;
+    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(pp, t, op);
+        Py_END_ALLOW_THREADS
+    } else {
+        tdp_pipe_send_async(pp, t, op);
+    }
     Py_RETURN_NONE;
 }
 
@@ -1423,6 +1499,43 @@ static PyObject *op_result(OpObject *self, PyObject *unused)
     return res;
 }
 
+/*
+ * settle(us): wait up to us microseconds, without the GIL, yielding the
+ * CPU, for the operation to complete; then as result(). A send started
+ * while the loop thread held the loop usually completes within a few
+ * microseconds: waiting here for it costs less than a round through the
+ * asyncio event loop (eventfd, epoll, a callback, a task step).
+ */
+static PyObject *op_result(OpObject *self, PyObject *unused);
+
+static PyObject *op_settle(OpObject *self, PyObject *arg)
+{
+    long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred())
+        return NULL;
+    if (self->pending && us > 0 && tdp_op_result(self->op) == TDP_EAGAIN) {
+        tdp_op *op = self->op;
+        Py_BEGIN_ALLOW_THREADS struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            sched_yield();
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while (tdp_op_result(op) == TDP_EAGAIN &&
+                 (t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000 < us);
+        Py_END_ALLOW_THREADS
+    }
+    return op_result(self, NULL);
+}
+
+/* drain(): empty the eventfd (a wake-up nobody waits for any more). */
+static PyObject *op_drain(OpObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *op_fileno(OpObject *self, PyObject *unused)
 {
     return PyLong_FromLong(self->efd);
@@ -1451,6 +1564,8 @@ static PyMethodDef op_methods[] = {
     {"start_send", (PyCFunction)op_start_send, METH_VARARGS, NULL},
     {"result", (PyCFunction)op_result, METH_NOARGS, NULL},
     {"fileno", (PyCFunction)op_fileno, METH_NOARGS, NULL},
+    {"drain", (PyCFunction)op_drain, METH_NOARGS, NULL},
+    {"settle", (PyCFunction)op_settle, METH_O, NULL},
     {NULL},
 };
 
@@ -1560,8 +1675,8 @@ static PyObject *server_new_py(PyTypeObject *type, PyObject *args, PyObject *kw)
     PyObject *handler, *on_close = Py_None, *d = NULL;
     PyObject *max_clients = NULL, *max_pending = NULL, *max_per_source = NULL;
     PyObject *idle = NULL, *handshake = NULL;
-    if (!PyArg_ParseTuple(args, "ziO|OOOOOOO", &host, &port, &handler, &on_close, &d,
-                          &max_clients, &max_pending, &max_per_source, &idle, &handshake))
+    if (!PyArg_ParseTuple(args, "ziO|OOOOOOO", &host, &port, &handler, &on_close, &d, &max_clients,
+                          &max_pending, &max_per_source, &idle, &handshake))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
@@ -1652,11 +1767,10 @@ static PyObject *server_stats(ServerObject *self, PyObject *unused)
     Py_BEGIN_ALLOW_THREADS tdp_server_stats_get(srv, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "clients_now", s.clients_now, "clients_total",
-        s.clients_total, "pending_now", s.pending_now, "idle_closed", s.idle_closed,
-        "refused", s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors",
-        s.handler_errors, "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent",
-        s.msgs_sent, "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv",
-        s.schemas_recv);
+        s.clients_total, "pending_now", s.pending_now, "idle_closed", s.idle_closed, "refused",
+        s.refused, "handshakes_failed", s.handshakes_failed, "handler_errors", s.handler_errors,
+        "client_errors", s.client_errors, "msgs_recv", s.msgs_recv, "msgs_sent", s.msgs_sent,
+        "bytes_recv", s.bytes_recv, "bytes_sent", s.bytes_sent, "schemas_recv", s.schemas_recv);
 }
 
 static PyMethodDef server_methods[] = {
@@ -1711,6 +1825,21 @@ static PyObject *mod_strerror(PyObject *m, PyObject *arg)
     return PyUnicode_FromString(tdp_strerror((int)c));
 }
 
+/*
+ * mem_stats() -> the library's allocation counters (cumulative since the
+ * process started): buffers by memory kind and its small objects. Two
+ * snapshots around a loop count the allocations per message.
+ */
+static PyObject *mod_mem_stats(PyObject *m, PyObject *unused)
+{
+    tdp_mem_stats s;
+    tdp_mem_stats_get(&s);
+    return Py_BuildValue("{sKsKsKsKsK}", "host_allocs", s.allocs[TDP_MEM_HOST], "host_frees",
+                         s.frees[TDP_MEM_HOST], "host_live_bytes", s.live_bytes[TDP_MEM_HOST],
+                         "small_allocs", s.small_allocs, "total_allocs",
+                         (unsigned long long)tdp_mem_total_allocs());
+}
+
 static PyObject *mod_version(PyObject *m, PyObject *unused)
 {
     return PyUnicode_FromString(tdp_version_string());
@@ -1722,6 +1851,7 @@ static PyMethodDef mod_methods[] = {
     {"errname", mod_errname, METH_O, NULL},
     {"strerror", mod_strerror, METH_O, NULL},
     {"library_version", mod_version, METH_NOARGS, NULL},
+    {"mem_stats", mod_mem_stats, METH_NOARGS, NULL},
     {NULL},
 };
 

@@ -15,23 +15,26 @@ See docs/python.md for lending rules, threading and asyncio.
 """
 import asyncio
 import atexit
+import inspect
 import threading
 import time
 
 from . import _tdpipe
 from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
-                     RefusedError, TimeoutError)
+                     RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
     consolidated_check
 
 __all__ = [
-    "connect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
+    "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
-    "RefusedError", "CanceledError", "AuthError", "Schema", "library_version",
+    "RefusedError", "CanceledError", "AuthError", "SchemaError", "Schema", "library_version",
+    "mem_stats",
 ]
 
 Schema = _tdpipe.Schema
 library_version = _tdpipe.library_version
+mem_stats = _tdpipe.mem_stats
 __version__ = _tdpipe.library_version()
 
 # Nothing on the library's loop thread may take the GIL once the
@@ -48,11 +51,63 @@ def _loop_flag(loop):
     return loop == "thread"
 
 
+# asend waits this long for its send on the calling thread (GIL released,
+# CPU yielded) before it hands the wait to the event loop: a send usually
+# completes within it, and a round through the event loop (eventfd, epoll,
+# a callback, a task step) costs more than the wait. The bound grows with
+# the message, whose copy into the transport takes time, and is capped so
+# that the event loop is never held long.
+_SPIN_BASE_US = 100
+_SPIN_MAX_US = 1000
+
+
+def _check_device(device):
+    """Receive devices this build serves: the host only."""
+    if device is None:
+        return
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind != "cpu":
+        raise NotImplementedError(
+            "recv(device=%r): receiving onto a GPU is not available in this build of tdpipe's "
+            "Python binding yet; receive on the host (device='cpu') and move the tensors "
+            "with .to(device)" % (str(device),))
+
+
+def _as_timeout(td, timeout):
+    """recv(td) takes the tensordict first (as tensordict's pipe does); a
+    number there is the timeout of older calls, recv(5)."""
+    if isinstance(td, (int, float)) and not isinstance(td, bool):
+        return None, td
+    return td, timeout
+
+
+async def _run_blocking(fn):
+    """fn() on the default executor: for the calls with no async form in the
+    library (connect, accept, close), which release the GIL while they wait."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
 def _opts(kw):
     for k in kw:
         if k not in _OPTS:
             raise TypeError("unknown option %r (known: %s)" % (k, ", ".join(_OPTS)))
     return dict(kw)
+
+
+def _op_ready(op, holder):
+    """The eventfd of op is readable: hand its result to the waiting future
+    (holder[0]); with none waiting, only empty the fd (it is level-triggered)."""
+    fut = holder[0]
+    if fut is None or fut.done():
+        op.drain()
+        return
+    try:
+        res = op.result()
+    except BaseException as e:  # the op's error, raised in the coroutine
+        fut.set_exception(e)
+        return
+    if res is not None:
+        fut.set_result(res)
 
 
 class Pipe:
@@ -71,7 +126,14 @@ class Pipe:
         self._rop = None
         self._rop_pending = False
         self._sop = None
+        self._sop_pending = False
+        self._abuf = None  # asend's gather buffer, reused while its schema holds
+        self._abuf_schema = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
+        # asend's short wait on the calling thread before the event loop's
+        # (microseconds; None: by size, see _SPIN_*; 0: none)
+        self.async_spin_us = None
+        self._watch = {}  # op -> (event loop its fd is registered with, [waiting future])
 
     # -- sending
 
@@ -94,6 +156,9 @@ class Pipe:
         and so do leaves that are views into one allocation (a
         TensorDict.consolidate() storage, say; see docs/python.md).
         Returns when the buffer may be reused (the transport took the bytes).
+        A key or value that breaks a schema rule (a '.' in a key, an empty
+        key, a value over 4096 bytes, ...) raises SchemaError, a
+        ValueError naming the key, before anything is sent.
         """
         raw_td, gather = self._send_args(td)
         if raw_td is not None:
@@ -129,7 +194,7 @@ class Pipe:
 
     # -- receiving
 
-    def recv(self, timeout=None, as_=None):
+    def recv(self, td=None, timeout=None, as_=None, device=None):
         """The next message: a Message (nested dict) of views into the
         receive buffer. Raises ClosedError at the peer's clean end,
         TimeoutError when `timeout` seconds pass (the pipe stays usable).
@@ -137,8 +202,24 @@ class Pipe:
         Depth 1: the message is lent until the next recv (which overwrites
         it) or release(). Depth N: until release(), the end of its `with`
         block, or until the Message object is garbage.
-        """
-        return self._unpack(self._raw.recv(timeout), as_ or self.as_)
+
+        recv(td): receive into an existing nested mapping of tensors (a
+        tensordict, a dict of tensors or arrays) laid out like the message:
+        its leaves are overwritten in place, the message is released at once
+        and td is returned (one copy, no allocation). A leaf it lacks, or of
+        another shape or dtype, raises ValueError (the message is consumed).
+
+        device: "cpu" (or None); a GPU raises NotImplementedError (not
+        available in this build)."""
+        td, timeout = _as_timeout(td, timeout)
+        _check_device(device)
+        raw = self._raw.recv(timeout)
+        if td is None:
+            return self._unpack(raw, as_ or self.as_)
+        try:
+            return self._unpack.into(raw, td)
+        finally:
+            raw.release()
 
     def release(self, msg):
         msg.release()
@@ -155,29 +236,39 @@ class Pipe:
     # -- asyncio
 
     async def _wait(self, op):
+        """The op's result, awaited on its eventfd. The fd stays registered
+        with the event loop between operations (one registration per op and
+        loop, not an add and a remove per message); _unwatch drops it."""
         r = op.result()
         if r is not None:
             return r
         loop = asyncio.get_running_loop()
+        w = self._watch.get(op)
+        if w is None or w[0] is not loop:
+            if w is not None:
+                self._unwatch(op)
+            w = (loop, [None])
+            loop.add_reader(op.fileno(), _op_ready, op, w[1])
+            self._watch[op] = w
         fut = loop.create_future()
-        fd = op.fileno()
-
-        def ready():
-            if fut.done():
-                return
-            try:
-                res = op.result()
-            except BaseException as e:  # the op's error, raised in the coroutine
-                fut.set_exception(e)
-                return
-            if res is not None:
-                fut.set_result(res)
-
-        loop.add_reader(fd, ready)
+        w[1][0] = fut
         try:
             return await fut
         finally:
-            loop.remove_reader(fd)
+            w[1][0] = None
+
+    def _unwatch(self, op=None):
+        """Take op's eventfd (every op's, with None) off its event loop:
+        directly on that loop's thread or while it does not run, else
+        through call_soon_threadsafe."""
+        for o in ([op] if op is not None else list(self._watch)):
+            loop, _holder = self._watch.pop(o)
+            if loop.is_closed():
+                continue
+            if asyncio._get_running_loop() is loop or not loop.is_running():
+                loop.remove_reader(o.fileno())
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, o.fileno())
 
     def _in_thread(self, fn):
         """An asyncio future of fn() run on a daemon thread (the blocking
@@ -206,21 +297,31 @@ class Pipe:
         threading.Thread(target=run, daemon=True).start()
         return fut
 
-    async def arecv(self, as_=None):
+    async def arecv(self, td=None, as_=None, device=None):
         """recv() for asyncio. On a loop="thread" pipe it waits on an
         eventfd the library's completion callback signals (loop.add_reader);
         on a loop="caller" pipe a daemon thread makes the blocking call.
         Either way the event loop never blocks, and a cancelled arecv leaves
-        its receive pending: the next arecv takes its message."""
+        its receive pending: the next arecv takes its message. arecv(td)
+        receives into td as recv(td) does."""
+        _check_device(device)
+        raw = await self._arecv_raw()
+        if td is None:
+            return self._unpack(raw, as_ or self.as_)
+        try:
+            return self._unpack.into(raw, td)
+        finally:
+            raw.release()
+
+    async def _arecv_raw(self):
         if not self._raw.on_thread:
             if self._bg_recv is None:
                 self._bg_recv = self._in_thread(lambda: self._raw.recv(None))
             try:
-                td = await asyncio.shield(self._bg_recv)
+                return await asyncio.shield(self._bg_recv)
             finally:
                 if self._bg_recv.done():
                     self._bg_recv = None
-            return self._unpack(td, as_ or self.as_)
         if self._rop is None:
             self._rop = _tdpipe.Op()
         if not self._rop_pending:
@@ -232,24 +333,49 @@ class Pipe:
             self._rop_pending = False
             raise
         self._rop_pending = False
-        return self._unpack(td, as_ or self.as_)
+        return td
 
     async def asend(self, td):
-        """send() for asyncio. The data is referenced until it completes."""
+        """send() for asyncio. A Consolidated goes as it is; separate
+        leaves are gathered (one copy) into a send buffer this pipe keeps
+        for its asynchronous sends and reuses while the layout repeats: no
+        allocation in steady state, as for send(). The data is referenced
+        until the send completes; a cancelled asend's send still completes,
+        and the next asend waits for it first.
+
+        asend first waits briefly on the calling thread, without the GIL and
+        yielding the CPU, for the send to complete (100 us plus 1 us per
+        4 KB, at most 1 ms; pipe.async_spin_us sets another bound, 0 none),
+        and only then on the event loop: most sends complete within it,
+        and that is cheaper than a round through the event loop."""
         if not self._raw.on_thread:
             await self._in_thread(lambda: self.send(td))
             return
         if self._sop is None:
             self._sop = _tdpipe.Op()
+        if self._sop_pending:
+            # a cancelled asend's send is still using the buffer: finish it
+            try:
+                await self._wait(self._sop)
+            finally:
+                self._sop_pending = False
         raw_td, gather = self._send_args(td)
         if raw_td is None:
-            # gather into a fresh buffer: the op reads it after this returns
             schema, addrs, keep = gather
-            raw_td = _tdpipe.Td.alloc(schema)
+            if self._abuf_schema is not schema:
+                self._abuf = _tdpipe.Td.alloc(schema)
+                self._abuf_schema = schema
+            raw_td = self._abuf
             raw_td.fill(addrs)
             del keep
         self._sop.start_send(self._raw, raw_td)
-        await self._wait(self._sop)
+        self._sop_pending = True
+        spin = self.async_spin_us
+        if spin is None:
+            spin = min(_SPIN_MAX_US, _SPIN_BASE_US + raw_td.nbytes // 4096)
+        if spin <= 0 or self._sop.settle(spin) is None:
+            await self._wait(self._sop)
+        self._sop_pending = False
 
     def __aiter__(self):
         return self
@@ -270,11 +396,18 @@ class Pipe:
             self._raw.close(timeout)
         finally:
             self._raw.free()
+            self._unwatch()
 
     def abort(self):
         """End at once; the peer sees PeerError."""
         self._raw.abort()
         self._raw.free()
+        self._unwatch()
+
+    async def aclose(self, timeout=10.0):
+        """close() for asyncio (the close runs on an executor thread)."""
+        self._unwatch()
+        await _run_blocking(lambda: self.close(timeout))
 
     def __enter__(self):
         return self
@@ -282,6 +415,18 @@ class Pipe:
     def __exit__(self, et, ev, tb):
         if et is None:
             self.close()
+        else:
+            self.abort()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, et, ev, tb):
+        """`async with pipe:` closes cleanly on normal exit, aborts on an
+        exception (as `with pipe:` does)."""
+        if et is None:
+            await self.aclose()
         else:
             self.abort()
         return False
@@ -330,12 +475,29 @@ def connect(host, port, *, as_="torch", loop="caller", **opts):
     return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts), _loop_flag(loop)), as_)
 
 
+async def aconnect(host, port, *, as_="torch", loop="thread", **opts):
+    """connect() for asyncio: the connect and handshake run on an executor
+    thread, so the event loop goes on. loop defaults to "thread", the pipe
+    kind whose arecv/asend wait on an eventfd. `async with await
+    tdpipe.aconnect(...) as pipe:` closes it at the end."""
+    return await _run_blocking(lambda: connect(host, port, as_=as_, loop=loop, **opts))
+
+
+def _closed_listener():
+    exc = CanceledError("accept: listener closed (ECANCELED)")
+    exc.code = _tdpipe.ECANCELED
+    exc.errname = "ECANCELED"
+    return exc
+
+
 class Listener:
     """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
 
     def __init__(self, host, port=0, *, as_="torch", loop="caller", **opts):
         self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts), _loop_flag(loop))
         self.as_ = as_
+        self._bg_accept = None
+        self._closing = False
 
     @property
     def port(self):
@@ -347,13 +509,73 @@ class Listener:
         wrong version) are dropped by the library and never returned."""
         return Pipe(self._raw.accept(timeout), self.as_)
 
+    async def aaccept(self, timeout=None):
+        """accept() for asyncio, on an executor thread. A cancelled aaccept
+        leaves its accept running: the next aaccept returns its pipe. close()
+        ends a pending one with CanceledError (within 0.1 s)."""
+        if self._bg_accept is None:
+            fut = asyncio.get_running_loop().run_in_executor(None, self._accept_bg, timeout)
+            self._bg_accept = fut
+        try:
+            raw = await asyncio.shield(self._bg_accept)
+        finally:
+            if self._bg_accept is not None and self._bg_accept.done():
+                self._bg_accept = None
+        return Pipe(raw, self.as_)
+
+    def _accept_bg(self, timeout):
+        """accept in slices of 0.1 s, so that a close() from the event loop
+        is seen; a pipe that arrives between slices waits in the listener's
+        queue for the next one. The listener is freed here if close() came
+        meanwhile (the C listener takes no close while an accept runs)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._closing:
+                step = 0.1
+                if deadline is not None:
+                    step = max(0.0, min(step, deadline - time.monotonic()))
+                try:
+                    return self._raw.accept(step)
+                except TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+            raise _closed_listener()
+        finally:
+            if self._closing:
+                self._raw.close()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        """`async for pipe in listener`: each pipe as its handshake completes
+        (ends when the listener is closed)."""
+        try:
+            return await self.aaccept()
+        except CanceledError:
+            raise StopAsyncIteration from None
+
     def close(self):
+        """Stop listening. A pending aaccept ends with CanceledError (and
+        `async for` over the listener ends); the listener is freed when it
+        has."""
+        self._closing = True
+        bg = self._bg_accept
+        if bg is not None and not bg.done():
+            return  # _accept_bg frees it
         self._raw.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        self.close()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
         self.close()
         return False
 
@@ -364,15 +586,32 @@ def listen(host="127.0.0.1", port=0, *, as_="torch", loop="caller", **opts):
     return Listener(host, port, as_=as_, loop=loop, **opts)
 
 
+def _takes_two(fn):
+    """Does handler take (request, client_id)? One positional parameter: (request)."""
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    ps = list(ps)
+    pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+           and p.default is p.empty]
+    return len(pos) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in ps)
+
+
 class Server:
-    """Many clients, one handler: handler(request) -> reply or None.
+    """Many clients, one handler: handler(request) -> reply or None, or
+    handler(request, client_id) when it takes two positional parameters
+    (per-client state, keyed by the id on_close also gets).
 
     request is a Message (nested dict of views) lent for the call only;
     the reply is any nested mapping (another schema than the request's is
     fine), copied into a new buffer and sent back on the client's pipe.
     The handler runs on the library's loop thread, holding the GIL; an
     exception in it is printed and closes that client only (it sees
-    PeerError). on_close(client_id, code) is called when a client goes.
+    PeerError). on_close(client_id, error) is called when a client goes:
+    error is the tdpipe exception object of how it ended (ClosedError for
+    the client's clean close, PeerError when it died, ...; its .code and
+    .errname are the library's), or None when this side closed it cleanly.
 
     Limits (None or 0: the library's default; docs/server.md, "Limits"):
     max_clients; max_pending, handshakes under way (one more drops the
@@ -385,16 +624,22 @@ class Server:
                  max_clients=None, max_pending=None, max_per_source=None,
                  idle_timeout=None, handshake_timeout=None, **opts):
         self._handler = handler
+        self._with_id = _takes_two(handler)
         self.as_ = as_
         self._unpack = Unpacker()
         self._cache = SchemaCache()
-        self._raw = _tdpipe.Server(host, int(port), self._on_message, on_close,
+        self._on_close = on_close
+        self._raw = _tdpipe.Server(host, int(port), self._on_message,
+                                   None if on_close is None else self._closed,
                                    _opts(opts), max_clients, max_pending, max_per_source,
                                    idle_timeout, handshake_timeout)
 
+    def _closed(self, client_id, code):
+        self._on_close(client_id, error_for(code))
+
     def _on_message(self, td, client_id):
         req = self._unpack(td, self.as_)
-        reply = self._handler(req)
+        reply = self._handler(req, client_id) if self._with_id else self._handler(req)
         if reply is None:
             return None
         raw_td = consolidated_check(reply)

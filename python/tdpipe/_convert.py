@@ -23,8 +23,28 @@ except ImportError:
     _torch_dlpack = None
 
 from . import _tdpipe
+from .errors import Error, SchemaError
 
 _SCALARS = (str, int, float, bool, type(None))
+
+# The schema's rules for what this side sends (docs/schema.md): checked
+# before the library sees them so the error names the key and the rule.
+MAX_KEY_BYTES = 255
+MAX_VALUE_BYTES = 4096
+RESERVED_NODE_KEYS = ("cls", "cls_metadata", "leaves", "non_tensors")
+
+
+def _schema_error(text):
+    exc = SchemaError(text)
+    exc.code = _tdpipe.ESCHEMA
+    exc.errname = "ESCHEMA"
+    return exc
+
+
+def _dot_key_error(parent, key):
+    return _schema_error(
+        "key %r%s contains '.', the path separator: tdpipe keys may not contain '.' "
+        "(nest a dict instead, or rename the key)" % (key, " under %r" % parent if parent else ""))
 
 
 class Consolidated(dict):
@@ -36,7 +56,38 @@ class Consolidated(dict):
     another tensor makes the send gather (copy) instead.
     """
 
-    __slots__ = ("_td", "_views")
+    __slots__ = ("_td", "_views", "_batch")
+
+    def __getitem__(self, key):
+        """m["obs"], or a tuple path into nested dicts: m["next", "reward"]."""
+        if type(key) is tuple:
+            node = self
+            for k in key:
+                node = dict.__getitem__(node, k) if node is self else node[k]
+            return node
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except (KeyError, TypeError):
+            return default
+
+    def __contains__(self, key):
+        if type(key) is tuple:
+            try:
+                self[key]
+            except (KeyError, TypeError):
+                return False
+            return True
+        return dict.__contains__(self, key)
+
+    @property
+    def batch_size(self):
+        """The root's batch size, as the sender's tensordict had it
+        (torch.Size; empty for a plain dict)."""
+        b = self._batch
+        return torch.Size(b) if torch is not None else b
 
     @property
     def buffer_address(self):
@@ -92,16 +143,29 @@ def _is_mapping(x):
         and not hasattr(x, "__array_interface__"))
 
 
+_DTYPE_NAME = {}
+
+
+def _is_cpu(x):
+    cpu = getattr(x, "is_cpu", None)
+    return cpu if cpu is not None else x.device.type == "cpu"
+
+
 def _leaf_info(x):
     """(dtype_name, shape, address, keepalive) of a host tensor leaf, made
     C-contiguous (a copy only if it was not)."""
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
+        # is_cpu and a dtype-name table: x.device and str(x.dtype) cost more
+        # than the rest of a small send's Python work
+        if not _is_cpu(x):
             raise NotImplementedError(
                 "tdpipe's Python binding sends host tensors only (got %s)" % x.device)
         if not x.is_contiguous():
             x = x.contiguous()
-        return str(x.dtype), tuple(x.shape), x.data_ptr(), x
+        name = _DTYPE_NAME.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAME[x.dtype] = str(x.dtype)
+        return name, tuple(x.shape), x.data_ptr(), x
     if np is not None and isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
@@ -126,16 +190,28 @@ def _node_meta(x):
 def flatten(obj):
     """key, nodes, tensors, values, addresses, keepalive of a nested mapping.
 
-    key is hashable and equal for equal layouts."""
+    Keys are walked in sorted order at every level, so the layout (and the
+    schema, its hash and the buffer) does not depend on insertion order: a
+    dict with its keys reordered sends the same schema. key is hashable and
+    equal for equal layouts."""
     nodes, tensors, values, addrs, keep = [], [], [], [], []
     meta = _node_meta(obj)
     if meta is not None:
         nodes.append(("", meta[0], meta[1]))
 
     def walk(m, prefix):
-        for k, v in m.items():
-            if not isinstance(k, str):
-                raise TypeError("keys must be strings, got %r" % (k,))
+        try:
+            items = sorted(m.items())
+        except TypeError:
+            bad = [k for k in m.keys() if not isinstance(k, str)]
+            raise TypeError("keys must be strings, got %r" % (bad[0] if bad else None,)) from None
+        for k, v in items:
+            if type(k) is not str:
+                if not isinstance(k, str):
+                    raise TypeError("keys must be strings, got %r" % (k,))
+                k = str.__str__(k)  # the text itself, not a subclass's __str__
+            if "." in k:
+                raise _dot_key_error(prefix[:-1], k)
             path = prefix + k
             if isinstance(v, _SCALARS):
                 values.append((path, json.dumps(v)))
@@ -145,6 +221,8 @@ def flatten(obj):
                     nodes.append((path, meta[0], meta[1]))
                 elif len(v) == 0:
                     nodes.append((path, None, ()))
+                else:
+                    nodes.append((path, None, None))  # an implicit node: checked, not built
                 walk(v, path + ".")
             else:
                 dt, shape, addr, k2 = _leaf_info(v)
@@ -155,6 +233,62 @@ def flatten(obj):
     walk(obj, "")
     key = (tuple(nodes), tuple(tensors), tuple(values))
     return key, nodes, tensors, values, addrs, keep
+
+
+def _check_key(path):
+    parent, _, key = path.rpartition(".")
+    where = " under %r" % parent if parent else ""
+    if not key:
+        return _schema_error("empty key%s: tdpipe keys are 1..%d bytes" % (where, MAX_KEY_BYTES))
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        return _schema_error("key %r%s is %d bytes, limit %d" % (key, where, n, MAX_KEY_BYTES))
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in key):
+        return _schema_error("key %r%s contains a control character, which tdpipe keys may "
+                             "not" % (key, where))
+    return None
+
+
+def check_layout(nodes, tensors, values):
+    """Raise SchemaError (a ValueError) naming the key and the rule a
+    flattened layout breaks, if any."""
+    for path, cls, _bs in nodes:
+        if not path:
+            continue
+        exc = _check_key(path)
+        if exc is None and path.rpartition(".")[2] in RESERVED_NODE_KEYS:
+            exc = _schema_error(
+                "sub-dict key %r collides with a reserved field name of the schema (%s): "
+                "rename it, or make it a leaf" % (path, ", ".join(RESERVED_NODE_KEYS)))
+        if exc is not None:
+            raise exc
+    for path, _dt, _shape in tensors:
+        exc = _check_key(path)
+        if exc is not None:
+            raise exc
+    for path, vjson in values:
+        exc = _check_key(path)
+        if exc is not None:
+            raise exc
+        if len(vjson) > MAX_VALUE_BYTES:
+            raise _schema_error(
+                "value %r is %d bytes encoded, limit %d for a non-tensor value (it travels "
+                "in the schema): send long text or bytes as a uint8 tensor" %
+                (path, len(vjson), MAX_VALUE_BYTES))
+
+
+def build_schema(nodes, tensors, values):
+    """The schema of a flattened layout. What breaks a rule raises
+    SchemaError (a ValueError) naming the key and the rule, never the
+    ProtocolError a peer's bad schema gets."""
+    check_layout(nodes, tensors, values)
+    built = [n for n in nodes if n[2] is not None]
+    try:
+        return _tdpipe.Schema.build(built, tensors, values)
+    except Error as e:
+        if isinstance(e, SchemaError):
+            raise
+        raise _schema_error(str(e)) from None
 
 
 class SchemaCache:
@@ -171,7 +305,7 @@ class SchemaCache:
     def get(self, obj):
         key, nodes, tensors, values, addrs, keep = flatten(obj)
         if key != self.key:
-            self.schema = _tdpipe.Schema.build(nodes, tensors, values)
+            self.schema = build_schema(nodes, tensors, values)
             self.key = key
         return self.schema, addrs, keep
 
@@ -184,12 +318,16 @@ class SchemaCache:
             base, total, offsets = shared
             fkey = (key, base % 64, total, offsets)
             if fkey != self.fkey:
-                self.fschema = _tdpipe.Schema.decode(
-                    foreign_json(nodes, tensors, values, offsets, total).encode())
+                check_layout(nodes, tensors, values)
+                try:
+                    self.fschema = _tdpipe.Schema.decode(
+                        foreign_json(nodes, tensors, values, offsets, total).encode())
+                except Error as e:
+                    raise _schema_error(str(e)) from None
                 self.fkey = fkey
             return self.fschema, None, None, _tdpipe.Td.wrap(self.fschema, base, total, keep)
         if key != self.key:
-            self.schema = _tdpipe.Schema.build(nodes, tensors, values)
+            self.schema = build_schema(nodes, tensors, values)
             self.key = key
         return self.schema, addrs, keep, None
 
@@ -219,18 +357,21 @@ def shared_buffer(tensors, addrs, keep):
     wrapped buffer); else None. Then the span is sent as it is."""
     if len(tensors) < 2:
         return None
+    nbytes = [x.element_size() * x.numel() if torch is not None and isinstance(x, torch.Tensor)
+              else x.nbytes for x in keep]
+    base = min(addrs)
+    end = max(a + n for a, n in zip(addrs, nbytes))
+    # the cheap tests first: separate allocations usually fail them, and
+    # then no storage is looked up (that is most of a plain send's cost)
+    if base % 64 or end - base > 2 * sum(nbytes):
+        return None
     st = _storage_of(keep[0])
     if st is None:
         return None
-    nbytes = []
-    for (path, dt, shape), x in zip(tensors, keep):
+    for x in keep[1:]:
         if _storage_of(x) != st:
             return None
-        nbytes.append(x.element_size() * x.numel() if torch is not None and
-                      isinstance(x, torch.Tensor) else x.nbytes)
-    base = min(addrs)
-    end = max(a + n for a, n in zip(addrs, nbytes))
-    if base % 64 or base < st[0] or end > st[0] + st[1] or end - base > 2 * sum(nbytes):
+    if base < st[0] or end > st[0] + st[1]:
         return None
     order = sorted(range(len(addrs)), key=lambda i: addrs[i])
     for prev, nxt in zip(order, order[1:]):
@@ -283,7 +424,7 @@ def consolidated_check(obj):
     if td is None or not isinstance(obj, Consolidated):
         return None
     for container, key, view in obj._views:
-        if (obj if container is None else container).get(key) is not view:
+        if dict.get(obj if container is None else container, key) is not view:
             return None
     return td
 
@@ -309,12 +450,14 @@ class _Cap:
 class Plan:
     """How a schema's buffer becomes nested dicts: made once per schema."""
 
-    __slots__ = ("schema", "nodes", "tensors", "values")
+    __slots__ = ("schema", "nodes", "tensors", "values", "batch")
 
     def __init__(self, schema):
         self.schema = schema
+        nodes = schema.nodes()
+        self.batch = next((tuple(bs) for p, _cls, bs in nodes if not p), ())
         # node paths in pre-order (parents first), root excluded
-        self.nodes = [p for p, _cls, _bs in schema.nodes() if p]
+        self.nodes = [p for p, _cls, _bs in nodes if p]
         self.tensors, self.values = [], []
         for path, dt, _shape, _off, _nb, vjson in schema.leaves():
             parent, _, key = path.rpartition(".")
@@ -347,6 +490,7 @@ def unpack(td, plan, as_, cls):
         raise ValueError("as_ must be 'torch' or 'numpy'")
     root = cls()
     root._td = td
+    root._batch = plan.batch
     dicts = {"": root}
     for p in plan.nodes:
         parent, _, key = p.rpartition(".")
@@ -368,6 +512,60 @@ def unpack(td, plan, as_, cls):
     return root
 
 
+def _node_of(dst, parent):
+    node = dst
+    if parent:
+        for k in parent.split("."):
+            node = node[k]
+    return node
+
+
+def copy_into(dst, td, plan):
+    """Copy received buffer td into dst, a nested mapping of tensors laid
+    out like it (tensordict's recv(td)): every tensor leaf is written in
+    place (torch copy_ / numpy copyto), non-tensor values are set. A leaf
+    dst lacks, or one of another shape or dtype, raises ValueError naming
+    the key; nothing is allocated for the payload."""
+    caps = td.capsules()
+    for i, (parent, key, is_bool) in enumerate(plan.tensors):
+        path = parent + "." + key if parent else key
+        try:
+            node = _node_of(dst, parent)
+            out = node[key]
+        except (KeyError, TypeError):
+            raise ValueError("recv into a tensordict: it has no leaf %r, which the message "
+                             "has (receive without one to get the new layout)" % path) from None
+        if torch is not None and isinstance(out, torch.Tensor):
+            src = _to_torch(caps[i], is_bool)
+            if out.shape != src.shape or out.dtype != src.dtype:
+                raise ValueError("recv into a tensordict: leaf %r is %s %s there, %s %s in the "
+                                 "message" % (path, out.dtype, tuple(out.shape), src.dtype,
+                                              tuple(src.shape)))
+            if out.device.type != "cpu":
+                raise NotImplementedError(
+                    "recv into a tensordict: leaf %r is on %s; receiving into GPU memory is "
+                    "not available in this build of the Python binding yet" % (path, out.device))
+            out.copy_(src)
+        elif np is not None and isinstance(out, np.ndarray):
+            src = _to_numpy(caps[i], is_bool)
+            if out.shape != src.shape or out.dtype != src.dtype:
+                raise ValueError("recv into a tensordict: leaf %r is %s %s there, %s %s in the "
+                                 "message" % (path, out.dtype, out.shape, src.dtype, src.shape))
+            np.copyto(out, src)
+        else:
+            raise ValueError("recv into a tensordict: leaf %r is a %s there, not a tensor" %
+                             (path, type(out).__name__))
+    for parent, key, value in plan.values:
+        node = _node_of(dst, parent)
+        try:
+            same = node[key] == value
+        except Exception:  # a missing key, or a comparison that is not a bool
+            same = False
+        if same is not True:
+            node[key] = value
+    return dst
+
+
 class Unpacker:
     """Caches the plan of the last schema received."""
 
@@ -382,6 +580,14 @@ class Unpacker:
         if plan is None or (plan.schema is not schema and plan.schema != schema):
             plan = self.plan = Plan(schema)
         return unpack(td, plan, as_, cls)
+
+    def into(self, td, dst):
+        """copy_into with the cached plan of td's schema."""
+        schema = td.schema
+        plan = self.plan
+        if plan is None or (plan.schema is not schema and plan.schema != schema):
+            plan = self.plan = Plan(schema)
+        return copy_into(dst, td, plan)
 
 
 def consolidate(obj, as_="torch", _cache=None):

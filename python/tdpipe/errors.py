@@ -32,6 +32,13 @@ class ProtocolError(Error):
     (EPROTO, ESCHEMA, EMISMATCH, EVERSION, EMSGSIZE); the pipe is closed."""
 
 
+class SchemaError(Error, builtins.ValueError):
+    """What this side tried to send breaks a rule of the schema (a key with
+    '.', an empty key, a sub-dict named like a reserved field, a value or
+    key over its size limit, ...): raised by send before anything goes out;
+    the message names the key and the rule. The pipe stays usable."""
+
+
 class RefusedError(Error, builtins.ConnectionRefusedError):
     """Nobody listens there, or a server turned this client away
     (ECONNREFUSED, ELIMIT)."""
@@ -60,6 +67,15 @@ _BY_NAME = {
     "ELIMIT": RefusedError,
     "ECANCELED": CanceledError,
 }
+
+
+def error_for(code):
+    """The exception object for a library error code (as the Server passes
+    to on_close), or None for TDP_OK."""
+    if code == 0:
+        return None
+    name = _tdpipe.errname(code)
+    return _make_error(code, name, "%s (%s)" % (_tdpipe.strerror(code), name))
 
 
 def _make_error(code, name, message):

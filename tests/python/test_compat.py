@@ -1,0 +1,402 @@
+"""What tensordict's TensorDictPipe users reach for: recv into an existing
+tensordict, the receive device, tuple keys and batch_size, async with and
+async connect/accept, key order, and the errors of what this side sends."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tdpipe
+
+
+@pytest.fixture
+def pair():
+    """(tx, rx) connected on loopback, loop="thread"; both closed at the end."""
+    lst = tdpipe.listen("127.0.0.1", loop="thread")
+    tx = tdpipe.connect("127.0.0.1", lst.port, loop="thread")
+    rx = lst.accept(timeout=10)
+    lst.close()
+    yield tx, rx
+    tx.abort()
+    rx.abort()
+
+
+class FakeTD(dict):
+    """Duck-typed like a tensordict.TensorDict (a mapping with batch_size)."""
+
+    def __init__(self, d, batch_size):
+        super().__init__(d)
+        self.batch_size = torch.Size(batch_size)
+
+
+# ---- keys and the errors of what this side sends --------------------------------
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"a.b": torch.ones(1)}, "'a.b'"),
+    ({"x": {"a.b": torch.ones(1)}}, "'a.b' under 'x'"),
+    ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, "'a.b'"),
+    ({"v.w": 3}, "'v.w'"),
+])
+def test_dotted_key_refused_at_send_naming_key(pair, bad, key):
+    tx, rx = pair
+    with pytest.raises(tdpipe.SchemaError) as ei:
+        tx.send(bad, timeout=5)
+    assert isinstance(ei.value, ValueError) and not isinstance(ei.value, tdpipe.ProtocolError)
+    assert key in str(ei.value) and "'.'" in str(ei.value)
+    assert ei.value.errname == "ESCHEMA"
+    # nothing went out and the pipe is usable
+    tx.send({"ok": torch.arange(3)}, timeout=5)
+    with rx.recv(timeout=5) as m:
+        assert m["ok"].tolist() == [0, 1, 2] and m.seq == 1
+
+
+def test_empty_key_refused(pair):
+    tx, _rx = pair
+    with pytest.raises(tdpipe.SchemaError, match="empty key under 'n'"):
+        tx.send({"n": {"": torch.ones(1)}}, timeout=5)
+    with pytest.raises(tdpipe.SchemaError, match="empty key"):
+        tx.send({"": 1}, timeout=5)
+
+
+def test_reserved_subdict_name_is_schema_error(pair):
+    tx, _rx = pair
+    with pytest.raises(tdpipe.SchemaError, match=r"sub-dict key 'x\.cls' collides with a reserved"):
+        tx.send({"x": {"cls": {"y": torch.ones(1)}}}, timeout=5)
+
+
+def test_long_string_value_names_key_and_limit(pair):
+    tx, rx = pair
+    with pytest.raises(tdpipe.SchemaError) as ei:
+        tx.send({"meta": {"text": "x" * 5000}, "t": torch.ones(1)}, timeout=5)
+    assert "'meta.text'" in str(ei.value) and "limit 4096" in str(ei.value)
+    tx.send({"meta": {"text": "x" * 4000}, "t": torch.ones(1)}, timeout=5)
+    with rx.recv(timeout=5) as m:
+        assert m["meta", "text"] == "x" * 4000
+
+
+def test_every_key_roundtrips_or_is_refused(pair):
+    """Keys a Python dict can hold: sent exactly or refused with SchemaError."""
+    tx, rx = pair
+    keys = ["plain", "with space", "ünï", "a-b", "x" * 255, "x" * 256, "a.b", "", "tab\there",
+            "cls", "leaves"]
+    for k in keys:
+        try:
+            tx.send({k: torch.tensor([1])}, timeout=5)
+        except tdpipe.SchemaError:
+            assert k in ("x" * 256, "a.b", "", "tab\there")
+            continue
+        with rx.recv(timeout=5) as m:
+            assert list(m.keys()) == [k], k
+
+
+def test_key_order_is_not_part_of_the_schema(pair):
+    tx, rx = pair
+    a = {"x": torch.ones(2), "y": {"p": torch.zeros(3), "q": 1}}
+    b = {"y": {"q": 1, "p": torch.zeros(3)}, "x": torch.ones(2)}
+    tx.send(a, timeout=5)
+    rx.recv(timeout=5).release()
+    h0 = tdpipe.mem_stats()["host_allocs"]
+    orders = set()
+    for i in range(6):
+        tx.send(a if i % 2 else b, timeout=5)
+        with rx.recv(timeout=5) as m:
+            assert m["x"].tolist() == [1.0, 1.0] and m["y", "q"] == 1
+            orders.add((tuple(m), tuple(m["y"])))
+    assert len(orders) == 1  # one layout, whatever order the sender's dict had
+    assert tx.stats()["schemas_sent"] == 1
+    assert rx.stats()["schemas_recv"] == 1
+    assert tdpipe.mem_stats()["host_allocs"] == h0  # no new send or receive buffer
+
+
+# ---- received messages ------------------------------------------------------------
+
+
+def test_tuple_keys_and_batch_size(pair):
+    tx, rx = pair
+    tx.send(FakeTD({"obs": torch.ones(4, 3), "info": {"reward": torch.arange(4)}}, [4]),
+            timeout=5)
+    with rx.recv(timeout=5) as m:
+        assert m["info", "reward"].tolist() == [0, 1, 2, 3]
+        assert m[("obs",)].shape == (4, 3)
+        assert ("info", "reward") in m and ("info", "nope") not in m
+        assert m.get(("info", "nope"), 7) == 7
+        with pytest.raises(KeyError):
+            m["info", "nope"]
+        assert m.batch_size == torch.Size([4])
+    tx.send({"x": torch.ones(1)}, timeout=5)
+    with rx.recv(timeout=5) as m:
+        assert m.batch_size == torch.Size([])
+
+
+def test_recv_into_existing_tensordict(pair):
+    tx, rx = pair
+    dst = {"obs": torch.zeros(4, 3), "next": {"reward": torch.zeros(4, dtype=torch.int64),
+                                              "done": torch.zeros(4, dtype=torch.bool)},
+           "tag": ""}
+    keep = (dst["obs"].data_ptr(), dst["next"]["reward"].data_ptr())
+    for i in range(3):
+        tx.send({"obs": torch.full((4, 3), float(i)), "next": {
+            "reward": torch.arange(4) + i, "done": torch.tensor([True, False] * 2)},
+            "tag": "t%d" % i}, timeout=5)
+        got = rx.recv(dst, timeout=5)
+        assert got is dst
+        assert dst["obs"].eq(float(i)).all() and dst["next"]["reward"].tolist() == [
+            i, i + 1, i + 2, i + 3]
+        assert dst["next"]["done"].tolist() == [True, False, True, False]
+        assert dst["tag"] == "t%d" % i
+    assert (dst["obs"].data_ptr(), dst["next"]["reward"].data_ptr()) == keep
+    # numpy destination, timeout as keyword
+    nd = {"a": np.zeros(3, dtype=np.float32)}
+    tx.send({"a": np.arange(3, dtype=np.float32)}, timeout=5)
+    assert rx.recv(nd, timeout=5) is nd and nd["a"].tolist() == [0.0, 1.0, 2.0]
+    # at depth 1 the message was released: the sender is not stuck on credit
+    tx.send({"a": np.ones(3, dtype=np.float32)}, timeout=2)
+    assert rx.recv(nd, timeout=5)["a"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_recv_into_mismatch_names_the_key(pair):
+    tx, rx = pair
+    tx.send({"a": torch.ones(3), "b": torch.ones(2)}, timeout=5)
+    with pytest.raises(ValueError, match=r"leaf 'a' is torch.float32 \(4,\) there"):
+        rx.recv({"a": torch.zeros(4), "b": torch.zeros(2)}, timeout=5)
+    tx.send({"a": torch.ones(3), "b": torch.ones(2)}, timeout=5)
+    with pytest.raises(ValueError, match="no leaf 'b'"):
+        rx.recv({"a": torch.zeros(3)}, timeout=5)
+
+
+def test_recv_positional_timeout_still_works(pair):
+    _tx, rx = pair
+    t0 = time.monotonic()
+    with pytest.raises(tdpipe.TimeoutError):
+        rx.recv(0.2)
+    assert time.monotonic() - t0 < 5
+
+
+def test_recv_device(pair):
+    tx, rx = pair
+    tx.send({"a": torch.ones(2)}, timeout=5)
+    with rx.recv(timeout=5, device="cpu") as m:
+        assert m["a"].device.type == "cpu"
+    tx.send({"a": torch.ones(2)}, timeout=5)
+    with rx.recv(timeout=5, device=torch.device("cpu")) as m:
+        assert m["a"].tolist() == [1.0, 1.0]
+    for dev in ("cuda", "cuda:0", torch.device("cuda", 0)):
+        with pytest.raises(NotImplementedError, match="GPU is not available in this build"):
+            rx.recv(timeout=5, device=dev)
+    with pytest.raises(NotImplementedError, match="GPU is not available"):
+        asyncio.run(rx.arecv(device="cuda:0"))
+
+
+# ---- asyncio ----------------------------------------------------------------------
+
+
+def test_async_with_aconnect_aaccept_and_arecv_into():
+    async def main():
+        async with tdpipe.listen("127.0.0.1", loop="thread") as lst:
+            acc = asyncio.create_task(lst.aaccept(timeout=10))
+            async with await tdpipe.aconnect("127.0.0.1", lst.port) as tx:
+                assert tx.loop == "thread"
+                async with await acc as rx:
+                    dst = {"x": torch.zeros(3)}
+                    for i in range(5):
+                        await tx.asend({"x": torch.full((3,), float(i))})
+                        got = await rx.arecv(dst)
+                        assert got is dst and dst["x"].tolist() == [float(i)] * 3
+                    await tx.aclose()
+                    with pytest.raises(tdpipe.ClosedError):
+                        await rx.arecv()
+        return True
+
+    assert asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_async_with_aborts_on_exception():
+    async def main():
+        lst = tdpipe.listen("127.0.0.1", loop="thread")
+        tx = await tdpipe.aconnect("127.0.0.1", lst.port)
+        rx = await lst.aaccept(timeout=10)
+        with pytest.raises(RuntimeError):
+            async with tx:
+                raise RuntimeError("boom")
+        with pytest.raises(tdpipe.PeerError):
+            await asyncio.wait_for(rx.arecv(), 10)
+        rx.abort()
+        lst.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_asend_plain_dict_allocates_nothing_in_steady_state(pair):
+    tx, rx = pair
+
+    async def main():
+        d = {"obs": torch.zeros(300000, dtype=torch.uint8), "r": {"x": torch.ones(8)}}
+        for _ in range(3):
+            await tx.asend(d)
+            (await rx.arecv()).release()
+        s0 = tdpipe.mem_stats()
+        for i in range(40):
+            d["r"]["x"].fill_(float(i))
+            await tx.asend(d)
+            with await rx.arecv() as m:
+                assert m["r", "x"][0].item() == float(i)
+        return s0, tdpipe.mem_stats()
+
+    s0, s1 = asyncio.run(asyncio.wait_for(main(), 30))
+    # process-wide counters: pipes of earlier tests may still be freeing
+    # their buffers on the loop thread, so frees and live bytes can move
+    assert s1["host_allocs"] == s0["host_allocs"]
+
+
+def test_cancelled_asend_completes_before_the_next(pair):
+    tx, rx = pair
+
+    async def main():
+        d = {"x": torch.ones(4)}
+        await tx.asend(d)  # fills the receiver's only buffer (depth 1)
+        t = asyncio.ensure_future(tx.asend({"x": torch.full((4,), 2.0)}))
+        await asyncio.sleep(0.1)
+        t.cancel()  # its send waits for credit and still goes
+        m1 = await rx.arecv()
+        assert m1["x"].tolist() == [1.0] * 4
+        nxt = asyncio.ensure_future(tx.asend({"x": torch.full((4,), 3.0)}))
+        m2 = await rx.arecv()  # releases m1: the cancelled send's message arrives
+        assert m2["x"].tolist() == [2.0] * 4
+        m3 = await rx.arecv()
+        assert m3["x"].tolist() == [3.0] * 4
+        await asyncio.wait_for(nxt, 10)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+# ---- server --------------------------------------------------------------------
+
+
+def test_server_on_close_gets_the_exception():
+    got = []
+    with tdpipe.Server("127.0.0.1", 0, lambda r: None,
+                       on_close=lambda cid, e: got.append(e)) as srv:
+        p = tdpipe.connect("127.0.0.1", srv.port)
+        p.send({"x": torch.ones(1)}, timeout=5)
+        p.close(5)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(got) == 1 and isinstance(got[0], tdpipe.ClosedError)
+    assert got[0].errname == "ECLOSED" and got[0].code == -6
+
+
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+def test_server_sees_in_process_clients_go_at_once(loop):
+    with tdpipe.Server("127.0.0.1", 0, lambda r: {"y": r["x"] * 2}) as srv:
+        clients = [tdpipe.connect("127.0.0.1", srv.port, loop=loop) for _ in range(3)]
+        for p in clients:
+            p.send({"x": torch.ones(2)}, timeout=5)
+            p.recv(timeout=5).release()
+        for p in clients:
+            p.close(5)
+        deadline = time.monotonic() + 2
+        while srv.stats()["clients_now"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.stats()["clients_now"] == 0
+        t0 = time.monotonic()
+        srv.shutdown(5)
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_server_handler_may_take_the_client_id():
+    """A serve(on_connect) coroutine keeps per-client state in its frame; a
+    Server handler keys it by the client id instead."""
+    counts = {}
+
+    def handler(req, client_id):
+        counts[client_id] = counts.get(client_id, 0) + 1
+        return {"n": torch.tensor([counts[client_id]]), "who": client_id}
+
+    with tdpipe.Server("127.0.0.1", 0, handler, on_close=lambda cid, e: counts.pop(cid)) as srv:
+        a = tdpipe.connect("127.0.0.1", srv.port)
+        b = tdpipe.connect("127.0.0.1", srv.port)
+        for i in range(3):
+            for p in (a, b):
+                p.send({"x": torch.ones(1)}, timeout=5)
+                with p.recv(timeout=5) as r:
+                    assert r["n"].item() == i + 1
+        ids = set()
+        for p in (a, b):
+            p.send({"x": torch.ones(1)}, timeout=5)
+            with p.recv(timeout=5) as r:
+                ids.add(r["who"])
+        assert len(ids) == 2
+        a.close(5)
+        b.close(5)
+        srv.shutdown(5)
+    assert counts == {}
+
+
+def test_async_for_over_listener_ends_at_close():
+    async def main():
+        lst = tdpipe.listen("127.0.0.1", loop="thread")
+        got = []
+
+        async def serve():
+            async for pipe in lst:
+                got.append(pipe)
+
+        task = asyncio.create_task(serve())
+        for _ in range(2):
+            p = await tdpipe.aconnect("127.0.0.1", lst.port)
+            p.send({"x": torch.ones(1)}, timeout=5)
+            p.close(5)
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        lst.close()
+        await asyncio.wait_for(task, 5)  # the iteration ends
+        assert time.monotonic() - t0 < 2
+        assert len(got) == 2
+        for p in got:
+            with p.recv(timeout=5) as m:
+                assert m["x"].tolist() == [1.0]
+            p.abort()
+        with pytest.raises(tdpipe.CanceledError):
+            await lst.aaccept(timeout=1)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.parametrize("spin", [0, None, 5000])
+def test_asend_spin_bound_and_event_loop_path(pair, spin):
+    """asend's short wait on the calling thread is bounded (async_spin_us;
+    0: the event loop's wait alone) and every setting delivers in order."""
+    tx, rx = pair
+    tx.async_spin_us = spin
+
+    async def main():
+        t0 = time.monotonic()
+        for i in range(30):
+            await tx.asend({"i": torch.tensor([i]), "x": torch.zeros(100000)})
+            with await rx.arecv() as m:
+                assert m["i"].item() == i
+        # a send that cannot complete (the receiver holds its only buffer)
+        # is waited for on the event loop once the bound has passed
+        await tx.asend({"i": torch.tensor([99]), "x": torch.zeros(100000)})
+        held = await rx.arecv()
+        t1 = time.monotonic()
+        task = asyncio.ensure_future(tx.asend({"i": torch.tensor([100]),
+                                               "x": torch.zeros(100000)}))
+        await asyncio.sleep(0)  # the asend runs until it waits
+        blocked = time.monotonic() - t1
+        assert not task.done()
+        held.release()
+        await asyncio.wait_for(task, 10)
+        with await rx.arecv() as m:
+            assert m["i"].item() == 100
+        return blocked, time.monotonic() - t0
+
+    blocked, _total = asyncio.run(asyncio.wait_for(main(), 30))
+    bound = 1e-3 if spin is None else spin * 1e-6
+    assert blocked < bound + 0.5  # the bound, plus scheduling slack on a busy machine

@@ -1,0 +1,19 @@
+"""The asyncio examples run to the end (they check their own results)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+EX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python")
+
+
+@pytest.mark.parametrize("args", [
+    ["async_pipeline.py", "--batches", "200"],
+    ["async_infer_client.py", "--spawn-server", "--clients", "2", "--requests", "20"],
+])
+def test_async_example_runs(args):
+    r = subprocess.run([sys.executable, os.path.join(EX, args[0])] + args[1:],
+                       capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "batches/s" in r.stdout or "served 2 clients, 40 requests" in r.stdout, r.stdout
