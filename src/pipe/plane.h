@@ -40,6 +40,8 @@ typedef struct tdp__frame {
     uint64_t hash;   /* schema hash */
     uint64_t length; /* payload bytes (schema JSON or data) */
     uint64_t arg;    /* SCHEMA: total bytes of the layout */
+    bool has_sum;    /* DATA: the sender's checksum of the payload came with it */
+    uint64_t sum;    /* XXH3-64 of the payload (checksum.h) */
 } tdp__frame;
 
 /* What a plane tells the session; owner is the session's pipe. */
@@ -74,6 +76,9 @@ typedef struct tdp__link_peer {
     /* seq of the last DATA this side sent before this link (a reconnected
      * pipe goes on from there; 0 for a fresh one): the next is sent_seq + 1 */
     uint64_t sent_seq;
+    /* the payload checksum is in force: every DATA sent carries the sum of
+     * its host bytes (tdp__sum_tx), and every DATA received must carry one */
+    bool checksum;
 } tdp__link_peer;
 
 /* A send: the session has checked credit and order. */

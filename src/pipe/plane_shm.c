@@ -52,6 +52,7 @@
 #include <unistd.h>
 #include <event2/event.h>
 
+#include "checksum.h"
 #include "plane.h"
 #include "plane_shm.h"
 #include "session.h"
@@ -156,6 +157,9 @@ struct tdp__link {
     struct tdp__link *next, *prev;
     uint32_t depth, peer_depth;
     uint64_t max_json, max_total;
+    /* the payload checksum is in force: a DATA descriptor's arg is the sum
+     * of the slot's bytes instead of their count (the layout says that) */
+    bool sum_on;
 
     /* sending */
     tdp__shm_seg *tx_ctl;
@@ -457,6 +461,8 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
                        .seq = tx->seq,
                        .hash = tdp_schema_hash(td->schema),
                        .arg = td->nbytes};
+    if (l->sum_on) /* over the slot: the host copy the receiver reads */
+        d.arg = tdp__sum_tx(tdp__shm_seg_slot(l->pool->seg, s->idx), td->nbytes, tx->seq);
     tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
     if ((rc = tdp__shm_ring_push(r, &d)) != TDP_OK)
         return rc == TDP_EAGAIN ? TDP_EPROTO : rc; /* full: the receiver is not popping */
@@ -921,6 +927,12 @@ static unsigned rx_progress(void *arg)
             return n;
         /* the session checks order and layout, then recv checks the slot */
         tdp__frame f = {.type = TDP_AM_DATA, .seq = d.seq, .hash = d.hash, .length = d.arg};
+        if (l->sum_on) {
+            /* arg carried the sum: the length is the layout's in force */
+            f.has_sum = true;
+            f.sum = d.arg;
+            f.length = d.arg = l->rx_schema != NULL ? tdp_schema_total_bytes(l->rx_schema) : 0;
+        }
         l->up->data(l->owner, l, &f, &d);
     }
     if (!l->closed && !l->failed && n < TDP_MAX_DEPTH && rc == TDP_EPROTO)
@@ -1398,6 +1410,7 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
     l->max_json = peer->max_json_bytes;
     l->max_total = peer->max_total_bytes;
+    l->sum_on = peer->checksum;
     l->capearly = 2 * peer->peer_depth + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
     l->pend = tdp__alloc_array(MAX_PENDING, sizeof(*l->pend));

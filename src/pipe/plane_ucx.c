@@ -23,6 +23,7 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
+#include "checksum.h"
 #include "op.h"
 #include "session.h"
 #include "ucx_addr.h"
@@ -57,7 +58,7 @@ typedef struct ticket {
     void *req[2];
     struct ticket *next_free;
     uint8_t schema_hdr[TDP_AM_HDR_LEN];
-    uint8_t data_hdr[TDP_AM_HDR_LEN];
+    uint8_t data_hdr[TDP_AM_HDR_MAX_LEN];
 } ticket;
 
 /* Receive storage shared by the tds that wrap it; freed with the last one. */
@@ -90,6 +91,7 @@ struct tdp__link {
     bool wi_seen; /* a frame pinned the worker before link_start */
     bool started, closed;
     bool peer_mode;
+    bool sum_on; /* the payload checksum is in force (tdp__link_peer.checksum) */
     shared_ep *sep;
     tdp__reap reap;
     struct tdp__link *next, *prev; /* every link of the loop, for teardown */
@@ -703,7 +705,7 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
 
     if (rc != TDP_OK) {
         /* the token sits at a fixed place: end the link it names, if any */
-        if (header != NULL && header_length == TDP_AM_HDR_LEN) {
+        if (header != NULL && header_length >= TDP_AM_HDR_LEN) {
             uint64_t tok = 0;
             for (int i = 7; i >= 0; i--)
                 tok = (tok << 8) | ((const uint8_t *)header)[8 + i];
@@ -726,8 +728,13 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         l->up->failed(l->owner, l, TDP_EPROTO, "frame on the wrong worker");
         return UCS_OK;
     }
-    tdp__frame f = {.type = h.type, .seq = h.seq, .hash = h.hash, .length = h.length,
-                    .arg = h.arg};
+    tdp__frame f = {.type = h.type,
+                    .seq = h.seq,
+                    .hash = h.hash,
+                    .length = h.length,
+                    .arg = h.arg,
+                    .has_sum = (h.flags & TDP_AM_F_SUM) != 0,
+                    .sum = h.sum};
     switch (h.type) {
     case TDP_AM_CREDIT:
         l->up->credit(l->owner, l, h.arg);
@@ -791,8 +798,8 @@ static void send_cb(void *req, ucs_status_t st, void *user)
 }
 
 /* Post one AM for a ticket; counts it in flight unless it finished at once. */
-static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void *buf, size_t len,
-                       uint32_t flags, ucs_memory_type_t mt)
+static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, size_t hdr_len,
+                       const void *buf, size_t len, uint32_t flags, ucs_memory_type_t mt)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -805,7 +812,7 @@ static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void 
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         prm.memory_type = mt;
     }
-    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, TDP_AM_HDR_LEN, buf, len, &prm);
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, hdr_len, buf, len, &prm);
     if (r == NULL)
         return TDP_OK;
     if (UCS_PTR_IS_ERR(r)) {
@@ -823,6 +830,11 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
     ticket *t = l->free_tickets;
     if (t == NULL || l->sep == NULL)
         return TDP_EINTERNAL; /* the session bounds sends by its own tickets */
+    if (l->sum_on && tx->td->device.type != TDP_DEVICE_CPU) {
+        /* no host copy of device memory on this plane, and host code never reads it */
+        tdp_log_warn("the payload checksum covers host memory only: cannot send device memory");
+        return TDP_ENOTSUP;
+    }
     l->free_tickets = t->next_free;
     tdp_td *td = tx->td;
     ucs_memory_type_t mt =
@@ -843,7 +855,8 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
                         .arg = tdp_schema_total_bytes(tx->schema)};
         tdp_wire_am_encode(t->schema_hdr, &h);
         /* eager: the schema is whole in the receiver's callback, before its data */
-        rc = am_post(l, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST);
+        rc = am_post(l, t, t->schema_hdr, TDP_AM_HDR_LEN, json, jl, UCP_AM_SEND_FLAG_EAGER,
+                     UCS_MEMORY_TYPE_HOST);
     }
     if (rc == TDP_OK) {
         tdp_am_hdr h = {.type = TDP_AM_DATA,
@@ -852,8 +865,12 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
                         .hash = tdp_schema_hash(td->schema),
                         .length = td->nbytes,
                         .arg = tx->credit};
-        tdp_wire_am_encode(t->data_hdr, &h);
-        rc = am_post(l, t, t->data_hdr, td->data, td->nbytes, 0, mt);
+        if (l->sum_on) {
+            h.flags |= TDP_AM_F_SUM;
+            h.sum = tdp__sum_tx(td->data, td->nbytes, tx->seq);
+        }
+        size_t hl = tdp_wire_am_encode(t->data_hdr, &h);
+        rc = am_post(l, t, t->data_hdr, hl, td->data, td->nbytes, 0, mt);
     }
     tdp__loop_kick(l->x->loop);
     if (rc != TDP_OK && t->inflight == 1) {
@@ -1002,6 +1019,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     if (h->addr_len == 0)
         return TDP_EPROTO;
     l->peer_token = h->token;
+    l->sum_on = peer->checksum;
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
