@@ -23,7 +23,7 @@ typedef struct tdp__listener_hooks {
     /* the number of handshakes under way changed (may be NULL) */
     void (*pending)(void *arg, uint32_t npending);
     /* receive storage of every pipe accepted is charged to it (may be NULL;
-     * must outlive them): tdp__session_set_budget */
+     * each pipe holds a reference): tdp__session_set_budget */
     struct tdp__budget *budget;
     void *arg;
 } tdp__listener_hooks;

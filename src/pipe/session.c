@@ -1851,15 +1851,18 @@ static void destroy_now(void *arg)
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
     tdp__free(p->lat);
-    if (p->budget != NULL)
+    if (p->budget != NULL) {
         tdp__budget_give(p->budget, p->budget_held);
+        tdp__budget_unref(p->budget);
+    }
     tdp__waiter_fini(&p->w);
     tdp__free(p);
 }
 
 void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b)
 {
-    p->budget = b;
+    tdp__budget_unref(p->budget);
+    p->budget = b != NULL ? tdp__budget_ref(b) : NULL;
 }
 
 void tdp__session_destroy(tdp_pipe *p)

@@ -47,7 +47,7 @@ const char *tdp__session_peer(const tdp_pipe *p);
  * Charge this pipe's receive storage to b (a server's memory cap, which
  * outlives the pipe): a layout that would take b over its cap fails the
  * pipe with TDP_ELIMIT (BYE says so); all is given back when the pipe is
- * freed. Set before the handshake starts, on the loop thread.
+ * freed. The pipe holds a reference on b. Set before the handshake starts.
  */
 struct tdp__budget;
 void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b);
