@@ -19,15 +19,15 @@ import threading
 import time
 
 from . import _tdpipe
-from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
-                     RefusedError, TimeoutError)
+from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
+                     ProtocolError, RefusedError, TimeoutError)
 from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
     consolidated_check
 
 __all__ = [
     "connect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
-    "RefusedError", "CanceledError", "AuthError", "Schema", "library_version",
+    "RefusedError", "CanceledError", "AuthError", "ChecksumError", "Schema", "library_version",
 ]
 
 Schema = _tdpipe.Schema

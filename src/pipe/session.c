@@ -429,7 +429,8 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
         return;
     if (bye->reason != TDP_OK) {
         tdp_err e = bye->reason == TDP_ELIMIT || bye->reason == TDP_EVERSION ||
-                            bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH
+                            bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH ||
+                            bye->reason == TDP_ECHECKSUM
                         ? bye->reason
                         : TDP_ECONNRESET;
         pipe_fail(p, e, "peer ended the pipe with an error");
