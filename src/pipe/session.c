@@ -1702,6 +1702,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->sent_schema = NULL; /* the schema goes again */
     p->credit_base = p->send_seq;
     p->peer_credit = 0;
+    p->sum_on = false; /* the next peer's HELLO says again */
 
     /* receiving: a new peer starts its own stream; views lent stay valid */
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
