@@ -170,11 +170,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fuzz_ctl(data, size);
     tdp_am_hdr am;
     if (tdp_wire_am_decode(data, size, &am) == TDP_OK) {
-        uint8_t re[TDP_AM_HDR_LEN];
+        uint8_t re[TDP_AM_HDR_MAX_LEN];
         if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_CREDIT)
             abort();
-        tdp_wire_am_encode(re, &am);
-        if (memcmp(re, data, TDP_AM_HDR_LEN) != 0)
+        if (tdp_wire_am_encode(re, &am) != size || memcmp(re, data, size) != 0)
             abort();
     }
     return 0;

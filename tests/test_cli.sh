@@ -344,6 +344,51 @@ test_recv_send() {
     expect_in recv out "; plane ucx, depth 4"
 }
 
+# --checksum: in force when both sides offer it, said when only one does;
+# serve --max-memory refuses a client whose buffers would go over the cap.
+test_checksum_and_cap() {
+    local port rpid
+    start ck_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet --checksum -v
+    rpid=$PID
+    port=$(port_of ck_recv) || return
+    run ck_send 60 "$TDPIPE" send "127.0.0.1:$port" --count 20 --size 256KB --quiet --checksum -v
+    expect_rc ck_send 0
+    finish ck_recv "$rpid"
+    expect_rc ck_recv 0
+    expect_in ck_recv out "received 20 messages"
+    expect_in ck_recv out "verify ok"
+    CHECKS=$((CHECKS + 1))
+    if grep -qF "does not offer the payload checksum" "$WORK/ck_recv.err" "$WORK/ck_send.err"; then
+        fail "checksum: both offered it, yet one side says the other does not"
+    fi
+
+    start ck1_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet -v
+    rpid=$PID
+    port=$(port_of ck1_recv) || return
+    run ck1_send 60 "$TDPIPE" send "127.0.0.1:$port" --count 5 --size 1KB --quiet --checksum -v
+    expect_rc ck1_send 0
+    expect_in ck1_send err "does not offer the payload checksum"
+    finish ck1_recv "$rpid"
+    expect_rc ck1_recv 0
+
+    # 4 x 1 MB would go over 2 MB; 4 x 100 KB fits
+    start cap_serve 60 "$TDPIPE" serve --bind 127.0.0.1 --depth 4 --max-memory 2MB --count 10 \
+        --json --quiet
+    rpid=$PID
+    port=$(port_of cap_serve) || return
+    run cap_big 30 "$TDPIPE" send "127.0.0.1:$port" --count 3 --size 1MB --quiet
+    expect_rc cap_big 3
+    expect_in cap_big err "peer limit reached"
+    run cap_small 30 "$TDPIPE" send "127.0.0.1:$port" --count 10 --size 100KB --quiet
+    expect_rc cap_small 0
+    finish cap_serve "$rpid"
+    expect_rc cap_serve 0
+    expect_in cap_serve out '"memory_refused":1'
+    expect_in cap_serve out '"max_memory":2000000'
+    run cap_bad 10 "$TDPIPE" serve --max-memory 0
+    expect_rc cap_bad 2
+}
+
 # recv --count ends the stream early: the sender hears the receiver closed.
 test_recv_count() {
     local port rpid
@@ -1355,6 +1400,7 @@ test_secret
 test_reconnect
 test_defaults
 test_recv_send
+test_checksum_and_cap
 test_recv_count
 test_sizes
 test_ipv6

@@ -883,6 +883,104 @@ static void echo_once(tdp_pipe *p, int64_t cid)
     tdp_schema_unref(s);
 }
 
+/* n echoes of client cid's own schema with a payload of nbytes; the last status. */
+static tdp_err echo_n(tdp_pipe *p, int cid, int64_t nbytes, int n)
+{
+    tdp_schema *s = stream_schema(cid, 0, nbytes);
+    tdp_td *td, *got;
+    tdp_err rc = tdp_td_new(s, &td);
+    for (int i = 1; rc == TDP_OK && i <= n; i++) {
+        td_fill(td, cid, i);
+        if ((rc = tdp_pipe_send(p, td, TMO)) != TDP_OK)
+            break;
+        if ((rc = tdp_pipe_recv(p, TMO, &got)) != TDP_OK)
+            break;
+        int64_t gc, gs;
+        if (!td_check(got, &gc, &gs) || gc != cid || gs != i)
+            rc = TDP_EINTERNAL;
+    }
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    return rc;
+}
+
+static uint64_t held_by(int cid, int64_t nbytes, uint32_t depth)
+{
+    tdp_schema *s = stream_schema(cid, 0, nbytes);
+    uint64_t n = depth * tdp_schema_total_bytes(s);
+    tdp_schema_unref(s);
+    return n;
+}
+
+/*
+ * max_memory caps the receive storage of all clients together: two
+ * clients whose layouts fit stream on while a third, whose layout would go
+ * over, is refused with TDP_ELIMIT (and told so); when one leaves, its
+ * storage returns to the budget and a new client fits.
+ */
+static void test_memory_cap(void **state)
+{
+    enum { NB = 1 << 20, DEPTH = 2 };
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    o.pipe.recv_depth = DEPTH;
+    o.max_memory = 5u << 20; /* two clients of 2 x ~1 MiB, not three */
+    env_up(&e, MODE_ECHO, &o);
+    assert_int_equal(stats(&e).memory_cap, 5u << 20);
+    assert_int_equal(stats(&e).memory_used, 0);
+    /* a loop per client connected at once (see one_loop_per_client) */
+    tdp_loop *lp[2];
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(tdp_loop_new(NULL, &lp[i]), TDP_OK);
+        assert_int_equal(tdp_loop_start_thread(lp[i]), TDP_OK);
+    }
+    tdp_pipe *a, *b, *c, *d;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &a), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(e.cl[1], "127.0.0.1", e.port, NULL, &b), TDP_OK);
+    assert_int_equal(echo_n(a, 1, NB, 3), TDP_OK);
+    assert_int_equal(echo_n(b, 2, NB, 3), TDP_OK);
+    uint64_t ha = held_by(1, NB, DEPTH), hb = held_by(2, NB, DEPTH);
+    assert_int_equal(stats(&e).memory_used, ha + hb);
+
+    /* the third would go over: refused, and told why */
+    assert_int_equal(tdp_pipe_connect(lp[0], "127.0.0.1", e.port, NULL, &c), TDP_OK);
+    tdp_err rc = echo_n(c, 3, NB, 1);
+    assert_int_equal(rc, TDP_ELIMIT);
+    assert_true(WAIT_FOR(tdp_pipe_status(c) == TDP_ELIMIT, TMO));
+    assert_int_equal(stats(&e).memory_refused, 1);
+    assert_int_equal(stats(&e).memory_used, ha + hb);
+    int elimit = 0;
+    assert_true(WAIT_FOR(atomic_load(&e.x->closes) == 1, TMO));
+    for (int i = 0; i < MAX_IDS; i++)
+        elimit += atomic_load(&e.x->status[i]) == TDP_ELIMIT;
+    assert_int_equal(elimit, 1); /* on_close heard it too */
+    tdp_pipe_free(c);
+
+    /* the others keep streaming */
+    assert_int_equal(echo_n(a, 1, NB, 3), TDP_OK);
+    assert_int_equal(echo_n(b, 2, NB, 3), TDP_OK);
+
+    /* one leaves: its storage is back, and a new client fits */
+    assert_int_equal(tdp_pipe_close(a, TMO), TDP_OK);
+    tdp_pipe_free(a);
+    assert_true(WAIT_FOR(stats(&e).memory_used == hb, TMO));
+    assert_int_equal(tdp_pipe_connect(lp[1], "127.0.0.1", e.port, NULL, &d), TDP_OK);
+    assert_int_equal(echo_n(d, 4, NB, 3), TDP_OK);
+    assert_int_equal(stats(&e).memory_used, hb + held_by(4, NB, DEPTH));
+    assert_int_equal(echo_n(b, 2, NB, 1), TDP_OK);
+    assert_int_equal(stats(&e).memory_refused, 1);
+
+    tdp_pipe_close(b, TMO);
+    tdp_pipe_close(d, TMO);
+    tdp_pipe_free(b);
+    tdp_pipe_free(d);
+    assert_true(WAIT_FOR(stats(&e).memory_used == 0, TMO));
+    env_down(&e);
+    for (int i = 0; i < 2; i++)
+        tdp_loop_free(lp[i]);
+}
+
 #define NSTRANGERS 40
 
 /*
@@ -1600,15 +1698,15 @@ int main(int argc, char **argv)
         child_main((uint16_t)atoi(argv[2]));
     signal(SIGPIPE, SIG_IGN);
     struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_lifecycle),         cmocka_unit_test(test_many_clients),
-        cmocka_unit_test(test_request_reply),     cmocka_unit_test(test_depth_echo),
-        cmocka_unit_test(test_reply_ring),        cmocka_unit_test(test_max_clients),
-        cmocka_unit_test(test_handshake_timeout), cmocka_unit_test(test_hostile_clients),
-        cmocka_unit_test(test_handler_error),     cmocka_unit_test(test_connect_cycles),
-        cmocka_unit_test(test_kill_client),       cmocka_unit_test(test_shutdown),
-        cmocka_unit_test(test_strangers),         cmocka_unit_test(test_idle_timeout),
+        cmocka_unit_test(test_lifecycle),          cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_request_reply),      cmocka_unit_test(test_depth_echo),
+        cmocka_unit_test(test_reply_ring),         cmocka_unit_test(test_max_clients),
+        cmocka_unit_test(test_handshake_timeout),  cmocka_unit_test(test_hostile_clients),
+        cmocka_unit_test(test_handler_error),      cmocka_unit_test(test_connect_cycles),
+        cmocka_unit_test(test_kill_client),        cmocka_unit_test(test_shutdown),
+        cmocka_unit_test(test_strangers),          cmocka_unit_test(test_idle_timeout),
         cmocka_unit_test(test_listener_strangers), cmocka_unit_test(test_listener_hooks),
-        cmocka_unit_test(test_stats_sized),
+        cmocka_unit_test(test_stats_sized),        cmocka_unit_test(test_memory_cap),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

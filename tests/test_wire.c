@@ -447,6 +447,83 @@ static void test_want_depth_record(void **state)
     buf_free(&b);
 }
 
+/* TDP_HX_CHECKSUM: one byte, not 0, not twice, not critical; the AM sum field. */
+static void test_checksum_record(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 1, .checksum = TDP_SUM_XXH3_64}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    assert_true(n > 0);
+    uint8_t *out = malloc(n);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.checksum, TDP_SUM_XXH3_64);
+    const uint8_t *r = out + TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN;
+    assert_int_equal(r[0] | r[1] << 8, TDP_HX_CHECKSUM);
+    assert_false((r[2] | r[3] << 8) & TDP_HX_CRITICAL); /* older peers skip it */
+    free(out);
+    h.checksum = 0; /* not offered: no record */
+    assert_int_equal(tdp_wire_hello_size(&h), TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN);
+
+    const uint8_t zero[1] = {0}, two[2] = {1, 0}, one[1] = {1}, other[1] = {9};
+    const struct {
+        const uint8_t *v;
+        uint32_t n;
+        tdp_err want;
+    } cases[] = {{zero, 1, TDP_EPROTO},
+                 {two, 2, TDP_EPROTO},
+                 {NULL, 0, TDP_EPROTO},
+                 {one, 1, TDP_OK},
+                 {other, 1, TDP_OK}};
+    for (size_t i = 0; i < N(cases); i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        put_rec(&b, TDP_HX_CHECKSUM, 0, cases[i].v, cases[i].n);
+        assert_int_equal(dec(&b, &g), cases[i].want);
+        if (cases[i].want == TDP_OK) {
+            assert_int_equal(g.checksum,
+                             cases[i].v[0]); /* an unknown algorithm: the session says no */
+            put_rec(&b, TDP_HX_CHECKSUM, 0, one, 1);
+            assert_int_equal(dec(&b, &g), TDP_EPROTO); /* twice */
+        }
+        buf_free(&b);
+    }
+
+    /* a DATA header with the sum: 56 bytes, the sum after the 48 */
+    tdp_am_hdr am = {.type = TDP_AM_DATA,
+                     .flags = TDP_AM_F_SUM,
+                     .token = 5,
+                     .seq = 1,
+                     .hash = 7,
+                     .length = 1024,
+                     .arg = 3,
+                     .sum = 0x1122334455667788ull};
+    uint8_t ab[TDP_AM_HDR_MAX_LEN];
+    assert_int_equal(tdp_wire_am_encode(ab, &am), TDP_AM_HDR_SUM_LEN);
+    assert_int_equal(ab[6], TDP_AM_F_SUM);
+    assert_int_equal(ab[48], 0x88);
+    assert_int_equal(ab[55], 0x11);
+    tdp_am_hdr ga;
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_SUM_LEN, &ga), TDP_OK);
+    assert_int_equal(ga.sum, am.sum);
+    assert_int_equal(ga.flags, TDP_AM_F_SUM);
+    /* the flag without the field, the field without the flag */
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &ga), TDP_EPROTO);
+    am.flags = 0;
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_SUM_LEN, &ga), TDP_EPROTO);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &ga), TDP_OK);
+    assert_int_equal(ga.sum, 0);
+    /* only DATA carries a sum */
+    const uint8_t types[] = {TDP_AM_SCHEMA, TDP_AM_CREDIT};
+    for (size_t i = 0; i < N(types); i++) {
+        tdp_am_hdr x = {.type = types[i], .flags = TDP_AM_F_SUM, .length = 0};
+        assert_int_equal(tdp_wire_am_encode(ab, &x), TDP_AM_HDR_SUM_LEN);
+        assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_SUM_LEN, &ga), TDP_EPROTO);
+    }
+}
+
 static void test_records_any_order(void **state)
 {
     (void)state;
@@ -1017,6 +1094,7 @@ int main(void)
         cmocka_unit_test(test_duplicate_known_record),
         cmocka_unit_test(test_auth_and_resume_records),
         cmocka_unit_test(test_want_depth_record),
+        cmocka_unit_test(test_checksum_record),
         cmocka_unit_test(test_truncated_every_prefix),
         cmocka_unit_test(test_record_length_overflow),
         cmocka_unit_test(test_padding),

@@ -47,6 +47,8 @@ int tdp_cli_exit_for(tdp_err err)
         return TDP_EXIT_PEER;
     case TDP_ETIMEDOUT:
         return TDP_EXIT_TIMEOUT;
+    case TDP_ECHECKSUM: /* a payload arrived damaged: a failed verification */
+        return TDP_EXIT_FAIL;
     default:
         return TDP_EXIT_FAIL;
     }
@@ -160,6 +162,8 @@ void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o)
         o->secret = given->secret;
         o->secret_len = given->secret_len;
     }
+    if (given->checksum)
+        o->checksum = true;
     if (given->keepalive_idle_s != 0) {
         o->keepalive_idle_s = given->keepalive_idle_s;
         o->keepalive_intvl_s = given->keepalive_intvl_s;

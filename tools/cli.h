@@ -87,7 +87,7 @@ bool tdp_cli_parse_keepalive(const char *s, tdp_pipe_opts *o);
 bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o);
 
 /*
- * Onto o, what --keepalive and --secret-file put in given (the fields they
+ * Onto o, what --keepalive, --secret-file and --checksum put in given (the fields they
  * set; left as they are where the flag was not given).
  */
 void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o);

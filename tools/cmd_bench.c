@@ -75,6 +75,7 @@ typedef struct bench_cfg {
     bool progress;
     int clients;  /* --clients N: many producers to one server */
     bool no_loan; /* --no-loan: plain sends on the shm plane too */
+    bool checksum; /* --checksum: both sides offer the payload checksum */
     bool sizes_given;
     tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
     bool mem_given;
@@ -355,6 +356,7 @@ static int run_consumer(const bench_cfg *cfg)
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     opts_mem(cfg, &po);
+    po.checksum = cfg->checksum;
     if (tdp_loop_new(&lo, &loop) != TDP_OK || tdp_pipe_connect(loop, host, port, &po, &pipe))
         return TDP_EXIT_CONNECT;
     tdp_err rc = consume(cfg, pipe, false);
@@ -428,6 +430,7 @@ static int run_server(const bench_cfg *cfg)
     lopts.pipe.recv_depth = cfg->depth; /* for a client that asks for none */
     lopts.pipe.peer_mode = cfg->peer_mode;
     lopts.pipe.plane = cfg->plane;
+    lopts.pipe.checksum = cfg->checksum;
     lopts.pipe.connect_timeout_ms = SERVE_HANDSHAKE_MS;
     lopts.admit = serve_admit;
     lopts.on_hello = serve_hello;
@@ -695,14 +698,15 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
             "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
-            "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"cpus\": %ld},\n",
+            "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"checksum\": %s, "
+            "\"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
             ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
             plane, loaned ? "true" : "false", tdp_device_format(cfg->mem, mem),
-            sysconf(_SC_NPROCESSORS_ONLN));
+            cfg->checksum ? "true" : "false", sysconf(_SC_NPROCESSORS_ONLN));
     if (cfg->client_of != NULL) {
         /* the peer as given on the command line: a host name or literal, ':' and a port;
          * null when it is not UTF-8 (jansson takes nothing else) */
@@ -959,7 +963,8 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     if (pid == 0) {
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
               depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
-              tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet", (char *)NULL);
+              tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet",
+              cfg->checksum ? "--checksum" : "--quiet", (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -977,6 +982,12 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
     tdp_td *std_, *got;
     tdp_err rc = ss ? tdp_td_new(ss, &std_) : TDP_ENOMEM;
     *done = 0;
+    tdp_pipe_stats pst;
+    tdp_pipe_stats_get(p, &pst);
+    if (cfg->checksum && !pst.checksum)
+        fprintf(stderr, "tdpipe bench: the peer does not offer the payload checksum: "
+                        "measuring without it\n");
+    cfg->checksum = pst.checksum; /* what the figures are for */
     if (rc == TDP_OK) {
         int64_t *h = hdr_of(std_);
         h[0] = PH_SETUP;
@@ -1043,10 +1054,10 @@ static int report(const bench_cfg *cfg, const char *plane, bool loaned, const si
         printf("client of %s: server depth %" PRId64 ", %s\n", cfg->client_of, srv->depth,
                srv->busy_poll_us ? "busy-poll" : "event-driven");
     char mem[TDP_DEVICE_STRLEN];
-    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s\n", plane,
+    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s%s\n", plane,
            loaned ? " (loaned slots: no copy)" : "", cfg->depth,
            cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default",
-           tdp_device_format(cfg->mem, mem));
+           tdp_device_format(cfg->mem, mem), cfg->checksum ? ", checksum" : "");
     print_table(cfg, res, done, stdout);
     if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, srv, cfg->json_path) &&
         rc_exit == TDP_EXIT_OK)
@@ -1073,6 +1084,7 @@ static int run_producer(bench_cfg *cfg)
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     opts_mem(cfg, &po);
+    po.checksum = cfg->checksum;
     if (tdp_loop_new(&lo, &loop) != TDP_OK) {
         fprintf(stderr, "tdpipe bench: cannot create the UCX worker\n");
         return TDP_EXIT_FAIL;
@@ -1152,6 +1164,7 @@ static int run_client(bench_cfg *cfg)
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     opts_mem(cfg, &po);
+    po.checksum = cfg->checksum;
     if ((rc = tdp_loop_new(&lo, &loop)) != TDP_OK) {
         tdp_cli_error("bench", "cannot create the event loop: %s", tdp_strerror(rc));
         return TDP_EXIT_FAIL;
@@ -1221,6 +1234,8 @@ static void usage(FILE *f)
             "                     'tdpipe version' lists the names\n"
             "  --no-loan          on the shm plane, send plain buffers (one copy into a\n"
             "                     slot) instead of loaned slots (no copy: the default)\n"
+            "  --checksum         both sides offer the payload checksum (XXH3-64 of every\n"
+            "                     message, computed by the sender, checked by the receiver)\n"
             "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
             "                     receives into GPU memory (the receiver follows); needs a\n"
             "                     build with CUDA and a device, else exit 2\n"
@@ -1328,6 +1343,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"port", required_argument, NULL, 'O'},
         {"once", no_argument, NULL, 'o'},
         {"mem", required_argument, NULL, 'M'},
+        {"checksum", no_argument, NULL, 'X'},
         {NULL, 0, NULL, 0},
     };
     char why[160];
@@ -1339,6 +1355,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         switch (c) {
         case 'L':
             cfg->no_loan = true;
+            break;
+        case 'X':
+            cfg->checksum = true;
             break;
         case 'S':
             cfg->serve = true;

@@ -187,6 +187,9 @@ static const char recv_help[] =
     "                      (default 60000; -1 waits forever)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
     "                      must hold the same (authenticated, not encrypted)\n"
+    "      --checksum      offer a payload checksum (XXH3-64 of every message,\n"
+    "                      checked before it is handed out): in force when the\n"
+    "                      peer offers it too; a damaged message ends the run (exit 1)\n"
     "      --keepalive I,N,C\n"
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
@@ -221,6 +224,7 @@ enum {
     OPT_RECONNECT,
     OPT_INTERVAL,
     OPT_JSON,
+    OPT_CHECKSUM,
 };
 enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES }; /* real data */
 
@@ -240,6 +244,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"plane", required_argument, NULL, OPT_PLANE},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
+        {"checksum", no_argument, NULL, OPT_CHECKSUM},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -296,6 +301,9 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         case OPT_SECRET:
             if (!tdp_cli_read_secret("recv", optarg, &a->listen.ka))
                 return TDP_EXIT_USAGE;
+            break;
+        case OPT_CHECKSUM:
+            a->listen.ka.checksum = true;
             break;
         case OPT_KEEPALIVE:
             if (!tdp_cli_parse_keepalive(optarg, &a->listen.ka))
@@ -543,6 +551,9 @@ static const char send_help[] =
     "                      in 'lost'\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
     "                      must hold the same (authenticated, not encrypted)\n"
+    "      --checksum      offer a payload checksum (XXH3-64 of every message,\n"
+    "                      checked before it is handed out): in force when the\n"
+    "                      peer offers it too; a damaged message ends the run (exit 1)\n"
     "      --keepalive I,N,C\n"
     "                      dead-peer detection: probe the control socket after I s\n"
     "                      idle, then every N s; a peer silent for I + N x C s is\n"
@@ -587,6 +598,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"reconnect", required_argument, NULL, OPT_RECONNECT},
         {"secret-file", required_argument, NULL, OPT_SECRET},
+        {"checksum", no_argument, NULL, OPT_CHECKSUM},
         {"file", required_argument, NULL, OPT_FILE},
         {"schema", required_argument, NULL, OPT_SCHEMA},
         {"wait", required_argument, NULL, OPT_WAIT},
@@ -668,6 +680,9 @@ static int send_parse(int argc, char **argv, send_args *a)
         case OPT_SECRET:
             if (!tdp_cli_read_secret("send", optarg, &a->ka))
                 return TDP_EXIT_USAGE;
+            break;
+        case OPT_CHECKSUM:
+            a->ka.checksum = true;
             break;
         case OPT_KEEPALIVE:
             if (!tdp_cli_parse_keepalive(optarg, &a->ka))

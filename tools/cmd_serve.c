@@ -54,6 +54,13 @@ static const char serve_help[] =
     "                        (default 300000: 5 min; -1: never)\n"
     "      --secret-file F   shared secret (16-256 bytes, as in the file): the\n"
     "                        peer must hold the same (authenticated, not encrypted)\n"
+    "      --checksum        offer a payload checksum (XXH3-64 of every message):\n"
+    "                        in force with each client that offers it too; a\n"
+    "                        damaged message is dropped and that client closed\n"
+    "      --max-memory SIZE receive buffers of all clients together (depth x each\n"
+    "                        client's message size); a client whose schema would\n"
+    "                        go over is refused (TDP_ELIMIT). Default: half of\n"
+    "                        physical memory; 'none': no cap\n"
     "      --keepalive I,N,C\n"
     "                        dead-peer detection: probe a client's control socket\n"
     "                        after I s idle, then every N s; a client silent for\n"
@@ -94,6 +101,7 @@ typedef struct serve_args {
     tdp_plane plane;
     uint64_t count;
     double duration_s;
+    uint64_t max_memory; /* 0: the library's default; UINT64_MAX: none */
 } serve_args;
 
 /* State the handler callbacks share with the main thread. */
@@ -123,6 +131,8 @@ enum {
     OPT_SECRET,
     OPT_INTERVAL,
     OPT_JSON,
+    OPT_CHECKSUM,
+    OPT_MAX_MEMORY,
 };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
@@ -137,6 +147,8 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"idle-timeout", required_argument, NULL, OPT_IDLE_TIMEOUT},
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
+        {"checksum", no_argument, NULL, OPT_CHECKSUM},
+        {"max-memory", required_argument, NULL, OPT_MAX_MEMORY},
         {"count", required_argument, NULL, 'n'},
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
@@ -201,6 +213,18 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             if (!tdp_cli_read_secret("serve", optarg, &a->ka))
                 return TDP_EXIT_USAGE;
             break;
+        case OPT_CHECKSUM:
+            a->ka.checksum = true;
+            break;
+        case OPT_MAX_MEMORY: {
+            const char *why = NULL;
+            if (strcmp(optarg, "none") == 0)
+                a->max_memory = UINT64_MAX;
+            else if (!tdp_cli_parse_size(optarg, &a->max_memory, &why) || a->max_memory == 0)
+                return tdp_cli_usage_error("serve", "invalid max-memory '%s'%s%s (a size, or none)",
+                                           optarg, why ? ": " : "", why ? why : "");
+            break;
+        }
         case OPT_KEEPALIVE:
             if (!tdp_cli_parse_keepalive(optarg, &a->ka))
                 return tdp_cli_usage_error("serve", "invalid keepalive '%s' (IDLE,INTVL,CNT)",
@@ -467,6 +491,8 @@ static void print_final(tdp_server *s, serve_ctx *ctx, uint64_t ns, const char *
         json_object_set_new(o, "bytes_in_per_s",
                             json_real(sec > 0 ? (double)st.bytes_recv / sec : 0));
         json_object_set_new(o, "refused", json_integer((json_int_t)st.refused));
+        json_object_set_new(o, "memory_refused", json_integer((json_int_t)st.memory_refused));
+        json_object_set_new(o, "max_memory", json_integer((json_int_t)st.memory_cap));
         json_object_set_new(o, "handshakes_failed", json_integer((json_int_t)st.handshakes_failed));
         json_object_set_new(o, "client_errors", json_integer((json_int_t)st.client_errors));
         json_object_set_new(o, "handler_errors", json_integer((json_int_t)st.handler_errors));
@@ -512,6 +538,7 @@ static int serve_start(const serve_args *a, serve_ctx *ctx, tdp_loop **loop, tdp
         opts.max_per_source = a->max_per_source;
     if (a->idle_timeout_ms != 0)
         opts.idle_timeout_ms = a->idle_timeout_ms;
+    opts.max_memory = a->max_memory;
     tdp_cli_apply_net_opts(&a->ka, &opts.pipe);
     if ((rc = tdp_loop_new(NULL, loop)) != TDP_OK ||
         (rc = tdp_loop_start_thread(*loop)) != TDP_OK) {

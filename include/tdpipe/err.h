@@ -41,7 +41,8 @@ extern "C" {
     X(ECANCELED, -18, "operation canceled")                                                        \
     X(ELIMIT, -19, "peer limit reached")                                                           \
     X(EINTERNAL, -20, "internal error")                                                            \
-    X(EAUTH, -21, "authentication failed (shared secret wrong or missing)")
+    X(EAUTH, -21, "authentication failed (shared secret wrong or missing)")                        \
+    X(ECHECKSUM, -22, "payload checksum mismatch (message dropped)")
 
 typedef enum tdp_err {
 #define TDP__ERR_ENUM(name, value, msg) TDP_##name = (value),

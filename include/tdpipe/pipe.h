@@ -185,6 +185,21 @@ typedef struct tdp_pipe_opts {
      */
     bool cuda_device_set;
     int cuda_device;
+    /*
+     * Offer a payload checksum (default off): XXH3-64 of every DATA
+     * payload, computed by the sender over the bytes it sends and checked
+     * by the receiver over the bytes that arrived, before the message is
+     * handed out. In force, both ways, only when both sides offer it (a
+     * record in the HELLO that older peers skip: with them, no checksum;
+     * tdp_pipe_stats.checksum says). A message whose sum does not match is
+     * dropped: the receive that would have returned it fails with
+     * TDP_ECHECKSUM (its buffer is released, the credit returned) and the
+     * pipe goes on. Host-resident payloads only: a send of device memory
+     * on the ucx plane fails the pipe with TDP_ENOTSUP (the shm plane sums
+     * its host copy), and so does a receive layout on a GPU
+     * (recv_device). docs/pipe.md#payload-checksum.
+     */
+    bool checksum;
 } tdp_pipe_opts;
 
 #define TDP_SECRET_MIN 16
@@ -485,6 +500,10 @@ typedef struct tdp_pipe_stats {
      * in flight ended with TDP_ECONNRESET and are counted here too.
      */
     uint64_t unconfirmed;
+    /* the payload checksum is in force on this pipe (opts.checksum, both sides) */
+    bool checksum;
+    /* messages dropped because their payload checksum did not match */
+    uint64_t checksum_errors;
 } tdp_pipe_stats;
 
 /*

@@ -116,6 +116,18 @@ typedef struct tdp_server_opts {
      * at a quarter of this period: a client goes after 1 to 1.25 times it.
      */
     int64_t idle_timeout_ms;
+    /*
+     * Receive storage of all clients together, bytes: a client takes
+     * recv_depth x its schema's total bytes (the largest so far) when its
+     * schema arrives, and gives it back when it is gone. A schema that
+     * would take the server past this cap is refused: that client's pipe
+     * ends with TDP_ELIMIT on both sides (on_close gets it; its peer
+     * hears it in the BYE), the others go on. Default (0): half of the
+     * machine's physical memory; UINT64_MAX: no cap. The cap counts the
+     * receive buffers the pipes hold, not replies or the handler's own
+     * memory. docs/server.md#memory-cap.
+     */
+    uint64_t max_memory;
 } tdp_server_opts;
 
 /* Fill *o with the defaults (size and pipe.size included). */
@@ -171,6 +183,8 @@ typedef struct tdp_server_stats {
     uint64_t msgs_recv, msgs_sent, bytes_recv, bytes_sent, schemas_recv;
     uint64_t pending_now; /* handshakes under way */
     uint64_t idle_closed; /* clients closed by idle_timeout_ms */
+    /* receive storage: bytes the clients hold now, the cap, schemas refused over it */
+    uint64_t memory_used, memory_cap, memory_refused;
 } tdp_server_stats;
 
 /*

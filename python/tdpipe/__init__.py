@@ -20,16 +20,16 @@ import threading
 import time
 
 from . import _tdpipe
-from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
-                     RefusedError, SchemaError, TimeoutError, error_for)
+from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
+                     ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
     consolidated_check
 
 __all__ = [
     "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
-    "RefusedError", "CanceledError", "AuthError", "SchemaError", "Schema", "library_version",
-    "mem_stats",
+    "RefusedError", "CanceledError", "AuthError", "ChecksumError", "SchemaError", "Schema",
+    "library_version", "mem_stats",
 ]
 
 Schema = _tdpipe.Schema

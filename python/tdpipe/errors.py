@@ -53,8 +53,15 @@ class AuthError(Error, builtins.PermissionError):
     libraries that have shared-secret authentication)."""
 
 
+class ChecksumError(Error):
+    """A message arrived with a payload that does not match its checksum
+    (ECHECKSUM, pipes with the payload checksum): it was dropped; the pipe
+    goes on and the next receive returns the next message."""
+
+
 _BY_NAME = {
     "EAUTH": AuthError,
+    "ECHECKSUM": ChecksumError,
     "ECLOSED": ClosedError,
     "ECONNRESET": PeerError,
     "ETIMEDOUT": TimeoutError,

@@ -246,6 +246,8 @@ static void accept_cb(struct evconnlistener *evl, evutil_socket_t fd, struct soc
     l->npending++;
     if (l->hooks.pending != NULL)
         l->hooks.pending(l->hooks.arg, l->npending);
+    if (l->hooks.budget != NULL)
+        tdp__session_set_budget(p, l->hooks.budget);
     if (l->lo.on_hello != NULL)
         tdp__session_answer_hello(p, hello_hook, e);
     rc = tdp__session_accept(p, fd, sa, on_ready, e);

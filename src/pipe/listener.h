@@ -22,6 +22,9 @@ typedef struct tdp__listener_hooks {
     void (*handshake_failed)(void *arg, tdp_err why);
     /* the number of handshakes under way changed (may be NULL) */
     void (*pending)(void *arg, uint32_t npending);
+    /* receive storage of every pipe accepted is charged to it (may be NULL;
+     * each pipe holds a reference): tdp__session_set_budget */
+    struct tdp__budget *budget;
     void *arg;
 } tdp__listener_hooks;
 

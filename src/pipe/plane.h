@@ -53,6 +53,8 @@ typedef struct tdp__frame {
     uint64_t hash;   /* schema hash */
     uint64_t length; /* payload bytes (schema JSON or data) */
     uint64_t arg;    /* SCHEMA: total bytes of the layout */
+    bool has_sum;    /* DATA: the sender's checksum of the payload came with it */
+    uint64_t sum;    /* XXH3-64 of the payload (checksum.h) */
 } tdp__frame;
 
 /* What a plane tells the session; owner is the session's pipe. */
@@ -91,6 +93,9 @@ typedef struct tdp__link_peer {
     /* tdp_pipe_opts.cuda_device: the GPU this pipe's payloads live on, -1
      * for none; a plane that stages GPU payloads sets up for it now */
     int cuda_device;
+    /* the payload checksum is in force: every DATA sent carries the sum of
+     * its host bytes (tdp__sum_tx), and every DATA received must carry one */
+    bool checksum;
 } tdp__link_peer;
 
 /* A send: the session has checked credit and order. */

@@ -16,6 +16,8 @@
 
 #include "session.h"
 #include "session_int.h"
+#include "budget.h"
+#include "checksum.h"
 #include "op.h"
 #include "plane.h"
 #include "host.h"
@@ -216,7 +218,8 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
         return;
     if (bye->reason != TDP_OK) {
         tdp_err e = bye->reason == TDP_ELIMIT || bye->reason == TDP_EVERSION ||
-                            bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH
+                            bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH ||
+                            bye->reason == TDP_ECHECKSUM
                         ? bye->reason
                         : TDP_ECONNRESET;
         pipe_fail(p, e, "peer ended the pipe with an error");
@@ -284,6 +287,7 @@ static void send_hello(tdp_pipe *p)
      * the peer's HELLO before its own connect event has sent this one) */
     h.resume = p->credit_base > 0 ? p->credit_base + 1 : 0;
     h.want_depth = p->opts.want_peer_depth;
+    h.checksum = p->opts.checksum ? TDP_SUM_XXH3_64 : 0;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
     for (uint32_t i = 0; i < p->depth; i++)
@@ -366,6 +370,16 @@ static void become_open(tdp_pipe *p)
     send_kick(p);
 }
 
+/* The payload checksum is in force when both sides offered the one algorithm. */
+static void sum_negotiate(tdp_pipe *p, const tdp_hello *h)
+{
+    p->sum_on = p->opts.checksum && h->checksum == TDP_SUM_XXH3_64;
+    p->stats.checksum = p->sum_on;
+    if (p->opts.checksum && !p->sum_on)
+        tdp_log_info("pipe %s: the peer does not offer the payload checksum: none on this pipe",
+                     p->ctl.peer_name);
+}
+
 static void on_ctl_hello(void *owner, const tdp_hello *h)
 {
     tdp_pipe *p = owner;
@@ -405,6 +419,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         p->rx_seq = h->resume - 1;
         p->stats.resumed_from = h->resume;
     }
+
+    sum_negotiate(p, h);
 
     /* both sides compute the same choice: the same lists, the same filter */
     uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
@@ -461,6 +477,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .max_total_bytes = p->limits.max_total_bytes,
         .sent_seq = p->send_seq,
         .cuda_device = p->opts.cuda_device_set ? p->opts.cuda_device : -1,
+        .checksum = p->sum_on,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {
@@ -565,6 +582,35 @@ static void up_credit(void *owner, tdp__link *l, uint64_t total)
         take_credit(p, total);
 }
 
+/*
+ * May this side hold the receive layout sc? The checksum is computed by
+ * host code (never on device memory), and a server's budget caps the
+ * storage of all its clients: depth buffers of the largest layout so far
+ * (storage that is large enough is reused). Fails the pipe when not.
+ */
+static tdp_err rx_layout_admit(tdp_pipe *p, const tdp_schema *sc)
+{
+    if (p->sum_on && tdp_schema_device(sc).type != TDP_DEVICE_CPU) {
+        pipe_fail(p, TDP_ENOTSUP,
+                  "the payload checksum covers host memory only, and this "
+                  "layout is received into device memory");
+        return TDP_ENOTSUP;
+    }
+    uint64_t need = (uint64_t)p->depth * tdp_schema_total_bytes(sc); /* <= 64 x total cap */
+    if (p->budget == NULL || need <= p->budget_held)
+        return TDP_OK;
+    if (!tdp__budget_take(p->budget, need - p->budget_held)) {
+        tdp_log_warn("pipe %s: a layout of %u x %" PRIu64 " bytes would take the server past its "
+                     "memory cap (%" PRIu64 " of %" PRIu64 " bytes in use): refused",
+                     p->ctl.peer_name, p->depth, tdp_schema_total_bytes(sc),
+                     tdp__budget_used(p->budget), p->budget->cap);
+        pipe_fail(p, TDP_ELIMIT, "schema over the server's memory cap");
+        return TDP_ELIMIT;
+    }
+    p->budget_held = need;
+    return TDP_OK;
+}
+
 static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void *json,
                       size_t length)
 {
@@ -613,6 +659,10 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
         }
         sc = local;
     }
+    if ((rc = rx_layout_admit(p, sc)) != TDP_OK) {
+        tdp_schema_unref(sc);
+        return;
+    }
     tdp_schema_unref(p->rx_schema);
     p->rx_schema = sc;
     p->rx_hash = f->hash;
@@ -648,6 +698,24 @@ static void lat_record(tdp_pipe *p, tdp_latency which, uint64_t since_ns)
     tdp_hist_record(&p->lat[which], now > since_ns ? now - since_ns : 0);
 }
 
+/*
+ * The payload in s against the checksum its frame carried: a mismatch
+ * marks it bad, and the receive it would go to drops it (deliver).
+ */
+static void rx_sum_check(tdp_pipe *p, rx_slot *s)
+{
+    if (!s->has_sum)
+        return;
+    s->has_sum = false;
+    /* rx_layout_admit keeps checksummed layouts in host memory */
+    if (s->td->device.type == TDP_DEVICE_CPU && tdp__sum(s->td->data, s->td->nbytes) == s->sum)
+        return;
+    s->bad = true;
+    p->stats.checksum_errors++;
+    tdp_log_warn("pipe %s: message %" PRIu64 ": payload checksum mismatch: dropped",
+                 p->ctl.peer_name, s->seq);
+}
+
 static void slot_ready(tdp_pipe *p, rx_slot *s)
 {
     s->state = SLOT_READY;
@@ -655,8 +723,10 @@ static void slot_ready(tdp_pipe *p, rx_slot *s)
         s->ready_ns = lat_now_ns();
     p->ready[(p->ready_head + p->ready_count) % TDP_MAX_DEPTH] = (uint32_t)(s - p->slots);
     p->ready_count++;
-    p->stats.msgs_recv++;
-    p->stats.bytes_recv += s->td->nbytes;
+    if (!s->bad) {
+        p->stats.msgs_recv++;
+        p->stats.bytes_recv += s->td->nbytes;
+    }
     if (peer_done(p))
         timer_del(p);
     deliver(p);
@@ -680,6 +750,12 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
         proto_fail(p, TDP_EMSGSIZE, "data length differs from the schema's size");
         return;
     }
+    /* a sum only when both offered (a fast peer's DATA may come before its
+     * HELLO is read: it had ours, so it sums only if we offered) */
+    if (f->has_sum ? !p->opts.checksum : p->sum_on) {
+        proto_fail(p, TDP_EPROTO, "data frame with a checksum not agreed, or without one agreed");
+        return;
+    }
     rx_slot *s = NULL;
     for (uint32_t i = 0; i < p->depth; i++) {
         if (p->slots[i].state == SLOT_FREE) {
@@ -695,10 +771,14 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
     s->seq = f->seq;
     s->epoch = p->epoch;
     s->state = SLOT_FILLING;
+    s->has_sum = f->has_sum;
+    s->sum = f->sum;
+    s->bad = false;
     tdp_err rc = ops->recv(l, desc, (uint32_t)(s - p->slots), &s->td);
     if (rc == TDP_OK || rc == TDP_EAGAIN)
         tdp_td_ref(s->td);
     if (rc == TDP_OK) {
+        rx_sum_check(p, s);
         slot_ready(p, s);
     } else if (rc == TDP_EAGAIN) {
         p->rx_inflight++;
@@ -731,6 +811,7 @@ static void up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st)
             pipe_fail(p, TDP_ECONNRESET, "data transfer failed");
         return;
     }
+    rx_sum_check(p, s);
     slot_ready(p, s);
     end_if_peer_done(p);
 }
@@ -820,7 +901,8 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         p->stats.msgs_sent--;
         p->stats.bytes_sent -= nbytes;
         sent_done(p, t, rc);
-        pipe_fail(p, rc == TDP_EMSGSIZE || rc == TDP_EINVAL ? rc : TDP_ECONNRESET,
+        pipe_fail(p,
+                  rc == TDP_EMSGSIZE || rc == TDP_EINVAL || rc == TDP_ENOTSUP ? rc : TDP_ECONNRESET,
                   "send failed");
     }
 }
@@ -971,6 +1053,14 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
 
 /* ---- receiving -------------------------------------------------------------- */
 
+/* A message whose checksum did not match: its receive fails, its buffer goes back. */
+static void rx_drop(tdp_pipe *p, rx_slot *s, tdp_op *op)
+{
+    s->bad = false;
+    slot_release(p, s, false);
+    tdp__op_complete(op, TDP_ECHECKSUM);
+}
+
 static void deliver(tdp_pipe *p)
 {
     while (p->recvq.head != NULL) {
@@ -990,6 +1080,10 @@ static void deliver(tdp_pipe *p)
         p->ready_count--;
         rx_slot *s = &p->slots[si];
         s->state = SLOT_LENT;
+        if (s->bad) {
+            rx_drop(p, s, tdp__opq_pop(&p->recvq));
+            continue;
+        }
         if (p->depth == 1)
             p->lent1 = (int32_t)si;
         tdp_op *op = tdp__opq_pop(&p->recvq);
@@ -1518,6 +1612,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->stats.unconfirmed += p->send_seq - p->credit_base - p->peer_credit;
     p->credit_base = p->send_seq;
     p->peer_credit = 0;
+    p->sum_on = false; /* the next peer's HELLO says again */
 
     /* receiving: a new peer starts its own stream; views lent stay valid */
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
@@ -1669,8 +1764,18 @@ static void destroy_now(void *arg)
     tdp__free(p->sync_send);
     tdp__free(p->sync_recv);
     tdp__free(p->lat);
+    if (p->budget != NULL) {
+        tdp__budget_give(p->budget, p->budget_held);
+        tdp__budget_unref(p->budget);
+    }
     tdp__waiter_fini(&p->w);
     tdp__free(p);
+}
+
+void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b)
+{
+    tdp__budget_unref(p->budget);
+    p->budget = b != NULL ? tdp__budget_ref(b) : NULL;
 }
 
 void tdp__session_destroy(tdp_pipe *p)

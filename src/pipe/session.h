@@ -42,6 +42,15 @@ void tdp__session_answer_hello(tdp_pipe *p, tdp__hello_hook fn, void *arg);
 void tdp__session_destroy(tdp_pipe *p);
 const char *tdp__session_peer(const tdp_pipe *p);
 
+/*
+ * Charge this pipe's receive storage to b (a server's memory cap, which
+ * outlives the pipe): a layout that would take b over its cap fails the
+ * pipe with TDP_ELIMIT (BYE says so); all is given back when the pipe is
+ * freed. The pipe holds a reference on b. Set before the handshake starts.
+ */
+struct tdp__budget;
+void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b);
+
 /* For tests: the chosen plane's link and its loop (NULL before the HELLO). */
 struct tdp__link *tdp__session_link(const tdp_pipe *p);
 tdp_loop *tdp__session_loop(const tdp_pipe *p);

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <tdpipe/pipe.h>
 
+#include "budget.h"
 #include "ctl.h"
 #include "op.h"
 #include "plane.h"
@@ -27,6 +28,9 @@ typedef struct rx_slot {
     uint32_t epoch;    /* the link it came by (reconnecting pipes have several) */
     uint64_t ready_ns; /* latency_stats: when it had fully arrived */
     tdp_pipe *pipe;
+    uint64_t sum; /* the checksum its DATA frame carried, when has_sum */
+    bool has_sum;
+    bool bad; /* READY but its checksum did not match: a receive drops it */
 } rx_slot;
 
 /* A send the plane holds; the op goes back early if the pipe fails or times out. */
@@ -143,6 +147,11 @@ struct tdp_pipe {
     struct event *retry_ev;
     uint32_t epoch;
     uint64_t credit_base;
+
+    bool sum_on; /* payload checksum in force: both HELLOs offered it */
+    /* a server's cap on all its clients' receive storage (tdp__session_set_budget) */
+    tdp__budget *budget;
+    uint64_t budget_held; /* bytes this pipe took from it */
 };
 
 #endif

@@ -53,6 +53,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(latency_stats)
     TAKE(connect_wait_ms)
     TAKE(cuda_device_set)
+    TAKE(checksum)
 #undef TAKE
     if (out->cuda_device_set)
         out->cuda_device = in->cuda_device;

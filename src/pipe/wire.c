@@ -180,6 +180,8 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
             return TDP_EINVAL;
         n += TDP_HX_HDR_LEN + hx_span(4);
     }
+    if (h->checksum != 0) /* any algorithm but 0 goes on the wire (the session picks) */
+        n += TDP_HX_HDR_LEN + hx_span(1);
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
     *out = n;
@@ -241,6 +243,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         put64(hx_put(&p, TDP_HX_RESUME, 8), h->resume);
     if (h->want_depth != 0)
         put32(hx_put(&p, TDP_HX_WANT_DEPTH, 4), h->want_depth);
+    if (h->checksum != 0)
+        *hx_put(&p, TDP_HX_CHECKSUM, 1) = h->checksum;
     return TDP_OK;
 }
 
@@ -280,6 +284,12 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         h->want_depth = get32(v);
         if (h->want_depth == 0 || h->want_depth > TDP_HX_MAX_DEPTH)
             return TDP_EPROTO;
+        return TDP_OK;
+    case TDP_HX_CHECKSUM:
+        /* an algorithm this side lacks is allowed: the checksum is then off */
+        if (h->checksum != 0 || vlen != 1 || v[0] == 0)
+            return TDP_EPROTO;
+        h->checksum = v[0];
         return TDP_OK;
     case 0:
         return TDP_EPROTO;
@@ -397,9 +407,14 @@ tdp_err tdp_wire_bye_decode(const uint8_t *in, size_t len, tdp_bye *b)
 
 /*
  * AM header: magic u32 | version u8 | type u8 | flags u16 | token u64 |
- * seq u64 | hash u64 | length u64 | arg u64.
+ * seq u64 | hash u64 | length u64 | arg u64 [| sum u64 with TDP_AM_F_SUM].
  */
-void tdp_wire_am_encode(uint8_t out[TDP_AM_HDR_LEN], const tdp_am_hdr *h)
+size_t tdp_wire_am_len(const tdp_am_hdr *h)
+{
+    return (h->flags & TDP_AM_F_SUM) != 0 ? TDP_AM_HDR_SUM_LEN : TDP_AM_HDR_LEN;
+}
+
+size_t tdp_wire_am_encode(uint8_t *out, const tdp_am_hdr *h)
 {
     put32(out, TDP_AM_MAGIC);
     out[4] = TDP_PROTOCOL_VERSION;
@@ -410,12 +425,16 @@ void tdp_wire_am_encode(uint8_t out[TDP_AM_HDR_LEN], const tdp_am_hdr *h)
     put64(out + 24, h->hash);
     put64(out + 32, h->length);
     put64(out + 40, h->arg);
+    if ((h->flags & TDP_AM_F_SUM) != 0)
+        put64(out + TDP_AM_HDR_LEN, h->sum);
+    return tdp_wire_am_len(h);
 }
 
 tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h)
 {
     const uint8_t *p = in;
-    if (in == NULL || len != TDP_AM_HDR_LEN || get32(p) != TDP_AM_MAGIC)
+    if (in == NULL || (len != TDP_AM_HDR_LEN && len != TDP_AM_HDR_SUM_LEN) ||
+        get32(p) != TDP_AM_MAGIC)
         return TDP_EPROTO;
     if (p[4] != TDP_PROTOCOL_VERSION)
         return TDP_EVERSION;
@@ -426,10 +445,17 @@ tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h)
     h->hash = get64(p + 24);
     h->length = get64(p + 32);
     h->arg = get64(p + 40);
+    h->sum = 0;
+    /* the sum flag and the longer header go together, on DATA only */
+    if (len != tdp_wire_am_len(h))
+        return TDP_EPROTO;
+    if ((h->flags & TDP_AM_F_SUM) != 0)
+        h->sum = get64(p + TDP_AM_HDR_LEN);
     switch (h->type) {
     case TDP_AM_SCHEMA:
-    case TDP_AM_DATA:
         return h->flags == 0 ? TDP_OK : TDP_EPROTO;
+    case TDP_AM_DATA:
+        return (h->flags & ~TDP_AM_F_SUM) == 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_CREDIT:
         return h->flags == 0 && h->length == 0 ? TDP_OK : TDP_EPROTO;
     default:

@@ -73,7 +73,11 @@ enum tdp_hx_type {
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
     TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
     TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
+    TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
 };
+
+/* TDP_HX_CHECKSUM's value: the one algorithm, XXH3-64 of the DATA payload. */
+#define TDP_SUM_XXH3_64 1u
 
 /*
  * Data plane ids, one byte each in TDP_HX_PLANES. 0 is "none" (never on
@@ -130,6 +134,7 @@ typedef struct tdp_hello {
     uint8_t auth; /* TDP_HX_AUTH: 0 (none) or TDP_AUTH_HMAC_SHA256 */
     uint64_t resume; /* TDP_HX_RESUME: 0 (a fresh stream) or 2..2^62 */
     uint32_t want_depth; /* TDP_HX_WANT_DEPTH: 0 (no wish) or 1..64 */
+    uint8_t checksum;    /* TDP_HX_CHECKSUM: 0 (not offered) or the algorithm offered */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */
@@ -206,6 +211,10 @@ void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
 #define TDP_AM_ID       0x7d
 #define TDP_AM_MAGIC    0x50445454u /* "TTDP" */
 #define TDP_AM_HDR_LEN  48u
+/* A DATA header with TDP_AM_F_SUM: the payload's checksum follows, u64. */
+#define TDP_AM_HDR_SUM_LEN 56u
+#define TDP_AM_HDR_MAX_LEN TDP_AM_HDR_SUM_LEN
+#define TDP_AM_F_SUM       (1u << 0) /* DATA only, when both HELLOs offered TDP_HX_CHECKSUM */
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */
@@ -221,10 +230,17 @@ typedef struct tdp_am_hdr {
     uint64_t hash;   /* schema hash */
     uint64_t length; /* payload bytes */
     uint64_t arg;
+    uint64_t sum; /* with TDP_AM_F_SUM: XXH3-64 of the payload */
 } tdp_am_hdr;
 
-void tdp_wire_am_encode(uint8_t out[TDP_AM_HDR_LEN], const tdp_am_hdr *h);
-/* Check magic, version, type and length; TDP_EPROTO when malformed. */
+/* Header bytes for h: TDP_AM_HDR_LEN, or TDP_AM_HDR_SUM_LEN with TDP_AM_F_SUM. */
+size_t tdp_wire_am_len(const tdp_am_hdr *h);
+/* Write tdp_wire_am_len(h) bytes (out holds TDP_AM_HDR_MAX_LEN); returns that length. */
+size_t tdp_wire_am_encode(uint8_t *out, const tdp_am_hdr *h);
+/*
+ * Check magic, version, type, flags and length; TDP_EPROTO when malformed.
+ * len is TDP_AM_HDR_LEN, or TDP_AM_HDR_SUM_LEN for a DATA with TDP_AM_F_SUM.
+ */
 tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h);
 
 #endif

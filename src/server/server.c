@@ -11,9 +11,11 @@
  */
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <tdpipe/server.h>
 
 #include "../core/loop_int.h"
+#include "../pipe/budget.h"
 #include "../pipe/listener.h"
 #include "../pipe/op.h"
 #include "../pipe/session.h"
@@ -100,6 +102,7 @@ struct tdp_server {
     pthread_mutex_t mtx; /* st and all_gone */
     pthread_cond_t cond;
     tdp_server_stats st;
+    tdp__budget *budget; /* opts.max_memory, shared with every client's pipe */
 };
 
 static void mark_dirty(tdp_client *c);
@@ -140,6 +143,7 @@ static void opts_resolve(const tdp_server_opts *in, tdp_server_opts *out)
     TAKE(max_pending)
     TAKE(max_per_source)
     TAKE(idle_timeout_ms)
+    TAKE(max_memory)
 #undef TAKE
     if (offsetof(tdp_server_opts, pipe) + sizeof(in->pipe) <= n && in->pipe.size != 0)
         out->pipe = in->pipe;
@@ -185,6 +189,9 @@ void tdp_server_stats_get_sized(const tdp_server *s, tdp_server_stats *out, size
     pthread_mutex_lock(&m->mtx);
     st = m->st;
     pthread_mutex_unlock(&m->mtx);
+    st.memory_used = tdp__budget_used(m->budget);
+    st.memory_cap = m->budget->cap;
+    st.memory_refused = tdp__budget_refused(m->budget);
     tdp__fill_sized(out, size, &st, sizeof(st));
 }
 
@@ -720,7 +727,17 @@ static void server_release(tdp_server *s)
         tdp__call_on_loop(s->loop, work_free_task, s);
     pthread_mutex_destroy(&s->mtx);
     pthread_cond_destroy(&s->cond);
+    tdp__budget_unref(s->budget); /* pipes still winding down hold their own references */
     tdp__free(s);
+}
+
+/* opts.max_memory's default: half of physical memory (the rest for everything else). */
+static uint64_t default_max_memory(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0)
+        return UINT64_MAX; /* unknown: no cap rather than a wrong one */
+    return (uint64_t)pages * (uint64_t)page / 2;
 }
 
 tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const tdp_server_opts *opts,
@@ -739,6 +756,12 @@ tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const td
     s->h.size = sizeof(s->h);
     pthread_mutex_init(&s->mtx, NULL);
     pthread_cond_init(&s->cond, NULL);
+    s->budget =
+        tdp__budget_new(s->opts.max_memory != 0 ? s->opts.max_memory : default_max_memory());
+    if (s->budget == NULL) {
+        server_release(s);
+        return TDP_ENOMEM;
+    }
 
     /* every accepted pipe: the client's pipe options, the handshake deadline */
     tdp_pipe_opts po;
@@ -762,6 +785,7 @@ tdp_err tdp_server_new(tdp_loop *loop, const char *host, uint16_t port, const td
         .refused = srv_refused,
         .handshake_failed = srv_handshake_failed,
         .pending = srv_pending,
+        .budget = s->budget,
         .arg = s,
     };
     tdp_listener_opts lo;

@@ -52,6 +52,7 @@
 #include <unistd.h>
 #include <event2/event.h>
 
+#include "../checksum.h"
 #include "../plane.h"
 #include "../stage.h"
 #include "plane_shm.h"
@@ -207,6 +208,9 @@ struct tdp__link {
     struct tdp__link *next, *prev;
     uint32_t depth, peer_depth;
     uint64_t max_json, max_total;
+    /* the payload checksum is in force: a DATA descriptor's arg is the sum
+     * of the slot's bytes instead of their count (the layout says that) */
+    bool sum_on;
 
     /* sending */
     tdp__shm_seg *tx_ctl;
@@ -605,6 +609,8 @@ static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint3
                        .seq = tx->seq,
                        .hash = tdp_schema_hash(tx->td->schema),
                        .arg = tx->td->nbytes};
+    if (l->sum_on && type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
+        d.arg = tdp__sum_tx(tdp__shm_seg_slot(s->pool->seg, s->idx), tx->td->nbytes, tx->seq);
     tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
     tdp_err rc = tdp__shm_ring_push(r, &d);
     if (rc != TDP_OK)
@@ -736,7 +742,8 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     s->in_flight = true;
     s->pool->nflight++;
     l->last_seq = tx->seq;
-    if (gpu && !loaned && td->nbytes >= STREAM_MIN && l->stx_unposted == 0)
+    /* streamed: the descriptor leaves before the bytes, so it cannot carry their sum */
+    if (gpu && !loaned && td->nbytes >= STREAM_MIN && l->stx_unposted == 0 && !l->sum_on)
         rc = tx_stream(l, s, tx);
     else if (gpu || l->nstx > 0)
         rc = tx_stage(l, s, tx, gpu && !loaned, false);
@@ -1200,10 +1207,15 @@ static uint64_t rx_stream_have(const struct tdp__link *l, uint64_t seq, uint64_t
 }
 
 /* A DATA for the session (its announcements are in force). */
-static void rx_data(struct tdp__link *l, tdp__shm_desc *d)
+static void rx_data(struct tdp__link *l, tdp__shm_desc *d, bool has_sum, uint64_t sum)
 {
     /* the session checks order and layout, then recv checks the slot */
-    tdp__frame f = {.type = TDP_AM_DATA, .seq = d->seq, .hash = d->hash, .length = d->arg};
+    tdp__frame f = {.type = TDP_AM_DATA,
+                    .seq = d->seq,
+                    .hash = d->hash,
+                    .length = d->arg,
+                    .has_sum = has_sum,
+                    .sum = sum};
     l->up->data(l->owner, l, &f, d);
 }
 
@@ -1230,7 +1242,7 @@ static bool rx_follow(struct tdp__link *l)
     if (l->has_parked && rx_stream_have(l, l->parked.seq, l->parked.arg) == l->parked.arg) {
         tdp__shm_desc d = l->parked;
         l->has_parked = false;
-        rx_data(l, &d);
+        rx_data(l, &d, false, 0); /* streamed: never with the checksum in force */
         moved = true;
     }
     return moved;
@@ -1315,13 +1327,20 @@ static unsigned rx_progress(void *arg)
         }
         if (l->closed)
             return n;
+        uint64_t sum = 0;
+        bool has_sum = l->sum_on;
+        if (has_sum) {
+            /* arg carried the sum: the length is the layout's in force */
+            sum = d.arg;
+            d.arg = l->rx_schema != NULL ? tdp_schema_total_bytes(l->rx_schema) : 0;
+        }
         if (rx_must_park(l, &d)) {
             /* later DATA stay in the ring: they come after this one */
             l->parked = d;
             l->has_parked = true;
             break;
         }
-        rx_data(l, &d);
+        rx_data(l, &d, has_sum, sum);
     }
     if (!l->closed && !l->failed && n < TDP_MAX_DEPTH && rc == TDP_EPROTO)
         link_fail(l, TDP_EPROTO, "data ring corrupted");
@@ -1941,6 +1960,7 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
     l->max_json = peer->max_json_bytes;
     l->max_total = peer->max_total_bytes;
+    l->sum_on = peer->checksum;
     l->capearly = 2 * peer->peer_depth + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
     l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);

@@ -24,6 +24,7 @@
 #include <xxhash.h>
 
 #include "plane_ucx.h"
+#include "../checksum.h"
 #include "../op.h"
 #include "../stage.h"
 #include "ucx_addr.h"
@@ -81,7 +82,8 @@ typedef struct ticket {
     bool copying, copied;  /* its copy is queued / has landed */
     tdp_err copy_rc;
     uint8_t schema_hdr[TDP_AM_HDR_LEN];
-    uint8_t data_hdr[TDP_AM_HDR_LEN];
+    uint8_t data_hdr[TDP_AM_HDR_MAX_LEN];
+    size_t data_hdr_len; /* TDP_AM_HDR_LEN, or with the checksum TDP_AM_HDR_SUM_LEN */
 } ticket;
 
 /* Receive storage shared by the tds that wrap it; freed with the last one. */
@@ -124,6 +126,7 @@ struct tdp__link {
     void *close_req;
     bool started, closed;
     bool peer_mode;
+    bool sum_on; /* the payload checksum is in force (tdp__link_peer.checksum) */
     shared_ep *sep;
     tdp__reap reap;
     struct tdp__link *next, *prev; /* every link of the loop, for teardown */
@@ -951,7 +954,7 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
 
     if (rc != TDP_OK) {
         /* the token sits at a fixed place: end the link it names, if any */
-        if (header != NULL && header_length == TDP_AM_HDR_LEN) {
+        if (header != NULL && header_length >= TDP_AM_HDR_LEN) {
             uint64_t tok = 0;
             for (int i = 7; i >= 0; i--)
                 tok = (tok << 8) | ((const uint8_t *)header)[8 + i];
@@ -974,8 +977,13 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         l->up->failed(l->owner, l, TDP_EPROTO, "frame on the wrong worker");
         return UCS_OK;
     }
-    tdp__frame f = {.type = h.type, .seq = h.seq, .hash = h.hash, .length = h.length,
-                    .arg = h.arg};
+    tdp__frame f = {.type = h.type,
+                    .seq = h.seq,
+                    .hash = h.hash,
+                    .length = h.length,
+                    .arg = h.arg,
+                    .has_sum = (h.flags & TDP_AM_F_SUM) != 0,
+                    .sum = h.sum};
     switch (h.type) {
     case TDP_AM_CREDIT:
         l->up->credit(l->owner, l, h.arg);
@@ -1047,8 +1055,9 @@ static void send_cb(void *req, ucs_status_t st, void *user)
 }
 
 /* Post one AM for a ticket; counts it in flight unless it finished at once. */
-static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void *buf, size_t len,
-                       uint32_t flags, ucs_memory_type_t mt, ucp_mem_h memh)
+static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, size_t hdr_len,
+                       const void *buf, size_t len, uint32_t flags, ucs_memory_type_t mt,
+                       ucp_mem_h memh)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -1065,7 +1074,7 @@ static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, const void 
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         prm.memh = memh;
     }
-    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, TDP_AM_HDR_LEN, buf, len, &prm);
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, hdr_len, buf, len, &prm);
     if (r == NULL)
         return TDP_OK;
     if (UCS_PTR_IS_ERR(r)) {
@@ -1103,15 +1112,16 @@ static tdp_err tx_post(struct tdp__link *l, ticket *t)
         size_t jl;
         const char *json = tdp_schema_json(td->schema, &jl);
         /* eager: the schema is whole in the receiver's callback, before its data */
-        rc = am_post(l, t, t->schema_hdr, json, jl, UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST,
-                     NULL);
+        rc = am_post(l, t, t->schema_hdr, TDP_AM_HDR_LEN, json, jl, UCP_AM_SEND_FLAG_EAGER,
+                     UCS_MEMORY_TYPE_HOST, NULL);
     }
     if (rc == TDP_OK) {
         const void *src = t->bn != NULL ? t->bn->p : td->data;
         ucs_memory_type_t mt = td->device.type == TDP_DEVICE_CUDA && t->bn == NULL
                                    ? UCS_MEMORY_TYPE_CUDA
                                    : UCS_MEMORY_TYPE_HOST;
-        rc = am_post(l, t, t->data_hdr, src, td->nbytes, 0, mt, t->bn != NULL ? t->bn->memh : NULL);
+        rc = am_post(l, t, t->data_hdr, t->data_hdr_len, src, td->nbytes, 0, mt,
+                     t->bn != NULL ? t->bn->memh : NULL);
     }
     tdp__loop_kick(l->x->loop);
     if (rc != TDP_OK && t->inflight == 1)
@@ -1250,6 +1260,11 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
         return TDP_EINTERNAL; /* the session bounds sends by its own tickets */
     if (l->stage_failed)
         return TDP_ECONNRESET;
+    if (l->sum_on && tx->td->device.type != TDP_DEVICE_CPU) {
+        /* no host copy of device memory on this plane, and host code never reads it */
+        tdp_log_warn("the payload checksum covers host memory only: cannot send device memory");
+        return TDP_ENOTSUP;
+    }
     l->free_tickets = t->next_free;
     tdp_td *td = tx->td;
     t->cookie = tx->cookie;
@@ -1278,7 +1293,11 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
                     .hash = tdp_schema_hash(td->schema),
                     .length = td->nbytes,
                     .arg = tx->credit};
-    tdp_wire_am_encode(t->data_hdr, &h);
+    if (l->sum_on) { /* host memory only (refused above otherwise) */
+        h.flags |= TDP_AM_F_SUM;
+        h.sum = tdp__sum_tx(td->data, td->nbytes, tx->seq);
+    }
+    t->data_hdr_len = tdp_wire_am_encode(t->data_hdr, &h);
     if (!t->staged && l->txq == NULL) {
         tdp_err rc = tx_post(l, t);
         if (rc != TDP_OK)
@@ -1547,6 +1566,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     if (tdp_hello_rec(h, TDP_HX_UCX_ADDR) == NULL)
         return TDP_EPROTO;
     l->peer_token = h->token;
+    l->sum_on = peer->checksum;
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
