@@ -1397,9 +1397,10 @@ static tdp_err rx_views(struct tdp__link *l)
     return TDP_OK;
 }
 
+static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out);
+
 static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
 {
-    (void)depth;
     if (l->rpool == NULL || l->rpool->stride < tdp_schema_total_bytes(sc))
         return TDP_EPROTO; /* the pool in force cannot hold this layout */
     tdp_device dev = tdp_schema_device(sc);
@@ -1408,6 +1409,16 @@ static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
         tdp_err rc = link_stage(l, dev.index);
         if (rc != TDP_OK)
             return rc;
+        /* device storage for every receive slot now, not at a slot's first
+         * message (which may come late, once the consumer falls behind);
+         * a slot still held or being filled gets it when it comes free */
+        for (uint32_t i = 0; i < depth && i < TDP_MAX_DEPTH; i++) {
+            tdp_td *g;
+            if (l->held[i] != NULL || l->srx[i].copy.active)
+                continue;
+            if ((rc = rx_device_buf(l, i, sc, &g)) != TDP_OK)
+                return rc;
+        }
     }
     if (l->rx_schema != sc) {
         tdp_schema_unref(l->rx_schema);
