@@ -22,19 +22,25 @@ import time
 from . import _tdpipe
 from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
                      RefusedError, SchemaError, TimeoutError, error_for)
-from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
-    consolidated_check
+from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
+    consolidate, consolidated_check
+
+try:
+    import torch as _torch
+except ImportError:
+    _torch = None
 
 __all__ = [
     "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
     "RefusedError", "CanceledError", "AuthError", "SchemaError", "Schema", "library_version",
-    "mem_stats",
+    "mem_stats", "DLPackArray", "cuda_device_count",
 ]
 
 Schema = _tdpipe.Schema
 library_version = _tdpipe.library_version
 mem_stats = _tdpipe.mem_stats
+cuda_device_count = _tdpipe.cuda_device_count
 __version__ = _tdpipe.library_version()
 
 # Nothing on the library's loop thread may take the GIL once the
@@ -42,7 +48,8 @@ __version__ = _tdpipe.library_version()
 atexit.register(_tdpipe._finalizing)
 
 _OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "reconnect", "connect_wait",
-         "latency_stats", "plane", "peer_mode", "keepalive", "secret")
+         "latency_stats", "plane", "peer_mode", "keepalive", "secret", "recv_device",
+         "cuda_device")
 
 
 def _loop_flag(loop):
@@ -62,15 +69,42 @@ _SPIN_MAX_US = 1000
 
 
 def _check_device(device):
-    """Receive devices this build serves: the host only."""
+    """recv's device as the library names it ("cpu", "cuda:N"), or None."""
     if device is None:
-        return
-    kind = getattr(device, "type", None) or str(device).split(":")[0]
-    if kind != "cpu":
-        raise NotImplementedError(
-            "recv(device=%r): receiving onto a GPU is not available in this build of tdpipe's "
-            "Python binding yet; receive on the host (device='cpu') and move the tensors "
-            "with .to(device)" % (str(device),))
+        return None
+    kind = getattr(device, "type", None)
+    if kind is not None:  # a torch.device
+        index = device.index
+        if kind == "cuda" and index is None:
+            index = _torch.cuda.current_device() if _torch.cuda.is_available() else 0
+        name = "cpu" if kind == "cpu" else "%s:%d" % (kind, index)
+    else:
+        name = str(device)
+        if name == "cuda":
+            name = "cuda:0"
+    kind, _, index = name.partition(":")
+    if name != "cpu" and not (kind == "cuda" and index.isdigit()):
+        raise ValueError("device %r: expected 'cpu', 'cuda' or 'cuda:N'" % (str(device),))
+    return name
+
+
+def _on_device(raw, device):
+    """A received Td on `device`: itself, or a copy there made by the
+    library (the message is then released at once)."""
+    if device is None or raw.device == device:
+        return raw
+    try:
+        return raw.to_device(device)
+    finally:
+        raw.release()
+
+
+def _producer_done(device):
+    """Before the library reads a CUDA buffer the caller wrote: wait for the
+    work queued on torch's current stream of that device (the library reads
+    on its own stream and waits for no other; docs/python.md)."""
+    if device is not None and _torch is not None and _torch.cuda.is_available():
+        _torch.cuda.current_stream(device).synchronize()
 
 
 def _as_timeout(td, timeout):
@@ -129,6 +163,8 @@ class Pipe:
         self._sop_pending = False
         self._abuf = None  # asend's gather buffer, reused while its schema holds
         self._abuf_schema = None
+        self._dbuf = None  # send's device gather buffer, reused while its schema holds
+        self._dbuf_schema = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
         # asend's short wait on the calling thread before the event loop's
         # (microseconds; None: by size, see _SPIN_*; 0: none)
@@ -138,14 +174,34 @@ class Pipe:
     # -- sending
 
     def _send_args(self, td):
-        """The Td to send as is, or (schema, addresses, keepalive) to gather."""
+        """The Td to send as is, or (schema, addresses, keepalive) to gather.
+        A CUDA buffer's producer work is waited for here (_producer_done)."""
         raw_td = consolidated_check(td)
         if raw_td is not None:
+            dev = raw_td.device
+            if dev != "cpu":
+                _producer_done(dev)
             return raw_td, None
-        schema, addrs, keep, wrapped = self._send_cache.get_send(td)
+        cache = self._send_cache
+        schema, addrs, keep, wrapped = cache.get_send(td)
         if wrapped is not None:
+            _producer_done(cache.fkey[0][3])
             return wrapped, None
+        dev = cache.key[3]
+        if dev is not None:
+            _producer_done(dev)
+            return self._gather_device(schema, addrs), None
         return None, (schema, addrs, keep)
+
+    def _gather_device(self, schema, addrs):
+        """CUDA leaves gathered into the pipe's device send buffer, reused
+        while the layout holds, by device-to-device copies of the library."""
+        if self._dbuf_schema is not schema:
+            self._dbuf = None
+            self._dbuf = _tdpipe.Td.alloc(schema)
+            self._dbuf_schema = schema
+        self._dbuf.fill(addrs)
+        return self._dbuf
 
     def send(self, td, timeout=None):
         """Send a nested mapping of tensors / arrays / scalars.
@@ -209,11 +265,17 @@ class Pipe:
         and td is returned (one copy, no allocation). A leaf it lacks, or of
         another shape or dtype, raises ValueError (the message is consumed).
 
-        device: "cpu" (or None); a GPU raises NotImplementedError (not
-        available in this build)."""
+        device: None (where the message is: the sender's device, or the
+        pipe's recv_device option), "cpu" or "cuda:N". A message elsewhere
+        is copied there by the library into a new buffer (an allocation per
+        message; the pipe option recv_device="cuda:N" lands it there without
+        one) and the pipe's buffer is released at once. A GPU message gives
+        torch CUDA tensors viewing the receive buffer (as_="torch"; as_="dlpack"
+        gives DLPackArray leaves; NumPy refuses). See docs/python.md, "GPU
+        tensors", for the stream contract."""
         td, timeout = _as_timeout(td, timeout)
-        _check_device(device)
-        raw = self._raw.recv(timeout)
+        device = _check_device(device)
+        raw = _on_device(self._raw.recv(timeout), device)
         if td is None:
             return self._unpack(raw, as_ or self.as_)
         try:
@@ -304,8 +366,8 @@ class Pipe:
         Either way the event loop never blocks, and a cancelled arecv leaves
         its receive pending: the next arecv takes its message. arecv(td)
         receives into td as recv(td) does."""
-        _check_device(device)
-        raw = await self._arecv_raw()
+        device = _check_device(device)
+        raw = _on_device(await self._arecv_raw(), device)
         if td is None:
             return self._unpack(raw, as_ or self.as_)
         try:
@@ -646,6 +708,7 @@ class Server:
         if raw_td is not None:
             return raw_td
         schema, addrs, keep = self._cache.get(reply)
+        _producer_done(self._cache.key[3])
         out = _tdpipe.Td.alloc(schema)
         out.fill(addrs)
         del keep
