@@ -23,7 +23,7 @@ from . import _tdpipe
 from .errors import (AuthError, CanceledError, ClosedError, Error, PeerError, ProtocolError,
                      RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
-    consolidate, consolidated_check
+    consolidate, consolidated_check, producer_done as _producer_done
 
 try:
     import torch as _torch
@@ -85,6 +85,10 @@ def _check_device(device):
     kind, _, index = name.partition(":")
     if name != "cpu" and not (kind == "cuda" and index.isdigit()):
         raise ValueError("device %r: expected 'cpu', 'cuda' or 'cuda:N'" % (str(device),))
+    if name != "cpu" and int(index) >= _tdpipe.cuda_device_count():
+        # said before anything is received, so no message is lost to it
+        raise ValueError("device %r: no CUDA device %s (the library sees %d; docs/gpu.md)" %
+                         (str(device), index, _tdpipe.cuda_device_count()))
     return name
 
 
@@ -99,12 +103,6 @@ def _on_device(raw, device):
         raw.release()
 
 
-def _producer_done(device):
-    """Before the library reads a CUDA buffer the caller wrote: wait for the
-    work queued on torch's current stream of that device (the library reads
-    on its own stream and waits for no other; docs/python.md)."""
-    if device is not None and _torch is not None and _torch.cuda.is_available():
-        _torch.cuda.current_stream(device).synchronize()
 
 
 def _as_timeout(td, timeout):
@@ -165,6 +163,9 @@ class Pipe:
         self._abuf_schema = None
         self._dbuf = None  # send's device gather buffer, reused while its schema holds
         self._dbuf_schema = None
+        # depth 1: the device of the GPU message lent last, whose buffer the
+        # next receive reuses (torch's current stream there is waited for)
+        self._lent_dev = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
         # asend's short wait on the calling thread before the event loop's
         # (microseconds; None: by size, see _SPIN_*; 0: none)
@@ -275,9 +276,10 @@ class Pipe:
         tensors", for the stream contract."""
         td, timeout = _as_timeout(td, timeout)
         device = _check_device(device)
+        self._gpu_reuse()
         raw = _on_device(self._raw.recv(timeout), device)
         if td is None:
-            return self._unpack(raw, as_ or self.as_)
+            return self._lent(self._unpack(raw, as_ or self.as_))
         try:
             return self._unpack.into(raw, td)
         finally:
@@ -285,6 +287,18 @@ class Pipe:
 
     def release(self, msg):
         msg.release()
+
+    def _lent(self, msg):
+        if self._unpack.plan.device != "cpu" and self._raw.depth == 1 and msg._td.seq:
+            self._lent_dev = self._unpack.plan.device
+        return msg
+
+    def _gpu_reuse(self):
+        """At depth 1 a receive gives the last message's buffer back: a GPU
+        one after torch's current stream has passed the work reading it."""
+        if self._lent_dev is not None:
+            _producer_done(self._lent_dev)
+            self._lent_dev = None
 
     def __iter__(self):
         """Messages until the peer's clean end; other errors raise."""
@@ -367,9 +381,10 @@ class Pipe:
         its receive pending: the next arecv takes its message. arecv(td)
         receives into td as recv(td) does."""
         device = _check_device(device)
+        self._gpu_reuse()
         raw = _on_device(await self._arecv_raw(), device)
         if td is None:
-            return self._unpack(raw, as_ or self.as_)
+            return self._lent(self._unpack(raw, as_ or self.as_))
         try:
             return self._unpack.into(raw, td)
         finally:

@@ -123,14 +123,19 @@ class Message(Consolidated):
 
     def release(self):
         """Give the buffer back (a credit goes to the sender). The views
-        then point at memory the next message lands in."""
-        self._td.release()
+        then point at memory the next message lands in. A GPU message first
+        waits for torch's current stream on its device (the work queued
+        there that reads the views)."""
+        td = self._td
+        if not td.released and td.device != "cpu":
+            producer_done(td.device)
+        td.release()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self._td.release()
+        self.release()
         return False
 
 
@@ -731,11 +736,23 @@ class Unpacker:
         return copy_into(dst, td, plan)
 
 
+def producer_done(device):
+    """Before the library reads a CUDA buffer the caller wrote: wait for the
+    work queued on torch's current stream of that device (the library reads
+    on its own stream and waits for no other; docs/python.md, "GPU
+    tensors"). Nothing for the host (None) or without torch's CUDA."""
+    if device is not None and device != "cpu" and torch is not None and \
+            torch.cuda.is_available():
+        torch.cuda.current_stream(device).synchronize()
+
+
 def consolidate(obj, as_="torch", _cache=None):
-    """Copy a nested mapping of tensors into one new tdpipe buffer and
-    return it as a Consolidated dict of views (send it without a copy)."""
+    """Copy a nested mapping of tensors into one new tdpipe buffer (on the
+    leaves' device) and return it as a Consolidated dict of views (send it
+    without a copy)."""
     cache = _cache or SchemaCache()
     schema, addrs, keep = cache.get(obj)
+    producer_done(cache.key[3])
     td = _tdpipe.Td.alloc(schema)
     td.fill(addrs)
     del keep

@@ -130,6 +130,12 @@ def test_gpu_consolidated_and_mixed(gpu_pair):
     assert tx._dbuf is None
     with rx.recv(timeout=T) as m:
         _same(m, src)
+    # views into one CUDA allocation (a TensorDict.consolidate() storage) go as they are
+    big = torch.arange(1024, dtype=torch.float32, device="cuda:0")
+    tx.send({"a": big[:256], "b": big[256:768]}, timeout=T)
+    assert tx._dbuf is None
+    with rx.recv(timeout=T) as m:
+        assert torch.equal(m["a"], big[:256]) and torch.equal(m["b"], big[256:768])
     with pytest.raises(ValueError, match="several devices"):
         tx.send({"a": torch.ones(2, device="cuda:0"), "b": torch.ones(2)}, timeout=T)
     with pytest.raises(ValueError, match="NumPy"):
