@@ -213,6 +213,11 @@ class Pipe:
         and so do leaves that are views into one allocation (a
         TensorDict.consolidate() storage, say; see docs/python.md).
         Returns when the buffer may be reused (the transport took the bytes).
+        CUDA leaves (all on one device; several raise ValueError naming
+        them) are gathered into a device buffer by the library's copies,
+        after torch's current stream on that device is synchronized; work
+        on other streams must be finished first (docs/python.md, "GPU
+        tensors").
         A key or value that breaks a schema rule (a '.' in a key, an empty
         key, a value over 4096 bytes, ...) raises SchemaError, a
         ValueError naming the key, before anything is sent.
