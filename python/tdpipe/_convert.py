@@ -552,9 +552,12 @@ class DLPackArray:
     def __cuda_array_interface__(self):
         if self.device == "cpu":
             raise AttributeError("__cuda_array_interface__: a host leaf")
-        if np is None:
-            raise AttributeError("__cuda_array_interface__ needs NumPy (for typestr)")
-        return {"shape": self.shape, "typestr": np.dtype(self.dtype[6:]).str,
+        try:
+            typestr = np.dtype(self.dtype[6:]).str
+        except (AttributeError, TypeError):  # no NumPy, or a dtype it lacks (bfloat16)
+            raise AttributeError("__cuda_array_interface__: no typestr for %s" %
+                                 self.dtype) from None
+        return {"shape": self.shape, "typestr": typestr,
                 "data": (self.data_ptr, False), "version": 3, "strides": None, "stream": None}
 
     def tobytes(self):
