@@ -175,15 +175,15 @@ def _leaf_info(x):
         if name is None:
             name = _DTYPE_NAME[x.dtype] = str(x.dtype)
         return name, tuple(x.shape), x.data_ptr(), x, dev
+    if np is not None and isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return x.dtype.name, x.shape, x.__array_interface__["data"][0], x, None
     if isinstance(x, DLPackArray):  # a received leaf, forwarded
         return x.dtype, x.shape, x.data_ptr, x, None if x.device == "cpu" else x.device
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         return _cai_info(x, cai)
-    if np is not None and isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x)
-        return x.dtype.name, x.shape, x.__array_interface__["data"][0], x, None
     if hasattr(x, "__dlpack__"):
         if torch is not None:
             return _leaf_info(torch.from_dlpack(x))
