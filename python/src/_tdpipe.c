@@ -240,6 +240,26 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
             o->secret = buf;
             o->secret_len = (size_t)len;
 #endif
+        } else if (!strcmp(key, "recv_device")) {
+            /* the receive-device override: messages land on this device */
+            const char *s = PyUnicode_AsUTF8(v);
+            if (s == NULL)
+                return -1;
+            if (tdp_device_parse(s, &o->recv_device) != TDP_OK) {
+                PyErr_Format(PyExc_ValueError, "recv_device %R: expected 'cpu' or 'cuda:N'", v);
+                return -1;
+            }
+            o->recv_device_set = true;
+        } else if (!strcmp(key, "cuda_device")) {
+            long n = PyLong_AsLong(v);
+            if (n == -1 && PyErr_Occurred())
+                return -1;
+            if (n < 0 || n > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "cuda_device must be a device index >= 0");
+                return -1;
+            }
+            o->cuda_device = (int)n;
+            o->cuda_device_set = true;
         } else if (!strcmp(key, "keepalive")) {
             int a, b, c;
             if (!PyArg_ParseTuple(v, "iii", &a, &b, &c))
@@ -276,21 +296,44 @@ static void schema_dealloc(SchemaObject *self)
     PyObject_Free(self);
 }
 
+static int parse_device(const char *name, tdp_device *out)
+{
+    if (tdp_device_parse(name, out) != TDP_OK) {
+        PyErr_Format(PyExc_ValueError, "device %s: expected 'cpu' or 'cuda:N'", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *device_str(tdp_device dev)
+{
+    char buf[TDP_DEVICE_STRLEN];
+    return PyUnicode_FromString(tdp_device_format(dev, buf));
+}
+
 /*
- * Schema.build(nodes, tensors, values): nodes [(path, cls, batch_size)],
+ * Schema.build(nodes, tensors, values[, device]): nodes [(path, cls, batch_size)],
  * tensors [(path, dtype_name, shape)] in buffer order, values [(path,
  * json_text)].
  */
 static PyObject *schema_build(PyObject *cls, PyObject *args)
 {
     PyObject *nodes, *tensors, *values;
-    if (!PyArg_ParseTuple(args, "OOO", &nodes, &tensors, &values))
+    const char *devname = NULL;
+    if (!PyArg_ParseTuple(args, "OOO|z", &nodes, &tensors, &values, &devname))
+        return NULL;
+    tdp_device dev = TDP_DEVICE_CPU_INIT;
+    if (devname != NULL && parse_device(devname, &dev) < 0)
         return NULL;
     PyObject *res = NULL, *fn = NULL, *ft = NULL, *fv = NULL;
     tdp_schema_builder *b = NULL;
     tdp_err rc = tdp_schema_builder_new(&b);
     if (rc != TDP_OK)
         return raise_tdp(rc, "schema builder");
+    if (dev.type != TDP_DEVICE_CPU && (rc = tdp_schema_builder_set_device(b, dev)) != TDP_OK) {
+        raise_tdp(rc, "schema device");
+        goto done;
+    }
     if ((fn = PySequence_Fast(nodes, "nodes")) == NULL ||
         (ft = PySequence_Fast(tensors, "tensors")) == NULL ||
         (fv = PySequence_Fast(values, "values")) == NULL)
@@ -511,7 +554,13 @@ static PyMethodDef schema_methods[] = {
     {NULL},
 };
 
+static PyObject *schema_device(SchemaObject *self, void *c)
+{
+    return device_str(tdp_schema_device(self->s));
+}
+
 static PyGetSetDef schema_getset[] = {
+    {"device", (getter)schema_device, NULL, NULL, NULL},
     {"json", (getter)schema_json, NULL, NULL, NULL},
     {"hash", (getter)schema_hash_get, NULL, NULL, NULL},
     {"total_bytes", (getter)schema_total_bytes, NULL, NULL, NULL},
@@ -719,13 +768,27 @@ static PyObject *td_alloc(PyObject *cls, PyObject *arg)
     return (PyObject *)o;
 }
 
-static void fill_leaves(tdp_td *td, const void *const *src, uint32_t n)
+/*
+ * A host buffer is filled with memcpy (the sources are host memory); a
+ * device buffer through the library's copy, which takes host or device
+ * sources and never touches device memory from host code.
+ */
+static tdp_err fill_leaves(tdp_td *td, const void *const *src, uint32_t n)
 {
+    bool dev = tdp_td_device(td).type != TDP_DEVICE_CPU;
     for (uint32_t i = 0; i < n; i++) {
         tdp_leaf lf;
-        if (tdp_td_leaf_at(td, i, &lf) == TDP_OK && lf.nbytes > 0)
+        if (tdp_td_leaf_at(td, i, &lf) != TDP_OK || lf.nbytes == 0)
+            continue;
+        if (!dev) {
             memcpy(lf.data, src[i], lf.nbytes);
+            continue;
+        }
+        tdp_err rc = tdp_mem_copy(lf.data, src[i], lf.nbytes);
+        if (rc != TDP_OK)
+            return rc;
     }
+    return TDP_OK;
 }
 
 /* Copies of this many bytes or more are made without the GIL. */
@@ -765,14 +828,17 @@ static PyObject *td_fill(TdObject *self, PyObject *arg)
         }
     }
     Py_DECREF(f);
-    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS fill_leaves(td, v, n);
+    tdp_err rc;
+    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES || tdp_td_device(td).type != TDP_DEVICE_CPU) {
+        Py_BEGIN_ALLOW_THREADS rc = fill_leaves(td, v, n);
         Py_END_ALLOW_THREADS
     } else {
-        fill_leaves(td, v, n);
+        rc = fill_leaves(td, v, n);
     }
     if (v != small)
         PyMem_Free(v);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "copy into the buffer");
     Py_RETURN_NONE;
 }
 
@@ -793,15 +859,18 @@ static PyObject *td_wrap(PyObject *cls, PyObject *args)
 {
     PyObject *schema, *addr, *owner;
     unsigned long long nbytes;
-    if (!PyArg_ParseTuple(args, "O!OKO", &SchemaType, &schema, &addr, &nbytes, &owner))
+    const char *devname = NULL;
+    if (!PyArg_ParseTuple(args, "O!OKO|z", &SchemaType, &schema, &addr, &nbytes, &owner, &devname))
+        return NULL;
+    tdp_device dev = TDP_DEVICE_CPU_INIT;
+    if (devname != NULL && parse_device(devname, &dev) < 0)
         return NULL;
     void *p = PyLong_AsVoidPtr(addr);
     if (p == NULL && PyErr_Occurred())
         return NULL;
     tdp_td *td;
     Py_INCREF(owner);
-    tdp_err rc = tdp_td_wrap(((SchemaObject *)schema)->s, p, nbytes, TDP_DEVICE_CPU_INIT,
-                             wrap_release, owner, &td);
+    tdp_err rc = tdp_td_wrap(((SchemaObject *)schema)->s, p, nbytes, dev, wrap_release, owner, &td);
     if (rc != TDP_OK) {
         Py_DECREF(owner);
         return raise_tdp(rc, "wrap");
@@ -811,7 +880,80 @@ static PyObject *td_wrap(PyObject *cls, PyObject *args)
     return (PyObject *)o;
 }
 
+static PyObject *td_device(TdObject *self, void *c)
+{
+    return device_str(tdp_td_device(self->td));
+}
+
+/*
+ * read(i) -> bytes of tensor leaf i, copied to the host by the library
+ * (the buffer may be device memory, which host code must not touch).
+ */
+static PyObject *td_read(TdObject *self, PyObject *arg)
+{
+    if (td_check_live(self) < 0)
+        return NULL;
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    tdp_leaf lf;
+    if (i < 0 || (uint32_t)i >= tdp_schema_num_tensors(tdp_td_schema(self->td)) ||
+        tdp_td_leaf_at(self->td, (uint32_t)i, &lf) != TDP_OK) {
+        PyErr_SetString(PyExc_IndexError, "leaf index");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lf.nbytes);
+    if (out == NULL)
+        return NULL;
+    tdp_err rc;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS rc = tdp_mem_copy(dst, lf.data, lf.nbytes);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK)
+    {
+        Py_DECREF(out);
+        return raise_tdp(rc, "copy to the host");
+    }
+    return out;
+}
+
+/*
+ * to_device(name) -> a new owned Td on that device ("cpu", "cuda:N") with
+ * this one's bytes: one copy of the whole buffer by the library.
+ */
+static PyObject *td_to_device(TdObject *self, PyObject *arg)
+{
+    if (td_check_live(self) < 0)
+        return NULL;
+    const char *name = PyUnicode_AsUTF8(arg);
+    tdp_device dev;
+    if (name == NULL || parse_device(name, &dev) < 0)
+        return NULL;
+    tdp_schema *s;
+    tdp_td *out;
+    tdp_err rc = tdp_schema_with_device(tdp_td_schema(self->td), dev, &s);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "schema device");
+    rc = tdp_td_new(s, &out);
+    tdp_schema_unref(s);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "allocate");
+    void *dst = tdp_td_data(out);
+    const void *src = tdp_td_data(self->td);
+    uint64_t n = tdp_schema_total_bytes(tdp_td_schema(self->td));
+    Py_BEGIN_ALLOW_THREADS rc = tdp_mem_copy(dst, src, n);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK)
+    {
+        tdp_td_unref(out);
+        return raise_tdp(rc, "copy between devices");
+    }
+    TdObject *o = td_new_obj(out);
+    tdp_td_unref(out);
+    return (PyObject *)o;
+}
+
 static PyMethodDef td_methods[] = {
+    {"read", (PyCFunction)td_read, METH_O, NULL},
+    {"to_device", (PyCFunction)td_to_device, METH_O, NULL},
     {"capsules", (PyCFunction)td_capsules, METH_NOARGS, NULL},
     {"capsule", (PyCFunction)td_capsule, METH_O, NULL},
     {"release", (PyCFunction)td_release, METH_NOARGS, NULL},
@@ -822,6 +964,7 @@ static PyMethodDef td_methods[] = {
 };
 
 static PyGetSetDef td_getset[] = {
+    {"device", (getter)td_device, NULL, NULL, NULL},
     {"schema", (getter)td_schema, NULL, NULL, NULL},
     {"data_ptr", (getter)td_data_ptr, NULL, NULL, NULL},
     {"nbytes", (getter)td_nbytes, NULL, NULL, NULL},
@@ -1830,6 +1973,12 @@ static PyObject *mod_strerror(PyObject *m, PyObject *arg)
  * process started): buffers by memory kind and its small objects. Two
  * snapshots around a loop count the allocations per message.
  */
+/* cuda_device_count(): devices of the library's CUDA layer (TDPIPE_CUDA, docs/gpu.md). */
+static PyObject *mod_cuda_device_count(PyObject *m, PyObject *unused)
+{
+    return PyLong_FromLong(tdp_cuda_device_count());
+}
+
 static PyObject *mod_mem_stats(PyObject *m, PyObject *unused)
 {
     tdp_mem_stats s;
@@ -1852,6 +2001,7 @@ static PyMethodDef mod_methods[] = {
     {"strerror", mod_strerror, METH_O, NULL},
     {"library_version", mod_version, METH_NOARGS, NULL},
     {"mem_stats", mod_mem_stats, METH_NOARGS, NULL},
+    {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, NULL},
     {NULL},
 };
 

@@ -22,19 +22,25 @@ import time
 from . import _tdpipe
 from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
                      ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
-from ._convert import Consolidated, Message, SchemaCache, Unpacker, consolidate, \
-    consolidated_check
+from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
+    consolidate, consolidated_check, producer_done as _producer_done
+
+try:
+    import torch as _torch
+except ImportError:
+    _torch = None
 
 __all__ = [
     "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
     "RefusedError", "CanceledError", "AuthError", "ChecksumError", "SchemaError", "Schema",
-    "library_version", "mem_stats",
+    "library_version", "mem_stats", "DLPackArray", "cuda_device_count",
 ]
 
 Schema = _tdpipe.Schema
 library_version = _tdpipe.library_version
 mem_stats = _tdpipe.mem_stats
+cuda_device_count = _tdpipe.cuda_device_count
 __version__ = _tdpipe.library_version()
 
 # Nothing on the library's loop thread may take the GIL once the
@@ -42,7 +48,8 @@ __version__ = _tdpipe.library_version()
 atexit.register(_tdpipe._finalizing)
 
 _OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "reconnect", "connect_wait",
-         "latency_stats", "plane", "peer_mode", "keepalive", "secret")
+         "latency_stats", "plane", "peer_mode", "keepalive", "secret", "recv_device",
+         "cuda_device")
 
 
 def _loop_flag(loop):
@@ -62,15 +69,40 @@ _SPIN_MAX_US = 1000
 
 
 def _check_device(device):
-    """Receive devices this build serves: the host only."""
+    """recv's device as the library names it ("cpu", "cuda:N"), or None."""
     if device is None:
-        return
-    kind = getattr(device, "type", None) or str(device).split(":")[0]
-    if kind != "cpu":
-        raise NotImplementedError(
-            "recv(device=%r): receiving onto a GPU is not available in this build of tdpipe's "
-            "Python binding yet; receive on the host (device='cpu') and move the tensors "
-            "with .to(device)" % (str(device),))
+        return None
+    kind = getattr(device, "type", None)
+    if kind is not None:  # a torch.device
+        index = device.index
+        if kind == "cuda" and index is None:
+            index = _torch.cuda.current_device() if _torch.cuda.is_available() else 0
+        name = "cpu" if kind == "cpu" else "%s:%d" % (kind, index)
+    else:
+        name = str(device)
+        if name == "cuda":
+            name = "cuda:0"
+    kind, _, index = name.partition(":")
+    if name != "cpu" and not (kind == "cuda" and index.isdigit()):
+        raise ValueError("device %r: expected 'cpu', 'cuda' or 'cuda:N'" % (str(device),))
+    if name != "cpu" and int(index) >= _tdpipe.cuda_device_count():
+        # said before anything is received, so no message is lost to it
+        raise ValueError("device %r: no CUDA device %s (the library sees %d; docs/gpu.md)" %
+                         (str(device), index, _tdpipe.cuda_device_count()))
+    return name
+
+
+def _on_device(raw, device):
+    """A received Td on `device`: itself, or a copy there made by the
+    library (the message is then released at once)."""
+    if device is None or raw.device == device:
+        return raw
+    try:
+        return raw.to_device(device)
+    finally:
+        raw.release()
+
+
 
 
 def _as_timeout(td, timeout):
@@ -129,6 +161,11 @@ class Pipe:
         self._sop_pending = False
         self._abuf = None  # asend's gather buffer, reused while its schema holds
         self._abuf_schema = None
+        self._dbuf = None  # send's device gather buffer, reused while its schema holds
+        self._dbuf_schema = None
+        # depth 1: the device of the GPU message lent last, whose buffer the
+        # next receive reuses (torch's current stream there is waited for)
+        self._lent_dev = None
         self._bg_recv = None  # pending background receive (loop="caller" asyncio)
         # asend's short wait on the calling thread before the event loop's
         # (microseconds; None: by size, see _SPIN_*; 0: none)
@@ -138,14 +175,34 @@ class Pipe:
     # -- sending
 
     def _send_args(self, td):
-        """The Td to send as is, or (schema, addresses, keepalive) to gather."""
+        """The Td to send as is, or (schema, addresses, keepalive) to gather.
+        A CUDA buffer's producer work is waited for here (_producer_done)."""
         raw_td = consolidated_check(td)
         if raw_td is not None:
+            dev = raw_td.device
+            if dev != "cpu":
+                _producer_done(dev)
             return raw_td, None
-        schema, addrs, keep, wrapped = self._send_cache.get_send(td)
+        cache = self._send_cache
+        schema, addrs, keep, wrapped = cache.get_send(td)
         if wrapped is not None:
+            _producer_done(cache.fkey[0][3])
             return wrapped, None
+        dev = cache.key[3]
+        if dev is not None:
+            _producer_done(dev)
+            return self._gather_device(schema, addrs), None
         return None, (schema, addrs, keep)
+
+    def _gather_device(self, schema, addrs):
+        """CUDA leaves gathered into the pipe's device send buffer, reused
+        while the layout holds, by device-to-device copies of the library."""
+        if self._dbuf_schema is not schema:
+            self._dbuf = None
+            self._dbuf = _tdpipe.Td.alloc(schema)
+            self._dbuf_schema = schema
+        self._dbuf.fill(addrs)
+        return self._dbuf
 
     def send(self, td, timeout=None):
         """Send a nested mapping of tensors / arrays / scalars.
@@ -156,6 +213,11 @@ class Pipe:
         and so do leaves that are views into one allocation (a
         TensorDict.consolidate() storage, say; see docs/python.md).
         Returns when the buffer may be reused (the transport took the bytes).
+        CUDA leaves (all on one device; several raise ValueError naming
+        them) are gathered into a device buffer by the library's copies,
+        after torch's current stream on that device is synchronized; work
+        on other streams must be finished first (docs/python.md, "GPU
+        tensors").
         A key or value that breaks a schema rule (a '.' in a key, an empty
         key, a value over 4096 bytes, ...) raises SchemaError, a
         ValueError naming the key, before anything is sent.
@@ -209,13 +271,20 @@ class Pipe:
         and td is returned (one copy, no allocation). A leaf it lacks, or of
         another shape or dtype, raises ValueError (the message is consumed).
 
-        device: "cpu" (or None); a GPU raises NotImplementedError (not
-        available in this build)."""
+        device: None (where the message is: the sender's device, or the
+        pipe's recv_device option), "cpu" or "cuda:N". A message elsewhere
+        is copied there by the library into a new buffer (an allocation per
+        message; the pipe option recv_device="cuda:N" lands it there without
+        one) and the pipe's buffer is released at once. A GPU message gives
+        torch CUDA tensors viewing the receive buffer (as_="torch"; as_="dlpack"
+        gives DLPackArray leaves; NumPy refuses). See docs/python.md, "GPU
+        tensors", for the stream contract."""
         td, timeout = _as_timeout(td, timeout)
-        _check_device(device)
-        raw = self._raw.recv(timeout)
+        device = _check_device(device)
+        self._gpu_reuse()
+        raw = _on_device(self._raw.recv(timeout), device)
         if td is None:
-            return self._unpack(raw, as_ or self.as_)
+            return self._lent(self._unpack(raw, as_ or self.as_))
         try:
             return self._unpack.into(raw, td)
         finally:
@@ -223,6 +292,18 @@ class Pipe:
 
     def release(self, msg):
         msg.release()
+
+    def _lent(self, msg):
+        if self._unpack.plan.device != "cpu" and self._raw.depth == 1 and msg._td.seq:
+            self._lent_dev = self._unpack.plan.device
+        return msg
+
+    def _gpu_reuse(self):
+        """At depth 1 a receive gives the last message's buffer back: a GPU
+        one after torch's current stream has passed the work reading it."""
+        if self._lent_dev is not None:
+            _producer_done(self._lent_dev)
+            self._lent_dev = None
 
     def __iter__(self):
         """Messages until the peer's clean end; other errors raise."""
@@ -304,10 +385,11 @@ class Pipe:
         Either way the event loop never blocks, and a cancelled arecv leaves
         its receive pending: the next arecv takes its message. arecv(td)
         receives into td as recv(td) does."""
-        _check_device(device)
-        raw = await self._arecv_raw()
+        device = _check_device(device)
+        self._gpu_reuse()
+        raw = _on_device(await self._arecv_raw(), device)
         if td is None:
-            return self._unpack(raw, as_ or self.as_)
+            return self._lent(self._unpack(raw, as_ or self.as_))
         try:
             return self._unpack.into(raw, td)
         finally:
@@ -646,6 +728,7 @@ class Server:
         if raw_td is not None:
             return raw_td
         schema, addrs, keep = self._cache.get(reply)
+        _producer_done(self._cache.key[3])
         out = _tdpipe.Td.alloc(schema)
         out.fill(addrs)
         del keep

@@ -123,14 +123,19 @@ class Message(Consolidated):
 
     def release(self):
         """Give the buffer back (a credit goes to the sender). The views
-        then point at memory the next message lands in."""
-        self._td.release()
+        then point at memory the next message lands in. A GPU message first
+        waits for torch's current stream on its device (the work queued
+        there that reads the views)."""
+        td = self._td
+        if not td.released and td.device != "cpu":
+            producer_done(td.device)
+        td.release()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self._td.release()
+        self.release()
         return False
 
 
@@ -152,24 +157,33 @@ def _is_cpu(x):
 
 
 def _leaf_info(x):
-    """(dtype_name, shape, address, keepalive) of a host tensor leaf, made
-    C-contiguous (a copy only if it was not)."""
+    """(dtype_name, shape, address, keepalive, device) of a tensor leaf,
+    made C-contiguous (a copy only if it was not); device is None for host
+    memory, else "cuda:N"."""
     if torch is not None and isinstance(x, torch.Tensor):
         # is_cpu and a dtype-name table: x.device and str(x.dtype) cost more
         # than the rest of a small send's Python work
+        dev = None
         if not _is_cpu(x):
-            raise NotImplementedError(
-                "tdpipe's Python binding sends host tensors only (got %s)" % x.device)
+            if x.device.type != "cuda":
+                raise NotImplementedError(
+                    "tdpipe sends host and CUDA tensors only (got %s)" % x.device)
+            dev = "cuda:%d" % x.device.index
         if not x.is_contiguous():
             x = x.contiguous()
         name = _DTYPE_NAME.get(x.dtype)
         if name is None:
             name = _DTYPE_NAME[x.dtype] = str(x.dtype)
-        return name, tuple(x.shape), x.data_ptr(), x
+        return name, tuple(x.shape), x.data_ptr(), x, dev
     if np is not None and isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
-        return x.dtype.name, x.shape, x.__array_interface__["data"][0], x
+        return x.dtype.name, x.shape, x.__array_interface__["data"][0], x, None
+    if isinstance(x, DLPackArray):  # a received leaf, forwarded
+        return x.dtype, x.shape, x.data_ptr, x, None if x.device == "cpu" else x.device
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _cai_info(x, cai)
     if hasattr(x, "__dlpack__"):
         if torch is not None:
             return _leaf_info(torch.from_dlpack(x))
@@ -177,6 +191,31 @@ def _leaf_info(x):
     if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
         return _leaf_info(np.asarray(x))
     raise TypeError("leaf of type %s is neither a tensor nor a scalar" % type(x).__name__)
+
+
+def _cai_info(x, cai):
+    """_leaf_info of a non-torch CUDA array (CuPy, Numba, ...) through its
+    __cuda_array_interface__: C-contiguous only. Its device is the one the
+    library's CUDA layer finds the address on; the caller finishes its
+    stream's work first (docs/python.md, "GPU tensors")."""
+    if np is None:
+        raise ImportError("sending a __cuda_array_interface__ array needs NumPy (for its dtype)")
+    dt = np.dtype(cai["typestr"])
+    shape = tuple(int(d) for d in cai["shape"])
+    strides = cai.get("strides")
+    if strides is not None and tuple(strides) != _c_strides(shape, dt.itemsize):
+        raise ValueError("a __cuda_array_interface__ leaf must be C-contiguous")
+    dev = getattr(x, "device", None)
+    index = getattr(dev, "id", None)
+    return dt.name, shape, int(cai["data"][0]), x, "cuda:%d" % (index or 0)
+
+
+def _c_strides(shape, itemsize):
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
 
 
 def _node_meta(x):
@@ -194,7 +233,7 @@ def flatten(obj):
     schema, its hash and the buffer) does not depend on insertion order: a
     dict with its keys reordered sends the same schema. key is hashable and
     equal for equal layouts."""
-    nodes, tensors, values, addrs, keep = [], [], [], [], []
+    nodes, tensors, values, addrs, keep, devs = [], [], [], [], [], []
     meta = _node_meta(obj)
     if meta is not None:
         nodes.append(("", meta[0], meta[1]))
@@ -225,14 +264,34 @@ def flatten(obj):
                     nodes.append((path, None, None))  # an implicit node: checked, not built
                 walk(v, path + ".")
             else:
-                dt, shape, addr, k2 = _leaf_info(v)
+                dt, shape, addr, k2, dev = _leaf_info(v)
                 tensors.append((path, dt, shape))
                 addrs.append(addr)
                 keep.append(k2)
+                devs.append(dev)
 
     walk(obj, "")
-    key = (tuple(nodes), tuple(tensors), tuple(values))
+    device = _one_device(tensors, devs)
+    key = (tuple(nodes), tuple(tensors), tuple(values), device)
     return key, nodes, tensors, values, addrs, keep
+
+
+def _one_device(tensors, devs):
+    """The device every tensor leaf is on (None: the host). One message is
+    one buffer on one device: leaves on several raise ValueError naming
+    them."""
+    if not devs:
+        return None
+    first = devs[0]
+    if all(d == first for d in devs):
+        return first
+    where = {}
+    for (path, _dt, _shape), d in zip(tensors, devs):
+        where.setdefault(d or "cpu", []).append(path)
+    raise ValueError(
+        "tensor leaves on several devices (%s): a message is one buffer on one device; move "
+        "them to one device first" % "; ".join(
+            "%s: %s" % (d, ", ".join(repr(p) for p in ps)) for d, ps in sorted(where.items())))
 
 
 def _check_key(path):
@@ -277,14 +336,14 @@ def check_layout(nodes, tensors, values):
                 (path, len(vjson), MAX_VALUE_BYTES))
 
 
-def build_schema(nodes, tensors, values):
+def build_schema(nodes, tensors, values, device=None):
     """The schema of a flattened layout. What breaks a rule raises
     SchemaError (a ValueError) naming the key and the rule, never the
     ProtocolError a peer's bad schema gets."""
     check_layout(nodes, tensors, values)
     built = [n for n in nodes if n[2] is not None]
     try:
-        return _tdpipe.Schema.build(built, tensors, values)
+        return _tdpipe.Schema.build(built, tensors, values, device)
     except Error as e:
         if isinstance(e, SchemaError):
             raise
@@ -305,13 +364,15 @@ class SchemaCache:
     def get(self, obj):
         key, nodes, tensors, values, addrs, keep = flatten(obj)
         if key != self.key:
-            self.schema = build_schema(nodes, tensors, values)
+            self.schema = build_schema(nodes, tensors, values, key[3])
             self.key = key
         return self.schema, addrs, keep
 
     def get_send(self, obj):
         """(schema, None, None, td) when obj's tensor leaves already lie in
-        one buffer (sent as it is), else (schema, addrs, keep, None)."""
+        one buffer (sent as it is), else (schema, addrs, keep, None). The
+        layout's device (None: the host) is then in self.key[3] or
+        self.fkey[0][3]."""
         key, nodes, tensors, values, addrs, keep = flatten(obj)
         shared = shared_buffer(tensors, addrs, keep)
         if shared is not None:
@@ -321,13 +382,15 @@ class SchemaCache:
                 check_layout(nodes, tensors, values)
                 try:
                     self.fschema = _tdpipe.Schema.decode(
-                        foreign_json(nodes, tensors, values, offsets, total).encode())
+                        foreign_json(nodes, tensors, values, offsets, total,
+                                     key[3] or "cpu").encode())
                 except Error as e:
                     raise _schema_error(str(e)) from None
                 self.fkey = fkey
-            return self.fschema, None, None, _tdpipe.Td.wrap(self.fschema, base, total, keep)
+            return self.fschema, None, None, _tdpipe.Td.wrap(self.fschema, base, total, keep,
+                                                             key[3])
         if key != self.key:
-            self.schema = build_schema(nodes, tensors, values)
+            self.schema = build_schema(nodes, tensors, values, key[3])
             self.key = key
         return self.schema, addrs, keep, None
 
@@ -380,10 +443,10 @@ def shared_buffer(tensors, addrs, keep):
     return base, end - base, tuple((a - base, n) for a, n in zip(addrs, nbytes))
 
 
-def foreign_json(nodes, tensors, values, offsets, total):
+def foreign_json(nodes, tensors, values, offsets, total, device="cpu"):
     """Schema JSON (docs/schema.md) of leaves at the given offsets."""
     def node(cls="TensorDict", batch=()):
-        return {"cls": cls, "cls_metadata": {"batch_size": list(batch), "device": "cpu",
+        return {"cls": cls, "cls_metadata": {"batch_size": list(batch), "device": device,
                                              "is_locked": False, "names": None},
                 "leaves": {}, "non_tensors": {}}
 
@@ -415,7 +478,7 @@ def foreign_json(nodes, tensors, values, offsets, total):
         parent, _, key = path.rpartition(".")
         at(parent)["non_tensors"][key] = json.loads(vjson)
     return json.dumps({"format": "tdpipe.schema", "version": 1, "total_bytes": total,
-                       "device": "cpu", "td": root})
+                       "device": device, "td": root})
 
 
 def consolidated_check(obj):
@@ -447,10 +510,68 @@ class _Cap:
         return (1, 0)  # kDLCPU
 
 
+KDL_CPU, KDL_CUDA = 1, 2
+
+
+def device_code(name):
+    """(DLPack device type, index) of "cpu" / "cuda:N"."""
+    if name == "cpu":
+        return (KDL_CPU, 0)
+    return (KDL_CUDA, int(name.partition(":")[2] or 0))
+
+
+class DLPackArray:
+    """A tensor leaf of a received buffer, as a DLPack producer, for
+    consumers other than PyTorch and NumPy (CuPy, JAX, ...) and for GPU
+    messages where PyTorch has no CUDA. It views the buffer (lent as the
+    message is); nothing reads the data until a consumer does.
+
+    __dlpack__() makes a new capsule on each call (each holds a reference
+    on the buffer); the data is complete on every stream when recv returns,
+    so the consumer's `stream` needs no wait. __cuda_array_interface__ is
+    there for GPU leaves (stream None: nothing to synchronize)."""
+
+    __slots__ = ("_td", "_i", "shape", "dtype", "device", "data_ptr", "nbytes")
+
+    def __init__(self, td, i, dtype, shape, off, nbytes, device):
+        self._td = td
+        self._i = i
+        self.dtype = dtype
+        self.shape = shape
+        self.device = device
+        self.data_ptr = td.data_ptr + off
+        self.nbytes = nbytes
+
+    def __dlpack__(self, stream=None):
+        return self._td.capsule(self._i)
+
+    def __dlpack_device__(self):
+        return device_code(self.device)
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.device == "cpu":
+            raise AttributeError("__cuda_array_interface__: a host leaf")
+        try:
+            typestr = np.dtype(self.dtype[6:]).str
+        except (AttributeError, TypeError):  # no NumPy, or a dtype it lacks (bfloat16)
+            raise AttributeError("__cuda_array_interface__: no typestr for %s" %
+                                 self.dtype) from None
+        return {"shape": self.shape, "typestr": typestr,
+                "data": (self.data_ptr, False), "version": 3, "strides": None, "stream": None}
+
+    def tobytes(self):
+        """The leaf's bytes, copied to the host by the library."""
+        return self._td.read(self._i)
+
+    def __repr__(self):
+        return "DLPackArray(%s, %s, %s)" % (self.dtype, self.shape, self.device)
+
+
 class Plan:
     """How a schema's buffer becomes nested dicts: made once per schema."""
 
-    __slots__ = ("schema", "nodes", "tensors", "values", "batch")
+    __slots__ = ("schema", "nodes", "tensors", "values", "batch", "leaves", "device")
 
     def __init__(self, schema):
         self.schema = schema
@@ -458,13 +579,15 @@ class Plan:
         self.batch = next((tuple(bs) for p, _cls, bs in nodes if not p), ())
         # node paths in pre-order (parents first), root excluded
         self.nodes = [p for p, _cls, _bs in nodes if p]
-        self.tensors, self.values = [], []
-        for path, dt, _shape, _off, _nb, vjson in schema.leaves():
+        self.tensors, self.values, self.leaves = [], [], []
+        self.device = schema.device
+        for path, dt, shape, off, nb, vjson in schema.leaves():
             parent, _, key = path.rpartition(".")
             if dt is None:
                 self.values.append((parent, key, json.loads(vjson)))
             else:
                 self.tensors.append((parent, key, dt == "torch.bool"))
+                self.leaves.append((dt, tuple(shape), off, nb))
 
 
 def _to_torch(cap, is_bool):
@@ -478,16 +601,33 @@ def _to_numpy(cap, is_bool):
     return a.view(np.bool_) if is_bool and a.dtype != np.bool_ else a
 
 
+def _gpu_check(as_, device):
+    """A GPU buffer becomes torch CUDA tensors or DLPackArrays, never
+    NumPy arrays (host memory only)."""
+    if as_ == "numpy":
+        raise ValueError(
+            "the message is on %s and NumPy arrays live in host memory: receive it with "
+            "recv(device='cpu') (a copy to the host), as_='torch' or as_='dlpack'" % device)
+    if as_ == "torch" and torch is not None and not torch.cuda.is_available():
+        raise RuntimeError(
+            "the message is on %s but this PyTorch has no CUDA: receive it with "
+            "recv(device='cpu') (a copy to the host) or as_='dlpack'" % device)
+
+
 def unpack(td, plan, as_, cls):
     """A `cls` (Message or Consolidated) of views into td's buffer."""
+    if plan.device != "cpu":
+        _gpu_check(as_, plan.device)
     if as_ == "torch":
         if torch is None:
             raise ImportError("as_='torch' needs PyTorch")
         conv = _to_torch
     elif as_ == "numpy":
         conv = _to_numpy
+    elif as_ == "dlpack":
+        conv = None
     else:
-        raise ValueError("as_ must be 'torch' or 'numpy'")
+        raise ValueError("as_ must be 'torch', 'numpy' or 'dlpack'")
     root = cls()
     root._td = td
     root._batch = plan.batch
@@ -498,9 +638,13 @@ def unpack(td, plan, as_, cls):
         dicts[parent][key] = d
         dicts[p] = d
     views = []
-    caps = td.capsules()
+    caps = td.capsules() if conv is not None else None
     for i, (parent, key, is_bool) in enumerate(plan.tensors):
-        v = conv(caps[i], is_bool)
+        if conv is None:
+            dt, shape, off, nb = plan.leaves[i]
+            v = DLPackArray(td, i, dt, shape, off, nb, plan.device)
+        else:
+            v = conv(caps[i], is_bool)
         d = dicts[parent]
         d[key] = v
         # the root is named None, not itself: no reference cycle, so a
@@ -526,6 +670,9 @@ def copy_into(dst, td, plan):
     place (torch copy_ / numpy copyto), non-tensor values are set. A leaf
     dst lacks, or one of another shape or dtype, raises ValueError naming
     the key; nothing is allocated for the payload."""
+    if plan.device != "cpu":
+        _gpu_check("torch" if torch is not None else "numpy", plan.device)
+    gpu_copies = False
     caps = td.capsules()
     for i, (parent, key, is_bool) in enumerate(plan.tensors):
         path = parent + "." + key if parent else key
@@ -541,11 +688,9 @@ def copy_into(dst, td, plan):
                 raise ValueError("recv into a tensordict: leaf %r is %s %s there, %s %s in the "
                                  "message" % (path, out.dtype, tuple(out.shape), src.dtype,
                                               tuple(src.shape)))
-            if out.device.type != "cpu":
-                raise NotImplementedError(
-                    "recv into a tensordict: leaf %r is on %s; receiving into GPU memory is "
-                    "not available in this build of the Python binding yet" % (path, out.device))
             out.copy_(src)
+            if out.device.type == "cuda" or src.device.type == "cuda":
+                gpu_copies = True
         elif np is not None and isinstance(out, np.ndarray):
             src = _to_numpy(caps[i], is_bool)
             if out.shape != src.shape or out.dtype != src.dtype:
@@ -563,6 +708,10 @@ def copy_into(dst, td, plan):
             same = False
         if same is not True:
             node[key] = value
+    if gpu_copies:
+        # copy_ ran on torch's current stream; the message is released
+        # (its buffer reused) when this returns
+        torch.cuda.synchronize()
     return dst
 
 
@@ -590,11 +739,23 @@ class Unpacker:
         return copy_into(dst, td, plan)
 
 
+def producer_done(device):
+    """Before the library reads a CUDA buffer the caller wrote: wait for the
+    work queued on torch's current stream of that device (the library reads
+    on its own stream and waits for no other; docs/python.md, "GPU
+    tensors"). Nothing for the host (None) or without torch's CUDA."""
+    if device is not None and device != "cpu" and torch is not None and \
+            torch.cuda.is_available():
+        torch.cuda.current_stream(device).synchronize()
+
+
 def consolidate(obj, as_="torch", _cache=None):
-    """Copy a nested mapping of tensors into one new tdpipe buffer and
-    return it as a Consolidated dict of views (send it without a copy)."""
+    """Copy a nested mapping of tensors into one new tdpipe buffer (on the
+    leaves' device) and return it as a Consolidated dict of views (send it
+    without a copy)."""
     cache = _cache or SchemaCache()
     schema, addrs, keep = cache.get(obj)
+    producer_done(cache.key[3])
     td = _tdpipe.Td.alloc(schema)
     td.fill(addrs)
     del keep

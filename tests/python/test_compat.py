@@ -183,11 +183,19 @@ def test_recv_device(pair):
     tx.send({"a": torch.ones(2)}, timeout=5)
     with rx.recv(timeout=5, device=torch.device("cpu")) as m:
         assert m["a"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="expected 'cpu', 'cuda' or 'cuda:N'"):
+        rx.recv(timeout=5, device="gpu0")
+    if tdpipe.cuda_device_count() > 0:
+        return  # GPU receives: test_gpu.py
+    # no device: refused before anything is received
     for dev in ("cuda", "cuda:0", torch.device("cuda", 0)):
-        with pytest.raises(NotImplementedError, match="GPU is not available in this build"):
+        with pytest.raises(ValueError, match="no CUDA device 0"):
             rx.recv(timeout=5, device=dev)
-    with pytest.raises(NotImplementedError, match="GPU is not available"):
+    with pytest.raises(ValueError, match="no CUDA device 0"):
         asyncio.run(rx.arecv(device="cuda:0"))
+    tx.send({"a": torch.ones(2)}, timeout=5)
+    with rx.recv(timeout=5) as m:
+        assert m["a"].tolist() == [1.0, 1.0]
 
 
 # ---- asyncio ----------------------------------------------------------------------
