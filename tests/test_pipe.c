@@ -1965,6 +1965,87 @@ static void test_reconnect_killed(void **state)
 
 /* ---- shared-secret authentication ----------------------------------------------- */
 
+/* The lanes of a pipe's UCX endpoint, as UCX prints them (on the pipe's loop). */
+typedef struct lanes_q {
+    tdp_pipe *pipe;
+    char *text;
+    size_t len;
+} lanes_q;
+
+static void lanes_task(void *arg)
+{
+    lanes_q *q = arg;
+    ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(q->pipe));
+    FILE *f = open_memstream(&q->text, &q->len);
+    if (f == NULL)
+        return;
+    if (ep != NULL)
+        ucp_ep_print_info(ep, f);
+    fclose(f);
+}
+
+/* Whether the endpoint of p has a lane on one of UCX's shared-memory transports. */
+static bool lanes_shm(tdp_pipe *p)
+{
+    lanes_q q = {.pipe = p};
+    tdp__call_on_loop(tdp__session_loop(p), lanes_task, &q);
+    assert_non_null(q.text);
+    bool shm = false;
+    for (char *line = strtok(q.text, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (strstr(line, "lane[") == NULL)
+            continue;
+        print_message("  %s\n", line);
+        shm |= strstr(line, "posix/") != NULL || strstr(line, "sysv/") != NULL;
+    }
+    free(q.text);
+    return shm;
+}
+
+/*
+ * What keeps a same-host peer killed mid-message from stopping other pipes
+ * (docs/security.md): an endpoint on UCX's shared-memory transports is on a
+ * worker of its pipe's own, and one on the general worker is in UCX's
+ * peer-failure mode, which leaves those transports out (the general
+ * context keeps their error handling off), so it never writes into, or
+ * reads from, a receive FIFO another peer shares. With a shared secret no
+ * worker is made before the proofs, so an authenticated same-host pipe is
+ * on the general worker: over TCP, on both sides.
+ */
+static void test_secret_same_host_lanes(void **state)
+{
+    if (test_plane() != TDP_PLANE_UCX)
+        skip();
+    static const char secret[] = "correct horse battery staple";
+    for (int with = 0; with < 2; with++) {
+        tdp_pipe_opts o;
+        tdp_pipe_opts_default(&o);
+        if (with) {
+            o.secret = secret;
+            o.secret_len = sizeof(secret) - 1;
+        }
+        env e;
+        env_up(&e, &o, &o);
+        tdp_pipe *side[2] = {e.cli, e.srv};
+        for (int i = 0; i < 2; i++) {
+            tdp__link *l = tdp__session_link(side[i]);
+            int wi = tdp__ucx_link_worker(l);
+            print_message("%s, %s: worker %s, peer-failure mode %d\n",
+                          with ? "secret" : "no secret", i ? "listener" : "dialer",
+                          wi == TDP_WORKER_LOCAL ? "own" : "general",
+                          tdp__ucx_link_peer_mode(l));
+            bool shm = lanes_shm(side[i]);
+            if (wi != TDP_WORKER_LOCAL) {
+                /* the general worker: no shared FIFO a killed peer could stop */
+                assert_true(tdp__ucx_link_peer_mode(l));
+                assert_false(shm);
+            }
+            if (with)
+                assert_int_equal(wi, TDP_WORKER_ANY);
+        }
+        env_down(&e);
+    }
+}
+
 /* One connect against a listener, each side with its own secret (NULL: none). */
 static tdp_err auth_try(const char *srv_secret, const char *cli_secret, tdp_err *accepted,
                         int64_t *ms)
@@ -2488,6 +2569,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_shm_hostile_descriptors),
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
+        cmocka_unit_test(test_secret_same_host_lanes),
         cmocka_unit_test(test_reconnect),
         cmocka_unit_test(test_connect_wait),
         cmocka_unit_test(test_reconnect_killed),
