@@ -2003,19 +2003,24 @@ static bool lanes_shm(tdp_pipe *p)
 
 /*
  * What keeps a same-host peer killed mid-message from stopping other pipes
- * (docs/security.md): an endpoint on UCX's shared-memory transports is on a
- * worker of its pipe's own, and one on the general worker is in UCX's
- * peer-failure mode, which leaves those transports out (the general
- * context keeps their error handling off), so it never writes into, or
- * reads from, a receive FIFO another peer shares. With a shared secret no
- * worker is made before the proofs, so an authenticated same-host pipe is
- * on the general worker: over TCP, on both sides.
+ * (docs/security.md), with and without a shared secret alike: a pipe on
+ * UCX's shared-memory transports is on a worker of its own, whose receive
+ * FIFO no other peer writes into, and one on the general worker is in
+ * UCX's peer-failure mode, which leaves those transports out (the general
+ * context keeps their error handling off), so it shares no FIFO either.
+ * With a secret the own worker is made after the proofs and its address
+ * travels in PROVEN; before, such a pipe took the general worker (over
+ * TCP, and no pipe at all under UCX_TLS=shm,self). Messages must flow both
+ * ways: the dialer may send before the listener has read its PROVEN.
  */
 static void test_secret_same_host_lanes(void **state)
 {
     if (test_plane() != TDP_PLANE_UCX)
         skip();
     static const char secret[] = "correct horse battery staple";
+    tdp_schema *sc = make_schema(0, 1000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
     for (int with = 0; with < 2; with++) {
         tdp_pipe_opts o;
         tdp_pipe_opts_default(&o);
@@ -2025,6 +2030,10 @@ static void test_secret_same_host_lanes(void **state)
         }
         env e;
         env_up(&e, &o, &o);
+        const char *m = getenv("TDP_TEST_PEER_MODE");
+        tdp__ucx *ucx = tdp__ucx_peek(e.sl);
+        bool local = (m == NULL || strcmp(m, "ucx") != 0) && ucx != NULL &&
+                     ucx->nworkers > TDP_WORKER_LOCAL && ucx->worker[TDP_WORKER_LOCAL] != NULL;
         tdp_pipe *side[2] = {e.cli, e.srv};
         for (int i = 0; i < 2; i++) {
             tdp__link *l = tdp__session_link(side[i]);
@@ -2034,16 +2043,26 @@ static void test_secret_same_host_lanes(void **state)
                           wi == TDP_WORKER_LOCAL ? "own" : "general",
                           tdp__ucx_link_peer_mode(l));
             bool shm = lanes_shm(side[i]);
-            if (wi != TDP_WORKER_LOCAL) {
-                /* the general worker: no shared FIFO a killed peer could stop */
-                assert_true(tdp__ucx_link_peer_mode(l));
-                assert_false(shm);
-            }
-            if (with)
-                assert_int_equal(wi, TDP_WORKER_ANY);
+            assert_int_equal(wi, local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
+            assert_true(tdp__ucx_link_peer_mode(l));
+            if (wi != TDP_WORKER_LOCAL)
+                assert_false(shm); /* no FIFO shared with other peers */
+        }
+        for (uint64_t seq = 1; seq <= 3; seq++) {
+            fill(td, seq);
+            assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+            assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+            assert_true(verify(got, seq));
+            tdp_pipe_release(e.srv, got);
+            assert_int_equal(tdp_pipe_send(e.srv, td, TMO), TDP_OK);
+            assert_int_equal(tdp_pipe_recv(e.cli, TMO, &got), TDP_OK);
+            assert_true(verify(got, seq));
+            tdp_pipe_release(e.cli, got);
         }
         env_down(&e);
     }
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
 }
 
 /* One connect against a listener, each side with its own secret (NULL: none). */
