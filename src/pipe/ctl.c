@@ -207,12 +207,6 @@ static void auth_tag(const tdp__ctl *c, bool of_dialer, uint8_t out[TDP_AUTH_TAG
 }
 
 /*
- * Our proof, once both HELLOs are known; the accepting side's only once the
- * dialer's has checked out. A dialer opens on the listener's proof, so it
- * sends nothing on a data plane (and its connect returns nothing) before the
- * listener has its proof and, with an on_hello hook, has let it in.
- */
-/*
  * Out now when nothing is queued before it, not on a later loop turn: the
  * peer's proof (or PROVEN) may be in the same read, and the pipe then opens
  * and its blocking call returns — nobody may run this loop again for a
@@ -233,6 +227,12 @@ static tdp_err write_now(tdp__ctl *c, const uint8_t *buf, size_t len)
     return TDP_OK;
 }
 
+/*
+ * Our proof, once both HELLOs are known; the accepting side's only once the
+ * dialer's has checked out. A dialer opens on the listener's proof, so it
+ * sends nothing on a data plane (and its connect returns nothing) before the
+ * listener has its proof and, with an on_hello hook, has let it in.
+ */
 static tdp_err send_auth(tdp__ctl *c)
 {
     uint8_t tag[TDP_AUTH_TAG_LEN], buf[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN];
