@@ -2065,6 +2065,56 @@ static void test_secret_same_host_lanes(void **state)
     tdp_schema_unref(sc);
 }
 
+/*
+ * With a secret the dialer opens on the listener's PROVEN and may send at
+ * once: its first frames can reach the listener's own worker before the
+ * listener has read the dialer's PROVEN (its pipe not open yet). Sent here
+ * before the listener's pipe is taken: they must all arrive, in order.
+ */
+static void test_secret_send_first(void **state)
+{
+    static const char secret[] = "correct horse battery staple";
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.secret = secret;
+    o.secret_len = sizeof(secret) - 1;
+    o.recv_depth = 4; /* room for all three before the listener takes one */
+    tdp_pipe_opts sb, cb;
+    const tdp_pipe_opts *so = mode_opts(&o, &sb), *co = mode_opts(&o, &cb);
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *cli, *srv;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, so, NULL, NULL, &l), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), co, &cli), TDP_OK);
+    tdp_schema *sc = make_schema(0, 1000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
+    const uint32_t n = 3;
+    for (uint64_t seq = 1; seq <= n; seq++) {
+        fill(td, seq);
+        assert_int_equal(tdp_pipe_send(cli, td, TMO), TDP_OK);
+    }
+    assert_int_equal(tdp_listener_accept(l, TMO, &srv), TDP_OK);
+    print_message("%u messages sent before the accept, plane %s\n", n,
+                  tdp_plane_name(tdp_pipe_plane(srv)));
+    for (uint64_t seq = 1; seq <= n; seq++) {
+        assert_int_equal(tdp_pipe_recv(srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, seq));
+        tdp_pipe_release(srv, got);
+    }
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+    tdp_pipe_free(cli);
+    tdp_pipe_free(srv);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
 /* One connect against a listener, each side with its own secret (NULL: none). */
 static tdp_err auth_try(const char *srv_secret, const char *cli_secret, tdp_err *accepted,
                         int64_t *ms)
@@ -2589,6 +2639,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
         cmocka_unit_test(test_secret_same_host_lanes),
+        cmocka_unit_test(test_secret_send_first),
         cmocka_unit_test(test_reconnect),
         cmocka_unit_test(test_connect_wait),
         cmocka_unit_test(test_reconnect_killed),
