@@ -169,8 +169,9 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
                 abort();
             for (uint32_t i = 0; i < hello.nrecs; i++) {
                 const tdp_hx_rec *r = &hello.recs[i];
-                if (r != a && (!tdp_wire_hx_is_plane(r->type) || r->len == 0 ||
-                               !inside(r->val, r->len, pl, n) || tdp_hello_rec(&hello, r->type) != r))
+                if (r != a &&
+                    (!tdp_wire_hx_is_plane(r->type) || r->len == 0 ||
+                     !inside(r->val, r->len, pl, n) || tdp_hello_rec(&hello, r->type) != r))
                     abort();
             }
             if (hello.planes != NULL || hello.auth != 0 || hello.resume != 0 ||

@@ -2040,8 +2040,7 @@ static void test_secret_same_host_lanes(void **state)
             int wi = tdp__ucx_link_worker(l);
             print_message("%s, %s: worker %s, peer-failure mode %d\n",
                           with ? "secret" : "no secret", i ? "listener" : "dialer",
-                          wi == TDP_WORKER_LOCAL ? "own" : "general",
-                          tdp__ucx_link_peer_mode(l));
+                          wi == TDP_WORKER_LOCAL ? "own" : "general", tdp__ucx_link_peer_mode(l));
             bool shm = lanes_shm(side[i]);
             assert_int_equal(wi, local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
             assert_true(tdp__ucx_link_peer_mode(l));
