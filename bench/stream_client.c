@@ -7,7 +7,7 @@
  * prints "connected on the PLANE plane" once the HELLO is done.
  *
  *   tdp_stream_client HOST:PORT [--plane auto|ucx|shm] [--size BYTES] [--count N]
- *                     [--timeout MS]
+ *                     [--timeout MS] [--secret-file F] [--peer-mode auto|ucx|socket]
  *
  * Exit status as `tdpipe send`: 0 ok, 1 failure, 2 usage, 3 cannot connect,
  * 4 peer ended with an error, 5 timed out.
@@ -33,6 +33,8 @@ static void usage(FILE *f)
                "  -s, --size BYTES   payload size (default 100MB)\n"
                "  -n, --count N      messages (default 0: until killed)\n"
                "  -t, --timeout MS   connect and per-message deadline (default 10000)\n"
+               "  -S, --secret-file F  shared secret, as `tdpipe send --secret-file`\n"
+               "  -M, --peer-mode MODE auto (default), ucx or socket (docs/pipe.md)\n"
                "\n"
                "Exit status: 0 ok, 1 failure, 2 usage, 3 cannot connect, 4 peer error,\n"
                "5 timed out.\n");
@@ -44,6 +46,8 @@ typedef struct args {
     tdp_plane plane;
     uint64_t size, count;
     int64_t timeout_ms;
+    tdp_pipe_opts net; /* what --secret-file sets */
+    tdp_peer_mode peer_mode;
 } args;
 
 static int parse(int argc, char **argv, args *a)
@@ -51,14 +55,17 @@ static int parse(int argc, char **argv, args *a)
     static const struct option opts[] = {
         {"plane", required_argument, NULL, 'P'}, {"size", required_argument, NULL, 's'},
         {"count", required_argument, NULL, 'n'}, {"timeout", required_argument, NULL, 't'},
+        {"secret-file", required_argument, NULL, 'S'},
+        {"peer-mode", required_argument, NULL, 'M'},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
     };
     static const char *const cmd = "tdp_stream_client";
     int c;
 
     *a = (args){.plane = TDP_PLANE_AUTO, .size = 100 * 1000 * 1000, .timeout_ms = 10000};
+    tdp_pipe_opts_default(&a->net);
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":P:s:n:t:h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":P:s:n:t:S:M:h", opts, NULL)) != -1) {
         switch (c) {
         case 'P':
             if (tdp_plane_parse(optarg, &a->plane) != TDP_OK)
@@ -77,6 +84,20 @@ static int parse(int argc, char **argv, args *a)
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
                 return tdp_cli_usage_error(cmd, "bad timeout '%s'", optarg);
+            break;
+        case 'S':
+            if (!tdp_cli_read_secret(cmd, optarg, &a->net))
+                return TDP_EXIT_USAGE;
+            break;
+        case 'M':
+            if (strcmp(optarg, "auto") == 0)
+                a->peer_mode = TDP_PEER_AUTO;
+            else if (strcmp(optarg, "ucx") == 0)
+                a->peer_mode = TDP_PEER_UCX;
+            else if (strcmp(optarg, "socket") == 0)
+                a->peer_mode = TDP_PEER_SOCKET;
+            else
+                return tdp_cli_usage_error(cmd, "unknown peer mode '%s'", optarg);
             break;
         case 'h':
             usage(stdout);
@@ -120,6 +141,8 @@ int main(int argc, char **argv)
     tdp_pipe_opts_default(&opts);
     opts.connect_timeout_ms = a.timeout_ms < 0 ? 365LL * 24 * 3600 * 1000 : a.timeout_ms;
     opts.plane = a.plane;
+    tdp_cli_apply_net_opts(&a.net, &opts);
+    opts.peer_mode = a.peer_mode;
     if ((rc = tdp_pipe_connect(loop, a.host, a.port, &opts, &pipe)) != TDP_OK) {
         tdp_cli_error("tdp_stream_client", "cannot connect: %s", tdp_strerror(rc));
         goto err_free_loop;

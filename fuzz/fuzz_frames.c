@@ -1,6 +1,6 @@
 /*
  * fuzz_frames: the frame decoders a peer reaches before anything else —
- * control header, HELLO with its extension records, BYE and the
+ * control header, HELLO with its extension records, PROVEN, BYE and the
  * active-message header. Every decode must either fail cleanly or produce
  * fields inside their documented bounds, an accepted frame must re-encode
  * to something that decodes to the same fields, and plane negotiation on a
@@ -94,7 +94,7 @@ static void check_reencode(const tdp_hello *h)
         memcmp(h2.nonce, h->nonce, TDP_HELLO_NONCE_LEN) != 0 ||
         !same_bytes(h2.planes, h2.nplanes, h->planes, h->nplanes) || !same_recs(&h2, h) ||
         h2.auth != h->auth || h2.resume != h->resume || h2.want_depth != h->want_depth ||
-        h2.nskipped != 0)
+        h2.checksum != h->checksum || h2.proven != h->proven || h2.nskipped != 0)
         abort();
     free(re);
 }
@@ -152,6 +152,33 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
             if (hello.unknown_critical == 0 || hello.unknown_critical <= TDP_HX_WANT_DEPTH)
                 abort();
         } else if (rc != TDP_EPROTO) {
+            abort();
+        }
+    } else if (h.type == TDP_CTL_PROVEN) {
+        if (h.length > TDP_PROVEN_MAX_LEN)
+            abort();
+        /* added to a HELLO that has the general address already */
+        static const uint8_t addr[8] = {1};
+        tdp_hello hello = {.recv_depth = 1};
+        if (tdp_hello_add_rec(&hello, TDP_HX_UCX_ADDR, addr, sizeof(addr)) != TDP_OK)
+            abort();
+        tdp_err rc = tdp_wire_proven_decode(pl, n, &hello);
+        if (rc == TDP_OK) {
+            const tdp_hx_rec *a = tdp_hello_rec(&hello, TDP_HX_UCX_ADDR);
+            if (a == NULL || a->val != addr || hello.nrecs > TDP_HX_PLANE_RECS)
+                abort();
+            for (uint32_t i = 0; i < hello.nrecs; i++) {
+                const tdp_hx_rec *r = &hello.recs[i];
+                if (r != a &&
+                    (!tdp_wire_hx_is_plane(r->type) || r->len == 0 ||
+                     !inside(r->val, r->len, pl, n) || tdp_hello_rec(&hello, r->type) != r))
+                    abort();
+            }
+            if (hello.planes != NULL || hello.auth != 0 || hello.resume != 0 ||
+                hello.want_depth != 0 || hello.checksum != 0 || hello.proven != 0 ||
+                tdp_wire_proven_size(&hello) == 0)
+                abort();
+        } else if (rc != TDP_EPROTO && rc != TDP_EVERSION) {
             abort();
         }
     } else if (h.type == TDP_CTL_AUTH) {

@@ -1965,6 +1965,155 @@ static void test_reconnect_killed(void **state)
 
 /* ---- shared-secret authentication ----------------------------------------------- */
 
+/* The lanes of a pipe's UCX endpoint, as UCX prints them (on the pipe's loop). */
+typedef struct lanes_q {
+    tdp_pipe *pipe;
+    char *text;
+    size_t len;
+} lanes_q;
+
+static void lanes_task(void *arg)
+{
+    lanes_q *q = arg;
+    ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(q->pipe));
+    FILE *f = open_memstream(&q->text, &q->len);
+    if (f == NULL)
+        return;
+    if (ep != NULL)
+        ucp_ep_print_info(ep, f);
+    fclose(f);
+}
+
+/* Whether the endpoint of p has a lane on one of UCX's shared-memory transports. */
+static bool lanes_shm(tdp_pipe *p)
+{
+    lanes_q q = {.pipe = p};
+    tdp__call_on_loop(tdp__session_loop(p), lanes_task, &q);
+    assert_non_null(q.text);
+    bool shm = false;
+    for (char *line = strtok(q.text, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (strstr(line, "lane[") == NULL)
+            continue;
+        print_message("  %s\n", line);
+        shm |= strstr(line, "posix/") != NULL || strstr(line, "sysv/") != NULL;
+    }
+    free(q.text);
+    return shm;
+}
+
+/*
+ * What keeps a same-host peer killed mid-message from stopping other pipes
+ * (docs/security.md), with and without a shared secret alike: a pipe on
+ * UCX's shared-memory transports is on a worker of its own, whose receive
+ * FIFO no other peer writes into, and one on the general worker is in
+ * UCX's peer-failure mode, which leaves those transports out (the general
+ * context keeps their error handling off), so it shares no FIFO either.
+ * With a secret the own worker is made after the proofs and its address
+ * travels in PROVEN; before, such a pipe took the general worker (over
+ * TCP, and no pipe at all under UCX_TLS=shm,self). Messages must flow both
+ * ways: the dialer may send before the listener has read its PROVEN.
+ */
+static void test_secret_same_host_lanes(void **state)
+{
+    if (test_plane() != TDP_PLANE_UCX)
+        skip();
+    static const char secret[] = "correct horse battery staple";
+    tdp_schema *sc = make_schema(0, 1000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
+    for (int with = 0; with < 2; with++) {
+        tdp_pipe_opts o;
+        tdp_pipe_opts_default(&o);
+        if (with) {
+            o.secret = secret;
+            o.secret_len = sizeof(secret) - 1;
+        }
+        env e;
+        env_up(&e, &o, &o);
+        const char *m = getenv("TDP_TEST_PEER_MODE");
+        tdp__ucx *ucx = tdp__ucx_peek(e.sl);
+        bool local = (m == NULL || strcmp(m, "ucx") != 0) && ucx != NULL &&
+                     ucx->nworkers > TDP_WORKER_LOCAL && ucx->worker[TDP_WORKER_LOCAL] != NULL;
+        tdp_pipe *side[2] = {e.cli, e.srv};
+        for (int i = 0; i < 2; i++) {
+            tdp__link *l = tdp__session_link(side[i]);
+            int wi = tdp__ucx_link_worker(l);
+            print_message("%s, %s: worker %s, peer-failure mode %d\n",
+                          with ? "secret" : "no secret", i ? "listener" : "dialer",
+                          wi == TDP_WORKER_LOCAL ? "own" : "general", tdp__ucx_link_peer_mode(l));
+            bool shm = lanes_shm(side[i]);
+            assert_int_equal(wi, local ? TDP_WORKER_LOCAL : TDP_WORKER_ANY);
+            assert_true(tdp__ucx_link_peer_mode(l));
+            if (wi != TDP_WORKER_LOCAL)
+                assert_false(shm); /* no FIFO shared with other peers */
+        }
+        for (uint64_t seq = 1; seq <= 3; seq++) {
+            fill(td, seq);
+            assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+            assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+            assert_true(verify(got, seq));
+            tdp_pipe_release(e.srv, got);
+            assert_int_equal(tdp_pipe_send(e.srv, td, TMO), TDP_OK);
+            assert_int_equal(tdp_pipe_recv(e.cli, TMO, &got), TDP_OK);
+            assert_true(verify(got, seq));
+            tdp_pipe_release(e.cli, got);
+        }
+        env_down(&e);
+    }
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+}
+
+/*
+ * With a secret the dialer opens on the listener's PROVEN and may send at
+ * once: its first frames can reach the listener's own worker before the
+ * listener has read the dialer's PROVEN (its pipe not open yet). Sent here
+ * before the listener's pipe is taken: they must all arrive, in order.
+ */
+static void test_secret_send_first(void **state)
+{
+    static const char secret[] = "correct horse battery staple";
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.secret = secret;
+    o.secret_len = sizeof(secret) - 1;
+    o.recv_depth = 4; /* room for all three before the listener takes one */
+    tdp_pipe_opts sb, cb;
+    const tdp_pipe_opts *so = mode_opts(&o, &sb), *co = mode_opts(&o, &cb);
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe *cli, *srv;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, so, NULL, NULL, &l), TDP_OK);
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), co, &cli), TDP_OK);
+    tdp_schema *sc = make_schema(0, 1000);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
+    const uint32_t n = 3;
+    for (uint64_t seq = 1; seq <= n; seq++) {
+        fill(td, seq);
+        assert_int_equal(tdp_pipe_send(cli, td, TMO), TDP_OK);
+    }
+    assert_int_equal(tdp_listener_accept(l, TMO, &srv), TDP_OK);
+    print_message("%u messages sent before the accept, plane %s\n", n,
+                  tdp_plane_name(tdp_pipe_plane(srv)));
+    for (uint64_t seq = 1; seq <= n; seq++) {
+        assert_int_equal(tdp_pipe_recv(srv, TMO, &got), TDP_OK);
+        assert_true(verify(got, seq));
+        tdp_pipe_release(srv, got);
+    }
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+    tdp_pipe_free(cli);
+    tdp_pipe_free(srv);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
 /* One connect against a listener, each side with its own secret (NULL: none). */
 static tdp_err auth_try(const char *srv_secret, const char *cli_secret, tdp_err *accepted,
                         int64_t *ms)
@@ -2488,6 +2637,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_shm_hostile_descriptors),
         cmocka_unit_test(test_accept_out_of_fds),
         cmocka_unit_test(test_auth),
+        cmocka_unit_test(test_secret_same_host_lanes),
+        cmocka_unit_test(test_secret_send_first),
         cmocka_unit_test(test_reconnect),
         cmocka_unit_test(test_connect_wait),
         cmocka_unit_test(test_reconnect_killed),

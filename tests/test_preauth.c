@@ -12,7 +12,9 @@
  *    (the keys are in the HELLOs) and a POOL announcement with 1 GiB memfds.
  * The listener's process must allocate nothing (tdp_mem_stats), map nothing
  * (/proc/self/maps), keep its RSS and fds flat, end the attacker's pipe on
- * the first data-plane frame with TDP_EAUTH, and serve a good client.
+ * the first data-plane frame with TDP_EAUTH, and serve a good client. Its
+ * HELLO has no same-host UCX address (that worker is made after the proofs,
+ * its address sent in PROVEN), and a PROVEN before the proofs is EPROTO.
  *
  * After it (a same-user peer on the shm plane): POOL and SCHEMA
  * announcements whose DATA never comes are held unmapped and unread, and
@@ -153,8 +155,11 @@ typedef struct attacker {
     uint8_t key[TDP_SHM_KEY_LEN];                       /* our HELLO's shm key */
 } attacker;
 
-/* Connect, read the listener's HELLO, send ours (authentication asked for, no proof). */
-static void attacker_hello(attacker *a, uint16_t port)
+/*
+ * Connect, read the listener's HELLO, send ours (authentication asked for,
+ * no proof; with proven, offering PROVEN as a same-host peer does).
+ */
+static void attacker_hello_as(attacker *a, uint16_t port, bool proven)
 {
     a->fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {
@@ -176,6 +181,7 @@ static void attacker_hello(attacker *a, uint16_t port)
         .planes = planes,
         .nplanes = 2,
         .auth = TDP_AUTH_HMAC_SHA256,
+        .proven = proven ? TDP_PROVEN_V1 : 0,
     };
     /* the UCX address is never looked at before a proof */
     assert_int_equal(tdp_hello_add_rec(&mine, TDP_HX_UCX_ADDR, "x", 1), TDP_OK);
@@ -190,6 +196,11 @@ static void attacker_hello(attacker *a, uint16_t port)
     assert_true(len > 0 && len <= sizeof(buf));
     assert_int_equal(tdp_wire_hello_encode(buf, &mine), TDP_OK);
     assert_int_equal(send(a->fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
+}
+
+static void attacker_hello(attacker *a, uint16_t port)
+{
+    attacker_hello_as(a, port, false);
 }
 
 /*
@@ -399,6 +410,47 @@ static void test_preauth_ucx(void **state)
     server s;
     server_up(&s);
     ucx_attack(tdp_listener_port(s.l), "listener");
+    good_client(s.cl, s.l);
+    server_down(&s);
+}
+
+/*
+ * PROVEN before the proofs: the listener's HELLO offers PROVEN (a peer on
+ * its host) but has no same-host UCX address — its pipe's own worker does
+ * not exist before the peer's proof — and a PROVEN frame from a peer that
+ * has not proven itself ends the handshake with TDP_EPROTO, with nothing
+ * made for it (a same-host worker costs about 7 fds) and no proof sent.
+ */
+static void test_preauth_proven(void **state)
+{
+    (void)state;
+    server s;
+    server_up(&s);
+    int fds0 = nfds();
+    uint64_t live0 = live_bytes();
+    attacker a;
+    attacker_hello_as(&a, tdp_listener_port(s.l), true);
+    assert_int_equal(a.h.proven, TDP_PROVEN_V1);
+    assert_null(tdp_hello_rec(&a.h, TDP_HX_UCX_LOCAL_ADDR));
+    static const uint8_t laddr[] = "a same-host worker address";
+    tdp_hello recs = {0};
+    assert_int_equal(tdp_hello_add_rec(&recs, TDP_HX_UCX_LOCAL_ADDR, laddr, sizeof(laddr)), TDP_OK);
+    uint8_t buf[256];
+    size_t n = tdp_wire_proven_size(&recs);
+    assert_true(n > 0 && n <= sizeof(buf));
+    assert_int_equal(tdp_wire_proven_encode(buf, &recs), TDP_OK);
+    assert_int_equal(send(a.fd, buf, n, MSG_NOSIGNAL), (ssize_t)n);
+    bool proof = false;
+    int reason = attacker_bye(&a, 3000, &proof);
+    int fds1 = nfds();
+    uint64_t live1 = live_bytes();
+    print_message("PROVEN before the proofs: BYE reason %d; fds %+d, live bytes %+" PRId64 "\n",
+                  reason, fds1 - fds0, (int64_t)(live1 - live0));
+    assert_int_equal(reason, TDP_EPROTO);
+    assert_false(proof);
+    assert_true(fds1 <= fds0 + 2); /* the attacker's socket, both ends */
+    assert_true(live1 <= live0 + (64u << 10));
+    close(a.fd);
     good_client(s.cl, s.l);
     server_down(&s);
 }
@@ -782,7 +834,7 @@ int main(void)
         cmocka_unit_test(test_preauth_ucx),   cmocka_unit_test(test_preauth_ucx_server),
         cmocka_unit_test(test_preauth_shm),   cmocka_unit_test(test_preauth_many),
         cmocka_unit_test(test_pool_flood),    cmocka_unit_test(test_schema_flood),
-        cmocka_unit_test(test_growing_loans),
+        cmocka_unit_test(test_growing_loans), cmocka_unit_test(test_preauth_proven),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT: clients on the same-host
-# ucx plane killed in the middle of 100 MB messages stop no other client,
-# and leave the server's memory where it was.
+# test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT [secret]: clients on the
+# same-host ucx plane killed in the middle of 100 MB messages stop no other
+# client, and leave the server's memory where it was.
 #
 #   TDPIPE         the built tdpipe binary (ctest passes it)
 #   STREAM_CLIENT  bench/tdp_stream_client (streams until killed, prints
 #                  "connected" once its pipe is up)
+#   secret         every process (server and clients) uses one shared
+#                  secret (--secret-file): the same-host worker of each
+#                  link is then made only after both proofs, and its
+#                  address travels in the post-proof PROVEN frame
 #
 # On 127.0.0.1 only:
 #   1. `tdpipe serve -m sink -d 1`; one clean ucx client (two 100 MB
@@ -29,6 +33,7 @@ set -uo pipefail
 
 TDPIPE=${1:?usage: test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT}
 CLIENT=${2:?usage: test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT}
+MODE=${3:-}
 KILLS=${TDP_TEST_KILLS:-40}
 RSS_BOUND_MB=16
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
@@ -48,6 +53,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# SECRET: the --secret-file option every process gets (none without "secret")
+SECRET=()
+if [[ $MODE == secret ]]; then
+    head -c 32 /dev/urandom >"$WORK/secret"
+    SECRET=(--secret-file "$WORK/secret")
+elif [[ -n $MODE ]]; then
+    echo "usage: test_ucx_killed_clients.sh TDPIPE STREAM_CLIENT [secret]" >&2
+    exit 2
+fi
+
 fail() {
     echo "FAIL: $*" >&2
     FAILS=$((FAILS + 1))
@@ -66,7 +81,7 @@ rss_kb() { sed -n 's/^VmRSS:[[:space:]]*\([0-9]*\) kB$/\1/p' "/proc/$SERVER/stat
 good() {
     local name=$1 secs=$2 rc=0
     shift 2
-    timeout "$secs" "$CLIENT" "$ADDR" -t 5000 "$@" >"$WORK/$name.out" 2>&1 || rc=$?
+    timeout "$secs" "$CLIENT" "$ADDR" -t 5000 "${SECRET[@]}" "$@" >"$WORK/$name.out" 2>&1 || rc=$?
     if ((rc != 0)); then
         fail "$name: exit $rc"
         dump "$WORK/$name.out"
@@ -80,7 +95,8 @@ good() {
 # default) before it goes back, so VmRSS would not show a buffer given back:
 # no quarantine for the server here (an ordinary build ignores the variable).
 ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}quarantine_size_mb=0" \
-    "$TDPIPE" serve -b 127.0.0.1 -m sink -d 1 -q >"$WORK/server.out" 2>"$WORK/server.err" &
+    "$TDPIPE" serve -b 127.0.0.1 -m sink -d 1 -q "${SECRET[@]}" \
+    >"$WORK/server.out" 2>"$WORK/server.err" &
 SERVER=$!
 PORT=
 for _ in $(seq 100); do # 10 s
@@ -104,7 +120,7 @@ echo "server VmRSS after the warm-up: $BASE kB"
 
 # ---- 2. a client that keeps going through the kills ---------------------------
 
-"$TDPIPE" send "$ADDR" --plane ucx -s 4KB -n 1000000 -r 100 -t 5000 -q \
+"$TDPIPE" send "$ADDR" --plane ucx -s 4KB -n 1000000 -r 100 -t 5000 -q "${SECRET[@]}" \
     >"$WORK/steady.out" 2>"$WORK/steady.err" &
 STEADY=$!
 
@@ -115,7 +131,7 @@ T0=$SECONDS
 for ((i = 1; i <= KILLS && SECONDS - T0 < 60; i++)); do
     # a fresh file before the client starts: the last one's "connected" is gone
     : >"$WORK/victim.out"
-    "$CLIENT" "$ADDR" -P ucx -s 100MB -n 0 -t 10000 >>"$WORK/victim.out" 2>&1 &
+    "$CLIENT" "$ADDR" -P ucx -s 100MB -n 0 -t 10000 "${SECRET[@]}" >>"$WORK/victim.out" 2>&1 &
     VICTIM=$!
     for _ in $(seq 1000); do # 10 s
         grep -q '^connected' "$WORK/victim.out" && break
@@ -195,7 +211,7 @@ grep -q 'verify ok' "$WORK/server.out" "$WORK/server.err" || {
 }
 
 if ((FAILS)); then
-    echo "test_ucx_killed_clients: $FAILS failure(s)" >&2
+    echo "test_ucx_killed_clients${MODE:+ ($MODE)}: $FAILS failure(s)" >&2
     exit 1
 fi
-echo "test_ucx_killed_clients: ok"
+echo "test_ucx_killed_clients${MODE:+ ($MODE)}: ok"

@@ -524,6 +524,122 @@ static void test_checksum_record(void **state)
     }
 }
 
+/*
+ * TDP_HX_PROVEN in HELLO (non-critical: older peers skip it and never see
+ * a PROVEN frame), and the PROVEN frame: plane records only, each type not
+ * already in the HELLO it is added to, framed and padded as in HELLO.
+ */
+static void test_proven(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 1, .auth = TDP_AUTH_HMAC_SHA256, .proven = TDP_PROVEN_V1}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    uint8_t *out = malloc(n);
+    assert_non_null(out);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.proven, TDP_PROVEN_V1);
+    const uint8_t *r = out + n - TDP_HX_HDR_LEN - 8; /* the last record */
+    assert_int_equal(r[0] | r[1] << 8, TDP_HX_PROVEN);
+    assert_false((r[2] | r[3] << 8) & TDP_HX_CRITICAL);
+    free(out);
+    const uint8_t zero[1] = {0}, two[2] = {1, 0}, later[1] = {7};
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_PROVEN, 0, zero, 1);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_PROVEN, 0, two, 2);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_PROVEN, 0, later, 1);
+    assert_int_equal(dec(&b, &g), TDP_OK); /* a later version: not spoken, not refused */
+    assert_int_equal(g.proven, 7);
+    put_rec(&b, TDP_HX_PROVEN, 0, later, 1);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO); /* twice */
+    buf_free(&b);
+
+    /* a PROVEN frame round trip, added to a HELLO that has the general address */
+    tdp_hello p = {0};
+    assert_int_equal(tdp_hello_add_rec(&p, TDP_HX_UCX_LOCAL_ADDR, laddr_bytes, sizeof(laddr_bytes)),
+                     TDP_OK);
+    n = tdp_wire_proven_size(&p);
+    assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_HX_HDR_LEN + 16);
+    out = malloc(n);
+    assert_non_null(out);
+    assert_int_equal(tdp_wire_proven_encode(out, &p), TDP_OK);
+    tdp_ctl_hdr ch;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(out, &ch), TDP_OK);
+    assert_int_equal(ch.type, TDP_CTL_PROVEN);
+    assert_int_equal(ch.length, n - TDP_CTL_HDR_LEN);
+    tdp_hello base = {.recv_depth = 1};
+    assert_int_equal(tdp_hello_add_rec(&base, TDP_HX_UCX_ADDR, addr_bytes, sizeof(addr_bytes)),
+                     TDP_OK);
+    g = base;
+    assert_int_equal(tdp_wire_proven_decode(out + TDP_CTL_HDR_LEN, ch.length, &g), TDP_OK);
+    const tdp_hx_rec *lr = tdp_hello_rec(&g, TDP_HX_UCX_LOCAL_ADDR);
+    assert_non_null(lr);
+    assert_int_equal(lr->len, sizeof(laddr_bytes));
+    assert_memory_equal(lr->val, laddr_bytes, sizeof(laddr_bytes));
+    assert_non_null(tdp_hello_rec(&g, TDP_HX_UCX_ADDR));
+    /* the same type twice (the HELLO has it already): refused */
+    g = base;
+    assert_int_equal(tdp_wire_proven_decode(out + TDP_CTL_HDR_LEN, ch.length, &g), TDP_OK);
+    assert_int_equal(tdp_wire_proven_decode(out + TDP_CTL_HDR_LEN, ch.length, &g), TDP_EPROTO);
+    /* every cut of it is malformed; the empty one is fine */
+    for (size_t cut = 1; cut < ch.length; cut++) {
+        g = base;
+        assert_int_equal(tdp_wire_proven_decode(out + TDP_CTL_HDR_LEN, cut, &g), TDP_EPROTO);
+    }
+    g = base;
+    assert_int_equal(tdp_wire_proven_decode(out, 0, &g), TDP_OK);
+    free(out);
+    p.nrecs = 0; /* nothing to say: an empty frame */
+    assert_int_equal(tdp_wire_proven_size(&p), TDP_CTL_HDR_LEN);
+
+    /* what belongs in HELLO is refused; unknown records as in HELLO */
+    const uint8_t one[1] = {1}, d4[4] = {2, 0, 0, 0}, junk[3] = {1, 2, 3};
+    const struct {
+        uint16_t type, flags;
+        const uint8_t *v;
+        size_t n;
+        tdp_err want;
+    } cases[] = {
+        {TDP_HX_PLANES, 0, one, 1, TDP_EPROTO},
+        {TDP_HX_AUTH, TDP_HX_CRITICAL, one, 1, TDP_EPROTO},
+        {TDP_HX_WANT_DEPTH, 0, d4, 4, TDP_EPROTO},
+        {TDP_HX_CHECKSUM, 0, one, 1, TDP_EPROTO},
+        {TDP_HX_PROVEN, 0, one, 1, TDP_EPROTO},
+        {0, 0, one, 1, TDP_EPROTO},
+        {TDP_HX_UCX_LOCAL_ADDR, 0, NULL, 0, TDP_EPROTO}, /* an empty plane record */
+        {4000, 0, junk, 3, TDP_OK},                      /* unknown: skipped */
+        {4000, TDP_HX_CRITICAL, junk, 3, TDP_EVERSION},  /* unknown, critical */
+    };
+    for (size_t i = 0; i < N(cases); i++) {
+        buf_init(&b);
+        put_rec(&b, cases[i].type, cases[i].flags, cases[i].v, cases[i].n);
+        g = base;
+        assert_int_equal(tdp_wire_proven_decode(b.b, b.n, &g), cases[i].want);
+        buf_free(&b);
+    }
+    /* non-zero padding */
+    buf_init(&b);
+    put_rec_raw(&b, TDP_HX_UCX_LOCAL_ADDR, 0, 3, junk, 3, 5);
+    b.b[b.n - 1] = 1;
+    g = base;
+    assert_int_equal(tdp_wire_proven_decode(b.b, b.n, &g), TDP_EPROTO);
+    buf_free(&b);
+    /* the control header bounds its length */
+    uint8_t hb[TDP_CTL_HDR_LEN];
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_PROVEN, 0);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &ch), TDP_OK);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_PROVEN, TDP_PROVEN_MAX_LEN);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &ch), TDP_OK);
+    tdp_wire_ctl_hdr_encode(hb, TDP_CTL_PROVEN, TDP_PROVEN_MAX_LEN + 1);
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &ch), TDP_EPROTO);
+}
+
 static void test_records_any_order(void **state)
 {
     (void)state;
@@ -1044,6 +1160,8 @@ static void test_ctl_hdr_bounds(void **state)
     assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
     tdp_wire_ctl_hdr_encode(hb, 3, 16);
     assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
+    tdp_wire_ctl_hdr_encode(hb, 5, 0); /* after PROVEN: none yet */
+    assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
     tdp_wire_ctl_hdr_encode(hb, TDP_CTL_BYE, TDP_BYE_LEN);
     hb[13] = 1; /* reserved */
     assert_int_equal(tdp_wire_ctl_hdr_decode(hb, &h), TDP_EPROTO);
@@ -1095,6 +1213,7 @@ int main(void)
         cmocka_unit_test(test_auth_and_resume_records),
         cmocka_unit_test(test_want_depth_record),
         cmocka_unit_test(test_checksum_record),
+        cmocka_unit_test(test_proven),
         cmocka_unit_test(test_truncated_every_prefix),
         cmocka_unit_test(test_record_length_overflow),
         cmocka_unit_test(test_padding),

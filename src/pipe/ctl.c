@@ -165,6 +165,11 @@ bool tdp__ctl_open(const tdp__ctl *c)
     return c->bev != NULL;
 }
 
+bool tdp__ctl_local_now(const tdp__ctl *c)
+{
+    return c->bev != NULL && socket_peer_local(bufferevent_getfd(c->bev));
+}
+
 /* ---- authentication ---------------------------------------------------------- */
 
 static void hmac_len(crypto_auth_hmacsha256_state *st, uint64_t n)
@@ -202,6 +207,27 @@ static void auth_tag(const tdp__ctl *c, bool of_dialer, uint8_t out[TDP_AUTH_TAG
 }
 
 /*
+ * Out now when nothing is queued before it, not on a later loop turn: the
+ * peer's proof (or PROVEN) may be in the same read, and the pipe then opens
+ * and its blocking call returns — nobody may run this loop again for a
+ * while, and the peer would wait for our frame until its deadline. (The
+ * bufferevent's own buffer cannot be written from here: libevent freezes
+ * its front.)
+ */
+static tdp_err write_now(tdp__ctl *c, const uint8_t *buf, size_t len)
+{
+    size_t off = 0;
+    if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) {
+        ssize_t n = send(bufferevent_getfd(c->bev), buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0)
+            off = (size_t)n;
+    }
+    if (off < len && bufferevent_write(c->bev, buf + off, len - off) != 0)
+        return TDP_ENOMEM;
+    return TDP_OK;
+}
+
+/*
  * Our proof, once both HELLOs are known; the accepting side's only once the
  * dialer's has checked out. A dialer opens on the listener's proof, so it
  * sends nothing on a data plane (and its connect returns nothing) before the
@@ -216,23 +242,7 @@ static tdp_err send_auth(tdp__ctl *c)
     auth_tag(c, c->dialer, tag);
     tdp_wire_auth_encode(buf, tag);
     c->auth_sent = true;
-    /*
-     * Out now when nothing is queued before it, not on a later loop turn:
-     * the peer's proof may be in the same read, and the pipe then opens and
-     * its blocking call returns — nobody may run this loop again for a
-     * while, and the peer would wait for our proof until its deadline.
-     * (The bufferevent's own buffer cannot be written from here: libevent
-     * freezes its front.)
-     */
-    size_t off = 0;
-    if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) {
-        ssize_t n = send(bufferevent_getfd(c->bev), buf, sizeof(buf), MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0)
-            off = (size_t)n;
-    }
-    if (off < sizeof(buf) && bufferevent_write(c->bev, buf + off, sizeof(buf) - off) != 0)
-        return TDP_ENOMEM;
-    return TDP_OK;
+    return write_now(c, buf, sizeof(buf));
 }
 
 static void auth_drop(tdp__ctl *c)
@@ -240,6 +250,56 @@ static void auth_drop(tdp__ctl *c)
     tdp__free(c->my_hello);
     tdp__free(c->peer_hello);
     c->my_hello = c->peer_hello = NULL;
+}
+
+/* On close: also a HELLO still waiting for its PROVEN. */
+static void held_drop(tdp__ctl *c)
+{
+    tdp__free(c->held);
+    c->held = NULL;
+}
+
+/*
+ * Our PROVEN frame, once the peer's proof checked out: the records the
+ * owner may make for the peer only now (h: the peer's HELLO).
+ */
+static tdp_err send_proven(tdp__ctl *c, const tdp_hello *h)
+{
+    tdp_hello out = {0};
+    tdp_err rc = c->up->proven(c->owner, h, &out);
+    if (rc != TDP_OK || c->bev == NULL)
+        return rc;
+    size_t n = tdp_wire_proven_size(&out);
+    if (n == 0)
+        return TDP_EINTERNAL;
+    uint8_t *buf = tdp__malloc(n);
+    if (buf == NULL)
+        return TDP_ENOMEM;
+    rc = tdp_wire_proven_encode(buf, &out);
+    if (rc == TDP_OK)
+        rc = write_now(c, buf, n);
+    tdp__free(buf);
+    return rc;
+}
+
+/* The peer's PROVEN frame: its held HELLO, with these records, goes up. */
+static tdp_err read_proven(tdp__ctl *c, const uint8_t *pl, size_t len)
+{
+    tdp_hello h;
+    uint8_t *ph = c->held; /* the records point into it during the call */
+    c->held = NULL;
+    tdp_err rc = tdp_wire_hello_decode(ph, c->held_len, &h);
+    if (rc != TDP_OK) { /* it decoded before */
+        tdp__free(ph);
+        return TDP_EINTERNAL;
+    }
+    rc = tdp_wire_proven_decode(pl, len, &h);
+    if (rc == TDP_OK)
+        c->up->hello(c->owner, &h);
+    else
+        tdp_log_info("peer %s: malformed PROVEN frame", c->peer_name);
+    tdp__free(ph);
+    return rc;
 }
 
 tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
@@ -258,6 +318,7 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h)
         return rc;
     }
     int r = bufferevent_write(c->bev, buf, n);
+    c->proven_mine = h->proven == TDP_PROVEN_V1;
     memcpy(c->my_nonce, h->nonce, TDP_HELLO_NONCE_LEN);
     c->nonce_sent = r == 0;
     if (r == 0 && c->opts.secret != NULL && c->my_hello == NULL && !c->authed) {
@@ -391,11 +452,35 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 c->peer_hello = NULL;
             }
             auth_drop(c);
-            if (rc == TDP_OK && c->bev != NULL)
+            bool proven = c->proven_mine && h.proven == TDP_PROVEN_V1;
+            if (rc == TDP_OK && c->bev != NULL && proven) {
+                /* what may exist only now goes out; the peer's HELLO waits
+                 * for the peer's own PROVEN */
+                rc = send_proven(c, &h);
+                if (rc == TDP_OK && c->bev != NULL) {
+                    c->held = ph;
+                    c->held_len = pl;
+                    ph = NULL;
+                }
+            } else if (rc == TDP_OK && c->bev != NULL) {
                 c->up->hello(c->owner, &h);
+            }
             tdp__free(ph);
-            if (rc != TDP_OK) { /* it decoded before: cannot happen; or no memory */
+            if (rc != TDP_OK && c->bev != NULL) {
+                /* no memory, or the owner could not describe its planes */
                 fail(c, rc == TDP_ENOMEM ? rc : TDP_EINTERNAL);
+                return;
+            }
+        } else if (hdr.type == TDP_CTL_PROVEN) {
+            if (c->held == NULL) {
+                /* before the proofs, or not offered, or repeated */
+                tdp_log_info("peer %s: unexpected PROVEN frame", c->peer_name);
+                fail(c, TDP_EPROTO);
+                return;
+            }
+            rc = read_proven(c, f + TDP_CTL_HDR_LEN, hdr.length);
+            if (rc != TDP_OK && c->bev != NULL) {
+                fail(c, rc);
                 return;
             }
         } else {
@@ -513,6 +598,7 @@ void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
 void tdp__ctl_close(tdp__ctl *c)
 {
     auth_drop(c);
+    held_drop(c);
     if (c->greeting != NULL) {
         event_free(c->greeting);
         c->greeting = NULL;

@@ -35,7 +35,17 @@ typedef struct tdp__ctl_up {
      * for it before sending its own HELLO does so here. It may close.
      */
     void (*hello_in)(void *owner, const tdp_hello *h);
-    /* the peer's HELLO (decoded, checked; its records valid during the call) */
+    /*
+     * The peer has proven it holds the secret and both HELLOs offered
+     * TDP_HX_PROVEN: the owner adds to `out` the plane records that may exist
+     * only now (h is the peer's HELLO; out starts empty); they go out in
+     * this side's PROVEN frame. A failure ends the channel with it.
+     */
+    tdp_err (*proven)(void *owner, const tdp_hello *h, tdp_hello *out);
+    /*
+     * The peer's HELLO (decoded, checked; its records valid during the
+     * call), with the records of its PROVEN frame added when one was due.
+     */
     void (*hello)(void *owner, const tdp_hello *h);
     void (*bye)(void *owner, const tdp_bye *b);
     /*
@@ -75,6 +85,14 @@ typedef struct tdp__ctl {
     uint8_t *my_hello, *peer_hello;
     size_t my_hello_len, peer_hello_len;
     bool auth_sent, authed;
+    /*
+     * PROVEN (wire.h): proven_mine: our HELLO offered it; held: the peer's
+     * HELLO, proven and kept until its PROVEN frame comes (then both go up
+     * as one). Only with a secret, when both HELLOs offered it.
+     */
+    bool proven_mine;
+    uint8_t *held;
+    size_t held_len;
     bool reading;                          /* read_frames is on the stack */
     uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
     bool nonce_sent;
@@ -102,6 +120,8 @@ tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h);
 /* Queue BYE once; up->bye_flushed when it has left. */
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b);
 bool tdp__ctl_open(const tdp__ctl *c);
+/* Whether the socket's two ends prove one network stack (as peer_local), asked now. */
+bool tdp__ctl_local_now(const tdp__ctl *c);
 /*
  * Read what the socket holds now and handle it, outside the read event:
  * a frame on a data plane may overtake the proof that came before it on

@@ -122,6 +122,14 @@ typedef struct tdp__plane_ops {
      */
     tdp_err (*hello_fill)(tdp__link *l, tdp_hello *h);
     /*
+     * Optional: records that may exist only once the peer has proven it
+     * holds the shared secret (a same-host worker's address), for this
+     * side's PROVEN frame (wire.h). Called on the plane the two HELLOs
+     * choose, when both offered PROVEN; the peer's PROVEN records reach
+     * link_start among its HELLO's. TDP_OK with nothing added is fine.
+     */
+    tdp_err (*proven_fill)(tdp__link *l, const tdp_hello *peer, bool same_host, tdp_hello *out);
+    /*
      * Optional: check the plane's records in a peer's HELLO (wire.c only
      * frames them). TDP_OK when they are absent; TDP_EPROTO when malformed:
      * the pipe fails, whichever plane it would have chosen.

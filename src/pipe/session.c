@@ -288,6 +288,9 @@ static void send_hello(tdp_pipe *p)
     h.resume = p->credit_base > 0 ? p->credit_base + 1 : 0;
     h.want_depth = p->opts.want_peer_depth;
     h.checksum = p->opts.checksum ? TDP_SUM_XXH3_64 : 0;
+    /* with a secret, a peer on this host gets a same-host UCX worker only
+     * after the proofs: its address then travels in PROVEN (wire.h) */
+    h.proven = p->secret_len > 0 && tdp__ctl_local_now(&p->ctl) ? TDP_PROVEN_V1 : 0;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
     for (uint32_t i = 0; i < p->depth; i++)
@@ -380,6 +383,55 @@ static void sum_negotiate(tdp_pipe *p, const tdp_hello *h)
                      p->ctl.peer_name);
 }
 
+/*
+ * The candidate the two HELLOs pick, -1 for none. Both sides compute the
+ * same choice: the same lists, the same filter.
+ */
+static int choose_plane(const tdp_pipe *p, const tdp_hello *h, bool same_host)
+{
+    uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
+    size_t nm = 0, nt = 0;
+    for (int i = 0; i < p->ncand; i++)
+        if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, same_host))
+            mine[nm++] = p->cand[i]->id;
+    for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANES; i++) {
+        const tdp__plane_ops *o = tdp__plane_by_id(h->planes[i]);
+        if (o != NULL && o->usable != NULL && !o->usable(h, same_host))
+            continue;
+        theirs[nt++] = h->planes[i];
+    }
+    int id = tdp_wire_plane_choose(mine, nm, theirs, nt, ~UINT64_C(0));
+    for (int i = 0; i < p->ncand; i++)
+        if (p->cand[i]->id == id && p->links[i] != NULL)
+            return i;
+    return -1;
+}
+
+/* Whether the peer's HELLO says it runs on this host (and the socket agrees). */
+static bool peer_same_host(const tdp_pipe *p, const tdp_hello *h)
+{
+    uint8_t host[TDP_HOST_ID_LEN];
+    tdp__host_id(host);
+    /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
+    return memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0 && p->ctl.peer_local;
+}
+
+/*
+ * The peer has proven itself: the plane the HELLOs pick may now make what
+ * it could not make for a stranger (its PROVEN records). The choice is made
+ * again, the same, when the peer's PROVEN brings its HELLO up.
+ */
+static tdp_err on_ctl_proven(void *owner, const tdp_hello *h, tdp_hello *out)
+{
+    tdp_pipe *p = owner;
+    if (p->state != PIPE_CONNECTING)
+        return TDP_OK;
+    int ci = choose_plane(p, h, peer_same_host(p, h));
+    if (ci < 0 || p->cand[ci]->proven_fill == NULL)
+        return TDP_OK; /* on_ctl_hello says why, if it matters */
+    return p->cand[ci]->proven_fill(p->links[ci], h, peer_same_host(p, h), out);
+}
+
 static void on_ctl_hello(void *owner, const tdp_hello *h)
 {
     tdp_pipe *p = owner;
@@ -395,10 +447,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
             return;
         }
     }
-    uint8_t host[TDP_HOST_ID_LEN];
-    tdp__host_id(host);
-    /* the host id is the peer's claim; the socket must agree (ctl.h: peer_local) */
-    p->same_host = memcmp(h->host_id, host, TDP_HOST_ID_LEN) == 0 && p->ctl.peer_local;
+    p->same_host = peer_same_host(p, h);
     p->peer_depth = h->recv_depth;
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
@@ -422,23 +471,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
 
     sum_negotiate(p, h);
 
-    /* both sides compute the same choice: the same lists, the same filter */
-    uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
-    size_t nm = 0, nt = 0;
-    for (int i = 0; i < p->ncand; i++)
-        if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, p->same_host))
-            mine[nm++] = p->cand[i]->id;
-    for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANES; i++) {
-        const tdp__plane_ops *o = tdp__plane_by_id(h->planes[i]);
-        if (o != NULL && o->usable != NULL && !o->usable(h, p->same_host))
-            continue;
-        theirs[nt++] = h->planes[i];
-    }
-    int id = tdp_wire_plane_choose(mine, nm, theirs, nt, ~UINT64_C(0));
-    int ci = -1;
-    for (int i = 0; i < p->ncand; i++)
-        if (p->cand[i]->id == id)
-            ci = i;
+    int ci = choose_plane(p, h, p->same_host);
     if (ci < 0) {
         pipe_fail(p, TDP_ENOTSUP, "no data plane both sides allow");
         return;
@@ -492,6 +525,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
 static const tdp__ctl_up ctl_up = {
     .connected = on_ctl_connected,
     .hello_in = on_ctl_hello_in,
+    .proven = on_ctl_proven,
     .hello = on_ctl_hello,
     .bye = on_ctl_bye,
     .closed = on_ctl_closed,

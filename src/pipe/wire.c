@@ -70,6 +70,8 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
         return hdr->length == TDP_BYE_LEN ? TDP_OK : TDP_EPROTO;
     case TDP_CTL_AUTH:
         return hdr->length == TDP_AUTH_TAG_LEN ? TDP_OK : TDP_EPROTO;
+    case TDP_CTL_PROVEN:
+        return hdr->length <= TDP_PROVEN_MAX_LEN ? TDP_OK : TDP_EPROTO;
     default:
         return TDP_EPROTO;
     }
@@ -182,6 +184,8 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
     }
     if (h->checksum != 0) /* any algorithm but 0 goes on the wire (the session picks) */
         n += TDP_HX_HDR_LEN + hx_span(1);
+    if (h->proven != 0)
+        n += TDP_HX_HDR_LEN + hx_span(1);
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
     *out = n;
@@ -245,6 +249,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         put32(hx_put(&p, TDP_HX_WANT_DEPTH, 4), h->want_depth);
     if (h->checksum != 0)
         *hx_put(&p, TDP_HX_CHECKSUM, 1) = h->checksum;
+    if (h->proven != 0)
+        *hx_put(&p, TDP_HX_PROVEN, 1) = h->proven;
     return TDP_OK;
 }
 
@@ -291,6 +297,12 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
             return TDP_EPROTO;
         h->checksum = v[0];
         return TDP_OK;
+    case TDP_HX_PROVEN:
+        /* a later version is allowed: the frame is then not exchanged */
+        if (h->proven != 0 || vlen != 1 || v[0] == 0)
+            return TDP_EPROTO;
+        h->proven = v[0];
+        return TDP_OK;
     case 0:
         return TDP_EPROTO;
     default:
@@ -304,6 +316,37 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
             h->unknown_critical = type;
         return TDP_OK;
     }
+}
+
+/*
+ * The records in in[off..len), each handed to decode (nrec counts them
+ * across calls); TDP_EPROTO when one is malformed or padded with non-zero.
+ */
+static tdp_err hx_walk(tdp_hello *h, const uint8_t *in, size_t off, size_t len, unsigned *nrec,
+                       tdp_err (*decode)(tdp_hello *, uint16_t, uint16_t, const uint8_t *,
+                                         uint32_t))
+{
+    while (off < len) {
+        size_t rem = len - off;
+        if (rem < TDP_HX_HDR_LEN || ++*nrec > TDP_HX_MAX_RECORDS)
+            return TDP_EPROTO;
+        const uint8_t *r = in + off;
+        uint16_t type = get16(r);
+        uint16_t flags = get16(r + 2);
+        uint32_t vlen = get32(r + 4);
+        uint64_t span = hx_span(vlen);
+        if (span > rem - TDP_HX_HDR_LEN)
+            return TDP_EPROTO;
+        const uint8_t *v = r + TDP_HX_HDR_LEN;
+        for (uint64_t i = vlen; i < span; i++)
+            if (v[i] != 0)
+                return TDP_EPROTO;
+        tdp_err rc = decode(h, type, flags, v, vlen);
+        if (rc != TDP_OK)
+            return rc;
+        off += TDP_HX_HDR_LEN + (size_t)span;
+    }
+    return TDP_OK;
 }
 
 tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
@@ -322,28 +365,10 @@ tdp_err tdp_wire_hello_decode(const uint8_t *in, size_t len, tdp_hello *h)
     if (!fixed_ok(h->recv_depth, h->peer_mode))
         return TDP_EPROTO;
 
-    size_t off = TDP_HELLO_FIXED_LEN;
     unsigned nrec = 0;
-    while (off < len) {
-        size_t rem = len - off;
-        if (rem < TDP_HX_HDR_LEN || ++nrec > TDP_HX_MAX_RECORDS)
-            return TDP_EPROTO;
-        const uint8_t *r = in + off;
-        uint16_t type = get16(r);
-        uint16_t flags = get16(r + 2);
-        uint32_t vlen = get32(r + 4);
-        uint64_t span = hx_span(vlen);
-        if (span > rem - TDP_HX_HDR_LEN)
-            return TDP_EPROTO;
-        const uint8_t *v = r + TDP_HX_HDR_LEN;
-        for (uint64_t i = vlen; i < span; i++)
-            if (v[i] != 0)
-                return TDP_EPROTO;
-        tdp_err rc = hx_decode(h, type, flags, v, vlen);
-        if (rc != TDP_OK)
-            return rc;
-        off += TDP_HX_HDR_LEN + (size_t)span;
-    }
+    tdp_err rc = hx_walk(h, in, TDP_HELLO_FIXED_LEN, len, &nrec, hx_decode);
+    if (rc != TDP_OK)
+        return rc;
     return h->unknown_critical != 0 ? TDP_EVERSION : TDP_OK;
 }
 
@@ -384,6 +409,66 @@ void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
 {
     tdp_wire_ctl_hdr_encode(out, TDP_CTL_AUTH, TDP_AUTH_TAG_LEN);
     memcpy(out + TDP_CTL_HDR_LEN, tag, TDP_AUTH_TAG_LEN);
+}
+
+/* PROVEN payload: plane records, framed as in HELLO. */
+static tdp_err proven_payload_len(const tdp_hello *h, uint64_t *out)
+{
+    uint64_t n = 0;
+    if (!recs_ok(h))
+        return TDP_EINVAL;
+    for (uint32_t i = 0; i < h->nrecs; i++)
+        n += TDP_HX_HDR_LEN + hx_span(h->recs[i].len);
+    if (n > TDP_PROVEN_MAX_LEN)
+        return TDP_EINVAL;
+    *out = n;
+    return TDP_OK;
+}
+
+size_t tdp_wire_proven_size(const tdp_hello *h)
+{
+    uint64_t n;
+    if (proven_payload_len(h, &n) != TDP_OK)
+        return 0;
+    return TDP_CTL_HDR_LEN + (size_t)n;
+}
+
+tdp_err tdp_wire_proven_encode(uint8_t *out, const tdp_hello *h)
+{
+    uint64_t len;
+    tdp_err rc = proven_payload_len(h, &len);
+    if (rc != TDP_OK)
+        return rc;
+    tdp_wire_ctl_hdr_encode(out, TDP_CTL_PROVEN, (uint32_t)len);
+    uint8_t *p = out + TDP_CTL_HDR_LEN;
+    for (uint16_t type = TDP_HX_UCX_ADDR; type <= TDP_HX_SHM; type++) {
+        const tdp_hx_rec *r = tdp_hello_rec(h, type);
+        if (r != NULL)
+            memcpy(hx_put(&p, type, r->len), r->val, r->len);
+    }
+    return TDP_OK;
+}
+
+/* A PROVEN record: a plane's, not already in the HELLO; what else is known belongs there. */
+static tdp_err proven_rec(tdp_hello *h, uint16_t type, uint16_t flags, const uint8_t *v,
+                          uint32_t vlen)
+{
+    if (tdp_wire_hx_is_plane(type))
+        return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
+    if (type == 0 || type <= TDP_HX_PROVEN)
+        return TDP_EPROTO;
+    return hx_decode(h, type, flags, v, vlen); /* unknown: skipped, or critical */
+}
+
+tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h)
+{
+    unsigned nrec = 0;
+    if (len > TDP_PROVEN_MAX_LEN)
+        return TDP_EPROTO;
+    tdp_err rc = hx_walk(h, in, 0, len, &nrec, proven_rec);
+    if (rc != TDP_OK)
+        return rc;
+    return h->unknown_critical != 0 ? TDP_EVERSION : TDP_OK;
 }
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b)

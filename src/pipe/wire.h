@@ -28,6 +28,8 @@ enum tdp_ctl_type {
     TDP_CTL_HELLO = 1,
     TDP_CTL_BYE = 2,
     TDP_CTL_AUTH = 3, /* tag[32]: the sender's proof that it holds the shared secret */
+    /* plane records sent once the peer's proof checked out (TDP_HX_PROVEN) */
+    TDP_CTL_PROVEN = 4,
 };
 
 #define TDP_AUTH_TAG_LEN   32u
@@ -74,7 +76,11 @@ enum tdp_hx_type {
     TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
     TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
     TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
+    TDP_HX_PROVEN = 9,         /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
 };
+
+/* TDP_HX_PROVEN's value: the one version of the PROVEN frame. */
+#define TDP_PROVEN_V1 1u
 
 /* TDP_HX_CHECKSUM's value: the one algorithm, XXH3-64 of the DATA payload. */
 #define TDP_SUM_XXH3_64 1u
@@ -135,6 +141,7 @@ typedef struct tdp_hello {
     uint64_t resume; /* TDP_HX_RESUME: 0 (a fresh stream) or 2..2^62 */
     uint32_t want_depth; /* TDP_HX_WANT_DEPTH: 0 (no wish) or 1..64 */
     uint8_t checksum;    /* TDP_HX_CHECKSUM: 0 (not offered) or the algorithm offered */
+    uint8_t proven;      /* TDP_HX_PROVEN: 0 (not spoken) or the version spoken */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */
@@ -205,6 +212,28 @@ tdp_err tdp_wire_bye_decode(const uint8_t *in, size_t len, tdp_bye *b);
 
 void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
                           const uint8_t tag[TDP_AUTH_TAG_LEN]);
+
+/*
+ * PROVEN: plane records a side may send only once the peer's proof has
+ * checked out (what must not exist for a peer before it: a same-host
+ * worker's address). Sent once each way, after the sender's AUTH, when both
+ * HELLOs carry TDP_HX_PROVEN and a secret. The payload is records framed as
+ * in HELLO (0..TDP_PROVEN_MAX_LEN bytes), plane records only.
+ */
+#define TDP_PROVEN_MAX_LEN (TDP_HELLO_MAX_LEN - TDP_HELLO_FIXED_LEN)
+
+/* Bytes of h's plane records as a PROVEN frame, header included; 0 if they cannot be encoded. */
+size_t tdp_wire_proven_size(const tdp_hello *h);
+/* Write h's plane records (only) as a PROVEN frame of tdp_wire_proven_size(h) bytes. */
+tdp_err tdp_wire_proven_encode(uint8_t *out, const tdp_hello *h);
+/*
+ * Add the records of a PROVEN payload to h, the peer's decoded HELLO
+ * (record pointers point into `in`). TDP_EPROTO: malformed as a HELLO's
+ * records would be, a record of a type the HELLO already has, or a known
+ * record that is not a plane's; TDP_EVERSION: an unknown critical record.
+ * On failure h is not to be used.
+ */
+tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 
 /* ---- active-message frames ------------------------------------------------ */
 

@@ -121,6 +121,8 @@ struct tdp__link {
      * and the forced close of its endpoint while that is in progress */
     tdp__ucx_private *own;
     bool no_own; /* none, for good: the HELLO has (or will have) no same-host address */
+    /* with a secret: none before the proofs, then one if PROVEN carries its address */
+    bool own_late;
     ucp_address_t *own_addr;
     size_t own_addr_len;
     void *close_req;
@@ -1503,13 +1505,15 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
         return rc;
     /*
      * With a shared secret, nothing is made for a peer before its proof,
-     * and this HELLO goes out before it: no worker of its own, so no
-     * same-host address, and both sides use the general worker (the shm
-     * plane is the same-host default; docs/security.md says what this
-     * leaves open).
+     * and this HELLO goes out before it: no worker of its own yet, so no
+     * same-host address here. One is made once the peer has proven itself,
+     * and its address goes in this side's PROVEN frame (u_proven_fill);
+     * with a peer that speaks no PROVEN, both sides use the general worker.
      */
-    if (h->auth != 0)
+    if (h->auth != 0) {
+        l->own_late = !l->no_own && have_local(l->x) && h->peer_mode == TDP_PEER_AUTO;
         l->no_own = true;
+    }
     if (have_local(l->x) && !l->no_own) {
         if (link_own(l) == TDP_OK) {
             laddr = l->own_addr;
@@ -1525,6 +1529,29 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_ADDR, addr, (uint32_t)alen);
     if (rc == TDP_OK && laddr != NULL && llen > 0)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_LOCAL_ADDR, laddr, (uint32_t)llen);
+    return rc == TDP_OK ? TDP_OK : TDP_EINTERNAL;
+}
+
+/*
+ * With a secret, after both proofs: the link's own same-host worker, when
+ * link_start will pick it (a peer on this host, neither side forcing a
+ * peer mode), and its address for PROVEN. link_start's rule then applies
+ * as without a secret: the own worker iff both sides sent an address.
+ */
+static tdp_err u_proven_fill(tdp__link *l, const tdp_hello *peer, bool same_host, tdp_hello *out)
+{
+    if (!l->own_late)
+        return TDP_OK;
+    l->own_late = false;
+    if (!same_host || peer->peer_mode != TDP_PEER_AUTO)
+        return TDP_OK;
+    l->no_own = false;
+    if (link_own(l) != TDP_OK) { /* sets no_own: the general worker, for both */
+        tdp_log_info("no same-host worker for this pipe: it uses the general one");
+        return TDP_OK;
+    }
+    tdp_err rc =
+        tdp_hello_add_rec(out, TDP_HX_UCX_LOCAL_ADDR, l->own_addr, (uint32_t)l->own_addr_len);
     return rc == TDP_OK ? TDP_OK : TDP_EINTERNAL;
 }
 
@@ -1745,6 +1772,7 @@ const tdp__plane_ops tdp__plane_ucx = {
     .mem = TDP__MEM_HOST | TDP__MEM_CUDA | TDP__MEM_CUDA_STAGED,
     .link_mem = u_link_mem,
     .hello_fill = u_hello_fill,
+    .proven_fill = u_proven_fill,
     .usable = NULL,
     .link_new = u_link_new,
     .link_start = u_link_start,
