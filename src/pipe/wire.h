@@ -74,6 +74,7 @@ enum tdp_hx_type {
     TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
     TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
     TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
+    TDP_HX_CUDA_IPC = 9,       /* the shm record, then the GPUs this side sees (cudaipc.h) */
 };
 
 /* TDP_HX_CHECKSUM's value: the one algorithm, XXH3-64 of the DATA payload. */
@@ -88,8 +89,7 @@ enum tdp_hx_type {
  * byte each in TDP_HX_PLANES; 0 is "none" (never on the wire); ids are
  * below 64 so a uint64_t mask can name any set. Reserved for planes to come:
  */
-#define TDP_PLANE_CUDA_IPC    3
-#define TDP_PLANE_CUDA_STAGED 4
+#define TDP_PLANE_CUDA_STAGED 4 /* (cuda-ipc, 3, is a tdp_plane now) */
 #define TDP_PLANE_BIT(id) (UINT64_C(1) << (id))
 #define TDP_MAX_PLANES    16u
 
