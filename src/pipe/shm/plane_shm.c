@@ -2411,6 +2411,35 @@ tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t 
     return rc;
 }
 
+tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes,
+                             uint64_t nslots, uint64_t stride, const uint8_t *uuid,
+                             tdp__dpool **keep)
+{
+    if (l == NULL || l->sock < 0 || !l->proven)
+        return TDP_EINVAL;
+    tdp__dpool *dp;
+    tdp_err rc = tdp__dpool_new(dev, bytes, &dp);
+    if (rc != TDP_OK)
+        return rc;
+    tdp__cuda_ipc h;
+    shm_msg m = {.type = MSG_DPOOL, .gen = ++l->next_gen, .seq = seq, .json_len = nslots,
+                 .total = stride};
+    memcpy(m.key, tdp__dpool_id(dp), TDP_DPOOL_ID_LEN);
+    if (uuid != NULL)
+        memcpy(m.peer_key, uuid, TDP_CUDAIPC_UUID);
+    else
+        rc = tdp__cuda_device_uuid(dev, m.peer_key);
+    if (rc == TDP_OK && (rc = tdp__cuda_export(tdp__dpool_base(dp), &h)) == TDP_OK) {
+        rc = msg_send(l, &m, NULL, 0, &h.fd, 1);
+        close(h.fd);
+    }
+    if (rc == TDP_OK && keep != NULL)
+        *keep = dp;
+    else
+        tdp__dpool_unref(dp);
+    return rc;
+}
+
 tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d)
 {
     if (l == NULL || l->rx_ctl == NULL)
