@@ -951,8 +951,10 @@ out:
 
 static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
 {
-    char hp[64], depth[16], poll[16];
+    char hp[64], depth[16], poll[16], mem[TDP_DEVICE_STRLEN];
+    bool gpu = cfg->mem.type == TDP_DEVICE_CUDA;
     snprintf(hp, sizeof(hp), "127.0.0.1:%u", port);
+    tdp_device_format(cfg->mem, mem);
     snprintf(depth, sizeof(depth), "%u", cfg->depth);
     snprintf(poll, sizeof(poll), "%u", cfg->busy_poll_us);
     const char *mode = cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
@@ -964,7 +966,9 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
               depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
               tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet",
-              cfg->checksum ? "--checksum" : "--quiet", (char *)NULL);
+              cfg->checksum ? "--checksum" : "--quiet",
+              /* the consumer's pipe names the GPU too (cuda-ipc is offered then) */
+              gpu ? "--mem" : "--quiet", gpu ? mem : "--quiet", (char *)NULL);
         _exit(127);
     }
     return pid;
