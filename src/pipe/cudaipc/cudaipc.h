@@ -51,8 +51,10 @@ tdp_err tdp__dpool_export(tdp__dpool *p, tdp__cuda_ipc *h);
 /*
  * The receiver's side: the pool announced with id, handle h and `bytes`,
  * on local device dev. Shared by pointer when id names a pool of this
- * process (of at least `bytes`: else TDP_EPROTO), imported otherwise (the
- * import's size must be at least `bytes`). The caller keeps h->fd.
+ * process (of at least `bytes` on dev: else TDP_EPROTO), imported
+ * otherwise: h->size is what the export said it maps (the driver rounds an
+ * allocation up to its granularity), at least `bytes` and at most 64 MiB
+ * more, else TDP_EPROTO. The caller keeps h->fd.
  */
 tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__cuda_ipc *h,
                         uint64_t bytes, tdp__dpool **out);

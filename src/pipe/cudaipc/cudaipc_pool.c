@@ -125,13 +125,17 @@ tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__
         return TDP_OK;
     }
     struct stat st;
-    if (h->fd >= 0 && fstat(h->fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size < bytes) {
-        /* a memfd (the fake device's export) shorter than claimed */
+    tdp__cuda_ipc hh = *h;
+    if (hh.fd < 0)
+        hh.size = bytes; /* a legacy handle maps the allocation as it is */
+    if (hh.size < bytes || hh.size - bytes > (64u << 20) ||
+        (hh.fd >= 0 && fstat(hh.fd, &st) == 0 && S_ISREG(st.st_mode) &&
+         (uint64_t)st.st_size < hh.size)) {
+        /* smaller than the slots, or a memfd (the fake device's export)
+         * shorter than it claims */
         tdp__free(p);
         return TDP_EPROTO;
     }
-    tdp__cuda_ipc hh = *h;
-    hh.size = bytes;
     tdp_err rc = tdp__cuda_import(dev, &hh, &p->base);
     if (rc != TDP_OK) {
         tdp__free(p);

@@ -90,7 +90,8 @@
 
 /*
  * MSG_DPOOL (cuda-ipc links only): a pool of device slots, in force as a
- * POOL. json_len: slots; total: stride; key: the pool's id (cudaipc.h);
+ * POOL. json_len: slots; total: stride; hash: the bytes its handle maps
+ * (the driver's allocation, rounded up); key: the pool's id (cudaipc.h);
  * peer_key: the UUID of its device; one fd (its POSIX handle), or none and
  * the legacy handle as the message's tail (MSG_F_LEGACY).
  */
@@ -616,6 +617,7 @@ static tdp_err tx_dpool_new(struct tdp__link *l, tx_pool *p, uint32_t n, uint64_
                      .flags = h.fd < 0 ? MSG_F_LEGACY : 0,
                      .gen = p->gen,
                      .seq = l->last_seq + 1,
+                     .hash = h.size,
                      .json_len = n,
                      .total = stride};
         memcpy(m.key, tdp__dpool_id(p->dp), TDP_DPOOL_ID_LEN);
@@ -1107,7 +1109,7 @@ static tdp_err rx_check_dpool(struct tdp__link *l, const shm_msg *m)
 /* A device pool in force: import it (or share the pointer: same process). Its fd is closed. */
 static tdp_err rx_open_dpool(struct tdp__link *l, pend_msg *pm, rx_pool *p)
 {
-    tdp__cuda_ipc h = {.fd = pm->nfds == 1 ? pm->fds[0] : -1};
+    tdp__cuda_ipc h = {.fd = pm->nfds == 1 ? pm->fds[0] : -1, .size = pm->m.hash};
     memcpy(h.legacy, pm->legacy, LEGACY_LEN);
     int dev = tdp__cudaipc_local_dev(pm->m.peer_key);
     tdp_err rc = dev < 0 ? TDP_EPROTO
@@ -2423,7 +2425,7 @@ tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes
         return rc;
     tdp__cuda_ipc h;
     shm_msg m = {.type = MSG_DPOOL, .gen = ++l->next_gen, .seq = seq, .json_len = nslots,
-                 .total = stride};
+                 .total = stride, .hash = nslots * stride}; /* a handle as large as claimed */
     memcpy(m.key, tdp__dpool_id(dp), TDP_DPOOL_ID_LEN);
     if (uuid != NULL)
         memcpy(m.peer_key, uuid, TDP_CUDAIPC_UUID);
