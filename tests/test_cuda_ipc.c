@@ -305,7 +305,7 @@ static void test_schema_change_with_loans_out(void **state)
     fill(l1, 1);
     assert_int_equal(tdp_pipe_send(e.cli, l1, TMO), TDP_OK);
     assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got1), TDP_OK); /* held: old pool */
-    assert_int_equal(loan(e.cli, small, &l2), TDP_OK);           /* out: old pool */
+    assert_int_equal(loan(e.cli, small, &l2), TDP_OK);          /* out: old pool */
     fill(l2, 3);
     uint64_t exports = tdp__dpool_exports();
     assert_int_equal(tdp_td_new(big, &tb), TDP_OK);

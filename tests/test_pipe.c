@@ -281,8 +281,8 @@ static void test_handshake(void **state)
     /* both sides chose the same plane: the one forced, else on one host
      * cuda-ipc for a pipe that names its GPU, shm for one that does not */
     tdp_plane want = test_plane() != TDP_PLANE_AUTO ? test_plane()
-                     : dev_mode                      ? TDP_PLANE_CUDA_IPC
-                                                     : TDP_PLANE_SHM;
+                     : dev_mode                     ? TDP_PLANE_CUDA_IPC
+                                                    : TDP_PLANE_SHM;
     assert_int_equal(tdp_pipe_plane(e.cli), want);
     assert_int_equal(tdp_pipe_plane(e.srv), want);
     print_message("plane %s\n", tdp_plane_name(want));

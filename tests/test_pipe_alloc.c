@@ -242,8 +242,7 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
                   HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     /* no pool exported or imported per message */
-    print_message("device pools exported + imported in steady state: %" PRIu64 "\n",
-                  rx.x1 - rx.x0);
+    print_message("device pools exported + imported in steady state: %" PRIu64 "\n", rx.x1 - rx.x0);
     assert_int_equal(rx.x1 - rx.x0, 0);
     if (plane == TDP_PLANE_CUDA_IPC)
         assert_true(rx.x1 > 0); /* the plane did export its pool at all */

@@ -29,9 +29,9 @@
 #include "../shm/shm_hello.h"
 #include "../wire.h"
 
-#define TDP_DPOOL_ID_LEN   16u
-#define TDP_CUDAIPC_DEVS   16u /* device UUIDs a record lists, at most */
-#define TDP_CUDAIPC_UUID   16u
+#define TDP_DPOOL_ID_LEN    16u
+#define TDP_CUDAIPC_DEVS    16u /* device UUIDs a record lists, at most */
+#define TDP_CUDAIPC_UUID    16u
 #define TDP_CUDAIPC_REC_MAX (TDP_SHM_REC_MAX + 2u + TDP_CUDAIPC_DEVS * TDP_CUDAIPC_UUID)
 
 /* ---- device pools ------------------------------------------------------------ */

@@ -87,9 +87,8 @@ static tdp__dpool *tab_find(const uint8_t id[TDP_DPOOL_ID_LEN])
         /* a pool whose last reference is going (its unref waits for the
          * lock to leave the table) is no longer in reach */
         uint32_t r = atomic_load_explicit(&p->refs, memory_order_acquire);
-        while (r > 0 && !atomic_compare_exchange_weak_explicit(&p->refs, &r, r + 1,
-                                                               memory_order_acq_rel,
-                                                               memory_order_acquire))
+        while (r > 0 && !atomic_compare_exchange_weak_explicit(
+                            &p->refs, &r, r + 1, memory_order_acq_rel, memory_order_acquire))
             ;
         found = r > 0 ? p : NULL;
         break;

@@ -156,7 +156,7 @@ typedef struct rx_slot {
 struct rx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per view alive */
     tdp__shm_seg *seg;
-    tdp__dpool *dp; /* cuda-ipc: device slots instead of seg */
+    tdp__dpool *dp;                 /* cuda-ipc: device slots instead of seg */
     uint8_t uuid[TDP_CUDAIPC_UUID]; /* dp: its device, as announced */
     uint32_t gen, nslots, nheld;
     uint64_t stride;
@@ -278,12 +278,12 @@ struct tdp__link {
 
     /* cuda-ipc (tdp__plane_cuda_ipc): GPU payloads in device pools */
     bool ipc;
-    int ipc_dev;                             /* the pipe's GPU (link_device) */
-    uint8_t ipc_rec[TDP_CUDAIPC_REC_MAX];     /* this side's HELLO record */
+    int ipc_dev;                          /* the pipe's GPU (link_device) */
+    uint8_t ipc_rec[TDP_CUDAIPC_REC_MAX]; /* this side's HELLO record */
     size_t ipc_rec_len;
-    uint8_t peer_rec[TDP_CUDAIPC_REC_MAX];    /* the peer's, copied at start */
-    tdp__cudaipc_hello peer_ipc;             /* read from peer_rec */
-    int8_t ipc_reach[TDP_CUDAIPC_DEVS];      /* by device: 1 the peer sees it, -1 not, 0 unknown */
+    uint8_t peer_rec[TDP_CUDAIPC_REC_MAX]; /* the peer's, copied at start */
+    tdp__cudaipc_hello peer_ipc;           /* read from peer_rec */
+    int8_t ipc_reach[TDP_CUDAIPC_DEVS];    /* by device: 1 the peer sees it, -1 not, 0 unknown */
 };
 
 typedef struct pending_conn {
@@ -798,8 +798,8 @@ static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool
                      .posted = posted};
     e->copy.arg = e;
     size_t n = copy ? tx->td->nbytes : 0;
-    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tx_mem(s->pool, s->idx),
-                                       tx->td->data, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
+    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tx_mem(s->pool, s->idx), tx->td->data, n,
+                                       n, STAGE_CHUNK, STAGE_INFLIGHT);
     if (rc != TDP_OK)
         return rc;
     tdp_td_ref(tx->td);
@@ -1112,8 +1112,9 @@ static tdp_err rx_open_dpool(struct tdp__link *l, pend_msg *pm, rx_pool *p)
     tdp__cuda_ipc h = {.fd = pm->nfds == 1 ? pm->fds[0] : -1, .size = pm->m.hash};
     memcpy(h.legacy, pm->legacy, LEGACY_LEN);
     int dev = tdp__cudaipc_local_dev(pm->m.peer_key);
-    tdp_err rc = dev < 0 ? TDP_EPROTO
-                         : tdp__dpool_open(dev, pm->m.key, &h, pm->m.json_len * pm->m.total, &p->dp);
+    tdp_err rc = dev < 0
+                     ? TDP_EPROTO
+                     : tdp__dpool_open(dev, pm->m.key, &h, pm->m.json_len * pm->m.total, &p->dp);
     close_fds(pm->fds, pm->nfds);
     pm->nfds = 0;
     (void)l;
@@ -1211,7 +1212,7 @@ static tdp_err sock_read_one(struct tdp__link *l)
     }
     memcpy(&m, buf, MSG_HDR_BYTES);
     size_t tail = len - MSG_HDR_BYTES;
-    size_t want_fds = m.type == MSG_CTL || m.type == MSG_POOL               ? 3
+    size_t want_fds = m.type == MSG_CTL || m.type == MSG_POOL             ? 3
                       : m.type == MSG_SCHEMA && (m.flags & MSG_F_JSON_FD) ? 1
                       : m.type == MSG_DPOOL && !(m.flags & MSG_F_LEGACY)  ? 1
                                                                           : 0;
@@ -2413,9 +2414,8 @@ tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t 
     return rc;
 }
 
-tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes,
-                             uint64_t nslots, uint64_t stride, const uint8_t *uuid,
-                             tdp__dpool **keep)
+tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes, uint64_t nslots,
+                             uint64_t stride, const uint8_t *uuid, tdp__dpool **keep)
 {
     if (l == NULL || l->sock < 0 || !l->proven)
         return TDP_EINVAL;
@@ -2424,8 +2424,12 @@ tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes
     if (rc != TDP_OK)
         return rc;
     tdp__cuda_ipc h;
-    shm_msg m = {.type = MSG_DPOOL, .gen = ++l->next_gen, .seq = seq, .json_len = nslots,
-                 .total = stride, .hash = nslots * stride}; /* a handle as large as claimed */
+    shm_msg m = {.type = MSG_DPOOL,
+                 .gen = ++l->next_gen,
+                 .seq = seq,
+                 .json_len = nslots,
+                 .total = stride,
+                 .hash = nslots * stride}; /* a handle as large as claimed */
     memcpy(m.key, tdp__dpool_id(dp), TDP_DPOOL_ID_LEN);
     if (uuid != NULL)
         memcpy(m.peer_key, uuid, TDP_CUDAIPC_UUID);
