@@ -362,6 +362,56 @@ static void test_recv_to_host(void **state)
     env_down(&e);
 }
 
+/*
+ * Two GPUs (the fake's cuda:0 and cuda:1): a payload on the GPU the pipe
+ * does not name gets a pool of its own device; a receive device on the
+ * other GPU is one peer copy, out of the pool into that GPU's memory.
+ */
+static void test_two_gpus(void **state)
+{
+    (void)state;
+    if (tdp__cuda_device_count() < 2) {
+        print_message("skipped: needs two devices (the fake has them: TDPIPE_CUDA=fake:2)\n");
+        skip();
+    }
+    tdp_pipe_opts so, co;
+    gpu_opts(&so, 2);
+    gpu_opts(&co, 2);
+    so.recv_device_set = true;
+    so.recv_device = (tdp_device){TDP_DEVICE_CUDA, 1};
+    env e;
+    env_up(&e, &so, &co);
+    assert_int_equal(tdp_pipe_plane(e.cli), TDP_PLANE_CUDA_IPC);
+    tdp_schema *s0 = bytes_schema(1 << 20, true), *s1;
+    assert_int_equal(tdp_schema_with_device(s0, (tdp_device){TDP_DEVICE_CUDA, 1}, &s1), TDP_OK);
+    tdp_td *td0, *td1, *got;
+    assert_int_equal(tdp_td_new(s0, &td0), TDP_OK);
+    assert_int_equal(tdp_td_new(s1, &td1), TDP_OK);
+    /* from cuda:0 into the receiver's cuda:1: a peer copy, not a view */
+    fill(td0, 1);
+    assert_int_equal(tdp_pipe_send(e.cli, td0, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_int_equal(tdp_td_device(got).index, 1);
+    assert_false(view_in_pool(e.sl, e.srv, tdp_td_data(got)));
+    assert_true(verify(got, 1));
+    tdp_pipe_release(e.srv, got);
+    /* from cuda:1: a pool on cuda:1, which the receive layout views in place */
+    uint64_t exports = tdp__dpool_exports();
+    fill(td1, 2);
+    assert_int_equal(tdp_pipe_send(e.cli, td1, TMO), TDP_OK);
+    assert_int_equal(tdp__dpool_exports(), exports + 1);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    assert_int_equal(tdp_td_device(got).index, 1);
+    assert_true(view_in_pool(e.sl, e.srv, tdp_td_data(got)));
+    assert_true(verify(got, 2));
+    tdp_pipe_release(e.srv, got);
+    tdp_td_unref(td0);
+    tdp_td_unref(td1);
+    tdp_schema_unref(s0);
+    tdp_schema_unref(s1);
+    env_down(&e);
+}
+
 /* ---- hostile senders ------------------------------------------------------------------ */
 
 typedef struct rogue {
@@ -528,10 +578,10 @@ static void test_producer_dies(void **state)
 
 int main(int argc, char **argv)
 {
-    /* the fake device where the machine has no GPU (children inherit it) */
+    /* the fake device, with two GPUs, where the machine has no GPU (children inherit it) */
     if (getenv("TDPIPE_CUDA") == NULL && tdp__cuda_device_count() == 0) {
-        setenv("TDPIPE_CUDA", "fake", 1);
-        if (tdp__cuda_select("fake") != TDP_OK)
+        setenv("TDPIPE_CUDA", "fake:2", 1);
+        if (tdp__cuda_select("fake:2") != TDP_OK)
             return 1;
     }
     if (argc == 3 && strcmp(argv[1], "--producer") == 0)
@@ -544,6 +594,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_loan_no_copy),
         cmocka_unit_test(test_schema_change_with_loans_out),
         cmocka_unit_test(test_recv_to_host),
+        cmocka_unit_test(test_two_gpus),
         cmocka_unit_test(test_hostile_pools),
         cmocka_unit_test(test_producer_dies),
     };

@@ -186,6 +186,9 @@ typedef struct tdp_pipe_opts {
      * first send or receive of a GPU tensordict does not pay for them.
      * Without it the same happens at the first GPU payload or layout.
      * A device that does not exist is ignored. docs/gpu.md, "Staging".
+     * It also offers the cuda-ipc plane (same host, GPU payloads in a
+     * device pool the peer maps once), which only pipes that name their
+     * GPU offer: docs/planes.md, "The cuda-ipc plane".
      */
     bool cuda_device_set;
     int cuda_device;
