@@ -59,6 +59,18 @@ tdp_err tdp__dpool_export(tdp__dpool *p, tdp__cuda_ipc *h);
 tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__cuda_ipc *h,
                         uint64_t bytes, tdp__dpool **out);
 
+/*
+ * Within one process the two ends share the pool's memory at one address,
+ * while the rings that order their accesses are mapped twice (at two
+ * addresses), so C11 sees no order between them (nor does ThreadSanitizer).
+ * publish (release) after this side's last access to a slot and before its
+ * descriptor goes; observe (acquire) when the peer's descriptor for a slot
+ * is taken. One atomic each; on a pool of another process they touch this
+ * side's own object only.
+ */
+void tdp__dpool_publish(tdp__dpool *p);
+void tdp__dpool_observe(tdp__dpool *p);
+
 void tdp__dpool_ref(tdp__dpool *p);
 void tdp__dpool_unref(tdp__dpool *p); /* NULL is a no-op */
 

@@ -15,6 +15,7 @@
 
 struct tdp__dpool {
     _Atomic uint32_t refs;
+    _Atomic uint64_t sync; /* publish / observe, on the pool this process made */
     uint8_t id[TDP_DPOOL_ID_LEN];
     void *base;
     uint64_t bytes;
@@ -58,6 +59,7 @@ tdp_err tdp__dpool_new(int dev, uint64_t bytes, tdp__dpool **out)
         return rc;
     }
     atomic_init(&p->refs, 1);
+    atomic_init(&p->sync, 0);
     p->bytes = bytes;
     p->dev = dev;
     pthread_mutex_lock(&tab_lock);
@@ -106,6 +108,7 @@ tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__
     if (p == NULL)
         return TDP_ENOMEM;
     atomic_init(&p->refs, 1);
+    atomic_init(&p->sync, 0);
     memcpy(p->id, id, TDP_DPOOL_ID_LEN);
     p->bytes = bytes;
     p->dev = dev;
@@ -144,6 +147,18 @@ tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__
     p->imported = true;
     *out = p;
     return TDP_OK;
+}
+
+void tdp__dpool_publish(tdp__dpool *p)
+{
+    tdp__dpool *t = p->made != NULL ? p->made : p;
+    atomic_fetch_add_explicit(&t->sync, 1, memory_order_release);
+}
+
+void tdp__dpool_observe(tdp__dpool *p)
+{
+    tdp__dpool *t = p->made != NULL ? p->made : p;
+    (void)atomic_load_explicit(&t->sync, memory_order_acquire);
 }
 
 void tdp__dpool_ref(tdp__dpool *p)

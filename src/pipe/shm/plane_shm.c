@@ -717,6 +717,8 @@ static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint3
                        .arg = tx->td->nbytes};
     if (l->sum_on && type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
         d.arg = tdp__sum_tx(tx_mem(s->pool, s->idx), tx->td->nbytes, tx->seq);
+    if (s->pool->dp != NULL)
+        tdp__dpool_publish(s->pool->dp); /* the slot's bytes before the descriptor */
     tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
     tdp_err rc = tdp__shm_ring_push(r, &d);
     if (rc != TDP_OK)
@@ -953,6 +955,8 @@ static unsigned tx_progress_now(struct tdp__link *l)
             link_fail(l, TDP_EPROTO, "invalid release descriptor");
             return n;
         }
+        if (p->dp != NULL)
+            tdp__dpool_observe(p->dp); /* the receiver's reads before our next write */
         p->slots[d.slot].in_flight = false;
         p->nflight--;
         l->released++;
@@ -1649,6 +1653,8 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     rx_pool *p = s->pool;
     s->held = false;
     p->nheld--;
+    if (p->dp != NULL)
+        tdp__dpool_publish(p->dp); /* our reads of the slot before the sender rewrites it */
     if (!l->failed && l->rx_ctl != NULL) {
         tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen), .slot =
                                (uint32_t)(s - p->slots)};
@@ -1803,6 +1809,8 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         return TDP_EMSGSIZE;
     rx_pool *p = s->pool;
     void *mem = rx_mem(p, d->slot);
+    if (p->dp != NULL)
+        tdp__dpool_observe(p->dp); /* the sender's bytes, as its descriptor says */
     tdp_device dev = tdp_schema_device(sc);
     tdp_err rc;
     if (!rx_in_place(l, p, sc)) {
