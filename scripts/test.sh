@@ -11,7 +11,8 @@
 #                  the suites that run threads: the pipe suite in every
 #                  transport configuration (host and device buffers), the
 #                  server, the loop, the shared-memory rings, the CUDA
-#                  layer's fake device and the staging engine, the payload
+#                  layer's fake device and the staging engine, the same-host
+#                  GPU plane (test_cuda_ipc), the payload
 #                  checksum, the pre-auth attacker and the allocation counts
 #   6. fuzz        libFuzzer build in build-fuzz/ (clang), then timed runs of
 #                  the schema and frame decoder fuzzers and of the HELLO
@@ -185,8 +186,8 @@ stage_asan() {
 # process-wide count replaces malloc, which TSan must own.
 # UCX_MEM_EVENTS=no: UCX's memory hooks patch the allocator's symbols
 # under TSan's interceptors and crash the process before main.
-TSAN_TESTS='^test_(pipe_.*|server|loop|shm|cuda|stage|gpu_shm|checksum_.*|preauth)$'
-TSAN_TARGETS=(test_pipe test_pipe_alloc test_server test_loop test_shm test_cuda test_stage test_gpu_shm test_checksum test_preauth)
+TSAN_TESTS='^test_(pipe_.*|server|loop|shm|cuda|cuda_ipc|stage|gpu_shm|checksum_.*|preauth)$'
+TSAN_TARGETS=(test_pipe test_pipe_alloc test_server test_loop test_shm test_cuda test_cuda_ipc test_stage test_gpu_shm test_checksum test_preauth)
 
 stage_tsan() {
     export UCX_MEM_EVENTS=${UCX_MEM_EVENTS:-no}

@@ -1017,15 +1017,19 @@ test_bench_mem() {
 # when host code touches it): GPU payloads staged through the slots, small,
 # multi-chunk and 100 MB, with and without loans on the host side.
 test_bench_mem_fake() {
-    local v
-    for v in loan no_loan; do
-        run "bfake_$v" 120 env TDPIPE_CUDA=fake "$TDPIPE" bench --mem cuda --plane shm \
-            --sizes 1KB,1MB,100MB --rounds 5 $([[ $v == no_loan ]] && echo --no-loan)
-        expect_rc "bfake_$v" 0
-        expect_in "bfake_$v" out "mem cuda:0"
-        expect_in "bfake_$v" out "plane shm"
-        expect_in "bfake_$v" out "100 MB"
+    local v p
+    for p in shm cuda-ipc; do
+        for v in loan no_loan; do
+            run "bfake_${p}_$v" 120 env TDPIPE_CUDA=fake "$TDPIPE" bench --mem cuda --plane "$p" \
+                --sizes 1KB,1MB,100MB --rounds 5 $([[ $v == no_loan ]] && echo --no-loan)
+            expect_rc "bfake_${p}_$v" 0
+            expect_in "bfake_${p}_$v" out "mem cuda:0"
+            expect_in "bfake_${p}_$v" out "plane $p"
+            expect_in "bfake_${p}_$v" out "100 MB"
+        done
     done
+    # the cuda-ipc plane lends device slots: a hand-off rate beside the plain sends
+    expect_in bfake_cuda-ipc_loan out "hand-off"
 }
 
 # ---- serve -----------------------------------------------------------------------

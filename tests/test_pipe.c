@@ -190,6 +190,11 @@ static const tdp_pipe_opts *mode_opts(const tdp_pipe_opts *o, tdp_pipe_opts *buf
         buf->peer_mode = TDP_PEER_UCX;
     if (buf->plane == TDP_PLANE_AUTO)
         buf->plane = test_plane();
+    if (dev_mode && !buf->cuda_device_set) {
+        /* the payloads' GPU, as the CLI's --mem cuda names it */
+        buf->cuda_device_set = true;
+        buf->cuda_device = 0;
+    }
     return buf;
 }
 
@@ -273,8 +278,11 @@ static void test_handshake(void **state)
     env_up(&e, NULL, NULL);
     assert_true(tdp_pipe_same_host(e.cli));
     assert_true(tdp_pipe_same_host(e.srv));
-    /* both sides chose the same plane: the one forced, else shm on one host */
-    tdp_plane want = test_plane() != TDP_PLANE_AUTO ? test_plane() : TDP_PLANE_SHM;
+    /* both sides chose the same plane: the one forced, else on one host
+     * cuda-ipc for a pipe that names its GPU, shm for one that does not */
+    tdp_plane want = test_plane() != TDP_PLANE_AUTO ? test_plane()
+                     : dev_mode                     ? TDP_PLANE_CUDA_IPC
+                                                    : TDP_PLANE_SHM;
     assert_int_equal(tdp_pipe_plane(e.cli), want);
     assert_int_equal(tdp_pipe_plane(e.srv), want);
     print_message("plane %s\n", tdp_plane_name(want));
@@ -666,8 +674,9 @@ static void child_stream(uint16_t port, bool send)
 {
     tdp_loop *loop;
     tdp_pipe *p;
+    tdp_pipe_opts ob; /* the suite's plane and device, as the parent's */
     if (tdp_loop_new(NULL, &loop) != TDP_OK ||
-        tdp_pipe_connect(loop, "127.0.0.1", port, NULL, &p) != TDP_OK)
+        tdp_pipe_connect(loop, "127.0.0.1", port, mode_opts(NULL, &ob), &p) != TDP_OK)
         _exit(3);
     tdp_schema *s = bytes_schema(32 << 20);
     tdp_td *td;
@@ -781,6 +790,12 @@ static void test_device_copy_fault(void **state)
     for (unsigned k = 1; k <= 2; k++) {
         env e;
         env_up(&e, NULL, NULL);
+        if (k == 2 && tdp_pipe_plane(e.cli) == TDP_PLANE_CUDA_IPC) {
+            /* the receiver views the sender's device slot: it copies nothing */
+            print_message("copy 2: none on the receiving side of cuda-ipc\n");
+            env_down(&e);
+            break;
+        }
         tdp_schema *s = bytes_schema(1 << 20);
         tdp_td *td, *got;
         assert_int_equal(tdp_td_new(s, &td), TDP_OK);

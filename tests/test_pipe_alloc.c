@@ -26,6 +26,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "core/cuda.h"
+#include "pipe/cudaipc/cudaipc.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define HAVE_INTERPOSE 0
@@ -97,6 +98,7 @@ typedef struct side {
     bool dev;  /* device buffers: the counter goes through copies */
     /* counters read at message WARMUP and at the end */
     uint64_t lib0, lib1, m0, m1;
+    uint64_t x0, x1; /* device pools exported and imported (cuda-ipc) */
     pthread_barrier_t *bar;
 } side;
 
@@ -130,6 +132,7 @@ static void *run_side(void *arg)
             pthread_barrier_wait(s->bar);
             s->lib0 = tdp_mem_total_allocs();
             s->m0 = atomic_load(&n_malloc);
+            s->x0 = tdp__dpool_exports() + tdp__dpool_imports();
             pthread_barrier_wait(s->bar);
         }
         if (s->send && s->loan) {
@@ -141,8 +144,9 @@ static void *run_side(void *arg)
                 sched_yield();
             if (s->rc != TDP_OK)
                 break;
-            ((uint64_t *)tdp_td_data(buf))[0] = (uint64_t)i;
-            s->rc = tdp_pipe_send(s->pipe, buf, TMO);
+            s->rc = put_seq(buf, s->dev, (uint64_t)i); /* a device slot on cuda-ipc */
+            if (s->rc == TDP_OK)
+                s->rc = tdp_pipe_send(s->pipe, buf, TMO);
             tdp_td_unref(buf);
         } else if (s->send) {
             s->rc = put_seq(s->td, s->dev, (uint64_t)i);
@@ -160,6 +164,7 @@ static void *run_side(void *arg)
     pthread_barrier_wait(s->bar);
     s->lib1 = tdp_mem_total_allocs();
     s->m1 = atomic_load(&n_malloc);
+    s->x1 = tdp__dpool_exports() + tdp__dpool_imports();
     return NULL;
 }
 
@@ -183,6 +188,10 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
     so.recv_depth = depth;
     so.plane = plane;
     so.latency_stats = lat;
+    if (dev) { /* the pipe names its GPU: cuda-ipc is offered */
+        so.cuda_device_set = true;
+        so.cuda_device = 0;
+    }
     assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
     assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &n), TDP_OK);
     assert_int_equal(tdp_schema_builder_string(b, "note", "steady"), TDP_OK);
@@ -232,6 +241,11 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
                   lat ? " latency_stats" : "", nbytes, depth, STEADY, rx.lib1 - rx.lib0,
                   HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
+    /* no pool exported or imported per message */
+    print_message("device pools exported + imported in steady state: %" PRIu64 "\n", rx.x1 - rx.x0);
+    assert_int_equal(rx.x1 - rx.x0, 0);
+    if (plane == TDP_PLANE_CUDA_IPC)
+        assert_true(rx.x1 > 0); /* the plane did export its pool at all */
     if (HAVE_INTERPOSE) {
         assert_true(rx.m1 > 0); /* the interposition works at all */
         assert_int_equal(rx.m1 - rx.m0, 0);
@@ -310,6 +324,27 @@ static void test_cuda_shm_large_depth4(void **state)
     steady_case_mem(4 << 20, 4, TDP_PLANE_SHM, false, true, true);
 }
 
+/* The cuda-ipc plane: plain sends (one device copy into a slot) and loans (none). */
+static void test_cuda_ipc_small_depth1(void **state)
+{
+    steady_case_mem(1000, 1, TDP_PLANE_CUDA_IPC, false, false, true);
+}
+
+static void test_cuda_ipc_large_depth4(void **state)
+{
+    steady_case_mem(4 << 20, 4, TDP_PLANE_CUDA_IPC, false, true, true);
+}
+
+static void test_cuda_ipc_loan_small_depth1(void **state)
+{
+    steady_case_mem(1000, 1, TDP_PLANE_CUDA_IPC, true, false, true);
+}
+
+static void test_cuda_ipc_loan_large_depth4(void **state)
+{
+    steady_case_mem(4 << 20, 4, TDP_PLANE_CUDA_IPC, true, false, true);
+}
+
 int main(void)
 {
     /* the fake device stands in where there is no GPU: its memory faults on host access */
@@ -327,6 +362,10 @@ int main(void)
         cmocka_unit_test(test_cuda_ucx_large_depth4),
         cmocka_unit_test(test_cuda_shm_small_depth1),
         cmocka_unit_test(test_cuda_shm_large_depth4),
+        cmocka_unit_test(test_cuda_ipc_small_depth1),
+        cmocka_unit_test(test_cuda_ipc_large_depth4),
+        cmocka_unit_test(test_cuda_ipc_loan_small_depth1),
+        cmocka_unit_test(test_cuda_ipc_loan_large_depth4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -191,6 +191,7 @@ static void round_trip(const tdp_hello *h)
     assert_int_equal(g.nrecs, h->nrecs);
     for (uint16_t t = TDP_HX_UCX_ADDR; t <= TDP_HX_SHM; t++)
         assert_bytes(REC_BYTES(&g, t), REC_BYTES(h, t));
+    assert_bytes(REC_BYTES(&g, TDP_HX_CUDA_IPC), REC_BYTES(h, TDP_HX_CUDA_IPC));
     assert_int_equal(g.nskipped, 0);
     assert_int_equal(g.unknown_critical, 0);
     /* decoded pointers point into the input */
@@ -227,6 +228,17 @@ static void test_round_trip_each_record(void **state)
             set_rec(&h, TDP_HX_UCX_ADDR, addr_bytes, sizeof(addr_bytes));
         round_trip(&h);
     }
+    /* the cuda-ipc plane's record (the shm value, then two device UUIDs),
+     * added first: it goes out after the others, whole */
+    uint8_t cv[64 + 2 + 32];
+    memcpy(cv, sv, svl);
+    cv[svl] = 2;
+    cv[svl + 1] = 1;
+    memset(cv + svl + 2, 0x5a, 32);
+    h = base_hello();
+    set_rec(&h, TDP_HX_CUDA_IPC, cv, svl + 34);
+    set_rec(&h, TDP_HX_SHM, sv, svl);
+    round_trip(&h);
 }
 
 static void test_round_trip_bounds(void **state)

@@ -143,6 +143,13 @@ static bool on_gpu(const tdp_td *td)
     return tdp_td_device(td).type == TDP_DEVICE_CUDA;
 }
 
+/* Whether the plane lends slots for buffers where these live: host slots
+ * on shm, device slots on cuda-ipc. */
+static bool plane_lends(tdp_plane plane, bool gpu)
+{
+    return plane == (gpu ? TDP_PLANE_CUDA_IPC : TDP_PLANE_SHM);
+}
+
 /*
  * The control words of a message in any memory: a GPU buffer's are copied
  * to or from the device (32 bytes, each message, on both sides: part of
@@ -196,14 +203,15 @@ static int check_mem(const bench_cfg *cfg)
 
 /*
  * Send a message of proto's layout whose control words are hdr[0..3]. On
- * the shm plane (unless --no-loan) it is a loaned slot: only the control
- * words are written, nothing is copied, the receiver reads the pages the
- * slot holds — as ucx_perftest moves buffers it never writes. Elsewhere it
- * is proto itself, sent from its own buffer.
+ * the shm plane with host buffers and on the cuda-ipc plane with GPU ones
+ * (unless --no-loan) it is a loaned slot: only the control words are
+ * written, nothing is copied, the receiver reads the slot where it lies —
+ * as ucx_perftest moves buffers it never writes. Elsewhere it is proto
+ * itself, sent from its own buffer.
  */
 static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, const int64_t hdr[4])
 {
-    if (cfg->no_loan || tdp_pipe_plane(p) != TDP_PLANE_SHM || on_gpu(proto)) {
+    if (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), on_gpu(proto))) {
         tdp_err rc = hdr_put(proto, hdr);
         return rc == TDP_OK ? tdp_pipe_send(p, proto, BENCH_TMO) : rc;
     }
@@ -215,8 +223,9 @@ static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, cons
         sched_yield();
     if (rc != TDP_OK)
         return rc;
-    memcpy(hdr_of(slot), hdr, 4 * sizeof(int64_t));
-    rc = tdp_pipe_send(p, slot, BENCH_TMO);
+    rc = hdr_put(slot, hdr); /* a device slot's through a copy */
+    if (rc == TDP_OK)
+        rc = tdp_pipe_send(p, slot, BENCH_TMO);
     tdp_td_unref(slot);
     return rc;
 }
@@ -267,7 +276,7 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
     }
     uint64_t t_start = 0;
     tdp_err rc;
-    const bool shm = tdp_pipe_plane(pipe) == TDP_PLANE_SHM; /* fixed by the HELLO */
+    const tdp_plane plane = tdp_pipe_plane(pipe); /* fixed by the HELLO */
     while ((rc = bench_recv(pipe, watch, &td)) == TDP_OK) {
         int64_t h[4];
         const bool gpu = on_gpu(td);
@@ -277,7 +286,7 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
         }
         switch (h[0]) {
         case PH_PING:
-            if (cfg->no_loan || !shm || gpu) {
+            if (cfg->no_loan || !plane_lends(plane, gpu)) {
                 rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
                 tdp_pipe_release(pipe, td);
             } else {
@@ -621,7 +630,7 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
     rc = stream_repeats(cfg, p, td, bytes, label, "throughput", out->tp_bps, &out->tp_msgs);
     if (rc == TDP_OK)
         tdp_bm_spread(out->tp_bps, TP_REPEATS, &out->tp_min, &out->tp_median, &out->tp_max);
-    out->loaned = !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && !on_gpu(td);
+    out->loaned = !cfg->no_loan && plane_lends(tdp_pipe_plane(p), on_gpu(td));
     if (rc == TDP_OK && out->loaned) {
         /* the same stream sent plainly: the data rate beside the hand-off rate */
         bench_cfg plain = *cfg;
@@ -692,7 +701,8 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&t));
     const char *tls = getenv("UCX_TLS");
     char mem[TDP_DEVICE_STRLEN];
-    bool loaned = strcmp(plane, "shm") == 0 && !cfg->no_loan && cfg->mem.type == TDP_DEVICE_CPU;
+    bool gpu = cfg->mem.type == TDP_DEVICE_CUDA;
+    bool loaned = !cfg->no_loan && strcmp(plane, gpu ? "cuda-ipc" : "shm") == 0;
     fprintf(f,
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
@@ -951,8 +961,10 @@ out:
 
 static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
 {
-    char hp[64], depth[16], poll[16];
+    char hp[64], depth[16], poll[16], mem[TDP_DEVICE_STRLEN];
+    bool gpu = cfg->mem.type == TDP_DEVICE_CUDA;
     snprintf(hp, sizeof(hp), "127.0.0.1:%u", port);
+    tdp_device_format(cfg->mem, mem);
     snprintf(depth, sizeof(depth), "%u", cfg->depth);
     snprintf(poll, sizeof(poll), "%u", cfg->busy_poll_us);
     const char *mode = cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
@@ -964,7 +976,9 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
               depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
               tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet",
-              cfg->checksum ? "--checksum" : "--quiet", (char *)NULL);
+              cfg->checksum ? "--checksum" : "--quiet",
+              /* the consumer's pipe names the GPU too (cuda-ipc is offered then) */
+              gpu ? "--mem" : "--quiet", gpu ? mem : "--quiet", (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -1106,8 +1120,7 @@ static int run_producer(bench_cfg *cfg)
         return TDP_EXIT_CONNECT;
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned =
-        !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && cfg->mem.type == TDP_DEVICE_CPU;
+    bool loaned = !cfg->no_loan && plane_lends(tdp_pipe_plane(p), cfg->mem.type == TDP_DEVICE_CUDA);
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: producer pid %d -> consumer pid %d over loopback, UCX %s, "
@@ -1177,8 +1190,7 @@ static int run_client(bench_cfg *cfg)
         return tdp_cli_connect_failed("bench", cfg->peer_host, cfg->peer_port, rc, cfg->plane);
     }
     const char *tls = getenv("UCX_TLS"), *plane = tdp_cli_plane_of(p);
-    bool loaned =
-        !cfg->no_loan && tdp_pipe_plane(p) == TDP_PLANE_SHM && cfg->mem.type == TDP_DEVICE_CPU;
+    bool loaned = !cfg->no_loan && plane_lends(tdp_pipe_plane(p), cfg->mem.type == TDP_DEVICE_CUDA);
     if (!cfg->quiet)
         fprintf(stderr,
                 "tdpipe bench: client -> server %s, UCX %s, UCX_TLS=%s, plane %s, "
@@ -1232,7 +1244,8 @@ static void usage(FILE *f)
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
             "  --plane NAME       data plane (default auto: the HELLO picks one);\n"
             "                     'tdpipe version' lists the names\n"
-            "  --no-loan          on the shm plane, send plain buffers (one copy into a\n"
+            "  --no-loan          on the shm plane (host buffers) and the cuda-ipc plane\n"
+            "                     (GPU buffers), send plain buffers (one copy into a\n"
             "                     slot) instead of loaned slots (no copy: the default)\n"
             "  --checksum         both sides offer the payload checksum (XXH3-64 of every\n"
             "                     message, computed by the sender, checked by the receiver)\n"

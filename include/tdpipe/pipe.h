@@ -58,9 +58,13 @@ typedef enum tdp_plane {
     TDP_PLANE_AUTO = 0, /* options: let the HELLO choose */
     TDP_PLANE_UCX = 1,  /* UCX active messages, rendezvous into registered buffers; any peer */
     TDP_PLANE_SHM = 2,  /* same host: a shared-memory slot pool owned by the sender; zero copy */
+    /* same host, GPU payloads: a device slot pool owned by the sender, mapped
+     * once by the receiver; offered only by a pipe that names its GPU
+     * (cuda_device); host payloads go as on shm */
+    TDP_PLANE_CUDA_IPC = 3,
 } tdp_plane;
 
-/* "ucx", "shm" ("auto" for TDP_PLANE_AUTO); NULL for an unknown value. */
+/* "ucx", "shm", "cuda-ipc" ("auto" for TDP_PLANE_AUTO); NULL for an unknown value. */
 TDP_API const char *tdp_plane_name(tdp_plane plane);
 /* TDP_OK and *out set for a known name (case-sensitive), else TDP_EINVAL. */
 TDP_API tdp_err tdp_plane_parse(const char *name, tdp_plane *out);
@@ -182,6 +186,9 @@ typedef struct tdp_pipe_opts {
      * first send or receive of a GPU tensordict does not pay for them.
      * Without it the same happens at the first GPU payload or layout.
      * A device that does not exist is ignored. docs/gpu.md, "Staging".
+     * It also offers the cuda-ipc plane (same host, GPU payloads in a
+     * device pool the peer maps once), which only pipes that name their
+     * GPU offer: docs/planes.md, "The cuda-ipc plane".
      */
     bool cuda_device_set;
     int cuda_device;

@@ -527,7 +527,7 @@ class Pipe:
 
     @property
     def plane(self):
-        """"ucx" or "shm": the data plane the handshake chose."""
+        """"ucx", "shm" or "cuda-ipc": the data plane the handshake chose."""
         return self._raw.plane
 
     @property
@@ -547,7 +547,7 @@ class Pipe:
 def connect(host, port, *, as_="torch", loop="caller", **opts):
     """Connect to a listener and handshake. Options (keyword): depth (alias
     recv_depth, 1..64), connect_timeout and linger (seconds), plane ("auto",
-    "ucx", "shm"), peer_mode ("auto", "ucx", "socket"), keepalive
+    "ucx", "shm", "cuda-ipc": the last for pipes that name cuda_device), peer_mode ("auto", "ucx", "socket"), keepalive
     ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves.
 
     loop: "caller" (default): blocking calls drive the pipe's event loop on

@@ -9,6 +9,7 @@
 
 static const tdp__plane_ops *const built[] = {
 #ifdef TDP_HAVE_SHM_PLANE
+    &tdp__plane_cuda_ipc, /* offered only by a pipe that names a GPU */
     &tdp__plane_shm,
 #endif
     &tdp__plane_ucx,

@@ -140,6 +140,19 @@ typedef struct tdp__plane_ops {
      * on both sides (it sees the peer's HELLO and same_host only).
      */
     bool (*usable)(const tdp_hello *peer, bool same_host);
+    /*
+     * Optional, in place of usable: the same question for a plane whose
+     * answer needs this side's own record too. mine is this side's link of
+     * the plane, NULL when this side does not offer it (then the answer
+     * must be false, as the peer's is for a HELLO without the record).
+     */
+    bool (*usable_link)(const tdp__link *mine, const tdp_hello *peer, bool same_host);
+    /*
+     * Optional: told right after link_new what GPU the pipe names
+     * (tdp_pipe_opts.cuda_device, -1 for none), before hello_fill. An error
+     * drops the plane from this pipe's offer (cuda-ipc: no GPU named).
+     */
+    tdp_err (*link_device)(tdp__link *l, int cuda_device);
 
     tdp_err (*link_new)(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out);
     tdp_err (*link_start)(tdp__link *l, const tdp__link_peer *peer);
@@ -178,6 +191,7 @@ extern const tdp__plane_ops tdp__plane_ucx;
 #ifdef __linux__
 #define TDP_HAVE_SHM_PLANE 1
 extern const tdp__plane_ops tdp__plane_shm; /* same host, host memory; Linux only */
+extern const tdp__plane_ops tdp__plane_cuda_ipc; /* same host, GPU pools (plane_shm.c's link) */
 #endif
 
 /*

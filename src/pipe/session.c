@@ -383,6 +383,20 @@ static void sum_negotiate(tdp_pipe *p, const tdp_hello *h)
                      p->ctl.peer_name);
 }
 
+/* Can plane o serve this peer? The same answer on both sides (plane.h). */
+static bool plane_usable(const tdp_pipe *p, const tdp__plane_ops *o, const tdp_hello *h,
+                         bool same_host)
+{
+    if (o->usable_link != NULL) {
+        const tdp__link *mine = NULL;
+        for (int i = 0; i < p->ncand; i++)
+            if (p->cand[i] == o)
+                mine = p->links[i];
+        return o->usable_link(mine, h, same_host);
+    }
+    return o->usable == NULL || o->usable(h, same_host);
+}
+
 /*
  * The candidate the two HELLOs pick, -1 for none. Both sides compute the
  * same choice: the same lists, the same filter.
@@ -392,11 +406,11 @@ static int choose_plane(const tdp_pipe *p, const tdp_hello *h, bool same_host)
     uint8_t mine[TDP__PLANES_MAX], theirs[TDP_MAX_PLANES];
     size_t nm = 0, nt = 0;
     for (int i = 0; i < p->ncand; i++)
-        if (p->cand[i]->usable == NULL || p->cand[i]->usable(h, same_host))
+        if (plane_usable(p, p->cand[i], h, same_host))
             mine[nm++] = p->cand[i]->id;
     for (uint32_t i = 0; i < h->nplanes && nt < TDP_MAX_PLANES; i++) {
         const tdp__plane_ops *o = tdp__plane_by_id(h->planes[i]);
-        if (o != NULL && o->usable != NULL && !o->usable(h, same_host))
+        if (o != NULL && !plane_usable(p, o, h, same_host))
             continue;
         theirs[nt++] = h->planes[i];
     }
@@ -1531,6 +1545,12 @@ static tdp_err make_links(tdp_pipe *p)
             (p->opts.planes_forbidden & (1u << o->id)))
             continue;
         tdp_err rc = o->link_new(p->loop, p, &plane_up, &p->links[p->ncand]);
+        if (rc == TDP_OK && o->link_device != NULL &&
+            (rc = o->link_device(p->links[p->ncand],
+                                 p->opts.cuda_device_set ? p->opts.cuda_device : -1)) != TDP_OK) {
+            o->link_close(p->links[p->ncand], false);
+            p->links[p->ncand] = NULL;
+        }
         if (rc != TDP_OK) {
             tdp_log_debug("plane %s unavailable: %s", o->name, tdp_strerror(rc));
             err = rc;

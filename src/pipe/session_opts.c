@@ -77,13 +77,16 @@ const char *tdp_plane_name(tdp_plane plane)
         return "ucx";
     case TDP_PLANE_SHM:
         return "shm";
+    case TDP_PLANE_CUDA_IPC:
+        return "cuda-ipc";
     }
     return NULL;
 }
 
 tdp_err tdp_plane_parse(const char *name, tdp_plane *out)
 {
-    static const tdp_plane all[] = {TDP_PLANE_AUTO, TDP_PLANE_UCX, TDP_PLANE_SHM};
+    static const tdp_plane all[] = {TDP_PLANE_AUTO, TDP_PLANE_UCX, TDP_PLANE_SHM,
+                                    TDP_PLANE_CUDA_IPC};
     if (name == NULL || out == NULL)
         return TDP_EINVAL;
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {

@@ -106,7 +106,8 @@ static bool planes_ok(const uint8_t *ids, size_t n)
 
 bool tdp_wire_hx_is_plane(uint16_t type)
 {
-    return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM;
+    return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM ||
+           type == TDP_HX_CUDA_IPC;
 }
 
 static bool rec_ok(uint16_t type, uint32_t len)
@@ -251,6 +252,9 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         *hx_put(&p, TDP_HX_CHECKSUM, 1) = h->checksum;
     if (h->proven != 0)
         *hx_put(&p, TDP_HX_PROVEN, 1) = h->proven;
+    const tdp_hx_rec *ipc = tdp_hello_rec(h, TDP_HX_CUDA_IPC); /* a plane's, typed after the rest */
+    if (ipc != NULL)
+        memcpy(hx_put(&p, TDP_HX_CUDA_IPC, ipc->len), ipc->val, ipc->len);
     return TDP_OK;
 }
 
@@ -268,6 +272,7 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
     case TDP_HX_UCX_ADDR:
     case TDP_HX_UCX_LOCAL_ADDR:
     case TDP_HX_SHM:
+    case TDP_HX_CUDA_IPC:
         /* a plane's: framed here, read and checked by the plane */
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
     case TDP_HX_AUTH:

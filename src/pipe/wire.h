@@ -77,6 +77,7 @@ enum tdp_hx_type {
     TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
     TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
     TDP_HX_PROVEN = 9,         /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
+    TDP_HX_CUDA_IPC = 10,      /* the shm record, then the GPUs this side sees (cudaipc.h) */
 };
 
 /* TDP_HX_PROVEN's value: the one version of the PROVEN frame. */
@@ -94,8 +95,7 @@ enum tdp_hx_type {
  * byte each in TDP_HX_PLANES; 0 is "none" (never on the wire); ids are
  * below 64 so a uint64_t mask can name any set. Reserved for planes to come:
  */
-#define TDP_PLANE_CUDA_IPC    3
-#define TDP_PLANE_CUDA_STAGED 4
+#define TDP_PLANE_CUDA_STAGED 4 /* (cuda-ipc, 3, is a tdp_plane now) */
 #define TDP_PLANE_BIT(id) (UINT64_C(1) << (id))
 #define TDP_MAX_PLANES    16u
 

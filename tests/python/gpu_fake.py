@@ -21,6 +21,10 @@ T = 10  # seconds, every blocking call
 
 
 def pair(plane, tx_opts=None, rx_opts=None, loop="caller"):
+    if plane == "cuda-ipc":
+        # offered only by pipes that name their GPU
+        tx_opts = dict(tx_opts or {}, cuda_device=0)
+        rx_opts = dict(rx_opts or {}, cuda_device=0)
     lst = tdpipe.listen("127.0.0.1", loop=loop, plane=plane, **(rx_opts or {}))
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("rx", lst.accept(timeout=T)))

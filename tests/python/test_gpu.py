@@ -24,7 +24,7 @@ FAKE_CASES = ["recv_dlpack", "recv_to_host", "override", "send_device_leaves", "
               "async"]
 
 
-@pytest.mark.parametrize("plane", ["shm", "ucx"])
+@pytest.mark.parametrize("plane", ["shm", "ucx", "cuda-ipc"])
 @pytest.mark.parametrize("case", FAKE_CASES)
 def test_fake_device(case, plane):
     env = dict(os.environ, TDPIPE_CUDA="fake", TDPIPE_FAKE_CUDA_DELAY_US="50")
@@ -78,7 +78,7 @@ def _same(m, src):
     assert m["tag"] == src["tag"]
 
 
-@pytest.mark.parametrize("plane", ["shm", "ucx"])
+@pytest.mark.parametrize("plane", ["shm", "ucx", "cuda-ipc"])
 def test_gpu_round_trip(gpu_pair, plane):
     tx, rx = gpu_pair(plane)
     for i in range(5):

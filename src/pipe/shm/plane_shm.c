@@ -37,6 +37,11 @@
  * after the sender dies (the mapping lives as long as a view does; sealed
  * memfds cannot shrink, so no SIGBUS).
  *
+ * The cuda-ipc plane (tdp__plane_cuda_ipc, at the end) is this link with
+ * one difference: a GPU payload goes in a pool of device memory (a DPOOL
+ * message announces it with its exported handle, src/pipe/cudaipc/), so
+ * the receiver views the sender's device slots as it views host ones.
+ *
  * Everything runs on the loop thread, except the release of the last
  * reference to a tensordict view, which may happen on any thread: pools are
  * reference counted with atomics for that.
@@ -58,6 +63,7 @@
 #include "plane_shm.h"
 #include "shm.h"
 #include "shm_hello.h"
+#include "../cudaipc/cudaipc.h"
 #include "../../core/alloc.h"
 #include "../../core/cuda.h"
 #include "../../core/log.h"
@@ -82,8 +88,17 @@
 #define MAX_GEN        0x00ffffffu                /* generations fit 24 bits of a descriptor */
 #define ACCEPT_PENDING 64u /* connections not yet proven, per loop */
 
-enum msg_type { MSG_PROOF = 1, MSG_CTL = 2, MSG_POOL = 3, MSG_SCHEMA = 4 };
+/*
+ * MSG_DPOOL (cuda-ipc links only): a pool of device slots, in force as a
+ * POOL. json_len: slots; total: stride; hash: the bytes its handle maps
+ * (the driver's allocation, rounded up); key: the pool's id (cudaipc.h);
+ * peer_key: the UUID of its device; one fd (its POSIX handle), or none and
+ * the legacy handle as the message's tail (MSG_F_LEGACY).
+ */
+enum msg_type { MSG_PROOF = 1, MSG_CTL = 2, MSG_POOL = 3, MSG_SCHEMA = 4, MSG_DPOOL = 5 };
 #define MSG_F_JSON_FD 1u
+#define MSG_F_LEGACY  2u
+#define LEGACY_LEN    64u
 
 typedef struct shm_msg {
     uint32_t magic;
@@ -124,6 +139,7 @@ typedef struct tx_slot {
 struct tx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per slot view alive */
     tdp__shm_seg *seg;
+    tdp__dpool *dp; /* cuda-ipc: device slots instead of seg */
     uint32_t gen, nslots, nflight;
     uint64_t stride;
     tx_slot *slots;
@@ -140,6 +156,8 @@ typedef struct rx_slot {
 struct rx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per view alive */
     tdp__shm_seg *seg;
+    tdp__dpool *dp;                 /* cuda-ipc: device slots instead of seg */
+    uint8_t uuid[TDP_CUDAIPC_UUID]; /* dp: its device, as announced */
     uint32_t gen, nslots, nheld;
     uint64_t stride;
     rx_slot *slots;
@@ -151,6 +169,7 @@ struct rx_pool {
 typedef struct pend_msg {
     shm_msg m;
     char *json; /* SCHEMA, inline */
+    uint8_t legacy[LEGACY_LEN]; /* DPOOL without an fd: its legacy handle */
     int fds[3]; /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
     uint32_t nfds;
 } pend_msg;
@@ -256,6 +275,15 @@ struct tdp__link {
     tdp__shm_desc parked;         /* a streamed DATA waiting for all its bytes */
     bool has_parked;
     bool peer_gone; /* the socket said so while receives were copying: told after them */
+
+    /* cuda-ipc (tdp__plane_cuda_ipc): GPU payloads in device pools */
+    bool ipc;
+    int ipc_dev;                          /* the pipe's GPU (link_device) */
+    uint8_t ipc_rec[TDP_CUDAIPC_REC_MAX]; /* this side's HELLO record */
+    size_t ipc_rec_len;
+    uint8_t peer_rec[TDP_CUDAIPC_REC_MAX]; /* the peer's, copied at start */
+    tdp__cudaipc_hello peer_ipc;           /* read from peer_rec */
+    int8_t ipc_reach[TDP_CUDAIPC_DEVS];    /* by device: 1 the peer sees it, -1 not, 0 unknown */
 };
 
 typedef struct pending_conn {
@@ -290,6 +318,8 @@ static void sock_arm(struct tdp__link *l);
  */
 static bool seg_register(tdp__shm_seg *seg)
 {
+    if (seg == NULL)
+        return false; /* a device pool */
     tdp_err rc =
         tdp__cuda_host_register(tdp__shm_seg_base(seg), tdp__shm_seg_geom(seg)->total_bytes);
     if (rc != TDP_OK)
@@ -300,7 +330,7 @@ static bool seg_register(tdp__shm_seg *seg)
 
 static void seg_unregister(tdp__shm_seg *seg, bool registered)
 {
-    if (registered)
+    if (registered && seg != NULL)
         (void)tdp__cuda_host_unregister(tdp__shm_seg_base(seg));
 }
 
@@ -310,8 +340,17 @@ static void tx_pool_unref(tx_pool *p)
         return;
     seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
+    tdp__dpool_unref(p->dp);
     tdp__free(p->slots);
     tdp__free(p);
+}
+
+/* Slot i of a sender's pool, host or device. */
+static void *tx_mem(const tx_pool *p, uint32_t i)
+{
+    if (p->dp != NULL)
+        return (uint8_t *)tdp__dpool_base(p->dp) + (uint64_t)i * p->stride;
+    return tdp__shm_seg_slot(p->seg, i);
 }
 
 static void tx_view_gone(void *buf, void *arg)
@@ -338,8 +377,17 @@ static void rx_pool_unref(rx_pool *p)
         return;
     seg_unregister(p->seg, p->registered);
     tdp__shm_seg_close(p->seg);
+    tdp__dpool_unref(p->dp);
     tdp__free(p->slots);
     tdp__free(p);
+}
+
+/* Slot i of a received pool (i checked by the caller), host or device. */
+static void *rx_mem(const rx_pool *p, uint32_t i)
+{
+    if (p->dp != NULL)
+        return (uint8_t *)tdp__dpool_base(p->dp) + (uint64_t)i * p->stride;
+    return tdp__shm_seg_slot(p->seg, i);
 }
 
 static void rx_view_gone(void *buf, void *arg)
@@ -534,9 +582,61 @@ static uint32_t tx_pools_pending(struct tdp__link *l)
     return l->npool_ann;
 }
 
-static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
+/* Whether the current pool is of the kind wanted (dev -1: host) and holds bytes per slot. */
+static bool tx_pool_fits(const struct tdp__link *l, uint64_t bytes, int dev)
 {
-    if (l->pool != NULL && l->pool->stride >= bytes)
+    const tx_pool *p = l->pool;
+    if (p == NULL || p->stride < bytes)
+        return false;
+    return dev < 0 ? p->dp == NULL : p->dp != NULL && tdp__dpool_device(p->dp) == dev;
+}
+
+/*
+ * A pool of device slots on dev, exported once and announced (cuda-ipc).
+ * The handle's fd is this side's, closed once sent.
+ */
+static tdp_err tx_dpool_new(struct tdp__link *l, tx_pool *p, uint32_t n, uint64_t bytes, int dev)
+{
+    uint64_t stride = page_round(bytes == 0 ? 1 : bytes);
+    if (stride > UINT64_MAX / n)
+        return TDP_EMSGSIZE;
+    uint8_t uuid[TDP_CUDAIPC_UUID];
+    tdp_err rc = tdp__cuda_device_uuid(dev, uuid);
+    if (rc == TDP_OK)
+        rc = tdp__dpool_new(dev, stride * n, &p->dp);
+    if (rc != TDP_OK)
+        return rc;
+    p->stride = stride;
+    tdp__cuda_ipc h;
+    if ((rc = tdp__dpool_export(p->dp, &h)) != TDP_OK)
+        return rc;
+    if (tx_pools_pending(l) >= PEND_POOLS(l->peer_depth)) {
+        rc = TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
+    } else {
+        shm_msg m = {.type = MSG_DPOOL,
+                     .flags = h.fd < 0 ? MSG_F_LEGACY : 0,
+                     .gen = p->gen,
+                     .seq = l->last_seq + 1,
+                     .hash = h.size,
+                     .json_len = n,
+                     .total = stride};
+        memcpy(m.key, tdp__dpool_id(p->dp), TDP_DPOOL_ID_LEN);
+        memcpy(m.peer_key, uuid, TDP_CUDAIPC_UUID);
+        rc = h.fd < 0 ? msg_send(l, &m, h.legacy, LEGACY_LEN, NULL, 0)
+                      : msg_send(l, &m, NULL, 0, &h.fd, 1);
+    }
+    if (h.fd >= 0)
+        close(h.fd);
+    return rc;
+}
+
+/*
+ * Make a pool that holds `bytes` per slot the current one, announced from
+ * the next DATA on: host slots (dev -1), or device slots on dev (cuda-ipc).
+ */
+static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
+{
+    if (tx_pool_fits(l, bytes, dev))
         return TDP_OK;
     if (l->next_gen >= MAX_GEN)
         return TDP_ENOMEM;
@@ -545,24 +645,30 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes)
     tx_pool *p = tdp__calloc(1, sizeof(*p));
     if (p == NULL)
         return TDP_ENOMEM;
+    p->gen = gen;
     p->slots = tdp__alloc_array(n, sizeof(*p->slots));
-    tdp_err rc = p->slots == NULL ? TDP_ENOMEM
-                                  : tdp__shm_seg_create(gen, n, bytes == 0 ? 1 : bytes, 0, &p->seg);
-    if (rc == TDP_OK && tx_pools_pending(l) >= PEND_POOLS(l->peer_depth))
-        rc = TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
-    if (rc == TDP_OK)
-        rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
+    tdp_err rc = TDP_ENOMEM;
+    if (p->slots != NULL && dev >= 0) {
+        rc = tx_dpool_new(l, p, n, bytes, dev);
+    } else if (p->slots != NULL) {
+        rc = tdp__shm_seg_create(gen, n, bytes == 0 ? 1 : bytes, 0, &p->seg);
+        if (rc == TDP_OK && tx_pools_pending(l) >= PEND_POOLS(l->peer_depth))
+            rc = TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
+        if (rc == TDP_OK)
+            rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
+        if (rc == TDP_OK)
+            p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
+    }
     if (rc != TDP_OK) {
         tdp__shm_seg_close(p->seg);
+        tdp__dpool_unref(p->dp);
         tdp__free(p->slots);
         tdp__free(p);
         return rc;
     }
     l->pool_ann[(l->pool_ann_head + l->npool_ann++) % PEND_POOLS(TDP_MAX_DEPTH)] = l->last_seq + 1;
     atomic_init(&p->refs, 1);
-    p->gen = gen;
     p->nslots = n;
-    p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
     for (uint32_t i = 0; i < n; i++)
         p->slots[i] = (tx_slot){.pool = p, .idx = i};
     if (l->stage != NULL)
@@ -610,7 +716,9 @@ static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint3
                        .hash = tdp_schema_hash(tx->td->schema),
                        .arg = tx->td->nbytes};
     if (l->sum_on && type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
-        d.arg = tdp__sum_tx(tdp__shm_seg_slot(s->pool->seg, s->idx), tx->td->nbytes, tx->seq);
+        d.arg = tdp__sum_tx(tx_mem(s->pool, s->idx), tx->td->nbytes, tx->seq);
+    if (s->pool->dp != NULL)
+        tdp__dpool_publish(s->pool->dp); /* the slot's bytes before the descriptor */
     tdp__shm_ring *r = tdp__shm_seg_tx(l->tx_ctl);
     tdp_err rc = tdp__shm_ring_push(r, &d);
     if (rc != TDP_OK)
@@ -692,8 +800,8 @@ static tdp_err tx_stage(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, bool
                      .posted = posted};
     e->copy.arg = e;
     size_t n = copy ? tx->td->nbytes : 0;
-    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tdp__shm_seg_slot(s->pool->seg, s->idx),
-                                       tx->td->data, n, n, STAGE_CHUNK, STAGE_INFLIGHT);
+    tdp_err rc = tdp__stage_copy_start(l->stage, &e->copy, tx_mem(s->pool, s->idx), tx->td->data, n,
+                                       n, STAGE_CHUNK, STAGE_INFLIGHT);
     if (rc != TDP_OK)
         return rc;
     tdp_td_ref(tx->td);
@@ -719,15 +827,36 @@ static tdp_err tx_stream(struct tdp__link *l, tx_slot *s, const tdp__tx *tx)
     return rc;
 }
 
+/*
+ * cuda-ipc: whether a GPU payload on dev goes in a device pool — the peer
+ * sees that device (its HELLO record lists the UUID) and no checksum is in
+ * force (host code cannot sum device memory). Else it is staged through
+ * host slots, as on shm. Known once per device.
+ */
+static bool ipc_dev_ok(struct tdp__link *l, int dev)
+{
+    if (!l->ipc || l->sum_on || dev < 0 || dev >= (int)TDP_CUDAIPC_DEVS)
+        return false;
+    if (l->ipc_reach[dev] == 0) {
+        uint8_t u[TDP_CUDAIPC_UUID];
+        bool ok = tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc, u);
+        l->ipc_reach[dev] = ok ? 1 : -1;
+        if (!ok)
+            tdp_log_info("cuda-ipc: the peer does not see cuda:%d: its payloads go staged", dev);
+    }
+    return l->ipc_reach[dev] > 0;
+}
+
 static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
 {
     tdp_td *td = tx->td;
     bool gpu = td->device.type == TDP_DEVICE_CUDA;
+    int pdev = gpu && ipc_dev_ok(l, td->device.index) ? td->device.index : -1;
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK && gpu)
         rc = link_stage(l, td->device.index);
     if (rc == TDP_OK)
-        rc = tx_pool_grow(l, td->nbytes);
+        rc = tx_pool_grow(l, td->nbytes, pdev);
     if (rc == TDP_OK && tx->schema != NULL)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
@@ -737,15 +866,17 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     if (!loaned && (s = tx_pick(l->pool)) == NULL)
         return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
     if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
-        memcpy(tdp__shm_seg_slot(l->pool->seg, s->idx), td->data, td->nbytes);
+        memcpy(tx_mem(l->pool, s->idx), td->data, td->nbytes);
     /* the slot is taken from now on, and later announcements follow this seq */
     s->in_flight = true;
     s->pool->nflight++;
     l->last_seq = tx->seq;
-    /* streamed: the descriptor leaves before the bytes, so it cannot carry their sum */
-    if (gpu && !loaned && td->nbytes >= STREAM_MIN && l->stx_unposted == 0 && !l->sum_on)
+    /* streamed: the descriptor leaves before the bytes, so it cannot carry
+     * their sum; a device pool is filled device to device, never streamed */
+    if (gpu && !loaned && pdev < 0 && td->nbytes >= STREAM_MIN && l->stx_unposted == 0 &&
+        !l->sum_on)
         rc = tx_stream(l, s, tx);
-    else if (gpu || l->nstx > 0)
+    else if ((gpu && !loaned) || l->nstx > 0) /* a loaned device slot is filled already */
         rc = tx_stage(l, s, tx, gpu && !loaned, false);
     else
         rc = tx_post(l, s, tx);
@@ -824,6 +955,8 @@ static unsigned tx_progress_now(struct tdp__link *l)
             link_fail(l, TDP_EPROTO, "invalid release descriptor");
             return n;
         }
+        if (p->dp != NULL)
+            tdp__dpool_observe(p->dp); /* the receiver's reads before our next write */
         p->slots[d.slot].in_flight = false;
         p->nflight--;
         l->released++;
@@ -868,7 +1001,9 @@ static int tx_arm(void *arg)
 
 static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 {
-    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU || l->failed)
+    tdp_device sdev = tdp_schema_device(sc);
+    int pdev = sdev.type == TDP_DEVICE_CUDA && ipc_dev_ok(l, sdev.index) ? sdev.index : -1;
+    if ((sdev.type != TDP_DEVICE_CPU && pdev < 0) || l->failed)
         return tdp_td_new(sc, out); /* no slot to lend: an ordinary buffer */
     if (l->sock < 0 || !l->proven)
         /* just after the HELLO, the peer's socket connect and proof may still
@@ -876,14 +1011,16 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
          * now would be copied at its send, so ask for a retry instead */
         return TDP_EAGAIN;
     uint64_t need = tdp_schema_total_bytes(sc);
-    if ((l->pool == NULL || l->pool->stride < need) && tx_pools_pending(l) > l->peer_depth)
+    if (!tx_pool_fits(l, need, pdev) && tx_pools_pending(l) > l->peer_depth)
         /* a new pool now could leave the receiver more announcements than
          * it holds (PEND_POOLS) once the sends the credit allows add theirs:
          * an ordinary buffer, copied at its send */
         return tdp_td_new(sc, out);
     tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK && pdev >= 0)
+        rc = link_stage(l, pdev); /* its sends may queue behind copies */
     if (rc == TDP_OK)
-        rc = tx_pool_grow(l, need);
+        rc = tx_pool_grow(l, need, pdev);
     if (rc != TDP_OK)
         return rc;
     tx_pool *p = l->pool;
@@ -910,8 +1047,7 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
                 continue;
             tdp_td *td;
             atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-            rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, f->idx), need, tdp_schema_device(sc),
-                             tx_view_gone, f, &td);
+            rc = tdp_td_wrap(sc, tx_mem(p, f->idx), need, sdev, tx_view_gone, f, &td);
             if (rc != TDP_OK) {
                 tx_pool_unref(p);
                 return rc;
@@ -937,6 +1073,8 @@ static unsigned rx_progress(void *arg);
 static int rx_arm(void *arg);
 static const tdp__source_ops rx_src_ops = {.progress = rx_progress, .arm = rx_arm};
 
+static void close_fds(int *fds, size_t n);
+
 static uint64_t rx_map_cap(const struct tdp__link *l, uint32_t nslots)
 {
     uint64_t stride = page_round(l->max_total);
@@ -952,6 +1090,43 @@ static tdp_err rx_check_pool(struct tdp__link *l, const shm_msg *m, const int *f
         (uint64_t)st.st_size > rx_map_cap(l, pool_slots(l->depth)))
         return TDP_EPROTO;
     l->last_gen = m->gen;
+    return TDP_OK;
+}
+
+/*
+ * A device pool announced (cuda-ipc): generation in order, slots and stride
+ * within what this side's depth and limits allow, on a device this side
+ * sees; imported once in force.
+ */
+static tdp_err rx_check_dpool(struct tdp__link *l, const shm_msg *m)
+{
+    uint64_t n = m->json_len, stride = m->total;
+    if (m->gen <= l->last_gen || m->gen > MAX_GEN || n == 0 || n > pool_slots(l->depth) ||
+        stride == 0 || stride % TDP__SHM_PAGE != 0 ||
+        stride > page_round(l->max_total) + TDP__SHM_PAGE ||
+        tdp__cudaipc_local_dev(m->peer_key) < 0)
+        return TDP_EPROTO;
+    l->last_gen = m->gen;
+    return TDP_OK;
+}
+
+/* A device pool in force: import it (or share the pointer: same process). Its fd is closed. */
+static tdp_err rx_open_dpool(struct tdp__link *l, pend_msg *pm, rx_pool *p)
+{
+    tdp__cuda_ipc h = {.fd = pm->nfds == 1 ? pm->fds[0] : -1, .size = pm->m.hash};
+    memcpy(h.legacy, pm->legacy, LEGACY_LEN);
+    int dev = tdp__cudaipc_local_dev(pm->m.peer_key);
+    tdp_err rc = dev < 0
+                     ? TDP_EPROTO
+                     : tdp__dpool_open(dev, pm->m.key, &h, pm->m.json_len * pm->m.total, &p->dp);
+    close_fds(pm->fds, pm->nfds);
+    pm->nfds = 0;
+    (void)l;
+    if (rc != TDP_OK)
+        return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
+    p->nslots = (uint32_t)pm->m.json_len;
+    p->stride = pm->m.total;
+    memcpy(p->uuid, pm->m.peer_key, TDP_CUDAIPC_UUID);
     return TDP_OK;
 }
 
@@ -1041,11 +1216,13 @@ static tdp_err sock_read_one(struct tdp__link *l)
     }
     memcpy(&m, buf, MSG_HDR_BYTES);
     size_t tail = len - MSG_HDR_BYTES;
-    size_t want_fds = m.type == MSG_CTL || m.type == MSG_POOL               ? 3
+    size_t want_fds = m.type == MSG_CTL || m.type == MSG_POOL             ? 3
                       : m.type == MSG_SCHEMA && (m.flags & MSG_F_JSON_FD) ? 1
+                      : m.type == MSG_DPOOL && !(m.flags & MSG_F_LEGACY)  ? 1
                                                                           : 0;
     if (m.magic != MSG_MAGIC || nfds != want_fds ||
-        (m.type != MSG_CTL && m.type != MSG_POOL && m.type != MSG_SCHEMA)) {
+        (m.type != MSG_CTL && m.type != MSG_POOL && m.type != MSG_SCHEMA &&
+         (m.type != MSG_DPOOL || !l->ipc))) {
         close_fds(fds, nfds);
         return TDP_EPROTO;
     }
@@ -1056,7 +1233,7 @@ static tdp_err sock_read_one(struct tdp__link *l)
         return rc == TDP_OK ? TDP_OK : TDP_EPROTO;
     }
     /* POOL and SCHEMA wait for their DATA, in order, and only so many */
-    bool pool = m.type == MSG_POOL;
+    bool pool = m.type == MSG_POOL || m.type == MSG_DPOOL;
     if ((pool ? l->npend_pools >= PEND_POOLS(l->depth)
               : l->npend_schemas >= PEND_SCHEMAS(l->depth)) ||
         (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % l->pend_cap].m.seq)) {
@@ -1065,7 +1242,15 @@ static tdp_err sock_read_one(struct tdp__link *l)
     }
     pend_msg pm = {.m = m, .nfds = (uint32_t)nfds};
     memcpy(pm.fds, fds, nfds * sizeof(int));
-    if (pool) {
+    if (m.type == MSG_DPOOL) {
+        bool legacy = m.flags & MSG_F_LEGACY;
+        if (tail != (legacy ? LEGACY_LEN : 0) || rx_check_dpool(l, &m) != TDP_OK) {
+            close_fds(fds, nfds);
+            return TDP_EPROTO;
+        }
+        if (legacy)
+            memcpy(pm.legacy, buf + MSG_HDR_BYTES, LEGACY_LEN);
+    } else if (pool) {
         if (tail != 0 || rx_check_pool(l, &m, fds) != TDP_OK) {
             close_fds(fds, nfds);
             return TDP_EPROTO;
@@ -1122,26 +1307,29 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
         pm->nfds = 0;
         l->pend_head = (l->pend_head + 1) % l->pend_cap;
         l->npend--;
-        if (cur.m.type == MSG_POOL) {
+        if (cur.m.type == MSG_POOL || cur.m.type == MSG_DPOOL) {
             l->npend_pools--;
-            tdp__shm_seg *seg;
-            tdp_err rc = rx_map_pool(l, &cur, &seg);
-            if (rc != TDP_OK)
-                return rc;
-            const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
             rx_pool *p = tdp__calloc(1, sizeof(*p));
-            rx_slot *slots = tdp__alloc_array(g->nslots, sizeof(*slots));
-            if (p == NULL || slots == NULL) {
-                tdp__free(p);
-                tdp__free(slots);
-                tdp__shm_seg_close(seg);
+            if (p == NULL) {
+                close_fds(cur.fds, cur.nfds);
                 return TDP_ENOMEM;
             }
+            tdp_err rc;
+            if (cur.m.type == MSG_DPOOL) {
+                rc = rx_open_dpool(l, &cur, p);
+            } else if ((rc = rx_map_pool(l, &cur, &p->seg)) == TDP_OK) {
+                p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
+                p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
+            }
+            rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
+            if (slots == NULL) {
+                tdp__shm_seg_close(p->seg);
+                tdp__dpool_unref(p->dp);
+                tdp__free(p);
+                return rc == TDP_OK ? TDP_ENOMEM : rc;
+            }
             atomic_init(&p->refs, 1);
-            p->seg = seg;
             p->gen = cur.m.gen;
-            p->nslots = g->nslots;
-            p->stride = g->slot_bytes;
             p->slots = slots;
             for (uint32_t i = 0; i < p->nslots; i++)
                 slots[i].pool = p;
@@ -1358,7 +1546,27 @@ static int rx_arm(void *arg)
     return a < 0 ? 1 : a;
 }
 
-/* A view of slot s for the current receive layout (host memory). */
+/*
+ * Whether layout sc reads the slots of pool p where they lie: host slots
+ * for a host layout; device slots (cuda-ipc) for a layout on their GPU,
+ * named in this side's numbering of devices or the sender's (the layout as
+ * it was sent). Else each message is copied out of its slot.
+ */
+static bool rx_in_place(const struct tdp__link *l, const rx_pool *p, const tdp_schema *sc)
+{
+    tdp_device dev = tdp_schema_device(sc);
+    if (p->dp == NULL)
+        return dev.type == TDP_DEVICE_CPU;
+    if (dev.type != TDP_DEVICE_CUDA)
+        return false;
+    if (dev.index == tdp__dpool_device(p->dp))
+        return true;
+    return dev.index >= 0 && dev.index < l->peer_ipc.ndev &&
+           memcmp(l->peer_ipc.uuids + (size_t)dev.index * TDP_CUDAIPC_UUID, p->uuid,
+                  TDP_CUDAIPC_UUID) == 0;
+}
+
+/* A view of slot s for the current receive layout, where it lies. */
 static tdp_err rx_view(struct tdp__link *l, rx_slot *s)
 {
     tdp_schema *sc = l->rx_schema;
@@ -1367,8 +1575,11 @@ static tdp_err rx_view(struct tdp__link *l, rx_slot *s)
         return TDP_OK;
     tdp_td *v;
     atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-    tdp_err rc = tdp_td_wrap(sc, tdp__shm_seg_slot(p->seg, (uint32_t)(s - p->slots)),
-                             tdp_schema_total_bytes(sc), tdp_schema_device(sc), rx_view_gone, s, &v);
+    tdp_device dev = tdp_schema_device(sc);
+    if (p->dp != NULL)
+        dev = (tdp_device){TDP_DEVICE_CUDA, tdp__dpool_device(p->dp)};
+    tdp_err rc = tdp_td_wrap(sc, rx_mem(p, (uint32_t)(s - p->slots)), tdp_schema_total_bytes(sc),
+                             dev, rx_view_gone, s, &v);
     if (rc != TDP_OK) {
         rx_pool_unref(p);
         return rc;
@@ -1383,8 +1594,7 @@ static tdp_err rx_view(struct tdp__link *l, rx_slot *s)
 static tdp_err rx_views(struct tdp__link *l)
 {
     rx_pool *p = l->rpool;
-    if (p == NULL || l->rx_schema == NULL ||
-        tdp_schema_device(l->rx_schema).type != TDP_DEVICE_CPU ||
+    if (p == NULL || l->rx_schema == NULL || !rx_in_place(l, p, l->rx_schema) ||
         p->stride < tdp_schema_total_bytes(l->rx_schema))
         return TDP_OK;
     for (uint32_t i = 0; i < p->nslots; i++) {
@@ -1399,14 +1609,24 @@ static tdp_err rx_views(struct tdp__link *l)
 
 static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out);
 
+/* The device whose stream copies a message of layout dev out of pool p. */
+static int rx_copy_dev(const rx_pool *p, tdp_device dev)
+{
+    if (dev.type == TDP_DEVICE_CUDA)
+        return dev.index;
+    return p->dp != NULL ? tdp__dpool_device(p->dp) : 0;
+}
+
 static tdp_err s_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
 {
     if (l->rpool == NULL || l->rpool->stride < tdp_schema_total_bytes(sc))
         return TDP_EPROTO; /* the pool in force cannot hold this layout */
     tdp_device dev = tdp_schema_device(sc);
-    if (dev.type == TDP_DEVICE_CUDA) {
-        /* before the first message of a GPU layout: the stream and page-locking */
-        tdp_err rc = link_stage(l, dev.index);
+    if (!rx_in_place(l, l->rpool, sc)) {
+        /* before the first message of a layout copied out of its slot (a
+         * GPU layout from host slots, or a device pool to another device or
+         * to host memory): the stream and page-locking */
+        tdp_err rc = link_stage(l, rx_copy_dev(l->rpool, dev));
         if (rc != TDP_OK)
             return rc;
         /* device storage for every receive slot now, not at a slot's first
@@ -1433,6 +1653,8 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     rx_pool *p = s->pool;
     s->held = false;
     p->nheld--;
+    if (p->dp != NULL)
+        tdp__dpool_publish(p->dp); /* our reads of the slot before the sender rewrites it */
     if (!l->failed && l->rx_ctl != NULL) {
         tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen), .slot =
                                (uint32_t)(s - p->slots)};
@@ -1516,6 +1738,7 @@ typedef struct dev_store {
     void *buf;
     uint64_t cap;
     int dev;
+    tdp_mem_type kind; /* TDP_MEM_CUDA; TDP_MEM_HOST_PINNED for a host layout of device slots */
 } dev_store;
 
 static void dev_store_unref(void *buf, void *arg)
@@ -1523,12 +1746,16 @@ static void dev_store_unref(void *buf, void *arg)
     dev_store *st = arg;
     (void)buf;
     if (st != NULL && atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
-        tdp_mem_free(TDP_MEM_CUDA, st->buf);
+        tdp_mem_free(st->kind, st->buf);
         tdp__free(st);
     }
 }
 
-/* The device buffer session slot `slot` receives a GPU layout into. */
+/*
+ * The buffer session slot `slot` receives a layout copied out of its slot
+ * into: device memory for a GPU layout, page-locked host memory for a host
+ * layout of device slots (cuda-ipc to a host receive device).
+ */
 static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc, tdp_td **out)
 {
     tdp_td *g = l->staged[slot];
@@ -1537,19 +1764,22 @@ static tdp_err rx_device_buf(struct tdp__link *l, uint32_t slot, tdp_schema *sc,
         return TDP_OK;
     }
     tdp_device dev = tdp_schema_device(sc);
+    tdp_mem_type kind = dev.type == TDP_DEVICE_CUDA ? TDP_MEM_CUDA : TDP_MEM_HOST_PINNED;
+    int mdev = dev.type == TDP_DEVICE_CUDA ? dev.index : (l->cuda_device >= 0 ? l->cuda_device : 0);
     uint64_t need = tdp_schema_total_bytes(sc);
     dev_store *st = l->dstore[slot];
     tdp_err rc;
-    if (st == NULL || st->cap < need || st->dev != dev.index) {
+    if (st == NULL || st->cap < need || st->dev != mdev || st->kind != kind) {
         dev_store *n = tdp__calloc(1, sizeof(*n));
         if (n == NULL)
             return TDP_ENOMEM;
-        if ((rc = tdp_mem_alloc(TDP_MEM_CUDA, dev.index, need, 0, &n->buf)) != TDP_OK) {
+        if ((rc = tdp_mem_alloc(kind, mdev, need, 0, &n->buf)) != TDP_OK) {
             tdp__free(n);
             return rc;
         }
         n->cap = need;
-        n->dev = dev.index;
+        n->dev = mdev;
+        n->kind = kind;
         atomic_init(&n->refs, 1);
         dev_store_unref(NULL, st); /* the link's reference to the old one */
         l->dstore[slot] = st = n;
@@ -1578,13 +1808,16 @@ static tdp_err s_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     if (d->arg != total || s->pool->stride < total)
         return TDP_EMSGSIZE;
     rx_pool *p = s->pool;
-    void *mem = tdp__shm_seg_slot(p->seg, d->slot);
+    void *mem = rx_mem(p, d->slot);
+    if (p->dp != NULL)
+        tdp__dpool_observe(p->dp); /* the sender's bytes, as its descriptor says */
     tdp_device dev = tdp_schema_device(sc);
     tdp_err rc;
-    if (dev.type == TDP_DEVICE_CUDA) {
-        /* a GPU receive layout: copied into a device buffer on the link's stream */
+    if (!rx_in_place(l, p, sc)) {
+        /* a GPU layout from host slots, or device slots to another device
+         * (a peer copy) or to host memory: one copy on the link's stream */
         tdp_td *g;
-        if ((rc = link_stage(l, dev.index)) != TDP_OK ||
+        if ((rc = link_stage(l, rx_copy_dev(p, dev))) != TDP_OK ||
             (rc = rx_device_buf(l, slot, sc, &g)) != TDP_OK ||
             (rc = rx_stage(l, slot, g->data, mem, total, d)) != TDP_OK)
             return rc;
@@ -1957,15 +2190,14 @@ static bool s_usable(const tdp_hello *peer, bool same_host)
     return same_host && tdp__shm_hello_get(peer, &sh) == TDP_OK;
 }
 
-static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
+/* Start a link whose peer's socket and key are h (from its shm or cuda-ipc record). */
+static tdp_err link_start_sock(struct tdp__link *l, const tdp__link_peer *peer,
+                               const tdp__shm_hello *h)
 {
-    tdp__shm_hello sh, *const h = &sh;
-    if (tdp__shm_hello_get(peer->hello, &sh) != TDP_OK)
-        return TDP_EPROTO;
-    int c = memcmp(l->key, sh.key, TDP_SHM_KEY_LEN);
+    int c = memcmp(l->key, h->key, TDP_SHM_KEY_LEN);
     if (c == 0)
         return TDP_EPROTO;
-    memcpy(l->peer_key, sh.key, TDP_SHM_KEY_LEN);
+    memcpy(l->peer_key, h->key, TDP_SHM_KEY_LEN);
     l->depth = peer->depth;
     l->peer_depth = peer->peer_depth;
     l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
@@ -2015,6 +2247,14 @@ static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
     return TDP_OK; /* sends wait for the peer to connect */
 }
 
+static tdp_err s_link_start(tdp__link *l, const tdp__link_peer *peer)
+{
+    tdp__shm_hello sh;
+    if (tdp__shm_hello_get(peer->hello, &sh) != TDP_OK)
+        return TDP_EPROTO;
+    return link_start_sock(l, peer, &sh);
+}
+
 static bool s_link_busy(const tdp__link *l)
 {
     (void)l;
@@ -2044,6 +2284,89 @@ const tdp__plane_ops tdp__plane_shm = {
     .link_busy = s_link_busy,
     .send = s_send,
     .credit = NULL, /* a RELEASE descriptor is the credit */
+    .rx_schema = s_rx_schema,
+    .recv = s_recv,
+    .release = s_release,
+    .loan = s_loan,
+    .poll_credit = s_poll_credit,
+};
+
+/* ---- the cuda-ipc plane: this link, GPU payloads in device pools ------------------- */
+
+static tdp_err c_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out)
+{
+    tdp_err rc = s_link_new(loop, owner, up, out);
+    if (rc == TDP_OK) {
+        (*out)->ipc = true;
+        (*out)->ipc_dev = -1;
+    }
+    return rc;
+}
+
+/* Offered only by a pipe that names its GPU, and only with the UUIDs to tell it by. */
+static tdp_err c_link_device(tdp__link *l, int dev)
+{
+    if (dev < 0)
+        return TDP_ENOTSUP;
+    l->ipc_dev = dev;
+    /* the record now: the peer's HELLO may be read before this side's is sent */
+    tdp__shm_hello mine = {l->key, l->x->name, TDP__SHM_NAME_LEN};
+    return tdp__cudaipc_hello_encode(l->ipc_rec, &mine, dev, &l->ipc_rec_len);
+}
+
+static tdp_err c_hello_fill(tdp__link *l, tdp_hello *h)
+{
+    return tdp_hello_add_rec(h, TDP_HX_CUDA_IPC, l->ipc_rec, (uint32_t)l->ipc_rec_len);
+}
+
+static tdp_err c_hello_check(const tdp_hello *peer)
+{
+    tdp__cudaipc_hello ch;
+    tdp_err rc = tdp__cudaipc_hello_get(peer, &ch);
+    return rc == TDP_ENOENT ? TDP_OK : rc;
+}
+
+/*
+ * Both sides offer it (each record is there), on one host, and each side's
+ * GPU is one the other sees: both compute the same answer from the two
+ * records.
+ */
+static bool c_usable_link(const tdp__link *mine, const tdp_hello *peer, bool same_host)
+{
+    tdp__cudaipc_hello a, b;
+    return mine != NULL && same_host && mine->ipc_rec_len > 0 &&
+           tdp__cudaipc_hello_parse(mine->ipc_rec, mine->ipc_rec_len, &a) == TDP_OK &&
+           tdp__cudaipc_hello_get(peer, &b) == TDP_OK && tdp__cudaipc_reach(&a, &b);
+}
+
+static tdp_err c_link_start(tdp__link *l, const tdp__link_peer *peer)
+{
+    const tdp_hx_rec *r = tdp_hello_rec(peer->hello, TDP_HX_CUDA_IPC);
+    if (r == NULL || r->len > sizeof(l->peer_rec))
+        return TDP_EPROTO;
+    /* the peer's record outlives the HELLO: which GPUs it sees decides each pool */
+    memcpy(l->peer_rec, r->val, r->len);
+    if (tdp__cudaipc_hello_parse(l->peer_rec, r->len, &l->peer_ipc) != TDP_OK)
+        return TDP_EPROTO;
+    return link_start_sock(l, peer, &l->peer_ipc.sock);
+}
+
+const tdp__plane_ops tdp__plane_cuda_ipc = {
+    .name = "cuda-ipc",
+    .id = TDP_PLANE_CUDA_IPC,
+    /* GPU payloads in device slots (staged through host slots to a peer
+     * that does not see their GPU, or with the checksum); host ones as shm */
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA | TDP__MEM_CUDA_STAGED,
+    .hello_fill = c_hello_fill,
+    .hello_check = c_hello_check,
+    .usable_link = c_usable_link,
+    .link_device = c_link_device,
+    .link_new = c_link_new,
+    .link_start = c_link_start,
+    .link_close = s_link_close,
+    .link_busy = s_link_busy,
+    .send = s_send,
+    .credit = NULL,
     .rx_schema = s_rx_schema,
     .recv = s_recv,
     .release = s_release,
@@ -2099,6 +2422,38 @@ tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t 
     return rc;
 }
 
+tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes, uint64_t nslots,
+                             uint64_t stride, const uint8_t *uuid, tdp__dpool **keep)
+{
+    if (l == NULL || l->sock < 0 || !l->proven)
+        return TDP_EINVAL;
+    tdp__dpool *dp;
+    tdp_err rc = tdp__dpool_new(dev, bytes, &dp);
+    if (rc != TDP_OK)
+        return rc;
+    tdp__cuda_ipc h;
+    shm_msg m = {.type = MSG_DPOOL,
+                 .gen = ++l->next_gen,
+                 .seq = seq,
+                 .json_len = nslots,
+                 .total = stride,
+                 .hash = nslots * stride}; /* a handle as large as claimed */
+    memcpy(m.key, tdp__dpool_id(dp), TDP_DPOOL_ID_LEN);
+    if (uuid != NULL)
+        memcpy(m.peer_key, uuid, TDP_CUDAIPC_UUID);
+    else
+        rc = tdp__cuda_device_uuid(dev, m.peer_key);
+    if (rc == TDP_OK && (rc = tdp__cuda_export(tdp__dpool_base(dp), &h)) == TDP_OK) {
+        rc = msg_send(l, &m, NULL, 0, &h.fd, 1);
+        close(h.fd);
+    }
+    if (rc == TDP_OK && keep != NULL)
+        *keep = dp;
+    else
+        tdp__dpool_unref(dp);
+    return rc;
+}
+
 tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d)
 {
     if (l == NULL || l->rx_ctl == NULL)
@@ -2125,19 +2480,20 @@ void tdp__shm_step_ring(tdp__link *l)
         rx_progress(l);
 }
 
-static bool in_seg(const tdp__shm_seg *seg, const void *p)
+static bool in_seg(const tdp__shm_seg *seg, const tdp__dpool *dp, const void *p)
 {
-    const uint8_t *base = tdp__shm_seg_base(seg);
-    return (const uint8_t *)p >= base && (const uint8_t *)p < base + tdp__shm_seg_geom(seg)->total_bytes;
+    const uint8_t *base = dp != NULL ? tdp__dpool_base(dp) : tdp__shm_seg_base(seg);
+    uint64_t n = dp != NULL ? tdp__dpool_bytes(dp) : tdp__shm_seg_geom(seg)->total_bytes;
+    return (const uint8_t *)p >= base && (const uint8_t *)p < base + n;
 }
 
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p)
 {
     for (rx_pool *rp = l != NULL ? l->rpool : NULL; rp != NULL; rp = rp->next)
-        if (in_seg(rp->seg, p))
+        if (in_seg(rp->seg, rp->dp, p))
             return true;
     for (tx_pool *tp = l != NULL ? l->pool : NULL; tp != NULL; tp = tp->next)
-        if (in_seg(tp->seg, p))
+        if (in_seg(tp->seg, tp->dp, p))
             return true;
     return false;
 }

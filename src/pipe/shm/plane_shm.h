@@ -29,6 +29,17 @@ tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *js
  */
 tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t bytes);
 
+/*
+ * Act as a hostile cuda-ipc sender on l: make a device pool of `bytes` on
+ * dev and announce it for `seq` as `nslots` slots of `stride` bytes on the
+ * device with UUID uuid (NULL: dev's), whatever the truth. keep: the pool
+ * stays alive for the caller to unref (a same-process receiver then finds
+ * it by id); NULL: it goes at once (the receiver must import the handle).
+ */
+struct tdp__dpool;
+tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes, uint64_t nslots,
+                             uint64_t stride, const uint8_t *uuid, struct tdp__dpool **keep);
+
 /* Act as a hostile receiver: push *d on the release ring of what l receives. */
 tdp_err tdp__shm_rogue_release(tdp__link *l, const tdp__shm_desc *d);
 

@@ -27,6 +27,14 @@ typedef struct tdp__shm_hello {
  */
 tdp_err tdp__shm_hello_put(tdp_hello *h, uint8_t buf[TDP_SHM_REC_MAX], const tdp__shm_hello *in);
 /*
+ * The record's value alone, for a plane whose record starts with it
+ * (cuda-ipc): encode returns the bytes written to buf (0: TDP_EINVAL's
+ * cases); decode reads val[0..len) and sets *used to the bytes it took
+ * (TDP_EPROTO when malformed).
+ */
+size_t tdp__shm_hello_encode(uint8_t buf[TDP_SHM_REC_MAX], const tdp__shm_hello *in);
+tdp_err tdp__shm_hello_decode(const uint8_t *val, size_t len, tdp__shm_hello *out, size_t *used);
+/*
  * The peer's record: TDP_OK (*out points into h's record), TDP_ENOENT when
  * h has none, TDP_EPROTO when it is malformed.
  */
