@@ -440,7 +440,12 @@ static int child_producer(int argc, char **argv)
         if (i == kill_after)
             kill(getpid(), SIGKILL); /* no BYE, no close: a crash */
     }
-    return tdp_pipe_close(pipe, TMO) == TDP_OK ? 0 : 6;
+    int rc = tdp_pipe_close(pipe, TMO) == TDP_OK ? 0 : 6;
+    tdp_pipe_free(pipe);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    tdp_loop_free(loop);
+    return rc;
 }
 
 static pid_t spawn_producer(uint16_t port, int count, uint64_t tag, int kill_after)
