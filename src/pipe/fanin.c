@@ -60,7 +60,7 @@ struct tdp_fanin {
     uint32_t nactive;        /* joined, not ended: what max_producers counts */
     uint32_t nleft;          /* left, not yet freed */
     uint64_t next_id;
-    uint64_t nrecv; /* receives started */
+    uint64_t nrecv; /* receives started (or taken at once) */
     bool dispatching;
     bool closing, freeing;
     struct event *reap;
@@ -71,6 +71,14 @@ struct tdp_fanin {
     tdp_err (*user_admit)(const tdp_accept_info *info, void *arg);
     tdp_err (*user_on_hello)(const tdp_accept_info *info, tdp_pipe_opts *opts, void *arg);
     void *user_hook_arg;
+    /*
+     * lk: the ready list, the waiting receives, the counts and the
+     * producers' item state, which a blocking receive on another thread
+     * takes from directly while the loop has a thread of its own.
+     */
+    pthread_mutex_t lk;
+    tdp__task reap_task; /* such a receive asks the loop thread to reap */
+    _Atomic bool reap_posted;
     pthread_mutex_t mtx; /* st */
     tdp_fanin_stats st;
     _Atomic uint64_t msgs, bytes;
@@ -139,9 +147,13 @@ static void post_recv(producer *pr)
     tdp_pipe_recv_async(pr->pipe, pr->rop);
 }
 
-static void fill_msg(tdp_fanin *f, producer *pr, tdp_op *op)
+/*
+ * Write pr's ready item into *m (lk held). True when its pipe's next
+ * receive is to be posted, which the caller does once lk is let go (it may
+ * complete at once, into rop_cb).
+ */
+static bool take_item(tdp_fanin *f, producer *pr, tdp_fanin_msg *m)
 {
-    tdp_fanin_msg *m = op->out;
     m->kind = pr->kind;
     m->status = TDP_OK;
     m->producer = pr->id;
@@ -150,16 +162,12 @@ static void fill_msg(tdp_fanin *f, producer *pr, tdp_op *op)
     m->new_schema = false;
     memcpy(m->peer, pr->peer, sizeof(m->peer));
     m->src = pr;
-    op->td = NULL;
-    op->seq = 0;
     switch (pr->kind) {
     case TDP_FANIN_JOIN:
-        post_recv(pr);
-        break;
+        return true;
     case TDP_FANIN_MSG: {
         /* read before the next receive reuses the op */
         tdp_td *td = tdp_op_td(pr->rop);
-        uint64_t seq = tdp_op_seq(pr->rop);
         uint64_t h = tdp_schema_hash(tdp_td_schema(td));
         m->new_schema = !pr->have_hash || h != pr->hash;
         pr->hash = h;
@@ -167,44 +175,75 @@ static void fill_msg(tdp_fanin *f, producer *pr, tdp_op *op)
         atomic_fetch_add_explicit(&pr->lent, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&f->msgs, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&f->bytes, tdp_td_nbytes(td), memory_order_relaxed);
-        m->td = op->td = td;
-        m->seq = op->seq = seq;
-        post_recv(pr);
-        break;
+        m->td = td;
+        m->seq = tdp_op_seq(pr->rop);
+        return true;
     }
     case TDP_FANIN_LEAVE:
         m->status = pr->status;
         pr->left = true;
         pr->left_at = f->nrecv;
         f->nleft++;
-        break;
+        return false;
     }
+    return false;
+}
+
+/* The stream is over: closed, and every producer's LEAVE is out (lk held). */
+static bool stream_over(const tdp_fanin *f)
+{
+    return f->closing && f->nactive == 0 && f->rhead == NULL;
 }
 
 /*
- * Hand ready items to waiting receives, oldest of each first. Re-entered
- * from the completions it causes (a next receive that completes at once,
- * a callback that receives again): those only queue, this loop serves them.
+ * Hand ready items to waiting receives, oldest of each first (loop
+ * thread). Re-entered from the completions it causes (a next receive that
+ * completes at once, a callback that receives again): those only queue,
+ * this loop serves them. lk is held for the lists, never across a
+ * completion or a post.
  */
 static void dispatch(tdp_fanin *f)
 {
     if (f->dispatching)
         return;
     f->dispatching = true;
-    while (f->waiting.head != NULL) {
-        producer *pr = ready_pop(f);
-        if (pr == NULL) {
-            if (!f->closing || f->nactive != 0)
-                break;
-            /* closed, and every producer's LEAVE is out: the stream is over */
-            tdp__op_complete(tdp__opq_pop(&f->waiting), TDP_ECLOSED);
-            continue;
+    for (;;) {
+        pthread_mutex_lock(&f->lk);
+        if (f->waiting.head == NULL || (f->rhead == NULL && !stream_over(f))) {
+            pthread_mutex_unlock(&f->lk);
+            break;
         }
         tdp_op *op = tdp__opq_pop(&f->waiting);
-        fill_msg(f, pr, op);
+        producer *pr = ready_pop(f);
+        if (pr == NULL) {
+            pthread_mutex_unlock(&f->lk);
+            tdp__op_complete(op, TDP_ECLOSED);
+            continue;
+        }
+        bool again = take_item(f, pr, op->out);
+        pthread_mutex_unlock(&f->lk);
+        tdp_fanin_msg *m = op->out;
+        op->td = m->td;
+        op->seq = m->seq;
+        if (again)
+            post_recv(pr);
         tdp__op_complete(op, TDP_OK);
     }
     f->dispatching = false;
+}
+
+/* Producers whose LEAVE went out may be freed now: on the loop thread, on a clean stack. */
+static void reap_soon(tdp_fanin *f)
+{
+    if (f->reap != NULL)
+        event_active(f->reap, EV_READ, 0);
+}
+
+static void reap_task_fn(void *arg)
+{
+    tdp_fanin *f = arg;
+    atomic_store(&f->reap_posted, false);
+    reap_soon(f);
 }
 
 static void rop_cb(tdp_op *op, void *arg)
@@ -219,6 +258,7 @@ static void rop_cb(tdp_op *op, void *arg)
         post_recv(pr);
         return;
     }
+    pthread_mutex_lock(&f->lk);
     if (rc == TDP_OK) {
         pr->kind = TDP_FANIN_MSG;
     } else {
@@ -226,6 +266,10 @@ static void rop_cb(tdp_op *op, void *arg)
         pr->status = rc;
         pr->ended = true;
         f->nactive--;
+    }
+    ready_push(f, pr);
+    pthread_mutex_unlock(&f->lk);
+    if (rc != TDP_OK) {
         pthread_mutex_lock(&f->mtx);
         f->st.producers_now--;
         if (rc != TDP_ECLOSED)
@@ -234,7 +278,6 @@ static void rop_cb(tdp_op *op, void *arg)
         tdp_log_debug("fanin: producer %llu (%s) ended: %s", (unsigned long long)pr->id, pr->peer,
                       tdp_strerror(rc));
     }
-    ready_push(f, pr);
     dispatch(f);
 }
 
@@ -246,10 +289,13 @@ static void recv_start(void *arg)
         tdp__op_complete(op, TDP_ECANCELED);
         return;
     }
+    pthread_mutex_lock(&f->lk);
     f->nrecv++;
-    if (f->nleft > 0 && f->reap != NULL)
-        event_active(f->reap, EV_READ, 0); /* producers whose LEAVE went out before this */
+    bool reap = f->nleft > 0;
     tdp__opq_push(&f->waiting, op);
+    pthread_mutex_unlock(&f->lk);
+    if (reap)
+        reap_soon(f); /* producers whose LEAVE went out before this receive */
     dispatch(f);
 }
 
@@ -257,7 +303,10 @@ static void recv_start(void *arg)
 static void take_back(tdp_op *op)
 {
     tdp_fanin *f = op->owner;
-    if (tdp__opq_remove(&f->waiting, op))
+    pthread_mutex_lock(&f->lk);
+    bool mine = tdp__opq_remove(&f->waiting, op);
+    pthread_mutex_unlock(&f->lk);
+    if (mine)
         tdp__op_complete(op, TDP_ETIMEDOUT);
 }
 
@@ -288,11 +337,13 @@ static void reap_cb(evutil_socket_t fd, short what, void *arg)
     producer *next;
     for (producer *pr = f->all; pr != NULL; pr = next) {
         next = pr->next;
-        if (!pr->left || f->nrecv <= pr->left_at ||
-            atomic_load_explicit(&pr->lent, memory_order_acquire) != 0)
-            continue;
-        f->nleft--;
-        producer_free(f, pr);
+        pthread_mutex_lock(&f->lk);
+        bool done = pr->left && f->nrecv > pr->left_at &&
+                    atomic_load_explicit(&pr->lent, memory_order_acquire) == 0;
+        f->nleft -= done;
+        pthread_mutex_unlock(&f->lk);
+        if (done)
+            producer_free(f, pr);
     }
 }
 
@@ -330,14 +381,16 @@ static void on_accept(tdp_pipe *p, tdp_err status, void *arg)
     if (f->all != NULL)
         f->all->prev = pr;
     f->all = pr;
+    pthread_mutex_lock(&f->lk);
     f->nactive++;
+    pr->kind = TDP_FANIN_JOIN; /* its first receive is posted when the JOIN goes out */
+    ready_push(f, pr);
+    pthread_mutex_unlock(&f->lk);
     pthread_mutex_lock(&f->mtx);
     f->st.producers_now++;
     f->st.producers_total++;
     pthread_mutex_unlock(&f->mtx);
     tdp_log_debug("fanin: producer %llu joined from %s", (unsigned long long)pr->id, pr->peer);
-    pr->kind = TDP_FANIN_JOIN; /* its first receive is posted when the JOIN goes out */
-    ready_push(f, pr);
     dispatch(f);
 }
 
@@ -396,9 +449,14 @@ static void reap_new_task(void *arg)
 static void free_task(void *arg)
 {
     tdp_fanin *f = arg;
+    pthread_mutex_lock(&f->lk);
     f->freeing = true;
+    tdp__opq q = f->waiting;
+    f->waiting = (tdp__opq){0};
+    f->rhead = f->rtail = NULL;
+    pthread_mutex_unlock(&f->lk);
     tdp_op *op;
-    while ((op = tdp__opq_pop(&f->waiting)) != NULL)
+    while ((op = tdp__opq_pop(&q)) != NULL)
         tdp__op_complete(op, TDP_ECANCELED);
     while (f->all != NULL)
         producer_free(f, f->all);
@@ -413,6 +471,7 @@ static void fanin_release(tdp_fanin *f)
     tdp_op_free(f->sync);
     tdp__waiter_fini(&f->w);
     pthread_mutex_destroy(&f->mtx);
+    pthread_mutex_destroy(&f->lk);
     tdp__budget_unref(f->budget); /* pipes winding down hold their own references */
     tdp__free(f);
 }
@@ -458,6 +517,9 @@ tdp_err tdp_fanin_new(tdp_loop *loop, const char *host, uint16_t port, const tdp
     f->loop = loop;
     opts_resolve(opts, &f->opts);
     pthread_mutex_init(&f->mtx, NULL);
+    pthread_mutex_init(&f->lk, NULL);
+    f->reap_task = (tdp__task){.fn = reap_task_fn, .arg = f};
+    atomic_init(&f->reap_posted, false);
     tdp__waiter_init(&f->w);
     atomic_init(&f->msgs, 0);
     atomic_init(&f->bytes, 0);
@@ -536,11 +598,46 @@ void tdp_fanin_recv_async(tdp_fanin *f, tdp_op *op, tdp_fanin_msg *out)
     tdp__op_submit(f->loop, op, recv_start);
 }
 
+/*
+ * A blocking receive while a loop thread runs the loop: an item already
+ * ready is taken here, without a round trip through the loop thread (two
+ * thread switches per message); the producer's next receive is posted to
+ * it. TDP_EAGAIN: nothing ready, or receives queued before this one
+ * (order), or the fan-in is going: the slow path decides.
+ */
+static tdp_err take_now(tdp_fanin *f, tdp_fanin_msg *out)
+{
+    pthread_mutex_lock(&f->lk);
+    if (f->freeing || f->waiting.head != NULL || (f->rhead == NULL && !stream_over(f))) {
+        pthread_mutex_unlock(&f->lk);
+        return TDP_EAGAIN;
+    }
+    producer *pr = ready_pop(f);
+    if (pr == NULL) {
+        pthread_mutex_unlock(&f->lk);
+        return TDP_ECLOSED;
+    }
+    f->nrecv++;
+    bool reap = f->nleft > 0;
+    bool again = take_item(f, pr, out);
+    pthread_mutex_unlock(&f->lk);
+    if (again)
+        post_recv(pr); /* its op is idle until then: nobody else touches it */
+    if (reap && !atomic_exchange(&f->reap_posted, true))
+        tdp__loop_post_task(f->loop, &f->reap_task);
+    return TDP_OK;
+}
+
 tdp_err tdp_fanin_recv(tdp_fanin *f, int64_t timeout_ms, tdp_fanin_msg *out)
 {
     if (f == NULL || out == NULL || tdp__op_pending(f->sync) ||
         (tdp__loop_running(f->loop) && tdp_loop_on_thread(f->loop)))
         return TDP_EINVAL;
+    if (tdp__loop_has_runner(f->loop)) {
+        tdp_err rc = take_now(f, out);
+        if (rc != TDP_EAGAIN)
+            return rc;
+    }
     tdp_op *op = f->sync;
     op->kind = OP_RECV;
     op->td = NULL;
@@ -562,7 +659,9 @@ void tdp_fanin_release(tdp_fanin *f, const tdp_fanin_msg *m)
 static void close_task(void *arg)
 {
     tdp_fanin *f = arg;
+    pthread_mutex_lock(&f->lk);
     f->closing = true;
+    pthread_mutex_unlock(&f->lk);
     dispatch(f); /* receives waiting on an empty stream end now */
 }
 
