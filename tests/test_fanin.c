@@ -78,6 +78,27 @@ static uint64_t word(const tdp_td *td, int i)
     return v;
 }
 
+/*
+ * Is p inside a mapping of a shared-memory pool (a memfd named tdpipe-shm)?
+ * On the shm plane a received message is read in place from the
+ * producer's pool; on the ucx plane it is in the pipe's own buffer.
+ */
+static bool in_shm_pool(const void *p)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[512];
+    bool in = false;
+    uintptr_t a = (uintptr_t)p;
+    while (f != NULL && !in && fgets(line, sizeof(line), f) != NULL) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo && a < hi)
+            in = strstr(line, "memfd:tdpipe-shm") != NULL;
+    }
+    if (f != NULL)
+        fclose(f);
+    return in;
+}
+
 /* ---- a producer in this process: a pipe on the producers' loop, a thread ---- */
 
 typedef struct producer {
@@ -214,6 +235,8 @@ static void take(tally *t, const tdp_fanin_msg *m)
         assert_int_equal(word(m->td, 0), s->tag);
         if (m->new_schema && s->nnew < 4)
             s->new_schema_at[s->nnew++] = m->seq;
+        if (m->seq <= 3) /* zero copy on the shm plane: the pool's own pages */
+            assert_true(in_shm_pool(tdp_td_data(m->td)) == (test_plane() == TDP_PLANE_SHM));
         s->next++;
         s->msgs++;
         t->msgs++;
@@ -517,6 +540,43 @@ static void test_killed_producer(void **state)
     env_down(&e);
 }
 
+/*
+ * max_memory: a producer whose receive storage would take the fan-in over
+ * it leaves with TDP_ELIMIT (its peer hears it); a smaller one goes on.
+ */
+static void test_memory_cap(void **state)
+{
+    (void)state;
+    env e;
+    tdp_fanin_opts o;
+    tdp_fanin_opts_default(&o);
+    o.max_memory = 200 * 1000; /* depth 4: 4 x 64 KB is over, 4 x 4 KB is not */
+    env_up(&e, &o);
+    producer big = {
+        .loop = e.pl, .port = tdp_fanin_port(e.f), .tag = 50, .count = 10, .bytes = 64000};
+    producer small = {
+        .loop = e.pl, .port = tdp_fanin_port(e.f), .tag = 51, .count = 10, .bytes = 4000};
+    producer_start(&big);
+    static tally t;
+    memset(&t, 0, sizeof(t));
+    drain(&e, &t, 1);
+    pthread_join(big.th, NULL);
+    assert_true(big.rc != TDP_OK);
+    seen *b = NULL;
+    for (int i = 1; i <= MAXP; i++)
+        if (t.s[i].leaves == 1)
+            b = &t.s[i];
+    assert_non_null(b);
+    assert_int_equal(b->msgs, 0);
+    assert_int_equal(b->status, TDP_ELIMIT);
+    producer_start(&small);
+    drain(&e, &t, 2);
+    pthread_join(small.th, NULL);
+    assert_int_equal(small.rc, TDP_OK);
+    assert_int_equal(by_tag(&t, 51)->msgs, 10);
+    env_down(&e);
+}
+
 /* ---- async receive -------------------------------------------------------------- */
 
 typedef struct async_rx {
@@ -745,6 +805,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_async),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_secret),
+        cmocka_unit_test(test_memory_cap),
         cmocka_unit_test(test_credit),
     };
     const char *filter = getenv("TDP_TEST_FILTER");
