@@ -26,6 +26,8 @@ RUNS=1
 PIN=
 JSON=
 OUT=
+IDLE_MIN=90
+IDLE_WAIT=20
 
 usage() {
     cat <<EOF
@@ -53,6 +55,13 @@ tdpipe's ratio to each (docs/benchmarks.md).
                    a wakeup across CPUs can cost 15-20 us and comes and goes
                    from run to run; --pin 0 measures every tool's same-CPU
                    wakeup instead (docs/benchmarks.md)
+  --idle-min PCT   the CPU idle a busy-polling step needs (default 90): below
+                   it, two spinning peers and the other work take turns and
+                   the figures mean little (p99 near 1 ms on 2 CPUs)
+  --idle-wait S    wait up to S seconds for that idle before each busy-polling
+                   step (default 20); if it does not come, the step still runs,
+                   and a warning before it, under the table and in the JSON
+                   ("busy_cpu") says its figures were taken on a busy CPU
   --json FILE      the combined results (default: OUT/results.json)
   --out DIR        where each tool's JSON goes (default: BUILD/bench-results/DATE-TLS)
   --build DIR      the build directory (default: build/, or \$TDP_BUILD_DIR)
@@ -68,6 +77,8 @@ while [[ $# -gt 0 ]]; do
     --rounds) ROUNDS=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     --pin) PIN=$2; shift 2 ;;
+    --idle-min) IDLE_MIN=$2; shift 2 ;;
+    --idle-wait) IDLE_WAIT=$2; shift 2 ;;
     --json) JSON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --build) BUILD=$2; shift 2 ;;
@@ -104,6 +115,11 @@ if [[ -n $PIN ]]; then
     EV=(taskset -c "$PIN")
 fi
 
+if ! [[ $IDLE_MIN =~ ^[0-9]+$ && $IDLE_MIN -le 100 && $IDLE_WAIT =~ ^[0-9]+$ ]]; then
+    echo "bench/run.sh: --idle-min is 0..100 and --idle-wait a number of seconds" >&2
+    exit 2
+fi
+
 if ! [[ $RUNS =~ ^[1-9][0-9]*$ ]]; then
     echo "bench/run.sh: --runs is a positive integer" >&2
     exit 2
@@ -119,6 +135,22 @@ cpu_idle() {
     local busy=0 idle=$(((b[4] + b[5]) - (a[4] + a[5]))) total=0 i
     for i in 1 2 3 4 5 6 7 8; do total=$((total + b[i] - a[i])); done
     echo $((total > 0 ? 100 * idle / total : 0))
+}
+
+# Before a busy-polling step: wait (up to IDLE_WAIT s) for an idle CPU, and
+# say so when it does not come (BUSY holds "step: idle%" for the summary).
+BUSY=()
+want_idle() {
+    local name=$1 idle t0=$SECONDS
+    idle=$(cpu_idle)
+    while [[ $idle -lt $IDLE_MIN && $((SECONDS - t0)) -lt $IDLE_WAIT ]]; do
+        idle=$(cpu_idle)
+    done
+    if [[ $idle -lt $IDLE_MIN ]]; then
+        echo "== WARNING: the CPU is $idle% idle before $name (it needs $IDLE_MIN%):" \
+            "busy-polling peers take turns with the other work, and its figures mean little" >&2
+        BUSY+=("$name: $idle%")
+    fi
 }
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
@@ -170,10 +202,12 @@ for ((run = 1; run <= RUNS; run++)); do
     step "tdpipe bench (event-driven)" "$D/tdpipe.json" \
         "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
     if [[ $BUSY_POLL != 0 ]]; then
+        want_idle "tdpipe bench --busy-poll $BUSY_POLL"
         step "tdpipe bench --busy-poll $BUSY_POLL" "$D/tdpipe-busy-poll.json" \
             "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --busy-poll "$BUSY_POLL" --quiet
     fi
     if [[ $HAVE_PERFTEST -eq 1 ]]; then
+        want_idle "ucx_perftest (poll)"
         step "ucx_perftest ucp_am_lat/ucp_am_bw (poll)" "$D/perftest-poll.json" \
             "$PEERS" perftest "${COMMON[@]}" --wait poll --quiet
         step "ucx_perftest ucp_am_lat/ucp_am_bw (-E sleep)" "$D/perftest-sleep.json" \
@@ -186,6 +220,20 @@ done
 echo "== CPU idle after: $(cpu_idle)%"
 
 "$PEERS" table "${FILES[@]}" --json "$JSON" || FAILED+=(table)
+if [[ ${#BUSY[@]} -gt 0 ]]; then
+    echo
+    echo "busy CPU: these busy-polling steps ran below $IDLE_MIN% idle, and their figures mean little:"
+    printf '  %s\n' "${BUSY[@]}"
+    if [[ -f $JSON ]] && command -v python3 >/dev/null; then
+        python3 - "$JSON" "$IDLE_MIN" "${BUSY[@]}" <<'PY' || true
+import json, sys
+path, need, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+d = json.load(open(path))
+d["busy_cpu"] = {"idle_min_pct": need, "steps": steps}
+json.dump(d, open(path, "w"), indent=1)
+PY
+    fi
+fi
 echo
 echo "combined JSON: $JSON"
 

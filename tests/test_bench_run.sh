@@ -4,7 +4,9 @@
 # busy-poll, two interleaved runs, the shm plane; then event-driven alone over
 # UCX's TCP, pinned) and writes a combined JSON
 # with a figure for every size from tdpipe in both modes and a verdict line
-# for every target. It checks that the harness works, not how fast anything is.
+# for every target; with two spinners on the CPUs, it warns that busy-poll
+# figures were taken on a busy CPU. It checks that the harness works, not
+# how fast anything is.
 set -euo pipefail
 BUILD=$1
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,7 +15,7 @@ trap 'rm -rf "$OUT"' EXIT
 export UCX_NET_DEVICES=lo
 
 bash "$ROOT/bench/run.sh" --build "$BUILD" --plane shm --sizes 1KB,64KB --rounds 30 \
-    --busy-poll 100 --runs 2 --out "$OUT" >"$OUT/table.txt" 2>"$OUT/log.txt" || {
+    --busy-poll 100 --runs 2 --idle-wait 5 --out "$OUT" >"$OUT/table.txt" 2>"$OUT/log.txt" || {
     echo "bench/run.sh failed:" >&2
     cat "$OUT/log.txt" "$OUT/table.txt" >&2
     exit 1
@@ -53,4 +55,33 @@ s = d["summary"][0]
 assert s["bytes"] == 1000 and s["latency_p50_us"]["tdpipe"] > 0, s
 assert s["latency_p50_us"].get("tdpipe_busy_poll") is None, s
 print("bench/run.sh event-driven only: JSON ok")
+PY
+
+# a busy CPU: two spinners for the length of a tiny busy-poll run; the
+# warning is printed and the JSON names the steps
+mkdir "$OUT/busy"
+SPIN=()
+for _ in 1 2; do
+    timeout 60 sh -c 'while :; do :; done' &
+    SPIN+=($!)
+done
+rc=0
+bash "$ROOT/bench/run.sh" --build "$BUILD" --plane shm --sizes 1KB --rounds 20 --busy-poll 50 \
+    --idle-wait 0 --out "$OUT/busy" >"$OUT/busy/table.txt" 2>"$OUT/busy/log.txt" || rc=$?
+kill "${SPIN[@]}" 2>/dev/null || true
+wait "${SPIN[@]}" 2>/dev/null || true
+if [[ $rc -ne 0 ]]; then
+    echo "bench/run.sh (busy CPU) failed:" >&2
+    cat "$OUT/busy/log.txt" "$OUT/busy/table.txt" >&2
+    exit 1
+fi
+grep -q "WARNING: the CPU is" "$OUT/busy/log.txt" || { cat "$OUT/busy/log.txt"; exit 1; }
+grep -q "^busy CPU:" "$OUT/busy/table.txt" || { cat "$OUT/busy/table.txt"; exit 1; }
+python3 - "$OUT/busy/results.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+b = d["busy_cpu"]
+assert b["idle_min_pct"] == 90 and len(b["steps"]) >= 1, b
+assert any(s.startswith("tdpipe bench --busy-poll") for s in b["steps"]), b
+print("bench/run.sh busy CPU: warned for", b["steps"])
 PY

@@ -356,10 +356,15 @@ int tdp_cli_usage_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 
 void tdp_cli_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
 
 /*
- * One more -v, given after the subcommand (`tdpipe send ... -v`): the same
- * as before it. Every subcommand takes -v/--verbose. Defined in tdpipe.c.
+ * Verbosity (verbosity.c). tdp_cli_set_verbosity: the -v count given before
+ * the subcommand. tdp_cli_more_verbose: one more -v, given after it
+ * (`tdpipe send ... -v`), the same as before it; every subcommand takes
+ * -v/--verbose. tdp_cli_route_ucx_log: UCX's log to stderr (UCX_LOG_FILE
+ * overrides).
  */
+void tdp_cli_set_verbosity(int verbose);
 void tdp_cli_more_verbose(void);
+void tdp_cli_route_ucx_log(void);
 
 /* ---- subcommands ---------------------------------------------------------- */
 

@@ -129,8 +129,10 @@ const char *tdp__cuda_describe(char *buf, size_t n)
     return buf;
 }
 
+/* The backend is chosen first: this may be the process's first CUDA call. */
 static bool dev_ok(int dev)
 {
+    (void)be();
     return dev >= 0 && dev < atomic_load(&ndevices);
 }
 

@@ -218,7 +218,7 @@ void tdp_wire_auth_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN],
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */
-    TDP_AM_DATA = 2,   /* payload: the consolidated buffer; arg = flags */
+    TDP_AM_DATA = 2,   /* payload: the consolidated buffer; arg = as CREDIT's, riding along */
     TDP_AM_CREDIT = 3, /* no payload; arg = buffers released, cumulative */
 };
 

@@ -2,27 +2,12 @@
 #include "schema_int.h"
 
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
 
 #include "../core/alloc.h"
 #include "../core/log.h"
-
-tdp_err tdp__fail(tdp__why *w, tdp_err err, const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    tdp_log_debug("schema: %s", msg);
-    if (w != NULL && w->buf != NULL && w->len > 0 && w->buf[0] == '\0')
-        snprintf(w->buf, w->len, "%s", msg);
-    return err;
-}
 
 void tdp_schema_limits_default(tdp_schema_limits *out)
 {
