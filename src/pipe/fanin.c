@@ -39,7 +39,6 @@ typedef struct producer {
     char peer[64];
     tdp_fanin_kind kind; /* what it has ready, while on the ready list */
     tdp_err status;      /* LEAVE: why */
-    bool ended;          /* its pipe's receive failed: its LEAVE is ready or delivered */
     bool left;           /* its LEAVE was delivered */
     bool have_hash;
     uint64_t hash;                /* schema hash of its last message */
@@ -264,7 +263,6 @@ static void rop_cb(tdp_op *op, void *arg)
     } else {
         pr->kind = TDP_FANIN_LEAVE;
         pr->status = rc;
-        pr->ended = true;
         f->nactive--;
     }
     ready_push(f, pr);
