@@ -244,7 +244,10 @@ echo "combined JSON: $JSON"
 echo
 echo "== fan-in: 4 producers -> 1 consumer, 1 MB, plane $PLANE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 if [[ -x $BUILD/bench/tdp_fanin_poll ]]; then
-    "$TDPIPE" bench --fanin 4 --sizes 1MB --plane "$PLANE" --quiet \
+    # --rounds: the messages of each of its three runs (else about 4 GiB)
+    FANIN_ROUNDS=()
+    [[ -n $ROUNDS ]] && FANIN_ROUNDS=(--rounds "$ROUNDS")
+    "$TDPIPE" bench --fanin 4 --sizes 1MB --plane "$PLANE" --quiet "${FANIN_ROUNDS[@]}" \
         --fanin-baseline "$BUILD/bench/tdp_fanin_poll" --json "$OUT/fanin.json" ||
         FAILED+=(fanin)
     echo "fan-in JSON: $OUT/fanin.json"
