@@ -8,7 +8,8 @@
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
 # ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep), ZeroMQ,
 # raw TCP, memcpy (all through build/bench/tdp_peers); then
-# `tdp_peers table` prints the table and writes the combined JSON. With
+# `tdp_peers table` prints the table and writes the combined JSON; last the
+# fan-in (`tdpipe bench --fanin 4`, its own table and OUT/fanin.json). With
 # --runs K the whole sequence is made K times, one after the other, and the
 # table shows the median of the K runs and their spread.
 # It builds nothing. Method and results: docs/benchmarks.md.
@@ -235,6 +236,25 @@ PY
 fi
 echo
 echo "combined JSON: $JSON"
+
+# Fan-in: 4 producers into one consumer, 1 MB, against one producer alone
+# and against the same four on their own pipes drained by a hand-written
+# poll loop (bench/fanin_poll.c). Its own table: the figures are aggregate
+# throughput at the consumer, with the load they were taken under.
+echo
+echo "== fan-in: 4 producers -> 1 consumer, 1 MB, plane $PLANE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+if [[ -x $BUILD/bench/tdp_fanin_poll ]]; then
+    # --rounds: the messages of each of its three runs (else about 4 GiB)
+    FANIN_ROUNDS=()
+    [[ -n $ROUNDS ]] && FANIN_ROUNDS=(--rounds "$ROUNDS")
+    "$TDPIPE" bench --fanin 4 --sizes 1MB --plane "$PLANE" --quiet "${FANIN_ROUNDS[@]}" \
+        --fanin-baseline "$BUILD/bench/tdp_fanin_poll" --json "$OUT/fanin.json" ||
+        FAILED+=(fanin)
+    echo "fan-in JSON: $OUT/fanin.json"
+else
+    echo "(no $BUILD/bench/tdp_fanin_poll: fan-in not measured)"
+    FAILED+=(fanin)
+fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "failed: ${FAILED[*]}" >&2
     exit 1

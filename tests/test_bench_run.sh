@@ -21,6 +21,15 @@ bash "$ROOT/bench/run.sh" --build "$BUILD" --plane shm --sizes 1KB,64KB --rounds
     exit 1
 }
 grep -q "^goals" "$OUT/table.txt" || { cat "$OUT/table.txt"; exit 1; }
+# the fan-in step: its table and JSON (4 producers, 1 MB, both baselines)
+grep -q "^fan-in, plane" "$OUT/table.txt" || { cat "$OUT/table.txt"; exit 1; }
+python3 - "$OUT/fanin.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["mode"] == "fanin" and d["producers"] == 4 and d["size"] == 1000000, d
+assert d["fanin_bytes_per_s"] > 0 and d["one_producer_bytes_per_s"] > 0, d
+assert d["poll_loop_bytes_per_s"] > 0 and d["ratio_to_poll_loop"] > 0, d
+PY
 python3 - "$OUT/results.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

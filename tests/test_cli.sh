@@ -344,6 +344,39 @@ test_recv_send() {
     expect_in recv out "; plane ucx, depth 4"
 }
 
+# recv --producers: three senders into one stream, each verified with its
+# own numbering (one paced, so that rate lines see it); --json names each.
+test_recv_producers() {
+    local port rpid s1 s2 s3
+    start recvp 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --producers 3 --json --interval 0.2
+    rpid=$PID
+    port=$(port_of recvp) || return
+    start sendp1 60 "$TDPIPE" send "127.0.0.1:$port" --count 200 --size 64KB --rate 400 --quiet
+    s1=$PID
+    start sendp2 60 "$TDPIPE" send "127.0.0.1:$port" --count 100 --size 64KB --quiet
+    s2=$PID
+    start sendp3 60 "$TDPIPE" send "127.0.0.1:$port" --count 50 --size 1KB --quiet
+    s3=$PID
+    finish sendp1 "$s1"
+    finish sendp2 "$s2"
+    finish sendp3 "$s3"
+    expect_rc sendp1 0
+    expect_rc sendp2 0
+    expect_rc sendp3 0
+    finish recvp "$rpid"
+    expect_rc recvp 0
+    expect_in recvp out '"msgs":350'
+    expect_in recvp out '"verify":"ok"'
+    expect_in recvp out '"producers_joined":3'
+    expect_in recvp out '"msgs":200,'
+    expect_in recvp out '"msgs":100,'
+    expect_in recvp out '"msgs":50,'
+    expect_in recvp out '"end":"producer closed"'
+    expect_in recvp err '"producers":[{"id":'
+    run recvp_usage 10 "$TDPIPE" recv --producers 2 --dump "$WORK/d"
+    expect_rc recvp_usage 2
+}
+
 # --checksum: in force when both sides offer it, said when only one does;
 # serve --max-memory refuses a client whose buffers would go over the cap.
 test_checksum_and_cap() {
@@ -1407,6 +1440,7 @@ test_secret
 test_reconnect
 test_defaults
 test_recv_send
+test_recv_producers
 test_checksum_and_cap
 test_recv_count
 test_sizes

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include <tdpipe/fanin.h>
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
 
@@ -84,7 +85,7 @@ void *memalign(size_t align, size_t n)
 }
 #endif
 
-#define TMO 20000
+#define TMO    20000
 #define WARMUP 50
 #define STEADY 1000
 
@@ -345,6 +346,137 @@ static void test_cuda_ipc_loan_large_depth4(void **state)
     steady_case_mem(4 << 20, 4, TDP_PLANE_CUDA_IPC, true, false, true);
 }
 
+/* ---- fan-in: two producers, one consumer --------------------------------------- */
+
+#define FANIN_TAIL 20 /* messages after the consumer's last snapshot: the close is not counted */
+
+typedef struct fanin_tx {
+    pthread_t th;
+    tdp_loop *loop;
+    uint16_t port;
+    tdp_plane plane;
+    tdp_td *td;
+    bool loan;
+    tdp_err rc;
+} fanin_tx;
+
+static void *fanin_tx_main(void *arg)
+{
+    fanin_tx *t = arg;
+    tdp_pipe_opts o;
+    tdp_pipe *pipe;
+    tdp_pipe_opts_default(&o);
+    o.plane = t->plane;
+    if ((t->rc = tdp_pipe_connect(t->loop, "127.0.0.1", t->port, &o, &pipe)) != TDP_OK)
+        return NULL;
+    for (int i = 0; i < WARMUP + STEADY + FANIN_TAIL && t->rc == TDP_OK; i++) {
+        tdp_td *buf = t->td;
+        if (t->loan) {
+            for (int k = 0; k < 100000 &&
+                            (t->rc = tdp_pipe_loan(pipe, tdp_td_schema(t->td), &buf)) == TDP_EAGAIN;
+                 k++)
+                sched_yield();
+            if (t->rc != TDP_OK)
+                break;
+        }
+        ((uint64_t *)tdp_td_data(buf))[0] = (uint64_t)i + 1;
+        t->rc = tdp_pipe_send(pipe, buf, TMO);
+        if (t->loan)
+            tdp_td_unref(buf);
+    }
+    if (t->rc == TDP_OK)
+        t->rc = tdp_pipe_close(pipe, TMO);
+    tdp_pipe_free(pipe);
+    return NULL;
+}
+
+static void fanin_case(tdp_plane plane, bool loan)
+{
+    tdp_loop *fl, *pl;
+    tdp_fanin *f;
+    tdp_schema_builder *b;
+    tdp_schema *s;
+    int64_t n = 64 << 10;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &n), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    assert_int_equal(tdp_loop_new(NULL, &fl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &pl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(fl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(pl), TDP_OK);
+    tdp_fanin_opts fo;
+    tdp_fanin_opts_default(&fo);
+    fo.listener.pipe.plane = plane;
+    assert_int_equal(tdp_fanin_new(fl, "127.0.0.1", 0, &fo, &f), TDP_OK);
+    fanin_tx tx[2];
+    for (int i = 0; i < 2; i++) {
+        tx[i] = (fanin_tx){.loop = pl, .port = tdp_fanin_port(f), .plane = plane, .loan = loan};
+        assert_int_equal(tdp_td_new(s, &tx[i].td), TDP_OK);
+        assert_int_equal(pthread_create(&tx[i].th, NULL, fanin_tx_main, &tx[i]), 0);
+    }
+    uint64_t next[3] = {1, 1, 1}, msgs = 0, lib0 = 0, lib1 = 0, m0 = 0, m1 = 0, w0 = 0, w1 = 0;
+    int left = 0;
+    tdp_fanin_msg m;
+    for (int k = 0; k < 10 * (WARMUP + STEADY) && left < 2; k++) {
+        /* from when both are past their warm-up to when one is near its end (not its close) */
+        uint64_t lo = next[1] < next[2] ? next[1] : next[2],
+                 hi = next[1] > next[2] ? next[1] : next[2];
+        if (lo > WARMUP && w0 == 0) {
+            lib0 = tdp_mem_total_allocs();
+            m0 = atomic_load(&n_malloc);
+            w0 = msgs;
+        }
+        if (hi > WARMUP + STEADY && w1 == 0) {
+            lib1 = tdp_mem_total_allocs();
+            m1 = atomic_load(&n_malloc);
+            w1 = msgs;
+        }
+        assert_int_equal(tdp_fanin_recv(f, TMO, &m), TDP_OK);
+        assert_true(m.producer >= 1 && m.producer <= 2);
+        if (m.kind == TDP_FANIN_MSG) {
+            assert_int_equal(m.seq, next[m.producer]);
+            assert_int_equal(((uint64_t *)tdp_td_data(m.td))[0], m.seq);
+            next[m.producer]++;
+            msgs++;
+        } else if (m.kind == TDP_FANIN_LEAVE) {
+            assert_int_equal(m.status, TDP_ECLOSED);
+            left++;
+        }
+        tdp_fanin_release(f, &m);
+    }
+    assert_int_equal(left, 2);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(tx[i].th, NULL);
+        assert_int_equal(tx[i].rc, TDP_OK);
+        tdp_td_unref(tx[i].td);
+    }
+    print_message("fan-in %s%s, 2 producers, 64 KiB: library allocations in %" PRIu64
+                  " steady messages: %" PRIu64 "; process mallocs: %s%" PRIu64 "\n",
+                  tdp_plane_name(plane), loan ? " loaned" : "", w1 - w0, lib1 - lib0,
+                  HAVE_INTERPOSE ? "" : "(not counted) ", m1 - m0);
+    assert_true(w1 - w0 >= STEADY); /* the window held both streams' steady state */
+    assert_int_equal(lib1 - lib0, 0);
+    if (HAVE_INTERPOSE) {
+        assert_true(m1 > 0);
+        assert_int_equal(m1 - m0, 0);
+    }
+    tdp_fanin_free(f);
+    tdp_loop_free(pl);
+    tdp_loop_free(fl);
+    tdp_schema_unref(s);
+}
+
+static void test_fanin_ucx(void **state)
+{
+    fanin_case(TDP_PLANE_UCX, false);
+}
+
+static void test_fanin_shm_loan(void **state)
+{
+    fanin_case(TDP_PLANE_SHM, true);
+}
+
 int main(void)
 {
     /* the fake device stands in where there is no GPU: its memory faults on host access */
@@ -366,6 +498,8 @@ int main(void)
         cmocka_unit_test(test_cuda_ipc_large_depth4),
         cmocka_unit_test(test_cuda_ipc_loan_small_depth1),
         cmocka_unit_test(test_cuda_ipc_loan_large_depth4),
+        cmocka_unit_test(test_fanin_ucx),
+        cmocka_unit_test(test_fanin_shm_loan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -125,14 +125,24 @@ static bool read_line(int fd, char *buf, size_t len, int timeout_ms)
 static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
                            double *bps, const char **plane_used)
 {
+    char tot[24], dep[16];
+    snprintf(tot, sizeof(tot), "%d", total);
+    snprintf(dep, sizeof(dep), "%u", depth);
+    const char *argv[] = {
+        "/proc/self/exe",      "bench", "--role=server", "--rounds", tot, "--depth", dep, "--plane",
+        tdp_plane_name(plane), NULL};
+    return tdp_bench_producers(n, size, total, plane, argv, bps, plane_used);
+}
+
+tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
+                            const char *const *child_argv, double *bps, const char **plane_used)
+{
     int to_child[2], from_child[2];
-    char line[128], tot[24], dep[16];
+    char line[128];
     tdp_err rc = TDP_EINTERNAL;
 
     if (pipe(to_child) != 0 || pipe(from_child) != 0)
         return TDP_ENOMEM;
-    snprintf(tot, sizeof(tot), "%d", total);
-    snprintf(dep, sizeof(dep), "%u", depth);
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
@@ -140,8 +150,7 @@ static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_
         dup2(from_child[1], STDOUT_FILENO);
         close(to_child[1]);
         close(from_child[0]);
-        execl("/proc/self/exe", "tdpipe", "bench", "--role=server", "--rounds", tot, "--depth", dep,
-              "--plane", tdp_plane_name(plane), (char *)NULL);
+        execv(child_argv[0], (char *const *)child_argv);
         _exit(127);
     }
     close(to_child[0]);

@@ -379,6 +379,23 @@ int tdp_cmd_version(int argc, char **argv);
 /* bench_clients.c: `tdpipe bench --clients N` and its server process. */
 int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool quiet);
 int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
+/*
+ * n producer pipes in this process send `total` messages of `size` bytes,
+ * back to back, to a consumer process started from child_argv (argv[0] the
+ * path): it prints "port P", then "result BYTES NS" (what it timed), and
+ * stops when its stdin closes. *bps is its figure.
+ */
+tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
+                            const char *const *child_argv, double *bps, const char **plane_used);
+
+/*
+ * bench_fanin.c: `tdpipe bench --fanin N` (N producers into one tdp_fanin
+ * against one alone, and against a baseline consumer program) and its
+ * consumer process.
+ */
+int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+                    const char *baseline, const char *json, bool quiet);
+int tdp_bench_fanin_consumer(uint64_t expect, uint32_t depth, tdp_plane plane);
 
 /*
  * Receive buffers of recv and serve (and each side of bench) unless --depth

@@ -73,9 +73,12 @@ typedef struct bench_cfg {
     const char *plot_path;
     bool quiet;
     bool progress;
-    int clients;  /* --clients N: many producers to one server */
-    bool no_loan; /* --no-loan: plain sends on the shm plane too */
-    bool checksum; /* --checksum: both sides offer the payload checksum */
+    int clients;                /* --clients N: many producers to one server */
+    int fanin;                  /* --fanin N: many producers into one tdp_fanin (bench_fanin.c) */
+    const char *fanin_baseline; /* --fanin-baseline PROG: the poll-loop consumer */
+    bool fanin_role;            /* --role=fanin: its consumer process */
+    bool no_loan;               /* --no-loan: plain sends on the shm plane too */
+    bool checksum;              /* --checksum: both sides offer the payload checksum */
     bool sizes_given;
     tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
     bool mem_given;
@@ -1258,6 +1261,12 @@ static void usage(FILE *f)
             "  --clients N        instead: N producers streaming to one server at once\n"
             "                     against one producer alone (first --sizes entry,\n"
             "                     default 1MB; --rounds = messages in all, default ~4 GiB)\n"
+            "  --fanin N          instead: N producers into one fan-in (tdp_fanin) at once\n"
+            "                     against one producer alone, as --clients\n"
+            "  --fanin-baseline PROG\n"
+            "                     with --fanin: also the same N producers each on its own\n"
+            "                     pipe, drained by PROG (bench/fanin_poll.c: a hand-written\n"
+            "                     poll loop)\n"
             "  --quiet            no progress on stderr\n"
             "\n"
             "Across two hosts (as iperf3 -s / -c), the same figures:\n"
@@ -1347,6 +1356,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"role", required_argument, NULL, 'R'},
         {"connect", required_argument, NULL, 'c'},
         {"clients", required_argument, NULL, 'C'},
+        {"fanin", required_argument, NULL, 'F'},
+        {"fanin-baseline", required_argument, NULL, 'G'},
         {"plane", required_argument, NULL, 'P'},
         {"verbose", no_argument, NULL, 'v'},
         {"no-loan", no_argument, NULL, 'L'},
@@ -1408,6 +1419,14 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 return TDP_EXIT_USAGE;
             cfg->clients = (int)v;
             break;
+        case 'F':
+            if (!parse_num("--fanin", optarg, 1, 1024, &v))
+                return TDP_EXIT_USAGE;
+            cfg->fanin = (int)v;
+            break;
+        case 'G':
+            cfg->fanin_baseline = optarg;
+            break;
         case 's':
             cfg->sizes_given = true;
             if (!tdp_bm_parse_size_list(optarg, MIN_SIZE, MAX_SIZE, cfg->sizes, MAX_SIZES,
@@ -1467,6 +1486,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         case 'R':
             cfg->consumer = strcmp(optarg, "consumer") == 0;
             cfg->server = strcmp(optarg, "server") == 0;
+            cfg->fanin_role = strcmp(optarg, "fanin") == 0;
             break;
         case 'c':
             cfg->connect = optarg;
@@ -1560,6 +1580,11 @@ int tdp_cmd_bench(int argc, char **argv)
         return run_client(&cfg);
     if (cfg.server)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
+    if (cfg.fanin_role)
+        return tdp_bench_fanin_consumer((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
+    if (cfg.fanin > 0)
+        return tdp_bench_fanin(cfg.fanin, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
+                               cfg.depth, cfg.plane, cfg.fanin_baseline, cfg.json_path, cfg.quiet);
     if (cfg.clients > 0)
         return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
                                  cfg.depth, cfg.plane, cfg.quiet);

@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "report.h"
 #include "datafile.h"
+#include "recv_fanin.h"
 #include "values.h"
 
 /* The longest wait in one blocking call, so an interruption (tdp_cli_interrupted) is seen soon. */
@@ -181,6 +182,11 @@ static const char recv_help[] =
     "  -n, --count N       stop after N messages (default 0: until the producer closes)\n"
     "  -d, --depth D       receive buffers, 1..64 (default 4: the sender may have 4\n"
     "                      messages in flight, as in 'tdpipe bench')\n"
+    "  -P, --producers N   accept N producers and receive their messages as one\n"
+    "                      stream (a fan-in; depth D each, at least 2), until all N\n"
+    "                      have left; rate lines and the summary give each\n"
+    "                      producer's figures (\"producers\" in --json); each\n"
+    "                      message is verified with its producer's own numbering\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -212,6 +218,7 @@ typedef struct recv_args {
     bool verify, quiet, json;
     double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     const char *dump_dir; /* --dump: NULL off */
+    uint32_t producers;   /* --producers: 0 one producer, a plain pipe */
 } recv_args;
 
 /* long options without a short form */
@@ -245,6 +252,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"keepalive", required_argument, NULL, OPT_KEEPALIVE},
         {"secret-file", required_argument, NULL, OPT_SECRET},
         {"checksum", no_argument, NULL, OPT_CHECKSUM},
+        {"producers", required_argument, NULL, 'P'},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -258,10 +266,15 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         .verify = true,
         .interval = TDP_CLI_INTERVAL_UNSET};
     tdp_cli_getopt_reset();
-    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:qvh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":b:p:n:d:t:P:qvh", opts, NULL)) != -1) {
         switch (c) {
         case 'b':
             a->listen.bind = optarg[0] ? optarg : NULL;
+            break;
+        case 'P':
+            if (!tdp_cli_parse_u64(optarg, 1, 4096, &v))
+                return tdp_cli_usage_error("recv", "producers must be 1..4096, not '%s'", optarg);
+            a->producers = (uint32_t)v;
             break;
         case 'p':
             if (!tdp_cli_parse_port(optarg, true, &a->listen.port))
@@ -325,7 +338,29 @@ static int recv_parse(int argc, char **argv, recv_args *a)
     }
     if (optind < argc)
         return tdp_cli_usage_error("recv", "unexpected argument '%s'", argv[optind]);
+    if (a->producers > 0 && a->dump_dir != NULL)
+        return tdp_cli_usage_error("recv", "--dump takes one producer, not --producers");
     return -1;
+}
+
+/* --producers N: a fan-in (recv_fanin.c) */
+static int recv_many(const recv_args *a)
+{
+    tdp_cli_fanin_args fa = {
+        .bind = a->listen.bind,
+        .port = a->listen.port,
+        .depth = a->listen.depth,
+        .plane = a->listen.plane,
+        .timeout_ms = a->listen.timeout_ms,
+        .ka = a->listen.ka,
+        .producers = a->producers,
+        .count = a->count,
+        .verify = a->verify,
+        .json = a->json,
+        .interval = tdp_cli_interval(a->interval, a->quiet),
+    };
+    tdp_cli_catch_signals();
+    return tdp_cli_recv_fanin(&fa);
 }
 
 /* What ended the receive loop and how the messages fared. */
@@ -475,6 +510,8 @@ int tdp_cmd_recv(int argc, char **argv)
     int ec = recv_parse(argc, argv, &a);
     if (ec >= 0)
         return ec;
+    if (a.producers > 0)
+        return recv_many(&a);
     char why[512];
     if (a.dump_dir != NULL && !tdp_cli_dump_dir(a.dump_dir, why, sizeof(why))) {
         tdp_cli_error("recv", "--dump %s: %s", a.dump_dir, why);

@@ -42,7 +42,7 @@ static atomic_int g_finalizing;
 /* tdpipe._errors.make_error(code, name, message) -> exception instance. */
 static PyObject *g_make_error;
 
-static PyTypeObject SchemaType, TdType, PipeType, ListenerType, OpType, ServerType;
+static PyTypeObject SchemaType, TdType, PipeType, ListenerType, OpType, ServerType, FanInType;
 
 /* Raise the Python exception for a tdpipe error; returns NULL. */
 static PyObject *raise_tdp(tdp_err rc, const char *context)
@@ -581,11 +581,15 @@ static PyTypeObject SchemaType = {
 /* ---- Td -------------------------------------------------------------------- */
 
 struct PipeObject;
+struct FanInObject;
 
 typedef struct {
     PyObject_HEAD tdp_td *td; /* one reference of ours */
     /* The pipe that lent it (NULL: not lent, nothing to give back). */
     struct PipeObject *pipe;
+    /* Or the fan-in that lent it, and the producer it came from. */
+    struct FanInObject *fanin;
+    void *fsrc;
     int released;
     /* A message the server lent to its handler: valid during the call only. */
     int expired;
@@ -610,21 +614,32 @@ static TdObject *td_new_obj(tdp_td *td) /* takes a new reference on td */
         return NULL;
     o->td = tdp_td_ref(td);
     o->pipe = NULL;
+    o->fanin = NULL;
+    o->fsrc = NULL;
     o->released = 0;
     o->expired = 0;
     o->seq = 0;
     return o;
 }
 
+static void fanin_give_back(TdObject *self);
+
 static void td_give_back(TdObject *self)
 {
     if (self->pipe != NULL && !self->released && self->pipe->pipe != NULL)
         tdp_pipe_release(self->pipe->pipe, self->td);
+    if (self->fanin != NULL && !self->released)
+        fanin_give_back(self);
     self->released = 1;
 }
 
 static void td_dealloc(TdObject *self)
 {
+    if (self->fanin != NULL) {
+        /* a fan-in's message is given back when it dies, as at depth N */
+        td_give_back(self);
+        Py_CLEAR(self->fanin);
+    }
     if (self->pipe != NULL) {
         /* At depth N an unreleased message is given back when it dies. */
         if (self->pipe->depth > 1)
@@ -2009,10 +2024,285 @@ static struct PyModuleDef mod_def = {
     PyModuleDef_HEAD_INIT, "_tdpipe", "CPython binding of libtdpipe", -1, mod_methods,
 };
 
+/* ---- FanIn ------------------------------------------------------------------ */
+
+/*
+ * Many producers, one stream (tdp_fanin). recv() and the async form
+ * (start_recv / result / fileno, an eventfd the completion writes) return
+ * an item: (kind, producer, seq, peer, status, td or None).
+ */
+typedef struct FanInObject {
+    PyObject_HEAD tdp_fanin *f;
+    int on_thread, busy;
+    tdp_op *op; /* the async receive */
+    int efd;
+    int pending;
+    tdp_fanin_msg am; /* what the async receive writes */
+} FanInObject;
+
+static void fanin_give_back(TdObject *self)
+{
+    if (self->fanin->f == NULL)
+        return; /* freed: its pipes went with it */
+    tdp_fanin_msg m = {.kind = TDP_FANIN_MSG, .td = self->td, .src = self->fsrc};
+    tdp_fanin_release(self->fanin->f, &m);
+}
+
+static PyObject *fanin_item(FanInObject *self, const tdp_fanin_msg *m)
+{
+    PyObject *td = Py_None;
+    if (m->kind == TDP_FANIN_MSG) {
+        TdObject *o = td_new_obj(m->td);
+        if (o == NULL) {
+            tdp_fanin_release(self->f, m);
+            return NULL;
+        }
+        Py_INCREF(self);
+        o->fanin = self;
+        o->fsrc = m->src;
+        o->seq = m->seq;
+        td = (PyObject *)o;
+    } else {
+        Py_INCREF(td);
+    }
+    return Py_BuildValue("(iKKsiN)", (int)m->kind, (unsigned long long)m->producer,
+                         (unsigned long long)m->seq, m->peer, (int)m->status, td);
+}
+
+static int fanin_check(FanInObject *self)
+{
+    if (self->f == NULL) {
+        raise_tdp(TDP_ECANCELED, "fan-in freed");
+        return -1;
+    }
+    return 0;
+}
+
+/* FanIn.listen(host, port, opts, on_thread, max_producers, max_memory) */
+static PyObject *fanin_listen(PyObject *cls, PyObject *args)
+{
+    const char *host;
+    int port = 0, on_thread = 1;
+    unsigned int max_producers = 0;
+    unsigned long long max_memory = 0;
+    PyObject *d = NULL;
+    if (!PyArg_ParseTuple(args, "z|iOpIK", &host, &port, &d, &on_thread, &max_producers,
+                          &max_memory))
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
+        return NULL;
+    }
+    tdp_fanin_opts o;
+    tdp_fanin_opts_default(&o);
+    if (parse_opts(d, &o.listener.pipe) < 0)
+        return NULL;
+    o.max_producers = max_producers;
+    o.max_memory = max_memory;
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
+    if (loop == NULL)
+        return NULL;
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    tdp_op *op;
+    tdp_err rc = tdp_op_new(op_done, (void *)(intptr_t)fd, &op);
+    if (rc != TDP_OK) {
+        close(fd);
+        return raise_tdp(rc, "fan-in");
+    }
+    tdp_fanin *f;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanin_new(loop, host, (uint16_t)port, &o, &f);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK)
+    {
+        tdp_op_free(op);
+        close(fd);
+        return raise_tdp(rc, "fan-in");
+    }
+    FanInObject *fo = PyObject_New(FanInObject, &FanInType);
+    if (fo == NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_fanin_free(f);
+        Py_END_ALLOW_THREADS tdp_op_free(op);
+        close(fd);
+        return NULL;
+    }
+    fo->f = f;
+    fo->on_thread = on_thread;
+    fo->busy = 0;
+    fo->op = op;
+    fo->efd = fd;
+    fo->pending = 0;
+    memset(&fo->am, 0, sizeof(fo->am));
+    return (PyObject *)fo;
+}
+
+static PyObject *fanin_recv(FanInObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0 || fanin_check(self) < 0)
+        return NULL;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is receiving on this fan-in");
+        return NULL;
+    }
+    tdp_fanin_msg m;
+    tdp_err rc;
+    tdp_fanin *f = self->f;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanin_recv(f, ms, &m);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "recv");
+    return fanin_item(self, &m);
+}
+
+static PyObject *fanin_start_recv(FanInObject *self, PyObject *unused)
+{
+    if (fanin_check(self) < 0)
+        return NULL;
+    if (!self->on_thread) {
+        PyErr_SetString(PyExc_RuntimeError, "async receives need a fan-in on the loop thread");
+        return NULL;
+    }
+    if (self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "a receive is already pending");
+        return NULL;
+    }
+    self->pending = 1;
+    tdp_fanin_recv_async(self->f, self->op, &self->am);
+    Py_RETURN_NONE;
+}
+
+/* result() -> None while pending, else the item (or raises the error). */
+static PyObject *fanin_result(FanInObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    if (!self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "no receive started");
+        return NULL;
+    }
+    tdp_err rc = tdp_op_result(self->op);
+    if (rc == TDP_EAGAIN)
+        Py_RETURN_NONE;
+    self->pending = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "recv");
+    return fanin_item(self, &self->am);
+}
+
+static PyObject *fanin_fileno(FanInObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->efd);
+}
+
+static PyObject *fanin_drain(FanInObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fanin_close(FanInObject *self, PyObject *unused)
+{
+    if (self->f == NULL)
+        Py_RETURN_NONE;
+    tdp_fanin *f = self->f;
+    Py_BEGIN_ALLOW_THREADS tdp_fanin_close(f);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static void fanin_free_now(FanInObject *self)
+{
+    tdp_fanin *f = self->f;
+    if (f == NULL)
+        return;
+    self->f = NULL;
+    int caller = !self->on_thread;
+    Py_BEGIN_ALLOW_THREADS tdp_fanin_free(f); /* a pending receive completes: TDP_ECANCELED */
+    if (caller)
+        pump_caller_loop();
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *fanin_free_m(FanInObject *self, PyObject *unused)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is receiving on this fan-in");
+        return NULL;
+    }
+    fanin_free_now(self);
+    Py_RETURN_NONE;
+}
+
+static void fanin_dealloc(FanInObject *self)
+{
+    fanin_free_now(self); /* lent messages hold a reference: none is left */
+    tdp_op_free(self->op);
+    close(self->efd);
+    PyObject_Free(self);
+}
+
+static PyObject *fanin_stats(FanInObject *self, PyObject *unused)
+{
+    if (fanin_check(self) < 0)
+        return NULL;
+    tdp_fanin_stats s;
+    tdp_fanin_stats_get(self->f, &s);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "producers_now", s.producers_now, "producers_total",
+                         s.producers_total, "producers_failed", s.producers_failed, "refused",
+                         s.refused, "handshakes_failed", s.handshakes_failed, "msgs", s.msgs,
+                         "bytes", s.bytes);
+}
+
+static PyObject *fanin_port(FanInObject *self, void *c)
+{
+    if (self->f == NULL)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(tdp_fanin_port(self->f));
+}
+
+static PyObject *fanin_on_thread(FanInObject *self, void *c)
+{
+    return PyBool_FromLong(self->on_thread);
+}
+
+static PyMethodDef fanin_methods[] = {
+    {"listen", (PyCFunction)fanin_listen, METH_VARARGS | METH_CLASS, NULL},
+    {"recv", (PyCFunction)fanin_recv, METH_VARARGS, NULL},
+    {"start_recv", (PyCFunction)fanin_start_recv, METH_NOARGS, NULL},
+    {"result", (PyCFunction)fanin_result, METH_NOARGS, NULL},
+    {"fileno", (PyCFunction)fanin_fileno, METH_NOARGS, NULL},
+    {"drain", (PyCFunction)fanin_drain, METH_NOARGS, NULL},
+    {"close", (PyCFunction)fanin_close, METH_NOARGS, NULL},
+    {"free", (PyCFunction)fanin_free_m, METH_NOARGS, NULL},
+    {"stats", (PyCFunction)fanin_stats, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef fanin_getset[] = {
+    {"port", (getter)fanin_port, NULL, NULL, NULL},
+    {"on_thread", (getter)fanin_on_thread, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject FanInType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.FanIn",
+    .tp_basicsize = sizeof(FanInObject),
+    .tp_dealloc = (destructor)fanin_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = fanin_methods,
+    .tp_getset = fanin_getset,
+};
+
 PyMODINIT_FUNC PyInit__tdpipe(void)
 {
-    PyTypeObject *types[] = {&SchemaType, &TdType, &PipeType, &ListenerType, &OpType, &ServerType};
-    const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server"};
+    PyTypeObject *types[] = {&SchemaType, &TdType,     &PipeType, &ListenerType,
+                             &OpType,     &ServerType, &FanInType};
+    const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server", "FanIn"};
     PyObject *m = PyModule_Create(&mod_def);
     if (m == NULL)
         return NULL;

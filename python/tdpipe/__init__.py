@@ -34,7 +34,7 @@ __all__ = [
     "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
     "RefusedError", "CanceledError", "AuthError", "ChecksumError", "SchemaError", "Schema",
-    "library_version", "mem_stats", "DLPackArray", "cuda_device_count",
+    "library_version", "mem_stats", "DLPackArray", "cuda_device_count", "FanIn",
 ]
 
 Schema = _tdpipe.Schema
@@ -754,3 +754,6 @@ class Server:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+from .fanin import FanIn  # noqa: E402  (it uses the helpers above)

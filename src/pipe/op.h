@@ -47,6 +47,7 @@ struct tdp_op {
     tdp__task cancel_task;
     volatile bool cancel_done;     /* a timed-out op taken back; as done */
     void (*take_back)(tdp_op *op); /* session: remove from its queues (loop thread) */
+    void *out;                     /* fan-in: the tdp_fanin_msg a receive writes */
 };
 
 void tdp__waiter_init(tdp__waiter *w);

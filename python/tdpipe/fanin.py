@@ -1,0 +1,213 @@
+"""Fan-in: many producers feed one consumer as one stream (the C
+library's tdp_fanin; docs/python.md, "Fan-in").
+
+    with tdpipe.FanIn("127.0.0.1", producers=4) as fan:   # fan.port: the bound port
+        for item in fan:                                  # ends when the 4 have left
+            train(item.data["obs"])                       # item.producer, item.seq
+
+Producers are ordinary pipes: tdpipe.connect(host, fan.port).send(...).
+"""
+import asyncio
+
+from . import _tdpipe
+from ._convert import Unpacker
+from .errors import ClosedError
+
+KINDS = ("msg", "join", "leave")
+
+
+class Item:
+    """One item of the stream. kind: "msg", "join" or "leave"; producer:
+    its id (from 1, in the order producers joined); peer: its address;
+    seq: a message's number in that producer's stream (1 for the first);
+    data: a message's Message (views into the producer's receive buffer,
+    lent until release(), the end of a `with` block or garbage); status: a
+    leave's error code (_tdpipe.ECLOSED for a clean end, see `clean`)."""
+
+    __slots__ = ("kind", "producer", "seq", "peer", "status", "data")
+
+    def __init__(self, kind, producer, seq, peer, status, data):
+        self.kind = kind
+        self.producer = producer
+        self.seq = seq
+        self.peer = peer
+        self.status = status
+        self.data = data
+
+    @property
+    def clean(self):
+        """A leave: the producer closed (rather than died or failed)."""
+        return self.kind == "leave" and self.status == _tdpipe.ECLOSED
+
+    def release(self):
+        """Give a message's buffer back to its producer's pipe (a credit)."""
+        if self.data is not None:
+            self.data.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+    def __repr__(self):
+        return "Item(%s, producer=%d, seq=%d, peer=%r%s)" % (
+            self.kind, self.producer, self.seq, self.peer,
+            ", status=%d" % self.status if self.kind == "leave" else "")
+
+
+class FanIn:
+    """Accepts producers and delivers their messages as one stream, round
+    robin over the producers with a message ready, each producer's in
+    order. `producers=N`: stop accepting once N have left, so that
+    iteration ends there. `events=True`: iteration also yields the join
+    and leave items. Options as for listen() (depth: per producer, default
+    4; secret, plane...), and max_producers, max_memory as for the C
+    tdp_fanin_opts. loop="thread" (the default) allows arecv and `async
+    for`."""
+
+    def __init__(self, host="127.0.0.1", port=0, *, producers=None, events=False, as_="torch",
+                 loop="thread", max_producers=0, max_memory=0, **opts):
+        from . import _loop_flag, _opts
+        kw = _opts(opts)
+        if "depth" not in kw and "recv_depth" not in kw:
+            kw["depth"] = 4
+        self._raw = _tdpipe.FanIn.listen(host, int(port), kw, _loop_flag(loop),
+                                         int(max_producers), int(max_memory))
+        self.as_ = as_
+        self.expect = producers
+        self.events = events
+        self.left = 0
+        self._unpack = {}  # producer id -> its Unpacker (each producer has its own schema)
+        self._pending = False
+        self._watch = None  # (event loop, [waiting future]) while the fd is registered
+
+    @property
+    def port(self):
+        return self._raw.port
+
+    def stats(self):
+        return self._raw.stats()
+
+    def _item(self, t):
+        kind, producer, seq, peer, status, raw = t
+        data = None
+        if kind == 0:
+            up = self._unpack.get(producer)
+            if up is None:
+                up = self._unpack[producer] = Unpacker()
+            data = up(raw, self.as_)
+        elif kind == 2:
+            self._unpack.pop(producer, None)
+            self.left += 1
+            if self.expect is not None and self.left >= self.expect:
+                self._raw.close()
+        return Item(KINDS[kind], producer, seq, peer, status if kind == 2 else None, data)
+
+    def recv(self, timeout=None):
+        """The next item (of any kind). ClosedError once the stream is over
+        (after close(), or after `producers` have left), TimeoutError after
+        `timeout` seconds."""
+        return self._item(self._raw.recv(timeout))
+
+    def __iter__(self):
+        while True:
+            try:
+                item = self.recv()
+            except ClosedError:
+                return
+            if self.events or item.kind == "msg":
+                yield item
+
+    async def arecv(self):
+        """recv() for asyncio: waits on an eventfd the library's completion
+        writes (loop.add_reader). A cancelled arecv leaves its receive
+        pending; the next arecv takes its item."""
+        if not self._pending:
+            self._raw.start_recv()
+            self._pending = True
+        try:
+            r = self._raw.result()
+        except BaseException:
+            self._pending = False
+            raise
+        if r is None:
+            loop = asyncio.get_running_loop()
+            if self._watch is None or self._watch[0] is not loop:
+                self._unwatch()
+                self._watch = (loop, [None])
+                loop.add_reader(self._raw.fileno(), self._ready)
+            fut = loop.create_future()
+            self._watch[1][0] = fut
+            try:
+                r = await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    self._pending = False
+                raise
+            finally:
+                self._watch[1][0] = None
+        self._pending = False
+        return self._item(r)
+
+    def _ready(self):
+        fut = self._watch[1][0] if self._watch is not None else None
+        if fut is None or fut.done():
+            self._raw.drain()
+            return
+        try:
+            r = self._raw.result()
+        except BaseException as e:  # the receive's error, raised in the coroutine
+            fut.set_exception(e)
+            return
+        if r is not None:
+            fut.set_result(r)
+
+    def _unwatch(self):
+        if self._watch is None:
+            return
+        loop, _ = self._watch
+        self._watch = None
+        if loop.is_closed():
+            return
+        if asyncio._get_running_loop() is loop or not loop.is_running():
+            loop.remove_reader(self._raw.fileno())
+        else:
+            loop.call_soon_threadsafe(loop.remove_reader, self._raw.fileno())
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while True:
+            try:
+                item = await self.arecv()
+            except ClosedError:
+                raise StopAsyncIteration from None
+            if self.events or item.kind == "msg":
+                return item
+
+    def close(self):
+        """Stop accepting producers; once those connected have left, the
+        stream ends (ClosedError, the end of iteration)."""
+        self._raw.close()
+
+    def free(self):
+        """End every producer's pipe now and free the fan-in."""
+        self._unwatch()
+        self._raw.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.free()
+        return False

@@ -1,0 +1,134 @@
+"""tdpipe.FanIn: many producers, one stream — iteration, asyncio, a producer
+killed mid-stream, the DataLoader example with worker processes."""
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import torch
+
+import tdpipe
+from tdpipe import _tdpipe
+
+EX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python")
+
+
+def produce(port, tag, count):
+    p = tdpipe.connect("127.0.0.1", port, connect_timeout=10)
+    for k in range(count):
+        p.send({"x": torch.full((256,), float(tag)), "k": torch.tensor([k])}, timeout=10)
+    p.close()
+
+
+def check(items, producers, count):
+    """Every producer's messages, in order (seq and payload), between its join and leave."""
+    by = {}
+    for it in items:
+        s = by.setdefault(it.producer, {"join": 0, "msgs": [], "leave": None})
+        if it.kind == "join":
+            s["join"] += 1
+        elif it.kind == "msg":
+            assert s["join"] == 1 and s["leave"] is None
+            s["msgs"].append((it.seq, it.k, it.tag))
+        else:
+            s["leave"] = it.status
+    assert len(by) == producers
+    tags = set()
+    for s in by.values():
+        assert s["join"] == 1 and s["leave"] == _tdpipe.ECLOSED
+        assert [m[0] for m in s["msgs"]] == list(range(1, count + 1))
+        assert [m[1] for m in s["msgs"]] == list(range(count))
+        assert len({m[2] for m in s["msgs"]}) == 1
+        tags.add(s["msgs"][0][2])
+    assert len(tags) == producers
+
+
+class Rec:
+    __slots__ = ("kind", "producer", "seq", "status", "k", "tag")
+
+    def __init__(self, it):
+        self.kind, self.producer, self.seq, self.status = it.kind, it.producer, it.seq, it.status
+        self.k = self.tag = None
+        if it.kind == "msg":
+            self.k, self.tag = int(it.data["k"][0]), float(it.data["x"][0])
+            it.release()
+
+
+def test_fanin_iterate():
+    with tdpipe.FanIn("127.0.0.1", producers=3, events=True) as fan:
+        ts = [threading.Thread(target=produce, args=(fan.port, i, 100)) for i in range(3)]
+        for t in ts:
+            t.start()
+        items = [Rec(it) for it in fan]  # ends once the three have left
+        for t in ts:
+            t.join(20)
+        check(items, 3, 100)
+        st = fan.stats()
+        assert st["msgs"] == 300 and st["producers_total"] == 3 and st["producers_failed"] == 0
+
+
+def test_fanin_only_messages_and_timeout():
+    with tdpipe.FanIn("127.0.0.1", producers=1) as fan:
+        try:
+            fan.recv(timeout=0.05)
+            raise AssertionError("nothing was sent")
+        except tdpipe.TimeoutError:
+            pass
+        t = threading.Thread(target=produce, args=(fan.port, 5, 20))
+        t.start()
+        kinds = [Rec(it).kind for it in fan]
+        t.join(20)
+        assert kinds == ["msg"] * 20
+
+
+def test_fanin_async_for():
+    async def run(fan):
+        loop = asyncio.get_running_loop()
+        ts = [loop.run_in_executor(None, produce, fan.port, i, 80) for i in range(2)]
+        items = []
+        async for it in fan:
+            items.append(Rec(it))
+        await asyncio.gather(*ts)
+        return items
+
+    with tdpipe.FanIn("127.0.0.1", producers=2, events=True) as fan:
+        items = asyncio.run(asyncio.wait_for(run(fan), 60))
+    check(items, 2, 80)
+
+
+def test_fanin_killed_producer(peer):
+    """A producer process killed mid-stream is a leave with an error; the others go on."""
+    fan = tdpipe.FanIn("127.0.0.1", producers=3, events=True)
+    try:
+        hang = peer("hang", fan.port)
+        assert hang.stdout.readline().strip() == b"sent"
+        good = [peer("torch", fan.port, 50) for _ in range(2)]
+        seen, killed = {}, False
+        for it in fan:
+            s = seen.setdefault(it.producer, {"msgs": 0, "leave": None})
+            if it.kind == "msg":
+                assert it.seq == s["msgs"] + 1
+                s["msgs"] += 1
+                it.release()
+                if not killed and sum(x["msgs"] for x in seen.values()) >= 20:
+                    hang.kill()
+                    killed = True
+            elif it.kind == "leave":
+                s["leave"] = it.status
+        for g in good:
+            assert g.wait(20) == 0
+        leaves = sorted((s["msgs"], s["leave"]) for s in seen.values())
+        assert leaves[0][0] == 1 and leaves[0][1] not in (0, _tdpipe.ECLOSED)  # the killed one
+        assert leaves[1:] == [(50, _tdpipe.ECLOSED), (50, _tdpipe.ECLOSED)]
+        assert fan.stats()["producers_failed"] == 1
+    finally:
+        fan.free()
+
+
+def test_fanin_dataloader_example():
+    r = subprocess.run([sys.executable, os.path.join(EX, "fanin_loader.py"), "--workers", "3",
+                        "--batches-per-worker", "20"],
+                       capture_output=True, text=True, timeout=180, env=os.environ.copy())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 workers, 60 steps" in r.stdout, r.stdout
