@@ -17,5 +17,6 @@
 #include <tdpipe/stats.h>
 #include <tdpipe/pipe.h>
 #include <tdpipe/server.h>
+#include <tdpipe/fanout.h>
 
 #endif /* TDPIPE_TDPIPE_H */
