@@ -135,6 +135,5 @@ bool tdp__session_send_waiting(const tdp_pipe *p, const tdp_op *op)
 bool tdp__session_send_credit(const tdp_pipe *p)
 {
     return p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed && p->sendq.head == NULL &&
-           p->free_tickets != NULL &&
-           p->send_seq - p->credit_base - p->peer_credit < p->peer_depth;
+           p->free_tickets != NULL && p->send_seq - p->credit_base - p->peer_credit < p->peer_depth;
 }
