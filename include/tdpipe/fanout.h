@@ -156,11 +156,13 @@ typedef struct tdp_fanout_peer_stats {
     uint32_t queued;     /* messages it holds and has not sent */
     tdp_err status;      /* TDP_OK while it is there, else why it left */
     bool leaving;        /* removed or closing; still sending what it holds */
+    tdp_plane plane;     /* its pipe's data plane */
 } tdp_fanout_peer_stats;
 
 /* The fan-out's figures. */
 typedef struct tdp_fanout_stats {
     uint64_t msgs;      /* sends completed */
+    uint64_t bytes;     /* their payload bytes (once per message, whatever the consumers) */
     uint64_t unsent;    /* of them, broadcast to nobody */
     uint64_t drops;     /* messages dropped, all consumers */
     uint64_t joined;    /* consumers that joined */

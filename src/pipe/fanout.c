@@ -98,12 +98,15 @@ static void msg_finish(tdp_fanout *fo, int m, tdp_err rc)
 {
     fo_msg *g = &fo->msgs[m];
     tdp_op *op = g->op;
+    uint64_t bytes = tdp_td_nbytes(g->td);
     tdp_td_unref(g->td);
     *g = (fo_msg){0};
     if (op == NULL)
         return;
-    if (rc == TDP_OK)
+    if (rc == TDP_OK) {
         fo->st.msgs++;
+        fo->st.bytes += bytes;
+    }
     tdp__op_complete(op, rc);
 }
 
@@ -406,6 +409,7 @@ static void admit(tdp_fanout *fo)
             /* queued is done: a lagging consumer must not hold the producer */
             g->op = NULL;
             fo->st.msgs++;
+            fo->st.bytes += tdp_td_nbytes(g->td);
             tdp__op_complete(op, TDP_OK);
         }
     }
@@ -574,6 +578,7 @@ static void add_task(void *arg)
         c->state = C_LIVE;
         c->inflight = -1;
         c->st.id = c->id;
+        c->st.plane = tdp_pipe_plane(a->pipe);
         tdp_pipe_peer(a->pipe, c->peer, sizeof(c->peer));
         fo->st.joined++;
         fo->st.consumers++;
