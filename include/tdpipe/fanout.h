@@ -20,11 +20,13 @@
  * then the buffer may be written again.
  *
  * Slow consumers: at most `depth` messages are in flight. With
- * TDP_FANOUT_BLOCK (the default) a send waits while the oldest message is
- * still held by a consumer, so every consumer gets everything at the pace
- * of the slowest. With TDP_FANOUT_DROP_OLDEST the oldest message is taken
- * away from the consumers that have not started sending it (counted in
- * their drops), so a stalled consumer cannot stop the others.
+ * TDP_FANOUT_BLOCK (the default) a send waits while every slot is held,
+ * so every consumer gets everything at the pace of the slowest. With
+ * TDP_FANOUT_DROP_OLDEST (broadcast) the consumers a whole window behind
+ * the fastest lose their oldest message (counted in their drops) and the
+ * producer goes at the pace of the fastest; a send then completes as soon
+ * as it is queued, so send a fresh tensordict each time (a loan or
+ * tdp_td_new): writing one just sent changes what lagging consumers get.
  *
  * Threading: the fan-out belongs to one tdp_loop; its state lives on the
  * loop thread. The async send, add, remove and queries may be called from
@@ -110,13 +112,15 @@ TDP_API tdp_err tdp_fanout_remove(tdp_fanout *fo, uint64_t id);
 /* ---- sending ------------------------------------------------------------- */
 
 /*
- * Send td to the consumers (broadcast) or to one of them (distribute); op
- * completes as described at the top (TDP_OK), with TDP_ECLOSED after
- * tdp_fanout_close, or TDP_ECANCELED when the fan-out is freed. Broadcast
- * with no consumer completes at once with TDP_OK (counted in
- * tdp_fanout_stats.unsent); distribute waits for a consumer. In broadcast
- * mode sends complete in order; in distribute mode each consumer's do.
- * tdp_op_seq(op) is the fan-out's sequence number (1 for the first).
+ * Send td to the consumers (broadcast) or to one of them (distribute),
+ * referencing it until every consumer is done with it; op completes as
+ * described at the top (TDP_OK), with TDP_ECLOSED after tdp_fanout_close,
+ * or TDP_ECANCELED when the fan-out is freed; a consumer that fails does
+ * not fail the send (it leaves). Broadcast with no consumer completes at
+ * once with TDP_OK (counted in tdp_fanout_stats.unsent); distribute waits
+ * for a consumer. In broadcast mode sends complete in order; in
+ * distribute mode each consumer's do. tdp_op_seq(op) is the fan-out's
+ * sequence number (1 for the first).
  */
 TDP_API void tdp_fanout_send_async(tdp_fanout *fo, tdp_td *td, tdp_op *op);
 
@@ -174,10 +178,10 @@ typedef struct tdp_fanout_stats {
 } tdp_fanout_stats;
 
 /*
- * The fan-out's figures, and up to max of its consumers' (peers may be
- * NULL when max is 0); consumers that left are not listed. Returns how
- * many consumers there are (may be more than max). Any thread but inside
- * tdp_fanout's own callbacks.
+ * The fan-out's figures (st may be NULL), and up to max of its consumers'
+ * (peers may be NULL when max is 0); consumers that left are not listed.
+ * Returns how many consumers there are (may be more than max). Any thread,
+ * the loop thread included.
  */
 TDP_API uint32_t tdp_fanout_stats_get(tdp_fanout *fo, tdp_fanout_stats *st,
                                       tdp_fanout_peer_stats *peers, uint32_t max);
