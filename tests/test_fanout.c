@@ -473,6 +473,50 @@ static void test_zero_alloc(void **state)
     tdp_schema_unref(s);
 }
 
+/*
+ * Consumers that listen: the fan-out dials them (tdp_fanout_connect) and
+ * is handed a pipe (tdp_fanout_add); a pipe of another loop is refused.
+ */
+static void test_dial_and_add(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 50;
+    env_up(&e, NULL);
+    tdp_pipe_opts o = popts();
+    tdp_listener *l;
+    assert_int_equal(tdp_listener_new(e.cl, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    uint16_t lport = tdp_listener_port(l);
+    uint64_t id1 = 0, id2 = 0;
+    assert_int_equal(tdp_fanout_connect(e.fo, "127.0.0.1", lport, &o, &id1), TDP_OK);
+    tdp_pipe *mine;
+    assert_int_equal(tdp_pipe_connect(e.pl, "127.0.0.1", lport, &o, &mine), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &e.c[0].pipe), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &e.c[1].pipe), TDP_OK);
+    /* a pipe on the consumers' loop, not the fan-out's */
+    assert_int_equal(tdp_fanout_add(e.fo, e.c[0].pipe, &id2), TDP_EINVAL);
+    assert_int_equal(tdp_fanout_add(e.fo, mine, &id2), TDP_OK);
+    assert_true(id1 != 0 && id2 != 0 && id1 != id2);
+    for (int i = 0; i < 2; i++) {
+        e.c[i].max = n;
+        assert_int_equal(pthread_create(&e.c[i].th, NULL, consumer_main, &e.c[i]), 0);
+    }
+    e.nc = 2;
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= n; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_listener_free(l);
+    env_down(&e);
+    for (int i = 0; i < 2; i++)
+        assert_run(&e.c[i], 1, n);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
 /* ---- kill one of four consumers, each its own process ------------------------------ */
 
 /* A consumer process: connect, receive until the end, exit 0 if it got 1..n in order. */
@@ -574,6 +618,7 @@ int main(void)
         cmocka_unit_test(test_drop_oldest),
         cmocka_unit_test(test_remove),
         cmocka_unit_test(test_zero_alloc),
+        cmocka_unit_test(test_dial_and_add),
         cmocka_unit_test(test_kill_one_of_four),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
