@@ -7,7 +7,7 @@
 #    (build/bench/tdp_fanout_bench): the one-way p50 to the last consumer,
 #    its ratio to the one-consumer hand-off, the producer's RSS and the
 #    shared memory it maps (pool bytes and mappings).
-# 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput against ZeroMQ's
+# 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight) against ZeroMQ's
 #    XPUB over ipc:// to 4 SUB processes (build/bench/tdp_fanout_zmq).
 # Each figure is the median of --runs runs (default 3). The CPU idle
 # share before and after says whether the machine was quiet. It builds
@@ -73,7 +73,7 @@ print(r["p50_last_ns"], r["producer_rss_bytes"], r["producer_shm_bytes"], r["pro
         "$(echo "$shm / 1000000" | bc -l)" "$maps"
 done
 echo
-t=$(med msgs_per_s "$FB" --consumers 4 --size 1000000 --count 2000 --plane "$PLANE")
+t=$(med msgs_per_s "$FB" --consumers 4 --size 1000000 --count 2000 --plane "$PLANE" --inflight 4)
 tm=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["msgs_per_s"])' "$t")
 if [[ -x $FZ ]]; then
     z=$(med msgs_per_s "$FZ" --consumers 4 --size 1000000 --count 2000)

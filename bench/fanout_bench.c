@@ -3,6 +3,7 @@
  * this host through a tdp_fanout (docs/benchmarks.md, "Fan-out").
  *
  *   tdp_fanout_bench [--consumers N] [--size BYTES] [--count K] [--plane NAME]
+ *                    [--inflight W]
  *
  * The consumers are forked before the producer touches UCX, dial the
  * fan-out's listener and receive K messages. Each message carries the
@@ -10,7 +11,9 @@
  * on a host); each consumer sends back, per message, when it had it. The
  * producer sends one message at a time (the next once every consumer's
  * pipe is done with the last), so the one-way time is a hand-off, not a
- * queue. Printed as one JSON object: the one-way p50 to the last consumer
+ * queue; with --inflight W it keeps W asynchronous sends going, each from
+ * a buffer of its own (for throughput; the one-way time then includes the
+ * queue). Printed as one JSON object: the one-way p50 to the last consumer
  * (per message, the latest consumer), the p50 over all consumers, the
  * throughput, and the producer's memory: VmRSS and the bytes of shared
  * memory (memfd) it maps.
@@ -26,6 +29,7 @@
 
 #define MAX_CONSUMERS 16
 #define MAX_COUNT     100000
+#define MAX_INFLIGHT  64
 
 static uint64_t now_ns(void)
 {
@@ -128,7 +132,7 @@ static uint64_t p50(uint64_t *v, uint64_t n)
 
 int main(int argc, char **argv)
 {
-    int nc = 4;
+    int nc = 4, inflight = 1;
     uint64_t size = 100000000, count = 20;
     tdp_plane plane = TDP_PLANE_SHM;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -138,6 +142,8 @@ int main(int argc, char **argv)
             size = strtoull(argv[i + 1], NULL, 10);
         else if (strcmp(argv[i], "--count") == 0)
             count = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--inflight") == 0)
+            inflight = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--plane") == 0 && tdp_plane_parse(argv[i + 1], &plane) == TDP_OK)
             ;
         else {
@@ -146,7 +152,8 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (nc < 1 || nc > MAX_CONSUMERS || size < 8 || count < 1 || count > MAX_COUNT)
+    if (nc < 1 || nc > MAX_CONSUMERS || size < 8 || count < 1 || count > MAX_COUNT ||
+        inflight < 1 || inflight > MAX_INFLIGHT)
         return 2;
 
     pid_t pid[MAX_CONSUMERS];
@@ -188,17 +195,37 @@ int main(int argc, char **argv)
         return 1;
 
     tdp_schema *s = bytes_schema((int64_t)size);
-    tdp_td *td;
-    if (s == NULL || tdp_td_new(s, &td) != TDP_OK)
+    tdp_td *tds[MAX_INFLIGHT];
+    tdp_op *ops[MAX_INFLIGHT];
+    if (s == NULL)
         return 1;
-    memset(tdp_td_data(td), 0x5a, size); /* touched once: RSS shows it */
+    for (int k = 0; k < inflight; k++) {
+        if (tdp_td_new(s, &tds[k]) != TDP_OK || tdp_op_new(NULL, NULL, &ops[k]) != TDP_OK)
+            return 1;
+        memset(tdp_td_data(tds[k]), 0x5a, size); /* touched once: RSS shows it */
+    }
     uint64_t t0 = now_ns();
     for (uint64_t i = 0; i < count; i++) {
-        uint64_t t = now_ns();
-        memcpy(tdp_td_data(td), &t, 8);
-        if (tdp_fanout_send(fo, td, 60000) != TDP_OK)
+        int k = (int)(i % (uint64_t)inflight);
+        uint64_t t;
+        if (inflight == 1) {
+            t = now_ns();
+            memcpy(tdp_td_data(tds[0]), &t, 8);
+            if (tdp_fanout_send(fo, tds[0], 60000) != TDP_OK)
+                return 1;
+            continue;
+        }
+        while (tdp_op_result(ops[k]) == TDP_EAGAIN)
+            ; /* the send W messages ago: done soon, with the pace of the consumers */
+        if (tdp_op_result(ops[k]) != TDP_OK)
             return 1;
+        t = now_ns();
+        memcpy(tdp_td_data(tds[k]), &t, 8);
+        tdp_fanout_send_async(fo, tds[k], ops[k]);
     }
+    for (int k = 0; k < inflight; k++)
+        while (tdp_op_result(ops[k]) == TDP_EAGAIN)
+            ;
     double secs = (double)(now_ns() - t0) / 1e9;
     uint32_t maps;
     uint64_t shm = memfd_bytes(&maps), rss_kb = status_kb("VmRSS:");
@@ -232,7 +259,10 @@ int main(int argc, char **argv)
            (double)count / secs, (double)(count * size) / secs, rss_kb * 1024, shm, maps, bad);
     tdp_fanout_free(fo);
     tdp_loop_free(loop);
-    tdp_td_unref(td);
+    for (int k = 0; k < inflight; k++) {
+        tdp_op_free(ops[k]);
+        tdp_td_unref(tds[k]);
+    }
     tdp_schema_unref(s);
     free(lat);
     free(last);
