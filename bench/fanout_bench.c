@@ -6,7 +6,8 @@
  *                    [--inflight W]
  *
  * The consumers are forked before the producer touches UCX, dial the
- * fan-out's listener and receive K messages. Each message carries the
+ * fan-out's listener and receive K messages (4 receive buffers each, as
+ * tdpipe bench). Each message carries the
  * monotonic time of its send call (the clock is the same in every process
  * on a host); each consumer sends back, per message, when it had it. The
  * producer sends one message at a time (the next once every consumer's
@@ -62,6 +63,7 @@ static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane)
     tdp_pipe_opts o;
     tdp_pipe_opts_default(&o);
     o.plane = plane;
+    o.recv_depth = 4; /* as tdpipe bench: the producer may run ahead by 4 */
     if (tdp_loop_new(NULL, &l) != TDP_OK || tdp_loop_start_thread(l) != TDP_OK ||
         tdp_pipe_connect(l, "127.0.0.1", port, &o, &p) != TDP_OK)
         return 3;
@@ -73,6 +75,7 @@ static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane)
         uint64_t t0;
         memcpy(&t0, tdp_td_data(td), 8);
         lat[i] = now_ns() - t0;
+        tdp_pipe_release(p, td);
     }
     tdp_td *td;
     tdp_err rc = tdp_pipe_recv(p, 60000, &td); /* the clean end */

@@ -4,8 +4,9 @@
  * Everything lives on the loop thread. A message is a slot of msgs[]
  * holding a reference on the producer's tensordict and a count of the
  * consumers that still hold it; each consumer has a ring of slot indices
- * in sequence order and one send of its pipe in flight at a time (its
- * pipe has credit of its own). A slot is free when no consumer holds it;
+ * in sequence order and up to `depth` sends of its pipe in flight (in
+ * broadcast mode; one in distribute mode, where being free is the credit),
+ * so its pipe streams as it would alone. A slot is free when no consumer holds it;
  * then the producer's op completes. Nothing here allocates per message.
  */
 #include <event2/event.h>
@@ -36,18 +37,28 @@ typedef struct fo_msg {
     bool live;
 } fo_msg;
 
+enum op_flag { OPF_NONE = 0, OPF_DROP, OPF_MOVE };
+
+struct fo_consumer;
+typedef struct fo_opref {
+    struct fo_consumer *c;
+    uint32_t k;
+} fo_opref;
+
 typedef struct fo_consumer {
     tdp_fanout *fo;
     tdp_pipe *pipe;
-    tdp_op *op; /* its pipe's send */
+    /* its pipe's sends: ops[k] carries msgs[op_msg[k]] (-1: idle) */
+    tdp_op *ops[FO_MAX_DEPTH];
+    fo_opref ref[FO_MAX_DEPTH];
+    int op_msg[FO_MAX_DEPTH];
+    uint8_t op_flag[FO_MAX_DEPTH]; /* enum op_flag: why it was taken back */
+    uint32_t nops, ninflight;
     uint64_t id;
     enum c_state state;
     uint8_t q[FO_MAX_DEPTH]; /* msgs[] indices, oldest first */
     uint32_t qh, qn;
-    int inflight;     /* msgs[] index of the send in flight, -1: none */
-    bool taking_back; /* drop-oldest: its send taken back is a drop */
-    bool moving;      /* distribute: its send taken back goes to another consumer */
-    bool ended;       /* its pipe's end callback ran */
+    bool ended; /* its pipe's end callback ran */
     char peer[64];
     tdp_fanout_peer_stats st;
 } fo_consumer;
@@ -177,9 +188,9 @@ static void c_free(fo_consumer *c)
 {
     tdp_fanout *fo = c->fo;
     tdp_pipe_free(c->pipe);
-    tdp_op_free(c->op);
+    for (uint32_t k = 0; k < c->nops; k++)
+        tdp_op_free(c->ops[k]);
     memset(c, 0, sizeof(*c));
-    c->inflight = -1;
     fo->st.consumers--;
     if (fo->closing && fo->st.consumers == 0) {
         pthread_mutex_lock(&fo->w.mtx);
@@ -196,7 +207,7 @@ static void reap_cb(evutil_socket_t fd, short what, void *arg)
     tdp_fanout *fo = arg;
     for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
         fo_consumer *c = &fo->cons[i];
-        if (c->state == C_DEAD && c->ended && c->inflight < 0)
+        if (c->state == C_DEAD && c->ended && c->ninflight == 0)
             c_free(c);
     }
     pump(fo);
@@ -211,27 +222,39 @@ static void retry_cb(evutil_socket_t fd, short what, void *arg)
 
 static void c_send_cb(tdp_op *op, void *arg)
 {
-    fo_consumer *c = arg;
+    fo_opref *r = arg;
+    fo_consumer *c = r->c;
     tdp_fanout *fo = c->fo;
-    int m = c->inflight;
-    c->inflight = -1;
+    int m = c->op_msg[r->k];
+    uint8_t flag = c->op_flag[r->k];
+    c->op_msg[r->k] = -1;
+    c->op_flag[r->k] = OPF_NONE;
+    c->ninflight--;
     tdp_err rc = tdp_op_result(op);
     if (rc == TDP_OK) {
         c->st.msgs_sent++;
         c->st.bytes_sent += tdp_td_nbytes(fo->msgs[m].td);
-    } else if (c->taking_back && rc == TDP_ETIMEDOUT) {
+    } else if (flag == OPF_DROP && rc == TDP_ETIMEDOUT) {
         c->st.drops++;
         fo->st.drops++;
-    } else if (c->moving && rc == TDP_ETIMEDOUT) {
+    } else if (flag == OPF_MOVE && rc == TDP_ETIMEDOUT) {
         c->st.moved++;
     } else {
         c_fail(c, rc);
     }
-    c->taking_back = c->moving = false;
     msg_release(fo, m);
     if (c->state == C_DEAD && c->ended)
         reap_later(fo);
     pump(fo);
+}
+
+/* The op of c that carries msgs[m], or -1. */
+static int c_op_of(const fo_consumer *c, int m)
+{
+    for (uint32_t k = 0; k < c->nops; k++)
+        if (c->op_msg[k] == m)
+            return (int)k;
+    return -1;
 }
 
 static void c_end_cb(tdp_pipe *pipe, tdp_err status, void *arg)
@@ -240,32 +263,35 @@ static void c_end_cb(tdp_pipe *pipe, tdp_err status, void *arg)
     fo_consumer *c = arg;
     c->ended = true;
     c_fail(c, status);
-    if (c->inflight < 0)
+    if (c->ninflight == 0)
         reap_later(c->fo);
 }
 
-/* Start the consumer's next send, or its close once it holds nothing. */
+/* Start the consumer's next sends, or its close once it holds nothing. */
 static void c_pump(fo_consumer *c)
 {
-    if (c->inflight >= 0 || !c_holds(c))
+    if (!c_holds(c))
         return;
-    if (c->qn == 0) {
-        if (c->state == C_LEAVING) {
-            c->state = C_CLOSING;
-            tdp_pipe_close_async(c->pipe, c->fo->o.close_timeout_ms);
-        }
-        return;
+    uint32_t most = c->fo->o.mode == TDP_FANOUT_DISTRIBUTE ? 1 : c->nops;
+    while (c_holds(c) && c->qn > 0 && c->ninflight < most) {
+        int k = c_op_of(c, -1);
+        int m = c_pop(c);
+        c->op_msg[k] = m;
+        c->ninflight++;
+        /* may complete (c_send_cb) in here: pump is guarded against re-entry */
+        tdp_pipe_send_async(c->pipe, c->fo->msgs[m].td, c->ops[k]);
     }
-    int m = c_pop(c);
-    c->inflight = m;
-    tdp_pipe_send_async(c->pipe, c->fo->msgs[m].td, c->op);
+    if (c->state == C_LEAVING && c->qn == 0 && c->ninflight == 0) {
+        c->state = C_CLOSING;
+        tdp_pipe_close_async(c->pipe, c->fo->o.close_timeout_ms);
+    }
 }
 
 /* ---- the producer ------------------------------------------------------------ */
 
 static bool c_has(const fo_consumer *c, int m)
 {
-    if (c->inflight == m)
+    if (c_op_of(c, m) >= 0)
         return true;
     for (uint32_t k = 0; k < c->qn; k++)
         if (c->q[(c->qh + k) % FO_MAX_DEPTH] == m)
@@ -310,10 +336,13 @@ static void drop_oldest(tdp_fanout *fo)
             c->st.drops++;
             fo->st.drops++;
             msg_release(fo, old);
-        } else if (c->inflight == old && !c->taking_back &&
-                   tdp__session_send_waiting(c->pipe, c->op)) {
-            c->taking_back = true;
-            c->op->take_back(c->op); /* c_send_cb runs now and counts the drop */
+        } else {
+            int k = c_op_of(c, old);
+            if (k >= 0 && c->op_flag[k] == OPF_NONE &&
+                tdp__session_send_waiting(c->pipe, c->ops[k])) {
+                c->op_flag[k] = OPF_DROP;
+                c->ops[k]->take_back(c->ops[k]); /* c_send_cb runs now and counts the drop */
+            }
         }
     }
 }
@@ -327,7 +356,7 @@ static fo_consumer *pick_free(tdp_fanout *fo, bool credit)
     uint32_t n = fo->o.max_consumers;
     for (uint32_t k = 0; k < n; k++) {
         fo_consumer *c = &fo->cons[(fo->rr + k) % n];
-        if (c->state == C_LIVE && c->qn == 0 && c->inflight < 0 &&
+        if (c->state == C_LIVE && c->qn == 0 && c->ninflight == 0 &&
             (!credit || tdp__session_send_credit(c->pipe))) {
             fo->rr = (fo->rr + k + 1) % n;
             return c;
@@ -352,8 +381,12 @@ static void redistribute(tdp_fanout *fo)
 {
     for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
         fo_consumer *c = &fo->cons[i];
-        if (c->inflight < 0 || !c_holds(c) || c->moving ||
-            !tdp__session_send_waiting(c->pipe, c->op))
+        int k = -1;
+        for (uint32_t j = 0; j < c->nops && k < 0 && c_holds(c); j++)
+            if (c->op_msg[j] >= 0 && c->op_flag[j] == OPF_NONE &&
+                tdp__session_send_waiting(c->pipe, c->ops[j]))
+                k = (int)j;
+        if (k < 0)
             continue;
         fo_consumer *d = pick_free(fo, true);
         if (d == NULL) {
@@ -362,10 +395,10 @@ static void redistribute(tdp_fanout *fo)
             evtimer_add(fo->retry_ev, &again);
             return;
         }
-        int m = c->inflight;
+        int m = c->op_msg[k];
         fo->msgs[m].refs++; /* held across the take-back */
-        c->moving = true;
-        c->op->take_back(c->op); /* c_send_cb runs now */
+        c->op_flag[k] = OPF_MOVE;
+        c->ops[k]->take_back(c->ops[k]); /* c_send_cb runs now */
         c_push(d, m);
         msg_release(fo, m);
         fo->st.moved++;
@@ -525,8 +558,6 @@ tdp_err tdp_fanout_new(tdp_loop *loop, const tdp_fanout_opts *opts, tdp_fanout *
     if (fo->cons == NULL || fo->reap_ev == NULL || fo->retry_ev == NULL ||
         tdp_op_new(NULL, NULL, &fo->sync) != TDP_OK)
         goto err_free;
-    for (uint32_t i = 0; i < o.max_consumers; i++)
-        fo->cons[i].inflight = -1;
     fo->sync->waiter = &fo->w;
     fo->sync->owner = fo;
     fo->sync->take_back = take_back;
@@ -568,15 +599,22 @@ static void add_task(void *arg)
         fo_consumer *c = &fo->cons[i];
         if (c->state != C_FREE)
             continue;
-        if (tdp_op_new(c_send_cb, c, &c->op) != TDP_OK) {
-            a->rc = TDP_ENOMEM;
-            return;
+        for (uint32_t k = 0; k < fo->o.depth; k++) {
+            c->ref[k] = (fo_opref){.c = c, .k = k};
+            c->op_msg[k] = -1;
+            if (tdp_op_new(c_send_cb, &c->ref[k], &c->ops[k]) != TDP_OK) {
+                for (uint32_t j = 0; j < k; j++)
+                    tdp_op_free(c->ops[j]);
+                memset(c, 0, sizeof(*c));
+                a->rc = TDP_ENOMEM;
+                return;
+            }
         }
+        c->nops = fo->o.depth;
         c->fo = fo;
         c->pipe = a->pipe;
         c->id = ++fo->next_id;
         c->state = C_LIVE;
-        c->inflight = -1;
         c->st.id = c->id;
         c->st.plane = tdp_pipe_plane(a->pipe);
         tdp_pipe_peer(a->pipe, c->peer, sizeof(c->peer));
