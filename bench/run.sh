@@ -4,6 +4,7 @@
 #
 #   bench/run.sh [--tls tcp|shm|default] [--plane NAME] [--sizes LIST] [--busy-poll US]
 #                [--runs K] [--rounds N] [--pin CPUS] [--json FILE] [--out DIR] [--build DIR]
+#   bench/run.sh --fanout [bench/fanout.sh's options]   (the fan-out figures instead)
 #
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
 # ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep), ZeroMQ,
@@ -65,6 +66,9 @@ tdpipe's ratio to each (docs/benchmarks.md).
   --json FILE      the combined results (default: OUT/results.json)
   --out DIR        where each tool's JSON goes (default: BUILD/bench-results/DATE-TLS)
   --build DIR      the build directory (default: build/, or \$TDP_BUILD_DIR)
+  --fanout ...     instead: the fan-out figures (bench/fanout.sh, with the
+                   options after --fanout: broadcast of 100 MB to 1, 2, 4
+                   consumers; 1 MB to 4 consumers against ZeroMQ PUB/SUB)
 EOF
 }
 
@@ -82,6 +86,7 @@ while [[ $# -gt 0 ]]; do
     --json) JSON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --build) BUILD=$2; shift 2 ;;
+    --fanout) shift; exec "$ROOT/bench/fanout.sh" --build "$BUILD" "$@" ;;
     -h | --help) usage; exit 0 ;;
     *) echo "bench/run.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
     esac

@@ -8,7 +8,7 @@
 #                  program against it, through find_package and pkg-config
 #   4. asan        ASan + UBSan Debug build in build-asan/, then ctest
 #   5. tsan        ThreadSanitizer Debug build in build-tsan/, then ctest of
-#                  the suites that run threads: the pipe suite in every
+#                  the suites that run threads: the pipe and fan-out suites in every
 #                  transport configuration (host and device buffers), the
 #                  fan-in suite per plane, the
 #                  server, the loop, the shared-memory rings, the CUDA
@@ -187,8 +187,8 @@ stage_asan() {
 # process-wide count replaces malloc, which TSan must own.
 # UCX_MEM_EVENTS=no: UCX's memory hooks patch the allocator's symbols
 # under TSan's interceptors and crash the process before main.
-TSAN_TESTS='^test_(pipe_.*|fanin_.*|server|loop|shm|cuda|cuda_ipc|stage|gpu_shm|checksum_.*|preauth)$'
-TSAN_TARGETS=(test_pipe test_pipe_alloc test_fanin test_server test_loop test_shm test_cuda test_cuda_ipc test_stage test_gpu_shm test_checksum test_preauth)
+TSAN_TESTS='^test_(pipe_.*|fanin_.*|fanout_.*|server|loop|shm|cuda|cuda_ipc|stage|gpu_shm|checksum_.*|preauth)$'
+TSAN_TARGETS=(test_pipe test_pipe_alloc test_fanin test_fanout test_server test_loop test_shm test_cuda test_cuda_ipc test_stage test_gpu_shm test_checksum test_preauth)
 
 stage_tsan() {
     export UCX_MEM_EVENTS=${UCX_MEM_EVENTS:-no}

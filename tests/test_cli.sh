@@ -1432,6 +1432,41 @@ test_signals() {
     fi
 }
 
+# ---- send to several receivers: each gets and checks every message --------------
+
+test_fanout_send() {
+    local pl i port to=() pids=()
+    for pl in ucx shm; do
+        to=()
+        pids=()
+        for i in 1 2 3; do
+            start fo_recv_${pl}_$i 60 "$TDPIPE" recv --bind 127.0.0.1 --plane "$pl" --quiet
+            pids+=("$PID")
+            port=$(port_of fo_recv_${pl}_$i) || return
+            to+=(--to "127.0.0.1:$port")
+        done
+        run fo_send_$pl 60 "$TDPIPE" send "${to[@]}" --plane "$pl" --size 100KB --count 300 --rate 2000 \
+            --interval 0.05 --json
+        expect_rc fo_send_$pl 0
+        expect_in fo_send_$pl out '"mode":"broadcast"'
+        expect_in fo_send_$pl err '"peers":[{'
+        CHECKS=$((CHECKS + 1))
+        if [[ $(grep -o '"msgs":300,' "$WORK/fo_send_$pl.out" | wc -l) -ne 4 ]]; then
+            fail "fo_send_$pl: not 300 messages to each of 3 receivers and in all"
+            dump "$WORK/fo_send_$pl.out"
+        fi
+        for i in 1 2 3; do
+            finish fo_recv_${pl}_$i "${pids[$((i - 1))]}"
+            expect_rc fo_recv_${pl}_$i 0
+            expect_in fo_recv_${pl}_$i out "received 300 messages"
+            expect_in fo_recv_${pl}_$i out "verify ok"
+        done
+    done
+    # several receivers do not take --echo
+    run fo_echo 10 "$TDPIPE" send --to 127.0.0.1:1 --to 127.0.0.1:2 --echo
+    expect_rc fo_echo 2
+}
+
 test_usage
 test_signals
 test_peer_killed
@@ -1460,6 +1495,7 @@ test_bench_mem_fake
 test_serve
 test_credit_kept_up
 test_live
+test_fanout_send
 
 if [[ $FAILS -ne 0 ]]; then
     echo "test_cli: $FAILS of $CHECKS checks failed"

@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "report.h"
+#include "send_fanout.h"
 #include "datafile.h"
 #include "recv_fanin.h"
 #include "values.h"
@@ -233,7 +234,7 @@ enum {
     OPT_JSON,
     OPT_CHECKSUM,
 };
-enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES }; /* real data */
+enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES, OPT_TO }; /* real data; --to */
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -533,7 +534,8 @@ int tdp_cmd_recv(int argc, char **argv)
 /* ---- send ------------------------------------------------------------------ */
 
 static const char send_help[] =
-    "usage: tdpipe send HOST:PORT [OPTIONS]\n\n"
+    "usage: tdpipe send HOST:PORT [OPTIONS]\n"
+    "       tdpipe send --to HOST:PORT --to HOST:PORT ... [OPTIONS]\n\n"
     "Connect to a receiver ('tdpipe recv', 'tdpipe serve', 'tdpipe inspect') and\n"
     "send COUNT synthetic tensordicts of SIZE bytes: a float32 leaf 'data' and a\n"
     "nested 'meta' node; message n (from 1) carries a pattern that depends on n,\n"
@@ -555,11 +557,18 @@ static const char send_help[] =
     "A receiver that cannot serve this sender as started (--echo against 'recv',\n"
     "'inspect' or 'serve --mode sink'; no --echo against 'serve --mode echo')\n"
     "says so at once; send then names the flag to change and exits 2.\n\n"
+    "Several receivers (--to, repeated; HOST:PORT counts as one more): every\n"
+    "message goes to each of them (a broadcast fan-out, docs/pipe.md), at the\n"
+    "pace of the slowest; a receiver that fails leaves and the others go on.\n"
+    "The summary adds a line per receiver (its messages, bytes, plane), the\n"
+    "rate lines and --json a \"peers\" list; not with --echo, --reconnect,\n"
+    "--depth-hint.\n\n"
     "Options:\n"
     "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
     "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
     "                      a multiple of 4 (whole float32 elements)\n"
     "  -n, --count N       messages to send (default 1000; 1 with --file)\n"
+    "      --to HOST:PORT  one more receiver (repeat it: up to 64)\n"
     "      --file PATH     send the tensors of safetensors file PATH (checked first:\n"
     "                      a malformed file is refused, exit 2); not with --size,\n"
     "                      --echo\n"
@@ -617,6 +626,7 @@ typedef struct send_args {
     uint64_t lost;        /* sends an outage took (reconnecting) */
     const char *file, *schema_file; /* --file, --schema: real data */
     int64_t wait_ms;                /* --wait: 0 off */
+    tdp_cli_fanout_args *fan;       /* --to: the receivers (HOST:PORT among them) */
 } send_args;
 
 /* Parses send's options and HOST:PORT; returns -1 to go on, else an exit status. */
@@ -639,6 +649,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"file", required_argument, NULL, OPT_FILE},
         {"schema", required_argument, NULL, OPT_SCHEMA},
         {"wait", required_argument, NULL, OPT_WAIT},
+        {"to", required_argument, NULL, OPT_TO},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -650,8 +661,13 @@ static int send_parse(int argc, char **argv, send_args *a)
     double wait_s;
     int c;
 
-    *a = (send_args){
-        .size = 1000000, .count = 1000, .timeout_ms = 10000, .interval = TDP_CLI_INTERVAL_UNSET};
+    static tdp_cli_fanout_args fan; /* large for the stack */
+    memset(&fan, 0, sizeof(fan));
+    *a = (send_args){.size = 1000000,
+                     .count = 1000,
+                     .timeout_ms = 10000,
+                     .interval = TDP_CLI_INTERVAL_UNSET,
+                     .fan = &fan};
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -674,6 +690,15 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_SCHEMA:
             a->schema_file = optarg;
+            break;
+        case OPT_TO:
+            if (fan.n == TDP_CLI_FANOUT_MAX)
+                return tdp_cli_usage_error("send", "more than %d receivers", TDP_CLI_FANOUT_MAX);
+            if (!tdp_cli_parse_hostport(optarg, false, fan.host[fan.n], sizeof(fan.host[0]),
+                                        &fan.port[fan.n]))
+                return tdp_cli_usage_error(
+                    "send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)", optarg);
+            fan.n++;
             break;
         case OPT_WAIT:
             if (!tdp_cli_parse_double(optarg, &wait_s) || wait_s <= 0 ||
@@ -743,13 +768,30 @@ static int send_parse(int argc, char **argv, send_args *a)
             return tdp_cli_bad_option("send", argv, c);
         }
     }
-    if (optind >= argc)
+    if (optind >= argc && fan.n == 0)
         return tdp_cli_usage_error("send", "missing HOST:PORT");
     if (optind + 1 < argc)
         return tdp_cli_usage_error("send", "unexpected argument '%s'", argv[optind + 1]);
-    if (!tdp_cli_parse_hostport(argv[optind], false, a->host, sizeof(a->host), &a->port))
+    if (optind < argc &&
+        !tdp_cli_parse_hostport(argv[optind], false, a->host, sizeof(a->host), &a->port))
         return tdp_cli_usage_error("send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)",
                                    argv[optind]);
+    if (fan.n > 0 && optind < argc) { /* HOST:PORT is one more receiver */
+        if (fan.n == TDP_CLI_FANOUT_MAX)
+            return tdp_cli_usage_error("send", "more than %d receivers", TDP_CLI_FANOUT_MAX);
+        memmove(fan.host[1], fan.host[0], fan.n * sizeof(fan.host[0]));
+        memmove(&fan.port[1], &fan.port[0], fan.n * sizeof(fan.port[0]));
+        snprintf(fan.host[0], sizeof(fan.host[0]), "%s", a->host);
+        fan.port[0] = a->port;
+        fan.n++;
+    } else if (fan.n == 1) { /* one --to: an ordinary send */
+        snprintf(a->host, sizeof(a->host), "%s", fan.host[0]);
+        a->port = fan.port[0];
+        fan.n = 0;
+    }
+    if (fan.n > 1 && (a->echo || a->reconnect_ms > 0 || a->depth_hint))
+        return tdp_cli_usage_error("send", "several receivers: not with --echo, --reconnect or "
+                                           "--depth-hint");
     if (a->schema_file != NULL && a->file == NULL)
         return tdp_cli_usage_error("send", "--schema needs --file (the raw data it describes)");
     if (a->file != NULL && size_set)
@@ -994,6 +1036,26 @@ static int send_load(const send_args *a, tdp_td **td)
     return -1;
 }
 
+/* Several receivers: the fan-out, with the pipe options one receiver would get. */
+static int send_fanout(const send_args *a, tdp_td *td)
+{
+    tdp_pipe_opts opts;
+    tdp_pipe_opts_default(&opts);
+    opts.plane = a->plane;
+    opts.connect_wait_ms = a->wait_ms;
+    tdp_cli_apply_net_opts(&a->ka, &opts);
+    opts.connect_timeout_ms = a->timeout_ms >= 0 ? a->timeout_ms : 365LL * 24 * 3600 * 1000;
+    a->fan->count = a->count;
+    a->fan->rate = a->rate;
+    a->fan->interval = a->interval;
+    a->fan->timeout_ms = a->timeout_ms;
+    a->fan->pipe = &opts;
+    a->fan->fill = a->file == NULL;
+    a->fan->quiet = a->quiet;
+    a->fan->json = a->json;
+    return tdp_cli_send_fanout(a->fan, td);
+}
+
 int tdp_cmd_send(int argc, char **argv)
 {
     send_args a;
@@ -1026,6 +1088,11 @@ int tdp_cmd_send(int argc, char **argv)
                 "send: each message is %" PRIu64 " bytes (%" PRIu64 " rounded up to whole "
                 "float32 elements)\n",
                 tdp_td_nbytes(td), a.size);
+    if (a.fan->n > 1) {
+        ec = send_fanout(&a, td);
+        tdp_td_unref(td);
+        return ec;
+    }
     if ((rc = tdp_loop_new(NULL, &loop)) != TDP_OK) {
         tdp_cli_error("send", "cannot create the event loop: %s", tdp_strerror(rc));
         tdp_td_unref(td);

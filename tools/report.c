@@ -46,6 +46,45 @@ static double per_s(uint64_t now, uint64_t before, double dt)
     return dt > 0 && now >= before ? (double)(now - before) / dt : 0;
 }
 
+/* The same peer in the last sample (by name: peers come and go), or NULL. */
+static const tdp_cli_peer_sample *peer_before(const tdp_cli_sample *last,
+                                              const tdp_cli_peer_sample *p)
+{
+    for (uint32_t i = 0; i < last->npeers; i++)
+        if (strcmp(last->peers[i].name, p->name) == 0)
+            return &last->peers[i];
+    return NULL;
+}
+
+static json_t *peers_json(const tdp_cli_sample *last, const tdp_cli_sample *now, double dt)
+{
+    json_t *a = json_array();
+    for (uint32_t i = 0; i < now->npeers; i++) {
+        const tdp_cli_peer_sample *p = &now->peers[i], *b = peer_before(last, p);
+        json_t *o = json_object();
+        json_object_set_new(o, "peer", json_string(p->name));
+        json_object_set_new(o, "msgs", json_integer((json_int_t)p->msgs));
+        json_object_set_new(o, "bytes", json_integer((json_int_t)p->bytes));
+        json_object_set_new(o, "msgs_per_s", json_real(per_s(p->msgs, b ? b->msgs : 0, dt)));
+        json_object_set_new(o, "bytes_per_s", json_real(per_s(p->bytes, b ? b->bytes : 0, dt)));
+        json_object_set_new(o, "drops", json_integer((json_int_t)p->drops));
+        json_array_append_new(a, o);
+    }
+    return a;
+}
+
+static void peers_text(const tdp_cli_sample *last, const tdp_cli_sample *now, double dt, FILE *f)
+{
+    char rate[TDP_CLI_FMT_LEN];
+    for (uint32_t i = 0; i < now->npeers; i++) {
+        const tdp_cli_peer_sample *p = &now->peers[i], *b = peer_before(last, p);
+        fprintf(f, "%s %s %" PRIu64 " msgs %s", i == 0 ? ";" : ",", p->name, p->msgs,
+                tdp_cli_format_rate(per_s(p->bytes, b ? b->bytes : 0, dt), rate, sizeof(rate)));
+        if (p->drops > 0)
+            fprintf(f, " %" PRIu64 " dropped", p->drops);
+    }
+}
+
 void tdp_cli_rate_line(tdp_cli_rate *r, const tdp_cli_sample *now, FILE *f)
 {
     uint64_t t = tdp_cli_now_ns();
@@ -75,6 +114,8 @@ void tdp_cli_rate_line(tdp_cli_rate *r, const tdp_cli_sample *now, FILE *f)
         }
         if (credit)
             json_object_set_new(o, "credit_waits", json_integer((json_int_t)now->credit_waits));
+        if (now->npeers > 0)
+            json_object_set_new(o, "peers", peers_json(&r->last, now, dt));
         tdp_cli_json_line(o, f);
     } else {
         char rate[TDP_CLI_FMT_LEN], orate[TDP_CLI_FMT_LEN];
@@ -89,9 +130,11 @@ void tdp_cli_rate_line(tdp_cli_rate *r, const tdp_cli_sample *now, FILE *f)
         if (credit)
             snprintf(waits, sizeof(waits), ", %" PRIu64 " credit wait%s", now->credit_waits,
                      tdp_cli_s(now->credit_waits));
-        fprintf(f, "%s: %.2f s,%s %s%" PRIu64 " message%s, %.0f msgs/s, %s%s%s\n", r->cmd, elapsed,
+        fprintf(f, "%s: %.2f s,%s %s%" PRIu64 " message%s, %.0f msgs/s, %s%s%s", r->cmd, elapsed,
                 who, clients ? "in " : "", now->msgs, tdp_cli_s(now->msgs), mps,
                 tdp_cli_format_rate(bps, rate, sizeof(rate)), waits, out);
+        peers_text(&r->last, now, dt, f);
+        fputc('\n', f);
     }
     r->last = *now;
     r->last_ns = t;

@@ -48,11 +48,20 @@ double tdp_cli_interval(double given, bool quiet);
 /* ---- rate lines ------------------------------------------------------------ */
 
 /* One reading of the counters a rate line shows (totals since the start). */
+/* One peer's counters in a rate line (send to several receivers). */
+#define TDP_CLI_RATE_PEERS_MAX 16
+typedef struct tdp_cli_peer_sample {
+    char name[64];
+    uint64_t msgs, bytes, drops;
+} tdp_cli_peer_sample;
+
 typedef struct tdp_cli_sample {
     uint64_t msgs, bytes;            /* sent (send) or received (recv, serve) */
     uint64_t msgs_out, bytes_out;    /* serve: sent back */
     uint64_t credit_waits;           /* send */
     uint64_t clients, clients_total; /* serve */
+    uint32_t npeers;                 /* send to several receivers: the first ones' figures */
+    tdp_cli_peer_sample peers[TDP_CLI_RATE_PEERS_MAX];
 } tdp_cli_sample;
 
 /* What a command's rate line shows besides time, messages and rates. */

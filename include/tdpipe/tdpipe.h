@@ -18,5 +18,6 @@
 #include <tdpipe/pipe.h>
 #include <tdpipe/server.h>
 #include <tdpipe/fanin.h>
+#include <tdpipe/fanout.h>
 
 #endif /* TDPIPE_TDPIPE_H */

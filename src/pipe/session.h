@@ -51,6 +51,20 @@ const char *tdp__session_peer(const tdp_pipe *p);
 struct tdp__budget;
 void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b);
 
+/*
+ * Loop thread: true while op, a send of p, still waits in the pipe's queue
+ * (for credit, a ticket or the HELLO): no byte of it has gone, and
+ * op->take_back takes it back whole. The fan-out drops such sends.
+ */
+struct tdp_op;
+bool tdp__session_send_waiting(const tdp_pipe *p, const struct tdp_op *op);
+/*
+ * Loop thread: true when a send of p would go at once: the pipe is open,
+ * nothing waits in its queue, and the peer has a free buffer (as far as
+ * this side has heard). The fan-out's distribute mode picks by it.
+ */
+bool tdp__session_send_credit(const tdp_pipe *p);
+
 /* For tests: the chosen plane's link and its loop (NULL before the HELLO). */
 struct tdp__link *tdp__session_link(const tdp_pipe *p);
 tdp_loop *tdp__session_loop(const tdp_pipe *p);

@@ -123,3 +123,17 @@ tdp_loop *tdp__session_loop(const tdp_pipe *p)
 {
     return p->loop;
 }
+
+bool tdp__session_send_waiting(const tdp_pipe *p, const tdp_op *op)
+{
+    for (const tdp_op *o = p->sendq.head; o != NULL; o = o->next)
+        if (o == op)
+            return true;
+    return false;
+}
+
+bool tdp__session_send_credit(const tdp_pipe *p)
+{
+    return p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed && p->sendq.head == NULL &&
+           p->free_tickets != NULL && p->send_seq - p->credit_base - p->peer_credit < p->peer_depth;
+}

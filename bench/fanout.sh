@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# bench/fanout.sh: the fan-out figures (issue 17), on this host.
+#
+#   bench/fanout.sh [--build DIR] [--plane NAME] [--count K] [--runs K]
+#
+# 1. A broadcast of 100 MB messages to 1, 2 and 4 consumer processes
+#    (build/bench/tdp_fanout_bench): the one-way p50 to the last consumer,
+#    its ratio to the one-consumer hand-off, the producer's RSS and the
+#    shared memory it maps (pool bytes and mappings).
+# 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight) against ZeroMQ's
+#    PUB over ipc:// to 4 SUB processes, without drops (build/bench/tdp_zmq_fan broadcast).
+# Each figure is the median of --runs runs (default 3). The CPU idle
+# share before and after says whether the machine was quiet. It builds
+# nothing. Method: docs/benchmarks.md, "Fan-out".
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${TDP_BUILD_DIR:-$ROOT/build}
+PLANE=shm
+COUNT=20
+RUNS=3
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --build) BUILD=$2; shift 2 ;;
+    --plane) PLANE=$2; shift 2 ;;
+    --count) COUNT=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench/fanout.sh: unknown option '$1'" >&2; exit 2 ;;
+    esac
+done
+export UCX_NET_DEVICES=lo
+FB=$BUILD/bench/tdp_fanout_bench
+FZ=$BUILD/bench/tdp_zmq_fan
+[[ -x $FB ]] || { echo "bench/fanout.sh: $FB is missing; build first" >&2; exit 2; }
+
+cpu_idle() {
+    local a b
+    read -r -a a </proc/stat
+    sleep 1
+    read -r -a b </proc/stat
+    local idle=$(((b[4] + b[5]) - (a[4] + a[5]))) total=0 i
+    for i in 1 2 3 4 5 6 7 8; do total=$((total + b[i] - a[i])); done
+    echo $((total > 0 ? 100 * idle / total : 0))
+}
+
+# med CMD...: run CMD RUNS times; print the JSON line of the run with the median KEY
+med() {
+    local key=$1
+    shift
+    local i
+    for ((i = 0; i < RUNS; i++)); do "$@"; done |
+        python3 -c '
+import json, sys
+rows = [json.loads(l) for l in sys.stdin if l.strip()]
+rows.sort(key=lambda r: r[sys.argv[1]])
+print(json.dumps(rows[len(rows) // 2]))' "$key"
+}
+
+echo "== bench/fanout.sh: plane $PLANE, $RUNS run(s) each, $(nproc) CPUs; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "== CPU idle before: $(cpu_idle)%"
+declare -A P50
+printf '%-10s %14s %10s %12s %14s %9s\n' consumers "p50 last (ms)" "x one" "RSS (MB)" "shm (MB)" mappings
+for n in 1 2 4; do
+    row=$(med p50_last_ns "$FB" --consumers "$n" --size 100000000 --count "$COUNT" --plane "$PLANE")
+    read -r p50 rss shm maps < <(python3 -c '
+import json, sys
+r = json.loads(sys.argv[1])
+print(r["p50_last_ns"], r["producer_rss_bytes"], r["producer_shm_bytes"], r["producer_shm_mappings"])' "$row")
+    P50[$n]=$p50
+    printf '%-10s %14.2f %10.2f %12.1f %14.1f %9s\n' "$n" "$(echo "$p50 / 1000000" | bc -l)" \
+        "$(echo "$p50 / ${P50[1]}" | bc -l)" "$(echo "$rss / 1000000" | bc -l)" \
+        "$(echo "$shm / 1000000" | bc -l)" "$maps"
+done
+echo
+t=$(med msgs_per_s "$FB" --consumers 4 --size 1000000 --count 2000 --plane "$PLANE" --inflight 4)
+tm=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["msgs_per_s"])' "$t")
+if [[ -x $FZ ]]; then
+    # the slowest subscriber's message rate: every consumer gets every message
+    z=$(med slowest_consumer_Bps "$FZ" broadcast --peers 4 --size 1000000 --count 2000 --json)
+    zm=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["slowest_consumer_Bps"] / r["bytes"])' "$z")
+    printf '1 MB to 4 consumers: tdp_fanout %.0f msgs/s, ZeroMQ PUB/SUB ipc %.0f msgs/s: %.2fx\n' \
+        "$tm" "$zm" "$(echo "$tm / $zm" | bc -l)"
+else
+    printf '1 MB to 4 consumers: tdp_fanout %.0f msgs/s (no ZeroMQ peer built)\n' "$tm"
+fi
+echo "== CPU idle after: $(cpu_idle)%; load: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,0 +1,852 @@
+/*
+ * fanout.c: one producer, many consumer pipes (include/tdpipe/fanout.h).
+ *
+ * Everything lives on the loop thread. A message is a slot of msgs[]
+ * holding a reference on the producer's tensordict and a count of the
+ * consumers that still hold it; each consumer has a ring of slot indices
+ * in sequence order and up to `depth` sends of its pipe in flight (in
+ * broadcast mode; one in distribute mode, where being free is the credit),
+ * so its pipe streams as it would alone. A slot is free when no consumer holds it;
+ * then the producer's op completes. Nothing here allocates per message.
+ */
+#include <event2/event.h>
+#include <string.h>
+#include <tdpipe/fanout.h>
+
+#include "op.h"
+#include "session.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+
+#define FO_MAX_DEPTH     64
+#define FO_MAX_CONSUMERS 1024
+
+enum c_state {
+    C_FREE = 0, /* slot unused */
+    C_LIVE,     /* gets new messages */
+    C_LEAVING,  /* sends what it holds, then closes */
+    C_CLOSING,  /* its pipe is closing */
+    C_DEAD,     /* failed or ended: waits to be freed */
+};
+
+typedef struct fo_msg {
+    tdp_td *td;
+    tdp_op *op; /* the producer's; NULL once taken back */
+    uint64_t seq;
+    uint32_t refs; /* consumers still holding it */
+    bool live;
+} fo_msg;
+
+enum op_flag { OPF_NONE = 0, OPF_DROP, OPF_MOVE };
+
+struct fo_consumer;
+typedef struct fo_opref {
+    struct fo_consumer *c;
+    uint32_t k;
+} fo_opref;
+
+typedef struct fo_consumer {
+    tdp_fanout *fo;
+    tdp_pipe *pipe;
+    /* its pipe's sends: ops[k] carries msgs[op_msg[k]] (-1: idle) */
+    tdp_op *ops[FO_MAX_DEPTH];
+    fo_opref ref[FO_MAX_DEPTH];
+    int op_msg[FO_MAX_DEPTH];
+    uint8_t op_flag[FO_MAX_DEPTH]; /* enum op_flag: why it was taken back */
+    uint32_t nops, ninflight;
+    uint64_t id;
+    enum c_state state;
+    uint8_t q[FO_MAX_DEPTH]; /* msgs[] indices, oldest first */
+    uint32_t qh, qn;
+    bool ended; /* its pipe's end callback ran */
+    char peer[64];
+    tdp_fanout_peer_stats st;
+} fo_consumer;
+
+struct tdp_fanout {
+    tdp_loop *loop;
+    tdp_fanout_opts o;
+    fo_msg msgs[FO_MAX_DEPTH];
+    uint64_t next_seq, next_id;
+    tdp__opq waitq; /* sends waiting for a slot (or, distribute, a consumer) */
+    fo_consumer *cons;
+    uint32_t rr; /* distribute: where the next search starts */
+    tdp_listener *listener;
+    struct event *reap_ev;  /* frees dead consumers' pipes outside their callbacks */
+    struct event *retry_ev; /* distribute: a message waits for credit; look again */
+    bool closing, freeing, pumping, again;
+    tdp_fanout_stats st;
+    tdp_op *sync;
+    tdp__waiter w;
+    volatile bool gone; /* closing and no consumer left; under w.mtx */
+};
+
+static void pump(tdp_fanout *fo);
+
+void tdp_fanout_opts_default(tdp_fanout_opts *o)
+{
+    if (o == NULL)
+        return;
+    memset(o, 0, sizeof(*o));
+    o->size = sizeof(*o);
+    o->depth = 4;
+    o->max_consumers = 64;
+    o->close_timeout_ms = 5000;
+}
+
+/* ---- messages ---------------------------------------------------------------- */
+
+static int msg_free_slot(const tdp_fanout *fo)
+{
+    for (uint32_t i = 0; i < fo->o.depth; i++)
+        if (!fo->msgs[i].live)
+            return (int)i;
+    return -1;
+}
+
+/* The last holder let go: the producer's send is done. */
+static void msg_finish(tdp_fanout *fo, int m, tdp_err rc)
+{
+    fo_msg *g = &fo->msgs[m];
+    tdp_op *op = g->op;
+    uint64_t bytes = tdp_td_nbytes(g->td);
+    tdp_td_unref(g->td);
+    *g = (fo_msg){0};
+    if (op == NULL)
+        return;
+    if (rc == TDP_OK) {
+        fo->st.msgs++;
+        fo->st.bytes += bytes;
+    }
+    tdp__op_complete(op, rc);
+}
+
+static void msg_release(tdp_fanout *fo, int m)
+{
+    if (--fo->msgs[m].refs == 0)
+        msg_finish(fo, m, fo->freeing ? TDP_ECANCELED : TDP_OK);
+}
+
+/* ---- consumers --------------------------------------------------------------- */
+
+static bool c_holds(const fo_consumer *c)
+{
+    return c->state == C_LIVE || c->state == C_LEAVING;
+}
+
+static void c_push(fo_consumer *c, int m)
+{
+    c->q[(c->qh + c->qn) % FO_MAX_DEPTH] = (uint8_t)m;
+    c->qn++;
+    c->fo->msgs[m].refs++;
+    if (c->st.first_seq == 0)
+        c->st.first_seq = c->fo->msgs[m].seq;
+}
+
+static int c_pop(fo_consumer *c)
+{
+    int m = c->q[c->qh];
+    c->qh = (c->qh + 1) % FO_MAX_DEPTH;
+    c->qn--;
+    return m;
+}
+
+static void c_drain_queue(fo_consumer *c)
+{
+    while (c->qn > 0)
+        msg_release(c->fo, c_pop(c));
+}
+
+/* The consumer is gone (its pipe failed or ended): what it held goes back. */
+static void c_fail(fo_consumer *c, tdp_err why)
+{
+    if (c->state == C_DEAD || c->state == C_FREE)
+        return;
+    tdp_fanout *fo = c->fo;
+    bool clean = why == TDP_OK || (why == TDP_ECLOSED && c->state != C_LIVE);
+    c->st.status = why == TDP_OK ? TDP_ECLOSED : why;
+    c->state = C_DEAD;
+    fo->st.left++;
+    if (!clean && why != TDP_ECLOSED)
+        fo->st.failed++;
+    if (!clean)
+        tdp_log_info("fanout: consumer %llu (%s) left: %s", (unsigned long long)c->id, c->peer,
+                     tdp_strerror(why));
+    c_drain_queue(c);
+    if (!c->ended)
+        tdp_pipe_abort(c->pipe, why == TDP_OK ? TDP_ECANCELED : why);
+}
+
+static void reap_later(tdp_fanout *fo)
+{
+    if (!fo->freeing)
+        event_active(fo->reap_ev, 0, 0);
+}
+
+/* Loop thread, outside the pipe's callbacks. */
+static void c_free(fo_consumer *c)
+{
+    tdp_fanout *fo = c->fo;
+    tdp_pipe_free(c->pipe);
+    for (uint32_t k = 0; k < c->nops; k++)
+        tdp_op_free(c->ops[k]);
+    memset(c, 0, sizeof(*c));
+    fo->st.consumers--;
+    if (fo->closing && fo->st.consumers == 0) {
+        pthread_mutex_lock(&fo->w.mtx);
+        fo->gone = true;
+        pthread_cond_broadcast(&fo->w.cond);
+        pthread_mutex_unlock(&fo->w.mtx);
+    }
+}
+
+static void reap_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    tdp_fanout *fo = arg;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state == C_DEAD && c->ended && c->ninflight == 0)
+            c_free(c);
+    }
+    pump(fo);
+}
+
+static void retry_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    pump(arg);
+}
+
+static void c_send_cb(tdp_op *op, void *arg)
+{
+    fo_opref *r = arg;
+    fo_consumer *c = r->c;
+    tdp_fanout *fo = c->fo;
+    int m = c->op_msg[r->k];
+    uint8_t flag = c->op_flag[r->k];
+    c->op_msg[r->k] = -1;
+    c->op_flag[r->k] = OPF_NONE;
+    c->ninflight--;
+    tdp_err rc = tdp_op_result(op);
+    if (rc == TDP_OK) {
+        c->st.msgs_sent++;
+        c->st.bytes_sent += tdp_td_nbytes(fo->msgs[m].td);
+    } else if (flag == OPF_DROP && rc == TDP_ETIMEDOUT) {
+        c->st.drops++;
+        fo->st.drops++;
+    } else if (flag == OPF_MOVE && rc == TDP_ETIMEDOUT) {
+        c->st.moved++;
+    } else {
+        c_fail(c, rc);
+    }
+    msg_release(fo, m);
+    if (c->state == C_DEAD && c->ended)
+        reap_later(fo);
+    pump(fo);
+}
+
+/* The op of c that carries msgs[m], or -1. */
+static int c_op_of(const fo_consumer *c, int m)
+{
+    for (uint32_t k = 0; k < c->nops; k++)
+        if (c->op_msg[k] == m)
+            return (int)k;
+    return -1;
+}
+
+static void c_end_cb(tdp_pipe *pipe, tdp_err status, void *arg)
+{
+    (void)pipe;
+    fo_consumer *c = arg;
+    c->ended = true;
+    c_fail(c, status);
+    if (c->ninflight == 0)
+        reap_later(c->fo);
+}
+
+/* Start the consumer's next sends, or its close once it holds nothing. */
+static void c_pump(fo_consumer *c)
+{
+    if (!c_holds(c))
+        return;
+    uint32_t most = c->fo->o.mode == TDP_FANOUT_DISTRIBUTE ? 1 : c->nops;
+    while (c_holds(c) && c->qn > 0 && c->ninflight < most) {
+        int k = c_op_of(c, -1);
+        int m = c_pop(c);
+        c->op_msg[k] = m;
+        c->ninflight++;
+        /* may complete (c_send_cb) in here: pump is guarded against re-entry */
+        tdp_pipe_send_async(c->pipe, c->fo->msgs[m].td, c->ops[k]);
+    }
+    if (c->state == C_LEAVING && c->qn == 0 && c->ninflight == 0) {
+        c->state = C_CLOSING;
+        tdp_pipe_close_async(c->pipe, c->fo->o.close_timeout_ms);
+    }
+}
+
+/* ---- the producer ------------------------------------------------------------ */
+
+static bool c_has(const fo_consumer *c, int m)
+{
+    if (c_op_of(c, m) >= 0)
+        return true;
+    for (uint32_t k = 0; k < c->qn; k++)
+        if (c->q[(c->qh + k) % FO_MAX_DEPTH] == m)
+            return true;
+    return false;
+}
+
+/*
+ * Drop-oldest: when some consumer that was there for the oldest message
+ * is done with it, the others — those that fell a whole window behind it —
+ * lose it: those that still queue it, and those whose send of it waits in
+ * their pipe for credit (taken back whole). When every consumer still
+ * holds it the producer waits: it runs at the pace of the fastest. A
+ * consumer whose transport already has it keeps it; the slot frees when
+ * that completes.
+ */
+static void drop_oldest(tdp_fanout *fo)
+{
+    int old = -1;
+    for (uint32_t i = 0; i < fo->o.depth; i++)
+        if (fo->msgs[i].live && (old < 0 || fo->msgs[i].seq < fo->msgs[old].seq))
+            old = (int)i;
+    if (old < 0)
+        return;
+    uint64_t seq = fo->msgs[old].seq;
+    uint32_t there = 0, holding = 0;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        const fo_consumer *c = &fo->cons[i];
+        if (!c_holds(c) || c->st.first_seq == 0 || c->st.first_seq > seq)
+            continue;
+        there++;
+        holding += c_has(c, old);
+    }
+    if (holding == there)
+        return;
+    for (uint32_t i = 0; i < fo->o.max_consumers && fo->msgs[old].live; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (!c_holds(c))
+            continue;
+        if (c->qn > 0 && c->q[c->qh] == old) {
+            c_pop(c);
+            c->st.drops++;
+            fo->st.drops++;
+            msg_release(fo, old);
+        } else {
+            int k = c_op_of(c, old);
+            if (k >= 0 && c->op_flag[k] == OPF_NONE &&
+                tdp__session_send_waiting(c->pipe, c->ops[k])) {
+                c->op_flag[k] = OPF_DROP;
+                c->ops[k]->take_back(c->ops[k]); /* c_send_cb runs now and counts the drop */
+            }
+        }
+    }
+}
+
+/*
+ * Distribute: a consumer holding nothing, round robin; one whose pipe has
+ * credit first, else (credit: false) any.
+ */
+static fo_consumer *pick_free(tdp_fanout *fo, bool credit)
+{
+    uint32_t n = fo->o.max_consumers;
+    for (uint32_t k = 0; k < n; k++) {
+        fo_consumer *c = &fo->cons[(fo->rr + k) % n];
+        if (c->state == C_LIVE && c->qn == 0 && c->ninflight == 0 &&
+            (!credit || tdp__session_send_credit(c->pipe))) {
+            fo->rr = (fo->rr + k + 1) % n;
+            return c;
+        }
+    }
+    return NULL;
+}
+
+static fo_consumer *pick(tdp_fanout *fo)
+{
+    fo_consumer *c = pick_free(fo, true);
+    return c != NULL ? c : pick_free(fo, false);
+}
+
+/*
+ * Distribute: a message that waits in a pipe without credit moves to a
+ * consumer whose pipe has some (taken back whole: no byte of it went), so
+ * a consumer that stops receiving holds one message at most beyond its
+ * credit, and only while nobody else is free.
+ */
+static void redistribute(tdp_fanout *fo)
+{
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        int k = -1;
+        for (uint32_t j = 0; j < c->nops && k < 0 && c_holds(c); j++)
+            if (c->op_msg[j] >= 0 && c->op_flag[j] == OPF_NONE &&
+                tdp__session_send_waiting(c->pipe, c->ops[j]))
+                k = (int)j;
+        if (k < 0)
+            continue;
+        fo_consumer *d = pick_free(fo, true);
+        if (d == NULL) {
+            /* a pipe says nothing when credit comes back: look again shortly */
+            static const struct timeval again = {0, 1000};
+            evtimer_add(fo->retry_ev, &again);
+            return;
+        }
+        int m = c->op_msg[k];
+        fo->msgs[m].refs++; /* held across the take-back */
+        c->op_flag[k] = OPF_MOVE;
+        c->ops[k]->take_back(c->ops[k]); /* c_send_cb runs now */
+        c_push(d, m);
+        msg_release(fo, m);
+        fo->st.moved++;
+    }
+}
+
+/* Give waiting sends a slot and their consumers while there is room. */
+static void admit(tdp_fanout *fo)
+{
+    while (fo->waitq.head != NULL) {
+        if (fo->closing) {
+            tdp__op_complete(tdp__opq_pop(&fo->waitq), fo->freeing ? TDP_ECANCELED : TDP_ECLOSED);
+            continue;
+        }
+        bool bcast = fo->o.mode == TDP_FANOUT_BROADCAST;
+        int m = msg_free_slot(fo);
+        if (m < 0 && bcast && fo->o.slow == TDP_FANOUT_DROP_OLDEST) {
+            drop_oldest(fo);
+            m = msg_free_slot(fo);
+        }
+        if (m < 0)
+            return;
+        fo_consumer *one = NULL;
+        if (!bcast && (one = pick(fo)) == NULL)
+            return;
+        tdp_op *op = tdp__opq_pop(&fo->waitq);
+        fo_msg *g = &fo->msgs[m];
+        *g = (fo_msg){.td = tdp_td_ref(op->td), .op = op, .seq = ++fo->next_seq, .live = true};
+        op->seq = g->seq;
+        if (one != NULL) {
+            c_push(one, m);
+        } else {
+            for (uint32_t i = 0; i < fo->o.max_consumers; i++)
+                if (fo->cons[i].state == C_LIVE)
+                    c_push(&fo->cons[i], m);
+        }
+        if (g->refs == 0) {
+            fo->st.unsent++;
+            msg_finish(fo, m, TDP_OK);
+        } else if (bcast && fo->o.slow == TDP_FANOUT_DROP_OLDEST) {
+            /* queued is done: a lagging consumer must not hold the producer */
+            g->op = NULL;
+            fo->st.msgs++;
+            fo->st.bytes += tdp_td_nbytes(g->td);
+            tdp__op_complete(op, TDP_OK);
+        }
+    }
+}
+
+/* Move everything along; re-entered from completions, it loops instead. */
+static void pump(tdp_fanout *fo)
+{
+    if (fo->pumping) {
+        fo->again = true;
+        return;
+    }
+    fo->pumping = true;
+    do {
+        fo->again = false;
+        admit(fo);
+        for (uint32_t i = 0; i < fo->o.max_consumers; i++)
+            c_pump(&fo->cons[i]);
+        if (fo->o.mode == TDP_FANOUT_DISTRIBUTE)
+            redistribute(fo);
+    } while (fo->again);
+    fo->pumping = false;
+}
+
+static void send_start(void *arg)
+{
+    tdp_op *op = arg;
+    tdp_fanout *fo = op->owner;
+    tdp__opq_push(&fo->waitq, op);
+    pump(fo);
+}
+
+/* A timed-out send: out of the queue, or let go of the slot it has. */
+static void take_back(tdp_op *op)
+{
+    tdp_fanout *fo = op->owner;
+    if (!tdp__opq_remove(&fo->waitq, op)) {
+        bool found = false;
+        for (uint32_t i = 0; i < fo->o.depth; i++) {
+            if (fo->msgs[i].live && fo->msgs[i].op == op) {
+                fo->msgs[i].op = NULL; /* the consumers go on with the slot's own reference */
+                found = true;
+            }
+        }
+        if (!found)
+            return;
+    }
+    tdp__op_complete(op, TDP_ETIMEDOUT);
+}
+
+void tdp_fanout_send_async(tdp_fanout *fo, tdp_td *td, tdp_op *op)
+{
+    if (op == NULL)
+        return;
+    if (tdp__op_pending(op)) {
+        tdp_log_error("tdp_fanout_send_async: op %p is still pending; ignored", (void *)op);
+        return;
+    }
+    op->kind = OP_SEND;
+    op->owner = fo;
+    op->take_back = take_back;
+    op->seq = 0;
+    if (fo == NULL || td == NULL) {
+        op->td = NULL;
+        tdp__op_complete(op, TDP_EINVAL);
+        return;
+    }
+    op->td = tdp_td_ref(td);
+    tdp__op_submit(fo->loop, op, send_start);
+}
+
+tdp_err tdp_fanout_send(tdp_fanout *fo, tdp_td *td, int64_t timeout_ms)
+{
+    if (fo == NULL || td == NULL || tdp_loop_on_thread(fo->loop) || tdp__op_pending(fo->sync))
+        return TDP_EINVAL;
+    tdp_op *op = fo->sync;
+    op->kind = OP_SEND;
+    op->seq = 0;
+    op->td = tdp_td_ref(td);
+    return tdp__op_run(fo->loop, op, send_start, timeout_ms);
+}
+
+/* ---- making, joining, leaving ----------------------------------------------- */
+
+tdp_err tdp_fanout_new(tdp_loop *loop, const tdp_fanout_opts *opts, tdp_fanout **out)
+{
+    tdp_fanout_opts o;
+    tdp_fanout_opts_default(&o);
+    if (opts != NULL) {
+        size_t n = opts->size < sizeof(o) ? opts->size : sizeof(o);
+        memcpy(&o, opts, n);
+        o.size = sizeof(o);
+        if (o.depth == 0)
+            o.depth = 4;
+        if (o.max_consumers == 0)
+            o.max_consumers = 64;
+        if (o.close_timeout_ms == 0)
+            o.close_timeout_ms = 5000;
+    }
+    if (loop == NULL || out == NULL || o.depth > FO_MAX_DEPTH ||
+        o.max_consumers > FO_MAX_CONSUMERS || (unsigned)o.mode > TDP_FANOUT_DISTRIBUTE ||
+        (unsigned)o.slow > TDP_FANOUT_DROP_OLDEST)
+        return TDP_EINVAL;
+    tdp_fanout *fo = tdp__calloc(1, sizeof(*fo));
+    if (fo == NULL)
+        return TDP_ENOMEM;
+    fo->loop = loop;
+    fo->o = o;
+    tdp__waiter_init(&fo->w);
+    fo->cons = tdp__calloc(o.max_consumers, sizeof(*fo->cons));
+    fo->reap_ev = event_new(tdp__loop_base(loop), -1, 0, reap_cb, fo);
+    fo->retry_ev = evtimer_new(tdp__loop_base(loop), retry_cb, fo);
+    if (fo->cons == NULL || fo->reap_ev == NULL || fo->retry_ev == NULL ||
+        tdp_op_new(NULL, NULL, &fo->sync) != TDP_OK)
+        goto err_free;
+    fo->sync->waiter = &fo->w;
+    fo->sync->owner = fo;
+    fo->sync->take_back = take_back;
+    *out = fo;
+    return TDP_OK;
+
+err_free:
+    if (fo->reap_ev != NULL)
+        event_free(fo->reap_ev);
+    if (fo->retry_ev != NULL)
+        event_free(fo->retry_ev);
+    tdp__free(fo->cons);
+    tdp__waiter_fini(&fo->w);
+    tdp__free(fo);
+    return TDP_ENOMEM;
+}
+
+typedef struct add_call {
+    tdp_fanout *fo;
+    tdp_pipe *pipe;
+    uint64_t id;
+    tdp_err rc;
+} add_call;
+
+static void add_task(void *arg)
+{
+    add_call *a = arg;
+    tdp_fanout *fo = a->fo;
+    a->rc = TDP_ELIMIT;
+    if (fo->closing) {
+        a->rc = TDP_ECLOSED;
+        return;
+    }
+    if (tdp_pipe_status(a->pipe) != TDP_OK) {
+        a->rc = TDP_EINVAL;
+        return;
+    }
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state != C_FREE)
+            continue;
+        for (uint32_t k = 0; k < fo->o.depth; k++) {
+            c->ref[k] = (fo_opref){.c = c, .k = k};
+            c->op_msg[k] = -1;
+            if (tdp_op_new(c_send_cb, &c->ref[k], &c->ops[k]) != TDP_OK) {
+                for (uint32_t j = 0; j < k; j++)
+                    tdp_op_free(c->ops[j]);
+                memset(c, 0, sizeof(*c));
+                a->rc = TDP_ENOMEM;
+                return;
+            }
+        }
+        c->nops = fo->o.depth;
+        c->fo = fo;
+        c->pipe = a->pipe;
+        c->id = ++fo->next_id;
+        c->state = C_LIVE;
+        c->st.id = c->id;
+        c->st.plane = tdp_pipe_plane(a->pipe);
+        tdp_pipe_peer(a->pipe, c->peer, sizeof(c->peer));
+        fo->st.joined++;
+        fo->st.consumers++;
+        a->id = c->id;
+        a->rc = TDP_OK;
+        tdp_pipe_set_end_cb(a->pipe, c_end_cb, c); /* an end that came before runs now */
+        pump(fo);
+        return;
+    }
+}
+
+tdp_err tdp_fanout_add(tdp_fanout *fo, tdp_pipe *pipe, uint64_t *id)
+{
+    if (fo == NULL || pipe == NULL || tdp__session_loop(pipe) != fo->loop)
+        return TDP_EINVAL;
+    add_call a = {.fo = fo, .pipe = pipe};
+    tdp__call_on_loop(fo->loop, add_task, &a);
+    if (a.rc == TDP_OK && id != NULL)
+        *id = a.id;
+    return a.rc;
+}
+
+tdp_err tdp_fanout_connect(tdp_fanout *fo, const char *host, uint16_t port,
+                           const tdp_pipe_opts *opts, uint64_t *id)
+{
+    if (fo == NULL)
+        return TDP_EINVAL;
+    tdp_pipe *p;
+    tdp_err rc = tdp_pipe_connect(fo->loop, host, port, opts, &p);
+    if (rc != TDP_OK)
+        return rc;
+    rc = tdp_fanout_add(fo, p, id);
+    if (rc != TDP_OK)
+        tdp_pipe_free(p);
+    return rc;
+}
+
+static void refused_end_cb(tdp_pipe *pipe, tdp_err status, void *arg)
+{
+    (void)status;
+    (void)arg;
+    tdp_pipe_free(pipe);
+}
+
+static void on_accept(tdp_pipe *pipe, tdp_err status, void *arg)
+{
+    tdp_fanout *fo = arg;
+    if (pipe == NULL) {
+        tdp_log_debug("fanout: accept failed: %s", tdp_strerror(status));
+        return;
+    }
+    add_call a = {.fo = fo, .pipe = pipe};
+    add_task(&a);
+    if (a.rc != TDP_OK) {
+        /* not freed inside the callback that delivered it: when it has ended */
+        fo->st.refused++;
+        tdp_pipe_set_end_cb(pipe, refused_end_cb, NULL);
+        tdp_pipe_abort(pipe, TDP_ELIMIT);
+    }
+}
+
+tdp_err tdp_fanout_listen(tdp_fanout *fo, const char *bind_host, uint16_t port,
+                          const tdp_listener_opts *opts, uint16_t *bound)
+{
+    if (fo == NULL || fo->listener != NULL || tdp_loop_on_thread(fo->loop))
+        return TDP_EINVAL;
+    tdp_listener *l;
+    tdp_err rc = tdp_listener_new_opts(fo->loop, bind_host, port, opts, on_accept, fo, &l);
+    if (rc != TDP_OK)
+        return rc;
+    fo->listener = l;
+    if (bound != NULL)
+        *bound = tdp_listener_port(l);
+    return TDP_OK;
+}
+
+typedef struct remove_call {
+    tdp_fanout *fo;
+    uint64_t id;
+    tdp_err rc;
+} remove_call;
+
+static void remove_task(void *arg)
+{
+    remove_call *r = arg;
+    r->rc = TDP_EINVAL;
+    for (uint32_t i = 0; i < r->fo->o.max_consumers; i++) {
+        fo_consumer *c = &r->fo->cons[i];
+        if (c->id == r->id && c->state != C_FREE) {
+            if (c->state == C_LIVE)
+                c->state = C_LEAVING;
+            r->rc = TDP_OK;
+            pump(r->fo);
+            return;
+        }
+    }
+}
+
+tdp_err tdp_fanout_remove(tdp_fanout *fo, uint64_t id)
+{
+    if (fo == NULL || id == 0)
+        return TDP_EINVAL;
+    remove_call r = {.fo = fo, .id = id};
+    tdp__call_on_loop(fo->loop, remove_task, &r);
+    return r.rc;
+}
+
+/* ---- ending ------------------------------------------------------------------ */
+
+static void close_task(void *arg)
+{
+    tdp_fanout *fo = arg;
+    fo->closing = true;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++)
+        if (fo->cons[i].state == C_LIVE)
+            fo->cons[i].state = C_LEAVING;
+    pthread_mutex_lock(&fo->w.mtx);
+    fo->gone = fo->st.consumers == 0;
+    pthread_mutex_unlock(&fo->w.mtx);
+    pump(fo);
+}
+
+static void abort_task(void *arg)
+{
+    tdp_fanout *fo = arg;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state != C_FREE && !c->ended)
+            tdp_pipe_abort(c->pipe, TDP_ETIMEDOUT);
+    }
+}
+
+static void stop_listener(tdp_fanout *fo)
+{
+    tdp_listener_free(fo->listener);
+    fo->listener = NULL;
+}
+
+tdp_err tdp_fanout_close(tdp_fanout *fo, int64_t timeout_ms)
+{
+    if (fo == NULL || tdp_loop_on_thread(fo->loop))
+        return TDP_EINVAL;
+    stop_listener(fo);
+    tdp__call_on_loop(fo->loop, close_task, fo);
+    int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
+    pthread_mutex_lock(&fo->w.mtx);
+    bool ok = tdp__loop_wait(fo->loop, &fo->w.mtx, &fo->w.cond, &fo->gone, deadline);
+    pthread_mutex_unlock(&fo->w.mtx);
+    if (ok)
+        return TDP_OK;
+    tdp__call_on_loop(fo->loop, abort_task, fo);
+    return TDP_ETIMEDOUT;
+}
+
+static void free_task(void *arg)
+{
+    tdp_fanout *fo = arg;
+    fo->closing = fo->freeing = true;
+    admit(fo); /* waiting sends: TDP_ECANCELED */
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state == C_FREE)
+            continue;
+        tdp_pipe_set_end_cb(c->pipe, NULL, NULL);
+        c_fail(c, TDP_ECANCELED);
+        tdp_pipe_free(c->pipe); /* a send in flight completes (c_send_cb) in here */
+        c->pipe = NULL;
+        c->ended = true;
+        c_free(c);
+    }
+    for (uint32_t i = 0; i < fo->o.depth; i++)
+        if (fo->msgs[i].live)
+            msg_finish(fo, (int)i, TDP_ECANCELED);
+    event_free(fo->reap_ev);
+    event_free(fo->retry_ev);
+}
+
+void tdp_fanout_free(tdp_fanout *fo)
+{
+    if (fo == NULL)
+        return;
+    if (tdp_loop_on_thread(fo->loop)) {
+        tdp_log_error("tdp_fanout_free: not from the loop thread; leaked");
+        return;
+    }
+    stop_listener(fo);
+    tdp__call_on_loop(fo->loop, free_task, fo);
+    tdp_op_free(fo->sync);
+    tdp__waiter_fini(&fo->w);
+    tdp__free(fo->cons);
+    tdp__free(fo);
+}
+
+/* ---- queries ----------------------------------------------------------------- */
+
+typedef struct stats_call {
+    tdp_fanout *fo;
+    tdp_fanout_stats *st;
+    tdp_fanout_peer_stats *peers;
+    uint32_t max, n;
+} stats_call;
+
+static void stats_task(void *arg)
+{
+    stats_call *s = arg;
+    tdp_fanout *fo = s->fo;
+    if (s->st != NULL)
+        *s->st = fo->st;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state == C_FREE || c->state == C_DEAD)
+            continue;
+        if (s->n < s->max) {
+            tdp_fanout_peer_stats *p = &s->peers[s->n];
+            *p = c->st;
+            memcpy(p->peer, c->peer, sizeof(p->peer));
+            p->queued = c->qn;
+            p->status = TDP_OK;
+            p->leaving = c->state != C_LIVE;
+        }
+        s->n++;
+    }
+}
+
+uint32_t tdp_fanout_stats_get(tdp_fanout *fo, tdp_fanout_stats *st, tdp_fanout_peer_stats *peers,
+                              uint32_t max)
+{
+    if (fo == NULL || (peers == NULL && max > 0))
+        return 0;
+    stats_call s = {.fo = fo, .st = st, .peers = peers, .max = max};
+    tdp__call_on_loop(fo->loop, stats_task, &s);
+    return s.n;
+}

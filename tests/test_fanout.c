@@ -1,0 +1,625 @@
+/*
+ * test_fanout: one producer, many consumers (include/tdpipe/fanout.h), on
+ * the plane TDP_TEST_PLANE names (tests/CMakeLists.txt runs it per plane).
+ * Every message carries its fan-out sequence number in its first 8 bytes
+ * and a pattern derived from it in the rest, so order, loss and torn
+ * buffers all show.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include <tdpipe/tdpipe.h>
+
+#define TMO    20000 /* ms: bound for any single wait */
+#define NBYTES 4096
+#define MAXC   8
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static tdp_pipe_opts popts(void)
+{
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    const char *n = getenv("TDP_TEST_PLANE");
+    if (n != NULL && tdp_plane_parse(n, &o.plane) != TDP_OK)
+        abort();
+    return o;
+}
+
+static tdp_schema *bytes_schema(int64_t nbytes)
+{
+    tdp_schema_builder *b;
+    tdp_schema *s = NULL;
+    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
+    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+    tdp_schema_builder_free(b);
+    return s;
+}
+
+static void fill(tdp_td *td, uint64_t seq)
+{
+    uint8_t *p = tdp_td_data(td);
+    uint64_t n = tdp_td_nbytes(td);
+    memcpy(p, &seq, 8);
+    for (uint64_t i = 8; i < n; i++)
+        p[i] = (uint8_t)(seq * 31 + i);
+}
+
+/* The message's sequence number, 0 when its pattern does not match it. */
+static uint64_t check(const tdp_td *td)
+{
+    const uint8_t *p = tdp_td_data(td);
+    uint64_t n = tdp_td_nbytes(td), seq;
+    memcpy(&seq, p, 8);
+    for (uint64_t i = 8; i < n; i++)
+        if (p[i] != (uint8_t)(seq * 31 + i))
+            return 0;
+    return seq;
+}
+
+/* ---- environment: a producer loop with a fan-out that listens, consumer pipes ---- */
+
+typedef struct consumer {
+    pthread_t th;
+    tdp_pipe *pipe;
+    int stall_ms;       /* wait this long before the first receive */
+    uint64_t seqs[512]; /* what it got, in order */
+    uint64_t n, max;
+    tdp_err end; /* how its stream ended */
+    bool bad;    /* a torn or mismatched buffer */
+    bool joined;
+    atomic_bool wake; /* ends a stall */
+} consumer;
+
+typedef struct env {
+    tdp_loop *pl, *cl;
+    tdp_fanout *fo;
+    uint16_t port;
+    consumer c[MAXC];
+    int nc;
+} env;
+
+static void env_up(env *e, const tdp_fanout_opts *fo_opts)
+{
+    memset(e, 0, sizeof(*e));
+    assert_int_equal(tdp_loop_new(NULL, &e->pl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &e->cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(e->pl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(e->cl), TDP_OK);
+    assert_int_equal(tdp_fanout_new(e->pl, fo_opts, &e->fo), TDP_OK);
+    tdp_listener_opts lo;
+    tdp_listener_opts_default(&lo);
+    lo.pipe = popts();
+    assert_int_equal(tdp_fanout_listen(e->fo, "127.0.0.1", 0, &lo, &e->port), TDP_OK);
+    assert_true(e->port > 0);
+}
+
+static uint32_t consumers_now(env *e)
+{
+    tdp_fanout_stats st;
+    tdp_fanout_stats_get(e->fo, &st, NULL, 0);
+    return st.consumers;
+}
+
+static void wait_consumers(env *e, uint32_t n)
+{
+    int64_t end = mono_ms() + TMO;
+    while (consumers_now(e) != n && mono_ms() < end)
+        usleep(2000);
+    assert_int_equal(consumers_now(e), n);
+}
+
+static void *consumer_main(void *arg)
+{
+    consumer *c = arg;
+    int64_t until = mono_ms() + c->stall_ms;
+    while (!atomic_load(&c->wake) && mono_ms() < until)
+        usleep(1000);
+    for (;;) {
+        tdp_td *td;
+        tdp_err rc = tdp_pipe_recv(c->pipe, TMO, &td);
+        if (rc != TDP_OK) {
+            /* the consumer's side of the clean end: the fan-out's close waits for it */
+            c->end = rc;
+            tdp_pipe_free(c->pipe);
+            c->pipe = NULL;
+            return NULL;
+        }
+        uint64_t seq = check(td);
+        if (seq == 0 || c->n == c->max)
+            c->bad = true;
+        else
+            c->seqs[c->n++] = seq;
+    }
+}
+
+/* Dial one more consumer; it receives on a thread of its own. */
+static consumer *add_consumer(env *e, uint64_t max, int stall_ms)
+{
+    consumer *c = &e->c[e->nc];
+    tdp_pipe_opts o = popts();
+    c->max = max;
+    c->stall_ms = stall_ms;
+    assert_int_equal(tdp_pipe_connect(e->cl, "127.0.0.1", e->port, &o, &c->pipe), TDP_OK);
+    e->nc++;
+    wait_consumers(e, (uint32_t)e->nc);
+    assert_int_equal(pthread_create(&c->th, NULL, consumer_main, c), 0);
+    return c;
+}
+
+static void env_down(env *e)
+{
+    assert_int_equal(tdp_fanout_close(e->fo, TMO), TDP_OK);
+    for (int i = 0; i < e->nc; i++) {
+        if (!e->c[i].joined)
+            pthread_join(e->c[i].th, NULL);
+        assert_int_equal(e->c[i].end, TDP_ECLOSED);
+        assert_false(e->c[i].bad);
+    }
+    tdp_fanout_free(e->fo);
+    tdp_loop_free(e->cl);
+    tdp_loop_free(e->pl);
+}
+
+static void assert_run(const consumer *c, uint64_t from, uint64_t to)
+{
+    assert_int_equal(c->n, to - from + 1);
+    for (uint64_t i = 0; i < c->n; i++)
+        assert_int_equal(c->seqs[i], from + i);
+}
+
+/* ---- tests ------------------------------------------------------------------- */
+
+/* Broadcast: three consumers each get 1..N in order; one buffer reused. */
+static void test_broadcast_order(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 300;
+    env_up(&e, NULL);
+    for (int i = 0; i < 3; i++)
+        add_consumer(&e, n, 0);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= n; i++) {
+        fill(td, i); /* safe: the previous send has completed on every consumer */
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_fanout_peer_stats ps[MAXC];
+    tdp_fanout_stats st;
+    assert_int_equal(tdp_fanout_stats_get(e.fo, &st, ps, MAXC), 3);
+    assert_int_equal(st.msgs, n);
+    assert_int_equal(st.unsent, 0);
+    assert_int_equal(st.drops, 0);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(ps[i].msgs_sent, n);
+        assert_int_equal(ps[i].bytes_sent, n * NBYTES);
+        assert_int_equal(ps[i].first_seq, 1);
+    }
+    env_down(&e);
+    for (int i = 0; i < 3; i++)
+        assert_run(&e.c[i], 1, n);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/* Async sends, several in flight, each with its own buffer: all in order. */
+static void test_broadcast_async(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 200;
+    enum { K = 4 };
+    env_up(&e, NULL);
+    for (int i = 0; i < 2; i++)
+        add_consumer(&e, n, 0);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td[K];
+    tdp_op *op[K];
+    for (int k = 0; k < K; k++) {
+        assert_int_equal(tdp_td_new(s, &td[k]), TDP_OK);
+        assert_int_equal(tdp_op_new(NULL, NULL, &op[k]), TDP_OK);
+    }
+    for (uint64_t i = 1; i <= n; i++) {
+        int k = (int)(i % K);
+        int64_t end = mono_ms() + TMO;
+        while (tdp_op_result(op[k]) == TDP_EAGAIN && mono_ms() < end)
+            usleep(100);
+        assert_int_equal(tdp_op_result(op[k]), TDP_OK);
+        if (i > K)
+            assert_int_equal(tdp_op_seq(op[k]), i - K);
+        fill(td[k], i);
+        tdp_fanout_send_async(e.fo, td[k], op[k]);
+    }
+    for (int k = 0; k < K; k++) {
+        int64_t end = mono_ms() + TMO;
+        while (tdp_op_result(op[k]) == TDP_EAGAIN && mono_ms() < end)
+            usleep(100);
+        assert_int_equal(tdp_op_result(op[k]), TDP_OK);
+    }
+    env_down(&e);
+    for (int i = 0; i < 2; i++)
+        assert_run(&e.c[i], 1, n);
+    for (int k = 0; k < K; k++) {
+        tdp_op_free(op[k]);
+        tdp_td_unref(td[k]);
+    }
+    tdp_schema_unref(s);
+}
+
+/* A consumer that joins late starts at the next message. */
+static void test_late_joiner(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 100;
+    env_up(&e, NULL);
+    add_consumer(&e, n, 0);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= n; i++) {
+        if (i == 51)
+            add_consumer(&e, n, 0);
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_fanout_peer_stats ps[MAXC];
+    assert_int_equal(tdp_fanout_stats_get(e.fo, NULL, ps, MAXC), 2);
+    assert_int_equal(ps[0].first_seq + ps[1].first_seq, 1 + 51);
+    env_down(&e);
+    assert_run(&e.c[0], 1, n);
+    assert_run(&e.c[1], 51, n);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/* Broadcast with nobody there: done at once, counted as unsent. */
+static void test_broadcast_nobody(void **state)
+{
+    (void)state;
+    env e;
+    env_up(&e, NULL);
+    tdp_schema *s = bytes_schema(64);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    tdp_fanout_stats st;
+    assert_int_equal(tdp_fanout_stats_get(e.fo, &st, NULL, 0), 0);
+    assert_int_equal(st.unsent, 1);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/*
+ * Distribute: every message goes to exactly one consumer, each consumer's
+ * share in order; a consumer that does not receive holds no more than its
+ * credit (one buffer, depth 1) and one send waiting for it, while the
+ * others take the rest.
+ */
+static void test_distribute_credit(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 300;
+    tdp_fanout_opts fo;
+    tdp_fanout_opts_default(&fo);
+    fo.mode = TDP_FANOUT_DISTRIBUTE;
+    env_up(&e, &fo);
+    add_consumer(&e, n, 0);
+    add_consumer(&e, n, 0);
+    consumer *slow = add_consumer(&e, n, TMO); /* does not receive until woken below */
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= n; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_fanout_peer_stats ps[MAXC];
+    assert_int_equal(tdp_fanout_stats_get(e.fo, NULL, ps, MAXC), 3);
+    uint64_t total = 0;
+    for (int i = 0; i < 3; i++)
+        total += ps[i].msgs_sent;
+    assert_int_equal(total, n);
+    /* the stalled one: one message in its buffer, at most one more that its pipe took */
+    print_message("shares %" PRIu64 " %" PRIu64 " %" PRIu64 "\n", ps[0].msgs_sent, ps[1].msgs_sent,
+                  ps[2].msgs_sent);
+    assert_true(ps[2].msgs_sent <= 2);
+    assert_true(ps[0].msgs_sent > 0 && ps[1].msgs_sent > 0);
+    atomic_store(&slow->wake, true);
+    env_down(&e);
+    bool *seen = calloc(n + 1, sizeof(bool));
+    for (int i = 0; i < 3; i++) {
+        for (uint64_t k = 0; k < e.c[i].n; k++) {
+            assert_false(seen[e.c[i].seqs[k]]);
+            seen[e.c[i].seqs[k]] = true;
+            if (k > 0)
+                assert_true(e.c[i].seqs[k] > e.c[i].seqs[k - 1]);
+        }
+    }
+    for (uint64_t i = 1; i <= n; i++)
+        assert_true(seen[i]);
+    free(seen);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/*
+ * Drop-oldest: a consumer that does not receive loses messages (counted)
+ * and stops nobody; what it does get is in order, and what it got plus
+ * what it lost is everything.
+ */
+static void test_drop_oldest(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 200;
+    tdp_fanout_opts fo;
+    tdp_fanout_opts_default(&fo);
+    fo.slow = TDP_FANOUT_DROP_OLDEST;
+    env_up(&e, &fo);
+    add_consumer(&e, n, 0);
+    consumer *slow = add_consumer(&e, n, TMO);
+    tdp_schema *s = bytes_schema(NBYTES);
+    int64_t t0 = mono_ms();
+    for (uint64_t i = 1; i <= n; i++) {
+        tdp_td *td; /* a fresh buffer each time: lagging consumers may still hold the last */
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+        tdp_td_unref(td);
+    }
+    assert_true(mono_ms() - t0 < TMO); /* the stalled consumer did not hold the producer */
+    tdp_fanout_peer_stats ps[MAXC];
+    tdp_fanout_stats st;
+    assert_int_equal(tdp_fanout_stats_get(e.fo, &st, ps, MAXC), 2);
+    print_message("drops: fast %" PRIu64 ", stalled %" PRIu64 "\n", ps[0].drops, ps[1].drops);
+    /* the stalled one holds at most depth queued, one in its buffer and one in its pipe */
+    assert_true(ps[1].drops >= n - fo.depth - 2);
+    assert_int_equal(ps[0].drops, 0); /* the fastest sets the pace: it loses nothing */
+    assert_int_equal(st.drops, ps[0].drops + ps[1].drops);
+    atomic_store(&slow->wake, true);
+    env_down(&e);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(e.c[i].n + ps[i].drops, n);
+        for (uint64_t k = 1; k < e.c[i].n; k++)
+            assert_true(e.c[i].seqs[k] > e.c[i].seqs[k - 1]);
+    }
+    tdp_schema_unref(s);
+}
+
+/* A consumer that leaves (removed) gets what it held and a clean end. */
+static void test_remove(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 60;
+    env_up(&e, NULL);
+    add_consumer(&e, n, 0);
+    add_consumer(&e, n, 0);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    tdp_fanout_peer_stats ps[MAXC];
+    for (uint64_t i = 1; i <= n; i++) {
+        if (i == 31) {
+            assert_int_equal(tdp_fanout_stats_get(e.fo, NULL, ps, MAXC), 2);
+            assert_int_equal(tdp_fanout_remove(e.fo, ps[1].id), TDP_OK);
+        }
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    assert_int_equal(tdp_fanout_remove(e.fo, 999), TDP_EINVAL);
+    pthread_join(e.c[1].th, NULL); /* its stream ended cleanly after message 30 */
+    e.c[1].joined = true;
+    assert_int_equal(e.c[1].end, TDP_ECLOSED);
+    assert_run(&e.c[1], 1, 30);
+    wait_consumers(&e, 1);
+    tdp_fanout_stats st;
+    tdp_fanout_stats_get(e.fo, &st, NULL, 0);
+    assert_int_equal(st.left, 1);
+    assert_int_equal(st.failed, 0);
+    env_down(&e);
+    assert_run(&e.c[0], 1, n);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/* Zero library allocations per message once every consumer is there. */
+static void test_zero_alloc(void **state)
+{
+    (void)state;
+    env e;
+    env_up(&e, NULL);
+    for (int i = 0; i < 2; i++)
+        add_consumer(&e, 400, 0);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    uint64_t a0 = 0;
+    for (uint64_t i = 1; i <= 400; i++) {
+        if (i == 101)
+            a0 = tdp_mem_total_allocs();
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    uint64_t a1 = tdp_mem_total_allocs();
+    print_message("library allocations in 300 steady messages: %" PRIu64 "\n", a1 - a0);
+    assert_int_equal(a1 - a0, 0);
+    env_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/*
+ * Consumers that listen: the fan-out dials them (tdp_fanout_connect) and
+ * is handed a pipe (tdp_fanout_add); a pipe of another loop is refused.
+ */
+static void test_dial_and_add(void **state)
+{
+    (void)state;
+    env e;
+    const uint64_t n = 50;
+    env_up(&e, NULL);
+    tdp_pipe_opts o = popts();
+    tdp_listener *l;
+    assert_int_equal(tdp_listener_new(e.cl, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    uint16_t lport = tdp_listener_port(l);
+    uint64_t id1 = 0, id2 = 0;
+    assert_int_equal(tdp_fanout_connect(e.fo, "127.0.0.1", lport, &o, &id1), TDP_OK);
+    tdp_pipe *mine;
+    assert_int_equal(tdp_pipe_connect(e.pl, "127.0.0.1", lport, &o, &mine), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &e.c[0].pipe), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &e.c[1].pipe), TDP_OK);
+    /* a pipe on the consumers' loop, not the fan-out's */
+    assert_int_equal(tdp_fanout_add(e.fo, e.c[0].pipe, &id2), TDP_EINVAL);
+    assert_int_equal(tdp_fanout_add(e.fo, mine, &id2), TDP_OK);
+    assert_true(id1 != 0 && id2 != 0 && id1 != id2);
+    for (int i = 0; i < 2; i++) {
+        e.c[i].max = n;
+        assert_int_equal(pthread_create(&e.c[i].th, NULL, consumer_main, &e.c[i]), 0);
+    }
+    e.nc = 2;
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= n; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_listener_free(l);
+    env_down(&e);
+    for (int i = 0; i < 2; i++)
+        assert_run(&e.c[i], 1, n);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
+/* ---- kill one of four consumers, each its own process ------------------------------ */
+
+/* A consumer process: connect, receive until the end, exit 0 if it got 1..n in order. */
+static int child_main(int rfd, uint64_t n)
+{
+    uint16_t port;
+    if (read(rfd, &port, sizeof(port)) != sizeof(port))
+        return 2;
+    tdp_loop *l;
+    tdp_pipe *p;
+    tdp_pipe_opts o = popts();
+    if (tdp_loop_new(NULL, &l) != TDP_OK || tdp_loop_start_thread(l) != TDP_OK ||
+        tdp_pipe_connect(l, "127.0.0.1", port, &o, &p) != TDP_OK)
+        return 3;
+    uint64_t want = 1;
+    tdp_td *td;
+    tdp_err rc;
+    while ((rc = tdp_pipe_recv(p, TMO, &td)) == TDP_OK) {
+        if (check(td) != want)
+            return 4;
+        want++;
+    }
+    int code = rc == TDP_ECLOSED && want == n + 1 ? 0 : 5;
+    tdp_pipe_free(p);
+    tdp_loop_free(l);
+    return code;
+}
+
+static void test_kill_one_of_four(void **state)
+{
+    (void)state;
+    enum { NC = 4 };
+    const uint64_t n = 400;
+    int rounds = getenv("TDP_FANOUT_KILL_ROUNDS") ? atoi(getenv("TDP_FANOUT_KILL_ROUNDS")) : 2;
+    for (int r = 0; r < rounds; r++) {
+        pid_t pid[NC];
+        int wfd[NC];
+        for (int i = 0; i < NC; i++) {
+            int fds[2];
+            assert_int_equal(pipe(fds), 0);
+            pid[i] = fork();
+            assert_true(pid[i] >= 0);
+            if (pid[i] == 0) {
+                close(fds[1]);
+                _exit(child_main(fds[0], n));
+            }
+            close(fds[0]);
+            wfd[i] = fds[1];
+        }
+        env e;
+        env_up(&e, NULL);
+        for (int i = 0; i < NC; i++) {
+            assert_int_equal(write(wfd[i], &e.port, sizeof(e.port)), (ssize_t)sizeof(e.port));
+            close(wfd[i]);
+        }
+        wait_consumers(&e, NC);
+        tdp_schema *s = bytes_schema(NBYTES);
+        tdp_td *td;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        int victim = r % NC;
+        for (uint64_t i = 1; i <= n; i++) {
+            if (i == n / 3)
+                kill(pid[victim], SIGKILL);
+            fill(td, i);
+            assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+        }
+        assert_int_equal(tdp_fanout_close(e.fo, TMO), TDP_OK);
+        for (int i = 0; i < NC; i++) {
+            int st;
+            assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
+            if (i == victim) {
+                assert_true(WIFSIGNALED(st));
+            } else {
+                assert_true(WIFEXITED(st));
+                assert_int_equal(WEXITSTATUS(st), 0);
+            }
+        }
+        tdp_fanout_stats fst;
+        tdp_fanout_stats_get(e.fo, &fst, NULL, 0);
+        assert_int_equal(fst.joined, NC);
+        assert_int_equal(fst.failed, 1);
+        tdp_fanout_free(e.fo);
+        tdp_loop_free(e.cl);
+        tdp_loop_free(e.pl);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+    }
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_broadcast_order),
+        cmocka_unit_test(test_broadcast_async),
+        cmocka_unit_test(test_late_joiner),
+        cmocka_unit_test(test_broadcast_nobody),
+        cmocka_unit_test(test_distribute_credit),
+        cmocka_unit_test(test_drop_oldest),
+        cmocka_unit_test(test_remove),
+        cmocka_unit_test(test_zero_alloc),
+        cmocka_unit_test(test_dial_and_add),
+        cmocka_unit_test(test_kill_one_of_four),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
