@@ -30,6 +30,7 @@ static void test_each_free_takes_null(void **state)
     tdp_schema_builder_free(NULL);
     tdp_server_free(NULL);
     tdp_fanout_free(NULL);
+    tdp_fanin_free(NULL);
     tdp_td_unref(NULL);
 
     /* and none of them counted a free */
@@ -42,7 +43,7 @@ static void test_each_free_takes_null(void **state)
 static const char *const covered[] = {
     "tdp_loop_free", "tdp_mem_free",     "tdp_listener_free",       "tdp_op_free",
     "tdp_pipe_free", "tdp_schema_unref", "tdp_schema_builder_free", "tdp_server_free",
-    "tdp_td_unref",  "tdp_fanout_free",
+    "tdp_td_unref",  "tdp_fanout_free",  "tdp_fanin_free",
 };
 
 static bool is_covered(const char *name)
