@@ -15,7 +15,7 @@ import numpy as np
 
 import tdpipe
 from tdpipe import _tdpipe
-from tdpipe._convert import build_schema, flatten
+from tdpipe._convert import Consolidated, Plan, build_schema, flatten, unpack
 
 T = 10  # seconds, every blocking call
 
@@ -23,8 +23,8 @@ T = 10  # seconds, every blocking call
 def pair(plane, tx_opts=None, rx_opts=None, loop="caller"):
     if plane == "cuda-ipc":
         # offered only by pipes that name their GPU
-        tx_opts = dict(tx_opts or {}, cuda_device=0)
-        rx_opts = dict(rx_opts or {}, cuda_device=0)
+        tx_opts = dict({"cuda_device": 0}, **(tx_opts or {}))
+        rx_opts = dict({"cuda_device": 0}, **(rx_opts or {}))
     lst = tdpipe.listen("127.0.0.1", loop=loop, plane=plane, **(rx_opts or {}))
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("rx", lst.accept(timeout=T)))
@@ -52,6 +52,13 @@ def device_td(src, device="cuda:0"):
     del keep
     assert td.device == device
     return td
+
+
+def device_like(src, device="cuda:0"):
+    """A layout on `device` to loan by: DLPackArray leaves of a device
+    buffer (what a torch CUDA dict gives where torch has CUDA)."""
+    td = device_td(src, device)
+    return unpack(td, Plan(td.schema), "dlpack", Consolidated)
 
 
 def check_bytes(msg, src):
@@ -193,6 +200,61 @@ def case_consolidated(plane):
         check_bytes(got, src)
     for p in (a, b, c, d):
         p.close(T)
+
+
+def case_loan(plane, gpu=0):
+    """pipe.loan() of a GPU layout: a device buffer of kDLCUDA leaves on
+    device `gpu`, filled (here by the library's copies: host code cannot write
+    the fake's device memory), sent and received byte-exact, with nothing
+    allocated per message on cuda-ipc. There the loan is a slot of the
+    sender's device pool and the receiver's views are that very slot (zero
+    copy: one process shares the pool's pointer)."""
+    opts = {"cuda_device": gpu} if plane == "cuda-ipc" else {}
+    tx, rx = pair(plane, opts, opts)
+    like = device_like(payload(60), "cuda:%d" % gpu)
+    slots = set()
+    base = None
+    for i in range(40):
+        ln = tx.loan(like, timeout=T, as_="dlpack")
+        assert ln._td.device == "cuda:%d" % gpu, ln._td.device
+        start, end = ln.buffer_address, ln.buffer_address + ln.buffer_nbytes
+        ptrs = []
+        for leaf in (ln["obs"], ln["next", "reward"], ln["next", "done"]):
+            assert leaf.__dlpack_device__() == (2, gpu), leaf.__dlpack_device__()
+            assert start <= leaf.data_ptr and leaf.data_ptr + leaf.nbytes <= end
+            ptrs.append(leaf.data_ptr)
+        src = payload(61 + i)
+        _key, _nodes, _tensors, _values, addrs, keep = flatten(src)
+        ln._td.fill(addrs)
+        del keep
+        tx.send(ln, timeout=T)
+        with rx.recv(timeout=T, as_="dlpack") as m:
+            assert m.schema.device == "cuda:%d" % gpu, m.schema.device
+            assert m["obs"].__dlpack_device__() == (2, gpu)
+            got = [m["obs"].data_ptr, m["next", "reward"].data_ptr, m["next", "done"].data_ptr]
+            if plane == "cuda-ipc":
+                assert m.buffer_address == start, (hex(m.buffer_address), hex(start))
+                assert got == ptrs, (got, ptrs)
+            if i < 3:
+                check_bytes(m, dict(src, tag=like["tag"]))  # values are the layout's
+        slots.add(start)
+        if i == 9:
+            base = tdpipe.mem_stats()["total_allocs"]
+    if plane == "cuda-ipc":
+        # the pool's slots (depth 1: 1 + 2), lent in turn, nothing allocated;
+        # shm and ucx lend a new device buffer per GPU loan instead
+        grown = tdpipe.mem_stats()["total_allocs"] - base
+        assert grown == 0, "%d allocations over 30 steady loans" % grown
+        assert 1 <= len(slots) <= 3, slots
+    tx.close(T)
+    rx.close(T)
+
+
+def case_loan_gpu1(plane):
+    """case_loan on the second GPU (TDPIPE_CUDA=fake:2), both pipes naming
+    it: the loan and the message carry device index 1."""
+    assert tdpipe.cuda_device_count() >= 2, "run with TDPIPE_CUDA=fake:2"
+    case_loan(plane, 1)
 
 
 def case_async(plane):
