@@ -23,7 +23,8 @@ def test_gpu_dataloader_example():
     """The GPU producer/training example, over cuda-ipc; it exits 3 (skipped)
     where PyTorch has no CUDA or the library sees no GPU."""
     r = subprocess.run([sys.executable, os.path.join(EX, "gpu_dataloader.py"),
-                        "--batches", "100"], capture_output=True, text=True, timeout=180, env=os.environ.copy())
+                        "--batches", "100"],
+                       capture_output=True, text=True, timeout=180, env=os.environ.copy())
     if r.returncode == 3:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, r.stdout + r.stderr
