@@ -19,6 +19,7 @@ Needs PyTorch with CUDA and a libtdpipe built with -DTDP_CUDA=ON; exits 3,
 saying why, where either is missing.
 """
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ SKIPPED = 3
 def gpu_or_exit():
     if not torch.cuda.is_available():
         why = "this PyTorch has no CUDA"
+    elif os.environ.get("TDPIPE_CUDA", "").startswith("fake"):
+        why = "TDPIPE_CUDA=fake: torch's CUDA memory is not the fake device's"
     elif tdpipe.cuda_device_count() < 1:
         why = "tdpipe's CUDA layer sees no GPU (docs/gpu.md)"
     else:
