@@ -8,8 +8,10 @@ through copies to the host made by the library (DLPackArray.tobytes,
 Td.read, recv(device="cpu")).
 """
 import asyncio
+import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -257,6 +259,72 @@ def case_loan_gpu1(plane):
     case_loan(plane, 1)
 
 
+def produce_loans(port, n):
+    """The child of case_child: connect naming GPU 0, send n loans filled
+    with payload(70 + i), then wait to be killed."""
+    tx = tdpipe.connect("127.0.0.1", int(port), plane="cuda-ipc", cuda_device=0,
+                        connect_timeout=T)
+    like = device_like(payload(70))
+    for i in range(int(n)):
+        ln = tx.loan(like, timeout=T, as_="dlpack")
+        _key, _nodes, _tensors, _values, addrs, keep = flatten(payload(70 + i))
+        ln._td.fill(addrs)
+        tx.send(ln, timeout=T)
+    print("sent", flush=True)
+    time.sleep(60)
+
+
+def case_child(plane):
+    """Loans from a producer process: the receiver imports the pool and its
+    kDLCUDA leaves arrive byte-exact, with no buffer allocated per message;
+    the producer killed while a message is held leaves it readable, and the
+    next receive fails instead of waiting."""
+    assert plane == "cuda-ipc"
+    n = 30
+    lst = tdpipe.listen("127.0.0.1", plane=plane, cuda_device=0, depth=2)
+    child = subprocess.Popen([sys.executable, __file__, "produce_loans", str(lst.port), str(n)],
+                             stdout=subprocess.PIPE)
+    try:
+        rx = lst.accept(timeout=T)
+        lst.close()
+        assert rx.plane == "cuda-ipc", rx.plane
+        held, base = None, None
+        for i in range(n):
+            m = rx.recv(timeout=T, as_="dlpack")
+            assert m["obs"].__dlpack_device__() == (2, 0)
+            assert m.buffer_address <= m["obs"].data_ptr < m.buffer_address + m.buffer_nbytes
+            if i < 3 or i == n - 1:
+                check_bytes(m, dict(payload(70 + i), tag="step 70"))
+            if i == 9:
+                base = _buffers()
+            if i < n - 1:
+                m.release()
+            else:
+                held = m
+        assert _buffers() == base, "%d buffers over 20 messages" % (_buffers() - base)
+        assert child.stdout.readline() == b"sent\n"
+        child.kill()
+        child.wait(T)
+        check_bytes(held, dict(payload(70 + n - 1), tag="step 70"))  # still readable
+        try:
+            rx.recv(timeout=T)
+            raise AssertionError("a receive from a killed producer returned")
+        except tdpipe.PeerError:
+            pass
+        held.release()
+        rx.abort()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(T)
+
+
+def _buffers():
+    """Allocations of every memory kind, device included; not small objects."""
+    s = tdpipe.mem_stats()
+    return s["total_allocs"] - s["small_allocs"]
+
+
 def case_async(plane):
     """asend of device leaves and arecv(device="cpu") on loop="thread" pipes."""
     a, b = pair(plane, loop="thread")
@@ -281,5 +349,8 @@ def case_async(plane):
 
 if __name__ == "__main__":
     assert tdpipe.cuda_device_count() >= 1, "run with TDPIPE_CUDA=fake"
+    if sys.argv[1] == "produce_loans":
+        produce_loans(*sys.argv[2:])
+        sys.exit(0)
     globals()["case_" + sys.argv[1]](sys.argv[2])
     print("ok", flush=True)

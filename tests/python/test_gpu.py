@@ -24,10 +24,9 @@ FAKE_CASES = ["recv_dlpack", "recv_to_host", "override", "send_device_leaves", "
               "loan", "async"]
 
 
-@pytest.mark.parametrize("plane", ["shm", "ucx", "cuda-ipc"])
-@pytest.mark.parametrize("case", FAKE_CASES)
-def test_fake_device(case, plane):
-    env = dict(os.environ, TDPIPE_CUDA="fake", TDPIPE_FAKE_CUDA_DELAY_US="50")
+def _run_fake(case, plane, devices="fake"):
+    """gpu_fake.py CASE PLANE in a child process on the fake device."""
+    env = dict(os.environ, TDPIPE_CUDA=devices, TDPIPE_FAKE_CUDA_DELAY_US="50")
     r = subprocess.run([sys.executable, os.path.join(HERE, "gpu_fake.py"), case, plane],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     out = r.stdout.decode(errors="replace")
@@ -35,14 +34,22 @@ def test_fake_device(case, plane):
     assert r.returncode == 0 and out.rstrip().endswith("ok"), "rc %d\n%s" % (r.returncode, out)
 
 
+@pytest.mark.parametrize("plane", ["shm", "ucx", "cuda-ipc"])
+@pytest.mark.parametrize("case", FAKE_CASES)
+def test_fake_device(case, plane):
+    _run_fake(case, plane)
+
+
 @pytest.mark.parametrize("plane", ["shm", "cuda-ipc"])
 def test_fake_loan_second_device(plane):
     """A GPU loan on device 1 of two (TDPIPE_CUDA=fake:2) keeps its index."""
-    env = dict(os.environ, TDPIPE_CUDA="fake:2")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "gpu_fake.py"), "loan_gpu1", plane],
-                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
-    out = r.stdout.decode(errors="replace")
-    assert r.returncode == 0 and out.rstrip().endswith("ok"), "rc %d\n%s" % (r.returncode, out)
+    _run_fake("loan_gpu1", plane, "fake:2")
+
+
+def test_fake_loans_from_a_process():
+    """cuda-ipc loans from a producer process (the pool imported, not
+    shared), and that producer killed while a message is held."""
+    _run_fake("child", "cuda-ipc")
 
 
 def _real_gpu():
