@@ -245,6 +245,12 @@ class Pipe:
         finished first. as_ (default: the pipe's) picks the leaves: "torch"
         or "dlpack" (DLPackArray, for a PyTorch without CUDA)."""
         schema, _addrs, _keep = self._send_cache.get(like)
+        as_ = as_ or self.as_
+        if as_ == "torch" and schema.device != "cpu" and _torch is not None and \
+                not _torch.cuda.is_available():
+            # before a slot is taken: unpacking it would fail with a receive's advice
+            raise RuntimeError("loan: the layout is on %s but this PyTorch has no CUDA: loan "
+                               "with as_='dlpack'" % schema.device)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 20e-6
         while True:
@@ -258,7 +264,7 @@ class Pipe:
                 raise TimeoutError("loan: every slot is in use (ETIMEDOUT)")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-        return self._loan_unpack(td, as_ or self.as_, Consolidated)
+        return self._loan_unpack(td, as_, Consolidated)
 
     # -- receiving
 

@@ -15,6 +15,11 @@ import time
 
 import numpy as np
 
+try:
+    import torch
+except ImportError:
+    torch = None
+
 import tdpipe
 from tdpipe import _tdpipe
 from tdpipe._convert import Consolidated, Plan, build_schema, flatten, unpack
@@ -214,6 +219,12 @@ def case_loan(plane, gpu=0):
     opts = {"cuda_device": gpu} if plane == "cuda-ipc" else {}
     tx, rx = pair(plane, opts, opts)
     like = device_like(payload(60), "cuda:%d" % gpu)
+    if torch is not None and not torch.cuda.is_available():
+        try:
+            tx.loan(like, timeout=T)  # as_="torch", the pipe's
+            raise AssertionError("a GPU loan became torch tensors without CUDA")
+        except RuntimeError as e:
+            assert "as_='dlpack'" in str(e), e
     slots = set()
     base = None
     for i in range(40):
