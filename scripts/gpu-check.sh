@@ -93,7 +93,8 @@ fi
 grep -E "tests passed|Failed|\*\*\*" "$OUT/ctest.log" | sed 's/^/  /'
 
 say "Python: GPU tests and the GPU example"
-PY=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' "$B/CMakeCache.txt")
+# the interpreter CMake built the package for (FindPython's cache entry)
+PY=$(grep -m1 -E '^_?Python3_EXECUTABLE:' "$B/CMakeCache.txt" | cut -d= -f2-)
 if [[ ! -d $B/python/tdpipe || -z $PY ]]; then
     echo "  the Python package was not built here (no Python development files): skipped"
 else
