@@ -6,10 +6,15 @@
 #   2. runs the GPU test suites on the real device (the pipe conformance
 #      suite in device mode on every plane, the CUDA layer, staging, the
 #      CLI), or the whole suite with --full;
-#   3. runs one bench under compute-sanitizer memcheck (where installed);
-#   4. runs `tdpipe bench --mem cuda` on each plane from 1 KB to 1 GB, the
+#   3. runs the Python package's GPU tests and GPU example
+#      (tests/python/test_gpu.py, examples/python/gpu_dataloader.py: torch
+#      CUDA tensors on every plane, loans on cuda-ipc) with the interpreter
+#      the package was built for; their torch cases need that Python's
+#      torch to have CUDA (pick it with TDP_PYTHON=/path/to/python3);
+#   4. runs one bench under compute-sanitizer memcheck (where installed);
+#   5. runs `tdpipe bench --mem cuda` on each plane from 1 KB to 1 GB, the
 #      same plane with host memory, and UCX over TCP both ways;
-#   5. measures the copy limits in the same run (tdp_gpu_copy) and the
+#   6. measures the copy limits in the same run (tdp_gpu_copy) and the
 #      same-host hand-off peers (tdp_gpu_ipc: a pool exported once and a
 #      CPU-side stream wait per message; PyTorch's CUDA IPC through
 #      torch.multiprocessing, bench/torch_cuda_ipc.py, where torch has
@@ -56,7 +61,9 @@ say() { printf '\n== %s (%ds)\n' "$*" $((SECONDS - T0)); }
 say "build"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
-if ! cmake -S . -B "$B" "${gen[@]}" -DTDP_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+pyexe=()
+[[ -n ${TDP_PYTHON:-} ]] && pyexe=(-DPython3_EXECUTABLE="$TDP_PYTHON")
+if ! cmake -S . -B "$B" "${gen[@]}" -DTDP_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${pyexe[@]}" \
     >"$OUT/cmake.log" 2>&1 || ! cmake --build "$B" -j"$JOBS" >"$OUT/build.log" 2>&1; then
     tail -30 "$OUT/cmake.log" "$OUT/build.log"
     echo "gpu-check: the build failed" >&2
@@ -84,6 +91,22 @@ else
         >"$OUT/ctest.log" 2>&1 || FAILED+=(tests)
 fi
 grep -E "tests passed|Failed|\*\*\*" "$OUT/ctest.log" | sed 's/^/  /'
+
+say "Python: GPU tests and the GPU example"
+# the interpreter CMake built the package for (FindPython's cache entry)
+PY=$(grep -m1 -E '^_?Python3_EXECUTABLE:' "$B/CMakeCache.txt" | cut -d= -f2-)
+if [[ ! -d $B/python/tdpipe || -z $PY ]]; then
+    echo "  the Python package was not built here (no Python development files): skipped"
+else
+    # the fake-device cases pick their backend themselves; the torch CUDA
+    # cases and the example skip (saying why) without torch's CUDA, or on
+    # the fake (torch's device pointers are not the fake's memory)
+    PYTHONPATH=$B/python PYTHONDONTWRITEBYTECODE=1 timeout 300 "$PY" -m pytest -q -rs \
+        -p no:cacheprovider tests/python/test_gpu.py \
+        tests/python/test_examples.py::test_gpu_dataloader_example \
+        >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
+    grep -E "passed|failed|error|SKIPPED" "$OUT/python_gpu.log" | sed 's/^/  /'
+fi
 
 say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm and ucx, 1 MB"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)

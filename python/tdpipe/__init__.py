@@ -230,15 +230,27 @@ class Pipe:
             self._raw.send_gather(schema, addrs, timeout)
             del keep
 
-    def loan(self, like, timeout=None):
+    def loan(self, like, timeout=None, as_=None):
         """A Consolidated laid out like `like` (a nested mapping), in a send
         buffer borrowed from the data plane (a slot of the shared pool on the
         shm plane): fill its leaves in place and send it, copying nothing.
         Once sent it is the receiver's: loan a new one for the next message.
         When every slot is out (the receiver holds them, or sends are in
         flight) this waits, polling, up to `timeout` seconds (None: forever),
-        then raises TimeoutError."""
+        then raises TimeoutError.
+
+        A layout of CUDA leaves gives a device buffer (on the cuda-ipc plane
+        a slot of the device pool, which the receiver views): fill it on the
+        GPU; send synchronizes torch's current stream, other streams must be
+        finished first. as_ (default: the pipe's) picks the leaves: "torch"
+        or "dlpack" (DLPackArray, for a PyTorch without CUDA)."""
         schema, _addrs, _keep = self._send_cache.get(like)
+        as_ = as_ or self.as_
+        if as_ == "torch" and schema.device != "cpu" and _torch is not None and \
+                not _torch.cuda.is_available():
+            # before a slot is taken: unpacking it would fail with a receive's advice
+            raise RuntimeError("loan: the layout is on %s but this PyTorch has no CUDA: loan "
+                               "with as_='dlpack'" % schema.device)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 20e-6
         while True:
@@ -252,7 +264,7 @@ class Pipe:
                 raise TimeoutError("loan: every slot is in use (ETIMEDOUT)")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-        return self._loan_unpack(td, self.as_, Consolidated)
+        return self._loan_unpack(td, as_, Consolidated)
 
     # -- receiving
 

@@ -8,14 +8,21 @@ through copies to the host made by the library (DLPackArray.tobytes,
 Td.read, recv(device="cpu")).
 """
 import asyncio
+import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
+try:
+    import torch
+except ImportError:
+    torch = None
+
 import tdpipe
 from tdpipe import _tdpipe
-from tdpipe._convert import build_schema, flatten
+from tdpipe._convert import Consolidated, Plan, build_schema, flatten, unpack
 
 T = 10  # seconds, every blocking call
 
@@ -23,8 +30,8 @@ T = 10  # seconds, every blocking call
 def pair(plane, tx_opts=None, rx_opts=None, loop="caller"):
     if plane == "cuda-ipc":
         # offered only by pipes that name their GPU
-        tx_opts = dict(tx_opts or {}, cuda_device=0)
-        rx_opts = dict(rx_opts or {}, cuda_device=0)
+        tx_opts = dict({"cuda_device": 0}, **(tx_opts or {}))
+        rx_opts = dict({"cuda_device": 0}, **(rx_opts or {}))
     lst = tdpipe.listen("127.0.0.1", loop=loop, plane=plane, **(rx_opts or {}))
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("rx", lst.accept(timeout=T)))
@@ -52,6 +59,13 @@ def device_td(src, device="cuda:0"):
     del keep
     assert td.device == device
     return td
+
+
+def device_like(src, device="cuda:0"):
+    """A layout on `device` to loan by: DLPackArray leaves of a device
+    buffer (what a torch CUDA dict gives where torch has CUDA)."""
+    td = device_td(src, device)
+    return unpack(td, Plan(td.schema), "dlpack", Consolidated)
 
 
 def check_bytes(msg, src):
@@ -195,6 +209,133 @@ def case_consolidated(plane):
         p.close(T)
 
 
+def case_loan(plane, gpu=0):
+    """pipe.loan() of a GPU layout: a device buffer of kDLCUDA leaves on
+    device `gpu`, filled (here by the library's copies: host code cannot write
+    the fake's device memory), sent and received byte-exact, with nothing
+    allocated per message on cuda-ipc. There the loan is a slot of the
+    sender's device pool and the receiver's views are that very slot (zero
+    copy: one process shares the pool's pointer)."""
+    opts = {"cuda_device": gpu} if plane == "cuda-ipc" else {}
+    tx, rx = pair(plane, opts, opts)
+    like = device_like(payload(60), "cuda:%d" % gpu)
+    if torch is not None and not torch.cuda.is_available():
+        try:
+            tx.loan(like, timeout=T)  # as_="torch", the pipe's
+            raise AssertionError("a GPU loan became torch tensors without CUDA")
+        except RuntimeError as e:
+            assert "as_='dlpack'" in str(e), e
+    slots = set()
+    base = None
+    for i in range(40):
+        ln = tx.loan(like, timeout=T, as_="dlpack")
+        assert ln._td.device == "cuda:%d" % gpu, ln._td.device
+        start, end = ln.buffer_address, ln.buffer_address + ln.buffer_nbytes
+        ptrs = []
+        for leaf in (ln["obs"], ln["next", "reward"], ln["next", "done"]):
+            assert leaf.__dlpack_device__() == (2, gpu), leaf.__dlpack_device__()
+            assert start <= leaf.data_ptr and leaf.data_ptr + leaf.nbytes <= end
+            ptrs.append(leaf.data_ptr)
+        src = payload(61 + i)
+        _key, _nodes, _tensors, _values, addrs, keep = flatten(src)
+        ln._td.fill(addrs)
+        del keep
+        tx.send(ln, timeout=T)
+        with rx.recv(timeout=T, as_="dlpack") as m:
+            assert m.schema.device == "cuda:%d" % gpu, m.schema.device
+            assert m["obs"].__dlpack_device__() == (2, gpu)
+            got = [m["obs"].data_ptr, m["next", "reward"].data_ptr, m["next", "done"].data_ptr]
+            if plane == "cuda-ipc":
+                assert m.buffer_address == start, (hex(m.buffer_address), hex(start))
+                assert got == ptrs, (got, ptrs)
+            if i < 3:
+                check_bytes(m, dict(src, tag=like["tag"]))  # values are the layout's
+        slots.add(start)
+        if i == 9:
+            base = tdpipe.mem_stats()["total_allocs"]
+    if plane == "cuda-ipc":
+        # the pool's slots (depth 1: 1 + 2), lent in turn, nothing allocated;
+        # shm and ucx lend a new device buffer per GPU loan instead
+        grown = tdpipe.mem_stats()["total_allocs"] - base
+        assert grown == 0, "%d allocations over 30 steady loans" % grown
+        assert 1 <= len(slots) <= 3, slots
+    tx.close(T)
+    rx.close(T)
+
+
+def case_loan_gpu1(plane):
+    """case_loan on the second GPU (TDPIPE_CUDA=fake:2), both pipes naming
+    it: the loan and the message carry device index 1."""
+    assert tdpipe.cuda_device_count() >= 2, "run with TDPIPE_CUDA=fake:2"
+    case_loan(plane, 1)
+
+
+def produce_loans(port, n):
+    """The child of case_child: connect naming GPU 0, send n loans filled
+    with payload(70 + i), then wait to be killed."""
+    tx = tdpipe.connect("127.0.0.1", int(port), plane="cuda-ipc", cuda_device=0,
+                        connect_timeout=T)
+    like = device_like(payload(70))
+    for i in range(int(n)):
+        ln = tx.loan(like, timeout=T, as_="dlpack")
+        _key, _nodes, _tensors, _values, addrs, keep = flatten(payload(70 + i))
+        ln._td.fill(addrs)
+        tx.send(ln, timeout=T)
+    print("sent", flush=True)
+    time.sleep(60)
+
+
+def case_child(plane):
+    """Loans from a producer process: the receiver imports the pool and its
+    kDLCUDA leaves arrive byte-exact, with no buffer allocated per message;
+    the producer killed while a message is held leaves it readable, and the
+    next receive fails instead of waiting."""
+    assert plane == "cuda-ipc"
+    n = 30
+    lst = tdpipe.listen("127.0.0.1", plane=plane, cuda_device=0, depth=2)
+    child = subprocess.Popen([sys.executable, __file__, "produce_loans", str(lst.port), str(n)],
+                             stdout=subprocess.PIPE)
+    try:
+        rx = lst.accept(timeout=T)
+        lst.close()
+        assert rx.plane == "cuda-ipc", rx.plane
+        held, base = None, None
+        for i in range(n):
+            m = rx.recv(timeout=T, as_="dlpack")
+            assert m["obs"].__dlpack_device__() == (2, 0)
+            assert m.buffer_address <= m["obs"].data_ptr < m.buffer_address + m.buffer_nbytes
+            if i < 3 or i == n - 1:
+                check_bytes(m, dict(payload(70 + i), tag="step 70"))
+            if i == 9:
+                base = _buffers()
+            if i < n - 1:
+                m.release()
+            else:
+                held = m
+        assert _buffers() == base, "%d buffers over 20 messages" % (_buffers() - base)
+        assert child.stdout.readline() == b"sent\n"
+        child.kill()
+        child.wait(T)
+        check_bytes(held, dict(payload(70 + n - 1), tag="step 70"))  # still readable
+        try:
+            rx.recv(timeout=T)
+            raise AssertionError("a receive from a killed producer returned")
+        except tdpipe.PeerError:
+            pass
+        held.release()
+        rx.abort()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(T)
+
+
+def _buffers():
+    """Allocations of every memory kind, device included; not small objects."""
+    s = tdpipe.mem_stats()
+    return s["total_allocs"] - s["small_allocs"]
+
+
 def case_async(plane):
     """asend of device leaves and arecv(device="cpu") on loop="thread" pipes."""
     a, b = pair(plane, loop="thread")
@@ -219,5 +360,8 @@ def case_async(plane):
 
 if __name__ == "__main__":
     assert tdpipe.cuda_device_count() >= 1, "run with TDPIPE_CUDA=fake"
+    if sys.argv[1] == "produce_loans":
+        produce_loans(*sys.argv[2:])
+        sys.exit(0)
     globals()["case_" + sys.argv[1]](sys.argv[2])
     print("ok", flush=True)

@@ -1,4 +1,4 @@
-"""The asyncio examples run to the end (they check their own results)."""
+"""The examples run to the end (they check their own results)."""
 import os
 import subprocess
 import sys
@@ -17,3 +17,15 @@ def test_async_example_runs(args):
                        capture_output=True, text=True, timeout=120, env=os.environ.copy())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "batches/s" in r.stdout or "served 2 clients, 40 requests" in r.stdout, r.stdout
+
+
+def test_gpu_dataloader_example():
+    """The GPU producer/training example, over cuda-ipc; it exits 3 (skipped)
+    where PyTorch has no CUDA or the library sees no GPU."""
+    r = subprocess.run([sys.executable, os.path.join(EX, "gpu_dataloader.py"),
+                        "--batches", "100"],
+                       capture_output=True, text=True, timeout=180, env=os.environ.copy())
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "trained on 100 GPU batches over cuda-ipc" in r.stdout, r.stdout
