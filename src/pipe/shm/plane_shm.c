@@ -2309,14 +2309,17 @@ static tdp_err s_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
     if (rc != TDP_OK)
         return rc;
     tx_pool *p = l->pool;
-    if (p != NULL && p->seg != NULL && !p->populated && tx_pool_fits(l, total, pdev)) {
+    bool fits = tx_pool_fits(l, total, pdev);
+    if (fits && p->seg != NULL && !p->populated) {
         /* the slots the sends the credit allows at once take first (tx_pick): the
          * rest of the pool (loans, sends behind them) faults in as it is used */
         uint32_t n = l->peer_depth < p->nslots ? l->peer_depth : p->nslots;
         tdp__populate_write(tx_mem(p, 0), (size_t)(p->stride * n));
         p->populated = true;
     }
-    if (send_schema && l->prep_ann_seq != seq && l->seq0 + l->released + 1 >= seq) {
+    /* the receiver takes a schema only into a pool that holds it (s_rx_schema):
+     * announced after that pool, or left to the send that makes one */
+    if (send_schema && fits && l->prep_ann_seq != seq && l->seq0 + l->released + 1 >= seq) {
         if ((rc = announce_schema(l, sc, seq)) != TDP_OK)
             return rc;
         l->prep_ann_seq = seq;
