@@ -163,6 +163,7 @@ OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL == 0 ]] || ech
 mkdir -p "$OUT"
 JSON=${JSON:-$OUT/results.json}
 COMMON=(--sizes "$SIZES")
+PREP_FILES=()
 [[ -n $ROUNDS ]] && COMMON+=(--rounds "$ROUNDS")
 
 echo "== bench/run.sh: UCX_TLS=${UCX_TLS:-default} UCX_NET_DEVICES=lo, tdpipe plane $PLANE, sizes $SIZES," \
@@ -206,6 +207,12 @@ for ((run = 1; run <= RUNS; run++)); do
     fi
     step "tdpipe bench (event-driven)" "$D/tdpipe.json" \
         "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
+    # the same with each layout prepared first (its own JSON: first sends only)
+    echo "== tdpipe bench --prepare (event-driven)"
+    rm -f "$D/tdpipe-prepare.json"
+    "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --prepare --quiet \
+        --json "$D/tdpipe-prepare.json" >/dev/null || FAILED+=("tdpipe bench --prepare")
+    PREP_FILES+=("$D/tdpipe.json" "$D/tdpipe-prepare.json")
     if [[ $BUSY_POLL != 0 ]]; then
         want_idle "tdpipe bench --busy-poll $BUSY_POLL"
         step "tdpipe bench --busy-poll $BUSY_POLL" "$D/tdpipe-busy-poll.json" \
@@ -223,6 +230,40 @@ for ((run = 1; run <= RUNS; run++)); do
     step "memcpy" "$D/memcpy.json" "$PEERS" memcpy "${COMMON[@]}" --quiet
 done
 echo "== CPU idle after: $(cpu_idle)%"
+
+# First sends (docs/benchmarks.md, "First sends"): a new layout's first
+# message, plain and prepared (tdp_pipe_prepare), against a steady send of
+# the same size: the one-way latency p50, or on a plane that lends slots the
+# plain send's time (bytes / its rate; the first send is a plain send).
+# Goal: prepared first send <= 2 x steady.
+echo
+echo "== first sends, plane $PLANE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+if command -v python3 >/dev/null && [[ ${#PREP_FILES[@]} -gt 0 ]]; then
+    python3 - "${PREP_FILES[@]}" <<'PY' || FAILED+=("first sends")
+import json, os, sys
+files = sys.argv[1:]
+rows = {}
+for plain, prep in zip(files[0::2], files[1::2]):
+    if not (os.path.exists(plain) and os.path.exists(prep)):
+        continue
+    a, b = json.load(open(plain))["results"], json.load(open(prep))["results"]
+    for ra, rb in zip(a, b):
+        if "plain_send_Bps" in ra and ra["plain_send_Bps"]["median"] > 0:
+            steady = ra["bytes"] / ra["plain_send_Bps"]["median"] * 1e6
+        else:
+            steady = ra["latency_us"]["p50"]
+        rows.setdefault(ra["bytes"], []).append(
+            (ra["first_send_us"], rb["first_send_us"], rb.get("prepare_us", 0.0), steady))
+print("%-12s %14s %14s %14s %14s %10s  %s" % ("bytes", "first (plain)", "first (prep.)",
+      "prepare", "steady send", "prep/steady", "goal <= 2"))
+for n in sorted(rows):
+    rs = sorted(rows[n], key=lambda r: r[1])
+    fa, fb, pr, st = rs[len(rs) // 2]  # the run with the median prepared first send
+    ratio = fb / st if st > 0 else float("inf")
+    print("%-12d %11.1f us %11.1f us %11.1f us %11.1f us %10.2f  %s" % (
+        n, fa, fb, pr, st, ratio, "met" if ratio <= 2 else "NOT met"))
+PY
+fi
 
 "$PEERS" table "${FILES[@]}" --json "$JSON" || FAILED+=(table)
 if [[ ${#BUSY[@]} -gt 0 ]]; then

@@ -1,7 +1,7 @@
 /*
  * fuzz_frames: the frame decoders a peer reaches before anything else —
- * control header, HELLO with its extension records, PROVEN, BYE and the
- * active-message header. Every decode must either fail cleanly or produce
+ * control header, HELLO with its extension records, PROVEN, READY, BYE and
+ * the active-message header. Every decode must either fail cleanly or produce
  * fields inside their documented bounds, an accepted frame must re-encode
  * to something that decodes to the same fields, and plane negotiation on a
  * decoded plane list must agree whichever side computes it.
@@ -94,7 +94,8 @@ static void check_reencode(const tdp_hello *h)
         memcmp(h2.nonce, h->nonce, TDP_HELLO_NONCE_LEN) != 0 ||
         !same_bytes(h2.planes, h2.nplanes, h->planes, h->nplanes) || !same_recs(&h2, h) ||
         h2.auth != h->auth || h2.resume != h->resume || h2.want_depth != h->want_depth ||
-        h2.checksum != h->checksum || h2.proven != h->proven || h2.nskipped != 0)
+        h2.checksum != h->checksum || h2.proven != h->proven || h2.ready != h->ready ||
+        h2.nskipped != 0)
         abort();
     free(re);
 }
@@ -176,7 +177,7 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
             }
             if (hello.planes != NULL || hello.auth != 0 || hello.resume != 0 ||
                 hello.want_depth != 0 || hello.checksum != 0 || hello.proven != 0 ||
-                tdp_wire_proven_size(&hello) == 0)
+                hello.ready != 0 || tdp_wire_proven_size(&hello) == 0)
                 abort();
         } else if (rc != TDP_EPROTO && rc != TDP_EVERSION) {
             abort();
@@ -184,6 +185,18 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
     } else if (h.type == TDP_CTL_AUTH) {
         if (h.length != TDP_AUTH_TAG_LEN)
             abort();
+    } else if (h.type == TDP_CTL_READY) {
+        tdp_ready r;
+        if (h.length != TDP_READY_LEN)
+            abort();
+        if (tdp_wire_ready_decode(pl, n, &r) == TDP_OK) {
+            uint8_t re[TDP_CTL_HDR_LEN + TDP_READY_LEN];
+            if (r.count == 0)
+                abort();
+            tdp_wire_ready_encode(re, &r);
+            if (n != TDP_READY_LEN || memcmp(re + TDP_CTL_HDR_LEN, pl, n) != 0)
+                abort();
+        }
     } else if (h.type == TDP_CTL_BYE) {
         tdp_bye bye;
         if (tdp_wire_bye_decode(pl, n, &bye) == TDP_OK && bye.reason > 0)
@@ -199,6 +212,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (tdp_wire_am_decode(data, size, &am) == TDP_OK) {
         uint8_t re[TDP_AM_HDR_MAX_LEN];
         if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_CREDIT)
+            abort();
+        /* the prepare flag on SCHEMA only, the sum flag on DATA only */
+        if ((am.flags & TDP_AM_F_PREPARE) != 0 && am.type != TDP_AM_SCHEMA)
             abort();
         if (tdp_wire_am_encode(re, &am) != size || memcmp(re, data, size) != 0)
             abort();

@@ -173,6 +173,9 @@ static void *run_side(void *arg)
  * lat: both sides keep latency histograms (opts.latency_stats), which must
  * not allocate either; dev: the buffers are on cuda:0 (the fake without a GPU)
  */
+/* The layout is prepared (tdp_pipe_prepare) before the first message. */
+static bool g_prepare;
+
 static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat,
                             bool dev)
 {
@@ -215,6 +218,8 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
     assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &so, &cli), TDP_OK);
     assert_int_equal(tdp_listener_accept(l, TMO, &srv), TDP_OK);
     assert_int_equal(tdp_pipe_plane(cli), plane);
+    if (g_prepare)
+        assert_int_equal(tdp_pipe_prepare(cli, s, TMO), TDP_OK);
 
     pthread_barrier_t bar;
     pthread_barrier_init(&bar, NULL, 2);
@@ -281,6 +286,21 @@ static void test_small_depth1(void **state)
 static void test_large_depth4(void **state)
 {
     steady_case(4 << 20, 4, TDP_PLANE_UCX, false, true);
+}
+
+/* Prepared first: the steady state after it allocates nothing either. */
+static void test_prepared_large_depth4(void **state)
+{
+    g_prepare = true;
+    steady_case(4 << 20, 4, TDP_PLANE_UCX, false, false);
+    g_prepare = false;
+}
+
+static void test_shm_prepared_large_depth4(void **state)
+{
+    g_prepare = true;
+    steady_case(4 << 20, 4, TDP_PLANE_SHM, false, false);
+    g_prepare = false;
 }
 
 /* The shm plane: plain sends (one copy into a slot) and loans (none). */
@@ -486,6 +506,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_depth1),
         cmocka_unit_test(test_large_depth4),
+        cmocka_unit_test(test_prepared_large_depth4),
+        cmocka_unit_test(test_shm_prepared_large_depth4),
         cmocka_unit_test(test_shm_small_depth1),
         cmocka_unit_test(test_shm_large_depth4),
         cmocka_unit_test(test_shm_loan_small_depth1),

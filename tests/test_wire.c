@@ -1180,6 +1180,63 @@ static void test_ctl_hdr_bounds(void **state)
 }
 
 /* BYE and the AM header keep their layout; only the version byte moved on. */
+/* tdp_pipe_prepare's wire: the READY record and frame, and the SCHEMA's prepare flag. */
+static void test_ready(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 1, .ready = TDP_READY_V1}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    uint8_t *out = malloc(n);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.ready, TDP_READY_V1);
+    const uint8_t *r = out + TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN;
+    assert_int_equal(r[0] | r[1] << 8, TDP_HX_READY);
+    assert_false((r[2] | r[3] << 8) & TDP_HX_CRITICAL); /* older peers skip it */
+    /* a value of 0 is malformed; a later version is taken (and not spoken) */
+    out[TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN + TDP_HX_HDR_LEN] = 0;
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g),
+                     TDP_EPROTO);
+    out[TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN + TDP_HX_HDR_LEN] = 7;
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.ready, 7);
+    free(out);
+
+    uint8_t f[TDP_CTL_HDR_LEN + TDP_READY_LEN];
+    tdp_wire_ready_encode(f, &(tdp_ready){.hash = 0x1122334455667788u, .count = 3});
+    tdp_ctl_hdr ch;
+    assert_int_equal(tdp_wire_ctl_hdr_decode(f, &ch), TDP_OK);
+    assert_int_equal(ch.type, TDP_CTL_READY);
+    assert_int_equal(ch.length, TDP_READY_LEN);
+    tdp_ready rd;
+    assert_int_equal(tdp_wire_ready_decode(f + TDP_CTL_HDR_LEN, TDP_READY_LEN, &rd), TDP_OK);
+    assert_int_equal(rd.hash, 0x1122334455667788u);
+    assert_int_equal(rd.count, 3);
+    assert_int_equal(tdp_wire_ready_decode(f + TDP_CTL_HDR_LEN, TDP_READY_LEN - 1, &rd),
+                     TDP_EPROTO);
+    memset(f + TDP_CTL_HDR_LEN + 8, 0, 8); /* count 0: no prepare has that number */
+    assert_int_equal(tdp_wire_ready_decode(f + TDP_CTL_HDR_LEN, TDP_READY_LEN, &rd), TDP_EPROTO);
+    f[8] = TDP_READY_LEN + 1; /* a READY of another length */
+    assert_int_equal(tdp_wire_ctl_hdr_decode(f, &ch), TDP_EPROTO);
+
+    /* the prepare flag: on SCHEMA only */
+    uint8_t ab[TDP_AM_HDR_LEN];
+    tdp_am_hdr am = {.type = TDP_AM_SCHEMA, .flags = TDP_AM_F_PREPARE, .length = 2, .arg = 8};
+    tdp_am_hdr g2;
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g2), TDP_OK);
+    assert_int_equal(g2.flags, TDP_AM_F_PREPARE);
+    am.type = TDP_AM_DATA;
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g2), TDP_EPROTO);
+    am = (tdp_am_hdr){.type = TDP_AM_CREDIT, .flags = TDP_AM_F_PREPARE};
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g2), TDP_EPROTO);
+    am = (tdp_am_hdr){.type = TDP_AM_SCHEMA, .flags = 1u << 2};
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g2), TDP_EPROTO);
+}
+
 static void test_bye_and_am_unchanged(void **state)
 {
     (void)state;
@@ -1237,6 +1294,7 @@ int main(void)
         cmocka_unit_test(test_version_mismatch_both_ways),
         cmocka_unit_test(test_ctl_hdr_bounds),
         cmocka_unit_test(test_bye_and_am_unchanged),
+        cmocka_unit_test(test_ready),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -78,6 +78,7 @@ typedef struct bench_cfg {
     const char *fanin_baseline; /* --fanin-baseline PROG: the poll-loop consumer */
     bool fanin_role;            /* --role=fanin: its consumer process */
     bool no_loan;               /* --no-loan: plain sends on the shm plane too */
+    bool prepare;               /* --prepare: tdp_pipe_prepare each size's layout, untimed */
     bool checksum;              /* --checksum: both sides offer the payload checksum */
     bool sizes_given;
     tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
@@ -105,6 +106,7 @@ typedef struct server_info {
 typedef struct size_result {
     uint64_t bytes;
     double first_us;
+    double prepare_us; /* --prepare: how long tdp_pipe_prepare took (0 without) */
     double lat_mean, lat_p50, lat_p99, lat_p999, lat_min;
     int lat_n;
     double tp_bps[TP_REPEATS]; /* bytes per second, each repeat */
@@ -589,7 +591,17 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
     char label[32];
     tdp_cli_format_size(bytes, label, sizeof(label));
 
-    /* first send: a new schema on the wire, allocation on the receiver */
+    /* --prepare: the layout announced first, outside the first send's time */
+    if (cfg->prepare) {
+        uint64_t tp = tdp_cli_now_ns();
+        rc = tdp_pipe_prepare(p, s, BENCH_TMO);
+        out->prepare_us = (double)(tdp_cli_now_ns() - tp) / 1e3;
+        if (rc != TDP_OK) {
+            fprintf(stderr, "tdpipe bench: prepare of %s: %s\n", label, tdp_strerror(rc));
+            goto out;
+        }
+    }
+    /* first send: a new schema on the wire (unless prepared), allocation on the receiver */
     uint64_t t0 = tdp_cli_now_ns();
     rc = round_trip(p, td, PH_FIRST);
     out->first_us = (double)(tdp_cli_now_ns() - t0) / 1e3;
@@ -735,15 +747,16 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     fprintf(f, "  \"results\": [\n");
     for (int i = 0; i < n; i++) {
         fprintf(f,
-                "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f,\n"
+                "    {\"bytes\": %" PRIu64 ", \"first_send_us\": %.2f, \"prepare_us\": %.2f,\n"
                 "     \"latency_us\": {\"mean\": %.3f, \"p50\": %.3f, \"p99\": %.3f, "
                 "\"p999\": %.3f, \"min\": %.3f, \"n\": %d},\n"
                 "     \"throughput_is\": \"%s\",\n"
                 "     \"throughput_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": %.0f, "
                 "\"repeats\": %d, \"msgs_per_repeat\": %" PRIu64 "}",
-                r[i].bytes, r[i].first_us, r[i].lat_mean, r[i].lat_p50, r[i].lat_p99, r[i].lat_p999,
-                r[i].lat_min, r[i].lat_n, r[i].loaned ? "handoff" : "data", r[i].tp_median,
-                r[i].tp_min, r[i].tp_max, TP_REPEATS, r[i].tp_msgs);
+                r[i].bytes, r[i].first_us, r[i].prepare_us, r[i].lat_mean, r[i].lat_p50,
+                r[i].lat_p99, r[i].lat_p999, r[i].lat_min, r[i].lat_n,
+                r[i].loaned ? "handoff" : "data", r[i].tp_median, r[i].tp_min, r[i].tp_max,
+                TP_REPEATS, r[i].tp_msgs);
         if (r[i].loaned)
             fprintf(f,
                     ",\n     \"plain_send_Bps\": {\"median\": %.0f, \"min\": %.0f, \"max\": "
@@ -1040,6 +1053,8 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
         if (rc != TDP_OK)
             break;
         ++*done;
+        if (!cfg->quiet && cfg->prepare)
+            fprintf(stderr, "  prepared in %.1f us (untimed)\n", res[i].prepare_us);
         if (!cfg->quiet) {
             char sz[32], tp[32];
             tdp_cli_format_size(res[i].bytes, sz, sizeof(sz));
@@ -1250,6 +1265,9 @@ static void usage(FILE *f)
             "  --no-loan          on the shm plane (host buffers) and the cuda-ipc plane\n"
             "                     (GPU buffers), send plain buffers (one copy into a\n"
             "                     slot) instead of loaned slots (no copy: the default)\n"
+            "  --prepare          tdp_pipe_prepare each size's layout before its first\n"
+            "                     send (untimed): the first-send column then shows a\n"
+            "                     prepared first send\n"
             "  --checksum         both sides offer the payload checksum (XXH3-64 of every\n"
             "                     message, computed by the sender, checked by the receiver)\n"
             "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
@@ -1328,6 +1346,7 @@ static int check_modes(const bench_cfg *cfg)
                       : cfg->mem_given  ? "--mem"
                       : cfg->rounds > 0 ? "--rounds"
                       : cfg->no_loan    ? "--no-loan"
+                      : cfg->prepare    ? "--prepare"
                       : cfg->json_path  ? "--json"
                       : cfg->plot_path  ? "--plot"
                                         : NULL;
@@ -1361,6 +1380,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"plane", required_argument, NULL, 'P'},
         {"verbose", no_argument, NULL, 'v'},
         {"no-loan", no_argument, NULL, 'L'},
+        {"prepare", no_argument, NULL, 'W'},
         {"server", no_argument, NULL, 'S'},
         {"client", required_argument, NULL, 'K'},
         {"bind", required_argument, NULL, 'B'},
@@ -1379,6 +1399,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         switch (c) {
         case 'L':
             cfg->no_loan = true;
+            break;
+        case 'W':
+            cfg->prepare = true;
             break;
         case 'X':
             cfg->checksum = true;

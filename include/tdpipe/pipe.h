@@ -390,6 +390,29 @@ TDP_API void tdp_pipe_recv_async(tdp_pipe *pipe, tdp_op *op);
 TDP_API tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms);
 
 /*
+ * Prepare the pipe for messages of schema's layout before the first one,
+ * so that its first send costs what a steady one does: this side's pools,
+ * bounce buffers and registrations are made, and their pages faulted in,
+ * now; the schema goes to the peer now, and a peer with receive storage to
+ * make (the ucx plane) allocates it, faults it in and confirms. Returns
+ * once the peer has confirmed (or, on a plane whose receiver needs nothing
+ * before the data, once this side is set up). The next send of this layout
+ * then carries no schema. A prepare is not a message: no sequence number,
+ * no credit. The latest prepare (or send) names the layout in force: a
+ * send of another layout after it sends that schema as usual.
+ *
+ * Thread rules as tdp_pipe_send (it uses the same blocking slot: not while
+ * a blocking send is in progress, not on the loop thread). The caller
+ * keeps its reference on schema. Errors: TDP_EMSGSIZE (the layout is over
+ * the peer's limit; the pipe goes on), TDP_ENOTSUP (a plane without
+ * prepare, or memory it cannot carry), TDP_ETIMEDOUT, and what a send of
+ * the layout would get from a peer that refuses it (TDP_ELIMIT: over a
+ * server's memory cap; the pipe ends, as it would for the send).
+ * docs/pipe.md, "Preparing a layout".
+ */
+TDP_API tdp_err tdp_pipe_prepare(tdp_pipe *pipe, tdp_schema *schema, int64_t timeout_ms);
+
+/*
  * Gather tensor leaves from separate buffers (leaf i of the schema's tensor
  * order from ptrs[i], nbytes from the schema) into a send buffer the pipe
  * keeps and reuses, then send it. Host memory only.

@@ -1183,6 +1183,26 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     return pipe_lent_td(self, t, st.msgs_recv);
 }
 
+/* prepare(schema, timeout): tdp_pipe_prepare. */
+static PyObject *pipe_prepare(PipeObject *self, PyObject *args)
+{
+    SchemaObject *sc;
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "O!|O", &SchemaType, &sc, &to) || timeout_ms(to, &ms) < 0 ||
+        pipe_check(self) < 0)
+        return NULL;
+    tdp_err rc;
+    tdp_pipe *p = self->pipe;
+    tdp_schema *s = sc->s;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_prepare(p, s, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "prepare");
+    Py_RETURN_NONE;
+}
+
 static PyObject *pipe_loan(PipeObject *self, PyObject *arg)
 {
     if (!PyObject_TypeCheck(arg, &SchemaType)) {
@@ -1367,6 +1387,7 @@ static PyMethodDef pipe_methods[] = {
     {"send_gather", (PyCFunction)pipe_send_gather, METH_VARARGS, NULL},
     {"recv", (PyCFunction)pipe_recv, METH_VARARGS, NULL},
     {"loan", (PyCFunction)pipe_loan, METH_O, NULL},
+    {"prepare", (PyCFunction)pipe_prepare, METH_VARARGS, NULL},
     {"close", (PyCFunction)pipe_close, METH_VARARGS, NULL},
     {"abort", (PyCFunction)pipe_abort, METH_NOARGS, NULL},
     {"free", (PyCFunction)pipe_free_m, METH_NOARGS, NULL},

@@ -230,6 +230,21 @@ class Pipe:
             self._raw.send_gather(schema, addrs, timeout)
             del keep
 
+    def prepare(self, like, timeout=None):
+        """Set up for messages laid out like `like` (a nested mapping, or a
+        Schema) before the first one: pools and receive storage are made,
+        and their pages faulted in, now, so that the first send of that
+        layout costs what a steady one does (tdp_pipe_prepare,
+        docs/pipe.md). Returns once the receiver is ready; a send of the
+        layout then carries no schema. Raises what a send of the layout
+        would: ProtocolError (EMSGSIZE) over the receiver's limit, here
+        without closing the pipe; TimeoutError."""
+        if isinstance(like, Schema):
+            schema = like
+        else:
+            schema, _addrs, _keep = self._send_cache.get(like)
+        self._raw.prepare(schema, timeout)
+
     def loan(self, like, timeout=None, as_=None):
         """A Consolidated laid out like `like` (a nested mapping), in a send
         buffer borrowed from the data plane (a slot of the shared pool on the

@@ -483,6 +483,17 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 fail(c, rc);
                 return;
             }
+        } else if (hdr.type == TDP_CTL_READY) {
+            tdp_ready r;
+            if (!c->hello_seen || c->held != NULL || c->peer_hello != NULL ||
+                tdp_wire_ready_decode(f + TDP_CTL_HDR_LEN, hdr.length, &r) != TDP_OK) {
+                /* before the HELLO went up, or malformed */
+                tdp_log_info("peer %s: unexpected or malformed READY", c->peer_name);
+                fail(c, TDP_EPROTO);
+                return;
+            }
+            if (c->up->ready != NULL)
+                c->up->ready(c->owner, &r);
         } else {
             tdp_bye bye;
             if (tdp_wire_bye_decode(f + TDP_CTL_HDR_LEN, hdr.length, &bye) != TDP_OK) {
@@ -582,6 +593,15 @@ static void bye_written_cb(struct bufferevent *bev, void *arg)
     tdp__ctl *c = arg;
     bufferevent_setcb(bev, read_cb, NULL, event_cb, c);
     c->up->bye_flushed(c->owner);
+}
+
+void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r)
+{
+    uint8_t buf[TDP_CTL_HDR_LEN + TDP_READY_LEN];
+    if (c->bev == NULL || c->bye_sent)
+        return;
+    tdp_wire_ready_encode(buf, r);
+    bufferevent_write(c->bev, buf, sizeof(buf));
 }
 
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)

@@ -48,6 +48,8 @@ typedef struct tdp__ctl_up {
      */
     void (*hello)(void *owner, const tdp_hello *h);
     void (*bye)(void *owner, const tdp_bye *b);
+    /* the peer's READY (after its HELLO only); may be NULL: READY is then ignored */
+    void (*ready)(void *owner, const tdp_ready *r);
     /*
      * The channel ended: TDP_ECONNREFUSED / TDP_EADDR (dial failed),
      * TDP_ECONNRESET (the peer closed or vanished), TDP_EPROTO (garbage, or
@@ -117,6 +119,8 @@ tdp_err tdp__ctl_dial(tdp__ctl *c, const struct sockaddr_storage *addrs, const s
 tdp_err tdp__ctl_accept(tdp__ctl *c, evutil_socket_t fd, const struct sockaddr *sa);
 /* Queue a HELLO. */
 tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h);
+/* Queue a READY (only to a peer whose HELLO carried TDP_HX_READY). */
+void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r);
 /* Queue BYE once; up->bye_flushed when it has left. */
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b);
 bool tdp__ctl_open(const tdp__ctl *c);

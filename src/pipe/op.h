@@ -48,6 +48,7 @@ struct tdp_op {
     volatile bool cancel_done;     /* a timed-out op taken back; as done */
     void (*take_back)(tdp_op *op); /* session: remove from its queues (loop thread) */
     void *out;                     /* fan-in: the tdp_fanin_msg a receive writes */
+    tdp_schema *prep; /* a send op with no td: tdp_pipe_prepare of this layout (caller's ref) */
 };
 
 void tdp__waiter_init(tdp__waiter *w);

@@ -55,6 +55,7 @@ typedef struct tdp__frame {
     uint64_t arg;    /* SCHEMA: total bytes of the layout */
     bool has_sum;    /* DATA: the sender's checksum of the payload came with it */
     uint64_t sum;    /* XXH3-64 of the payload (checksum.h) */
+    bool prepare;    /* SCHEMA: sent by tdp_pipe_prepare (TDP_AM_F_PREPARE): answer READY */
 } tdp__frame;
 
 /* What a plane tells the session; owner is the session's pipe. */
@@ -185,6 +186,18 @@ typedef struct tdp__plane_ops {
      * NULL: credit comes only through the plane's progress.
      */
     void (*poll_credit)(tdp__link *l);
+    /*
+     * Optional: tdp_pipe_prepare. Set up this side's send path for sc off
+     * any message's path (pools, bounces, pages faulted in) and, when
+     * send_schema, announce sc to the peer as the layout of DATA seq on.
+     * *sent: the schema went (the session then does not send it again);
+     * *await: the peer answers with a READY once its storage is ready (a
+     * plane whose peer needs nothing before the DATA says false). A plane
+     * not up yet returns TDP_EAGAIN (the session tries again shortly).
+     * NULL: tdp_pipe_prepare gives TDP_ENOTSUP.
+     */
+    tdp_err (*prepare)(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
+                       bool *await);
 } tdp__plane_ops;
 
 extern const tdp__plane_ops tdp__plane_ucx;

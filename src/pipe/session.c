@@ -38,6 +38,7 @@ static void credit_ev_cb(evutil_socket_t fd, short what, void *arg);
 
 static void fail_ops_sent(tdp_pipe *p, tdp_err rc)
 {
+    tdp__prep_fail(p, rc); /* a READY that will not come now */
     /* sends the plane still holds: the op goes back now, the plane keeps the buffer */
     for (uint32_t i = 0; i < p->nticket; i++) {
         tx_ticket *t = &p->tickets[i];
@@ -288,6 +289,7 @@ static void send_hello(tdp_pipe *p)
     h.resume = p->credit_base > 0 ? p->credit_base + 1 : 0;
     h.want_depth = p->opts.want_peer_depth;
     h.checksum = p->opts.checksum ? TDP_SUM_XXH3_64 : 0;
+    h.ready = TDP_READY_V1; /* this side answers prepared SCHEMAs (session_prepare.c) */
     /* with a secret, a peer on this host gets a same-host UCX worker only
      * after the proofs: its address then travels in PROVEN (wire.h) */
     h.proven = p->secret_len > 0 && tdp__ctl_local_now(&p->ctl) ? TDP_PROVEN_V1 : 0;
@@ -462,6 +464,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         }
     }
     p->same_host = peer_same_host(p, h);
+    p->peer_ready = h->ready == TDP_READY_V1;
+    p->peer_max_msg = h->max_msg_bytes;
     p->peer_depth = h->recv_depth;
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
@@ -542,6 +546,7 @@ static const tdp__ctl_up ctl_up = {
     .proven = on_ctl_proven,
     .hello = on_ctl_hello,
     .bye = on_ctl_bye,
+    .ready = tdp__prep_ready,
     .closed = on_ctl_closed,
     .bye_flushed = on_ctl_bye_flushed,
 };
@@ -715,8 +720,11 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     p->rx_schema = sc;
     p->rx_hash = f->hash;
     p->stats.schemas_recv++;
-    if ((rc = ops->rx_schema(l, sc, p->depth)) != TDP_OK)
+    if ((rc = ops->rx_schema(l, sc, p->depth)) != TDP_OK) {
         pipe_fail(p, rc, "cannot prepare receive storage");
+        return;
+    }
+    tdp__prep_schema_in(p, f);
 }
 
 /*
@@ -975,6 +983,11 @@ static bool refuse_memory(tdp_pipe *p, tdp_op *op)
 static void kick_once(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
+        if (p->sendq.head->prep != NULL) { /* tdp_pipe_prepare: no credit, no ticket */
+            if (!tdp__prep_step(p))
+                return;
+            continue;
+        }
         if (refuse_memory(p, p->sendq.head)) {
             tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOTSUP);
             continue;
@@ -1037,6 +1050,23 @@ static void send_kick(tdp_pipe *p)
     p->kicking = false;
     if (done && p->state == PIPE_OPEN)
         check_close(p);
+}
+
+static void send_start(void *arg);
+
+void tdp__session_send_start(void *op)
+{
+    send_start(op);
+}
+
+void tdp__session_kick(tdp_pipe *p)
+{
+    send_kick(p);
+}
+
+void tdp__session_fail(tdp_pipe *p, tdp_err err, const char *why)
+{
+    pipe_fail(p, err, why);
 }
 
 static void send_start(void *arg)
@@ -1164,6 +1194,8 @@ static void take_back(tdp_op *op)
         tdp__op_complete(op, TDP_ETIMEDOUT);
         return;
     }
+    if (tdp__prep_take_back(p, op))
+        return;
     /* already with the plane: it keeps the buffer until the transport lets go */
     for (uint32_t i = 0; i < p->nticket; i++) {
         if (p->tickets[i].op == op) {
@@ -1654,6 +1686,7 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
 
     /* sending: what the old link held is lost to us; the rest waits */
     fail_ops_sent(p, TDP_ECONNRESET);
+    tdp__prep_reset(p);
     tdp__free(p->tickets);
     p->tickets = NULL;
     p->free_tickets = NULL;
@@ -1813,6 +1846,8 @@ static void destroy_now(void *arg)
         event_free(p->timer);
     if (p->credit_ev != NULL)
         event_free(p->credit_ev);
+    if (p->prep_ev != NULL)
+        event_free(p->prep_ev);
     if (p->retry_ev != NULL)
         event_free(p->retry_ev);
     tdp__free(p->sync_send);

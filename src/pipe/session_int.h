@@ -152,6 +152,39 @@ struct tdp_pipe {
     /* a server's cap on all its clients' receive storage (tdp__session_set_budget) */
     tdp__budget *budget;
     uint64_t budget_held; /* bytes this pipe took from it */
+
+    /*
+     * tdp_pipe_prepare (session_prepare.c): the prepare waiting for the
+     * peer's READY, and the prepared SCHEMAs of this connection, counted
+     * both ways (a READY names the count, so a late one is never taken for
+     * a later prepare's).
+     */
+    bool peer_ready;       /* the peer's HELLO speaks READY */
+    uint64_t peer_max_msg; /* the peer's HELLO max_msg_bytes */
+    tdp_op *prep_op;       /* sent, waiting for READY */
+    uint64_t prep_hash, prep_want;
+    uint64_t prep_tx_n, prep_rx_n;
+    struct event *prep_ev; /* the plane was not up yet: try again */
 };
+
+/* ---- between session.c and session_prepare.c (loop thread) ---- */
+
+/* session.c: start a send op (tdp__op_submit's start), and look at the send queue again. */
+void tdp__session_send_start(void *op);
+void tdp__session_kick(tdp_pipe *p);
+void tdp__session_fail(tdp_pipe *p, tdp_err err, const char *why);
+
+/* The send queue's head is a prepare: handle it. False: it stays at the head (try later). */
+bool tdp__prep_step(tdp_pipe *p);
+/* The prepare waiting for READY ends with rc (the link went, or the pipe ended). */
+void tdp__prep_fail(tdp_pipe *p, tdp_err rc);
+/* A timed-out op: true if it was the prepare waiting for READY (now completed). */
+bool tdp__prep_take_back(tdp_pipe *p, tdp_op *op);
+/* The peer's READY (ctl up-call). */
+void tdp__prep_ready(void *owner, const tdp_ready *r);
+/* A prepared SCHEMA (f->prepare) was put in force: answer READY. */
+void tdp__prep_schema_in(tdp_pipe *p, const tdp__frame *f);
+/* A new connection: the counts start again. */
+void tdp__prep_reset(tdp_pipe *p);
 
 #endif

@@ -72,6 +72,8 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
         return hdr->length == TDP_AUTH_TAG_LEN ? TDP_OK : TDP_EPROTO;
     case TDP_CTL_PROVEN:
         return hdr->length <= TDP_PROVEN_MAX_LEN ? TDP_OK : TDP_EPROTO;
+    case TDP_CTL_READY:
+        return hdr->length == TDP_READY_LEN ? TDP_OK : TDP_EPROTO;
     default:
         return TDP_EPROTO;
     }
@@ -187,6 +189,8 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
         n += TDP_HX_HDR_LEN + hx_span(1);
     if (h->proven != 0)
         n += TDP_HX_HDR_LEN + hx_span(1);
+    if (h->ready != 0)
+        n += TDP_HX_HDR_LEN + hx_span(1);
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
     *out = n;
@@ -252,6 +256,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         *hx_put(&p, TDP_HX_CHECKSUM, 1) = h->checksum;
     if (h->proven != 0)
         *hx_put(&p, TDP_HX_PROVEN, 1) = h->proven;
+    if (h->ready != 0)
+        *hx_put(&p, TDP_HX_READY, 1) = h->ready;
     const tdp_hx_rec *ipc = tdp_hello_rec(h, TDP_HX_CUDA_IPC); /* a plane's, typed after the rest */
     if (ipc != NULL)
         memcpy(hx_put(&p, TDP_HX_CUDA_IPC, ipc->len), ipc->val, ipc->len);
@@ -307,6 +313,12 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         if (h->proven != 0 || vlen != 1 || v[0] == 0)
             return TDP_EPROTO;
         h->proven = v[0];
+        return TDP_OK;
+    case TDP_HX_READY:
+        /* a later version is allowed: nothing is prepared with that peer then */
+        if (h->ready != 0 || vlen != 1 || v[0] == 0)
+            return TDP_EPROTO;
+        h->ready = v[0];
         return TDP_OK;
     case 0:
         return TDP_EPROTO;
@@ -460,7 +472,7 @@ static tdp_err proven_rec(tdp_hello *h, uint16_t type, uint16_t flags, const uin
 {
     if (tdp_wire_hx_is_plane(type))
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
-    if (type == 0 || type <= TDP_HX_PROVEN)
+    if (type == 0 || type <= TDP_HX_PROVEN || type == TDP_HX_READY)
         return TDP_EPROTO;
     return hx_decode(h, type, flags, v, vlen); /* unknown: skipped, or critical */
 }
@@ -474,6 +486,22 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h)
     if (rc != TDP_OK)
         return rc;
     return h->unknown_critical != 0 ? TDP_EVERSION : TDP_OK;
+}
+
+void tdp_wire_ready_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_READY_LEN], const tdp_ready *r)
+{
+    tdp_wire_ctl_hdr_encode(out, TDP_CTL_READY, TDP_READY_LEN);
+    put64(out + TDP_CTL_HDR_LEN, r->hash);
+    put64(out + TDP_CTL_HDR_LEN + 8, r->count);
+}
+
+tdp_err tdp_wire_ready_decode(const uint8_t *in, size_t len, tdp_ready *r)
+{
+    if (len != TDP_READY_LEN)
+        return TDP_EPROTO;
+    r->hash = get64(in);
+    r->count = get64(in + 8);
+    return r->count == 0 ? TDP_EPROTO : TDP_OK;
 }
 
 void tdp_wire_bye_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_BYE_LEN], const tdp_bye *b)
@@ -543,7 +571,7 @@ tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h)
         h->sum = get64(p + TDP_AM_HDR_LEN);
     switch (h->type) {
     case TDP_AM_SCHEMA:
-        return h->flags == 0 ? TDP_OK : TDP_EPROTO;
+        return (h->flags & ~TDP_AM_F_PREPARE) == 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_DATA:
         return (h->flags & ~TDP_AM_F_SUM) == 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_CREDIT:

@@ -30,6 +30,13 @@ enum tdp_ctl_type {
     TDP_CTL_AUTH = 3, /* tag[32]: the sender's proof that it holds the shared secret */
     /* plane records sent once the peer's proof checked out (TDP_HX_PROVEN) */
     TDP_CTL_PROVEN = 4,
+    /*
+     * hash u64 | count u64: the receiver has put in force, with its storage
+     * ready, the count-th prepared SCHEMA (TDP_AM_F_PREPARE) of this
+     * connection, of that hash. Sent only to a peer whose HELLO carried
+     * TDP_HX_READY.
+     */
+    TDP_CTL_READY = 5,
 };
 
 #define TDP_AUTH_TAG_LEN   32u
@@ -73,12 +80,16 @@ enum tdp_hx_type {
     TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
-    TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
-    TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
-    TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
-    TDP_HX_PROVEN = 9,         /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
-    TDP_HX_CUDA_IPC = 10,      /* the shm record, then the GPUs this side sees (cudaipc.h) */
+    TDP_HX_RESUME = 6,     /* critical; u64: seq of the next DATA the sender sends (reconnected) */
+    TDP_HX_WANT_DEPTH = 7, /* u32 1..64: the receive depth the sender asks the peer to hold */
+    TDP_HX_CHECKSUM = 8,   /* u8 algorithm: the sender offers a payload checksum */
+    TDP_HX_PROVEN = 9,     /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
+    TDP_HX_CUDA_IPC = 10,  /* the shm record, then the GPUs this side sees (cudaipc.h) */
+    TDP_HX_READY = 11,     /* u8 version: the sender speaks TDP_CTL_READY and TDP_AM_F_PREPARE */
 };
+
+/* TDP_HX_READY's value: the one version of READY and prepared SCHEMAs. */
+#define TDP_READY_V1 1u
 
 /* TDP_HX_PROVEN's value: the one version of the PROVEN frame. */
 #define TDP_PROVEN_V1 1u
@@ -142,6 +153,7 @@ typedef struct tdp_hello {
     uint32_t want_depth; /* TDP_HX_WANT_DEPTH: 0 (no wish) or 1..64 */
     uint8_t checksum;    /* TDP_HX_CHECKSUM: 0 (not offered) or the algorithm offered */
     uint8_t proven;      /* TDP_HX_PROVEN: 0 (not spoken) or the version spoken */
+    uint8_t ready;       /* TDP_HX_READY: 0 (not spoken) or the version spoken */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */
@@ -149,6 +161,16 @@ typedef struct tdp_hello {
 } tdp_hello;
 
 #define TDP_BYE_LEN 16u
+#define TDP_READY_LEN 16u
+
+typedef struct tdp_ready {
+    uint64_t hash;  /* the prepared schema's hash */
+    uint64_t count; /* prepared SCHEMAs received on this connection, this one included (>= 1) */
+} tdp_ready;
+
+void tdp_wire_ready_encode(uint8_t out[TDP_CTL_HDR_LEN + TDP_READY_LEN], const tdp_ready *r);
+/* TDP_EPROTO: a length other than TDP_READY_LEN, or a count of 0. */
+tdp_err tdp_wire_ready_decode(const uint8_t *in, size_t len, tdp_ready *r);
 
 typedef struct tdp_bye {
     uint64_t last_seq; /* seq of the last DATA this side sent */
@@ -244,6 +266,9 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 #define TDP_AM_HDR_SUM_LEN 56u
 #define TDP_AM_HDR_MAX_LEN TDP_AM_HDR_SUM_LEN
 #define TDP_AM_F_SUM       (1u << 0) /* DATA only, when both HELLOs offered TDP_HX_CHECKSUM */
+/* SCHEMA only, to a peer whose HELLO carried TDP_HX_READY: sent by
+ * tdp_pipe_prepare ahead of any DATA; the receiver answers TDP_CTL_READY */
+#define TDP_AM_F_PREPARE (1u << 1)
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */

@@ -436,3 +436,37 @@ def test_reconnect_option_accepted():
             assert rx.recv(timeout=5)["x"].tolist() == [1.0]
             assert tx.stats()["reconnects"] == 0
             rx.close(5)
+
+
+@pytest.mark.parametrize("plane", ["shm", "ucx"])
+def test_prepare_then_send(plane):
+    like = {"w": torch.zeros(1 << 18), "step": torch.tensor([0])}
+    # the receiver's loop runs on its own: it answers the prepare meanwhile
+    with listen(plane=plane, loop="thread") as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, plane=plane, loop="thread")
+        rx = lst.accept(timeout=10)
+        tx.prepare(like, timeout=10)
+        assert tx.stats()["schemas_sent"] == 1 and tx.stats()["msgs_sent"] == 0
+        for i in range(3):
+            tx.send({"w": torch.full((1 << 18,), float(i)), "step": torch.tensor([i])}, timeout=5)
+            m = rx.recv(timeout=5)
+            assert m.seq == i + 1 and m["step"].item() == i
+            assert torch.equal(m["w"], torch.full((1 << 18,), float(i)))
+            m.release()  # depth 1: the next send waits for this buffer
+        # the first send carried no schema: one in all, each way
+        assert tx.stats()["schemas_sent"] == 1 and rx.stats()["schemas_recv"] == 1
+        # a Schema object works too; one in force already sends nothing
+        tx.prepare(tx._send_cache.get(like)[0], timeout=5)
+        assert tx.stats()["schemas_sent"] == 1
+        tx.close(5)
+        rx.close(5)
+
+
+def test_prepare_after_close_raises():
+    with listen() as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        rx = lst.accept(timeout=10)
+        tx.close(5)
+        with pytest.raises(tdpipe.Error):
+            tx.prepare({"x": torch.zeros(4)}, timeout=5)
+        rx.close(5)

@@ -67,6 +67,7 @@
 #include "../../core/alloc.h"
 #include "../../core/cuda.h"
 #include "../../core/log.h"
+#include "../../core/populate.h"
 #include "../../core/loop_int.h"
 #include "../../core/reap.h"
 
@@ -145,6 +146,7 @@ struct tx_pool {
     tx_slot *slots;
     tx_pool *next;   /* older generations still out */
     bool registered; /* page-locked with the CUDA driver (GPU copies) */
+    bool populated;  /* its slots' pages faulted in (s_prepare) */
 };
 
 typedef struct rx_slot {
@@ -240,6 +242,7 @@ struct tdp__link {
     uint32_t next_gen;
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
+    uint64_t prep_ann_seq;       /* s_prepare announced a schema for this DATA seq (0: none) */
     bool loan_starved; /* a loan was refused for want of a free slot */
     /* seqs of POOLs announced that the receiver may not have in force yet */
     uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
@@ -2271,6 +2274,60 @@ static void s_link_close(tdp__link *l, bool peer_gone)
     tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
 }
 
+/* ---- prepare ------------------------------------------------------------------------ */
+
+/*
+ * tdp_pipe_prepare: the pool that holds sc made now and its pages faulted
+ * in (a plain first send would fault them in while it copies: 80-100 ms
+ * for 100 MB on a virtual machine). The receiver has nothing to allocate
+ * (it reads the pool in place): no READY is awaited. The schema is
+ * announced for the next DATA when nothing earlier is still to be put in
+ * force by the receiver, so that its pending announcements stay within
+ * what a send alone may leave (PEND_SCHEMAS); otherwise it goes with the
+ * send as usual.
+ */
+static tdp_err s_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
+                         bool *await)
+{
+    *sent = *await = false;
+    if (l->failed)
+        return TDP_ECONNRESET;
+    if (l->sock < 0 || !l->proven || l->nearly > 0)
+        return TDP_EAGAIN; /* the peer has not connected yet, or early sends wait */
+    tdp_device dev = tdp_schema_device(sc);
+    bool gpu = dev.type == TDP_DEVICE_CUDA;
+    int pdev = gpu && ipc_dev_ok(l, dev.index) ? dev.index : -1;
+    uint64_t total = tdp_schema_total_bytes(sc);
+    s_poll_credit(l); /* releases that came meanwhile */
+    tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK && gpu)
+        rc = link_stage(l, dev.index);
+    /* a new pool only while the send that follows still has room for its own */
+    if (rc == TDP_OK && !tx_pool_fits(l, total, pdev) &&
+        tx_pools_pending(l) + 1 < PEND_POOLS(l->peer_depth))
+        rc = tx_pool_grow(l, total, pdev);
+    if (rc != TDP_OK)
+        return rc;
+    tx_pool *p = l->pool;
+    bool fits = tx_pool_fits(l, total, pdev);
+    if (fits && p->seg != NULL && !p->populated) {
+        /* the slots the sends the credit allows at once take first (tx_pick): the
+         * rest of the pool (loans, sends behind them) faults in as it is used */
+        uint32_t n = l->peer_depth < p->nslots ? l->peer_depth : p->nslots;
+        tdp__populate_write(tx_mem(p, 0), (size_t)(p->stride * n));
+        p->populated = true;
+    }
+    /* the receiver takes a schema only into a pool that holds it (s_rx_schema):
+     * announced after that pool, or left to the send that makes one */
+    if (send_schema && fits && l->prep_ann_seq != seq && l->seq0 + l->released + 1 >= seq) {
+        if ((rc = announce_schema(l, sc, seq)) != TDP_OK)
+            return rc;
+        l->prep_ann_seq = seq;
+        *sent = true;
+    }
+    return TDP_OK;
+}
+
 const tdp__plane_ops tdp__plane_shm = {
     .name = "shm",
     .id = TDP_PLANE_SHM,
@@ -2289,6 +2346,7 @@ const tdp__plane_ops tdp__plane_shm = {
     .release = s_release,
     .loan = s_loan,
     .poll_credit = s_poll_credit,
+    .prepare = s_prepare,
 };
 
 /* ---- the cuda-ipc plane: this link, GPU payloads in device pools ------------------- */
@@ -2372,6 +2430,7 @@ const tdp__plane_ops tdp__plane_cuda_ipc = {
     .release = s_release,
     .loan = s_loan,
     .poll_credit = s_poll_credit,
+    .prepare = s_prepare,
 };
 
 /* ---- test hooks ---------------------------------------------------------------------- */

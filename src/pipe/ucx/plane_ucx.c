@@ -32,6 +32,7 @@
 #include "../../core/alloc.h"
 #include "../../core/cuda.h"
 #include "../../core/log.h"
+#include "../../core/populate.h"
 #include "../../core/reap.h"
 
 typedef struct ucx_ext ucx_ext;
@@ -152,6 +153,10 @@ struct tdp__link {
     uint32_t ntxb;          /* in use: min(peer depth, 2) */
     ticket *txq, *txq_tail; /* sends in order behind a staged one */
     bool stage_failed;
+
+    /* tdp_pipe_prepare ("prepare" below) */
+    bool peer_ready;  /* the peer answers a prepared SCHEMA with READY */
+    bool rx_populate; /* the SCHEMA being taken was prepared: fault its storage in now */
 };
 
 /* A link's own worker whose endpoint close did not finish: freed last. */
@@ -744,6 +749,8 @@ static tdp_err rx_store_build(struct tdp__link *l, rx_buf *b)
         return rc;
     }
     b->store = st;
+    if (l->rx_populate && mt == TDP_MEM_HOST)
+        tdp__populate_write(st->buf, need); /* prepared: the first DATA lands on present pages */
     if (need > 0 && !staged) {
         /* registered once: every rendezvous lands here without a lookup */
         ucp_mem_map_params_t mp = {
@@ -985,7 +992,8 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
                     .length = h.length,
                     .arg = h.arg,
                     .has_sum = (h.flags & TDP_AM_F_SUM) != 0,
-                    .sum = h.sum};
+                    .sum = h.sum,
+                    .prepare = (h.flags & TDP_AM_F_PREPARE) != 0};
     switch (h.type) {
     case TDP_AM_CREDIT:
         l->up->credit(l->owner, l, h.arg);
@@ -995,7 +1003,9 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
             l->up->failed(l->owner, l, TDP_EPROTO, "schema frame by rendezvous or cut short");
             break;
         }
+        l->rx_populate = f.prepare;
         l->up->schema(l->owner, l, &f, data, length);
+        l->rx_populate = false;
         break;
     case TDP_AM_DATA: {
         if (length != h.length) {
@@ -1594,6 +1604,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
         return TDP_EPROTO;
     l->peer_token = h->token;
     l->sum_on = peer->checksum;
+    l->peer_ready = h->ready == TDP_READY_V1;
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
@@ -1766,6 +1777,96 @@ static uint32_t u_link_mem(const tdp__link *l)
     return TDP__MEM_HOST | (ucx_takes_cuda(l->x) ? TDP__MEM_CUDA : TDP__MEM_CUDA_STAGED);
 }
 
+/* ---- prepare ---------------------------------------------------------------------- */
+
+/* A prepared SCHEMA in flight: its header and JSON live until UCX lets go. */
+typedef struct prep_send {
+    struct tdp__link *l;
+    tdp_schema *sc;
+    uint8_t hdr[TDP_AM_HDR_LEN];
+} prep_send;
+
+static void prep_send_free(prep_send *ps)
+{
+    tdp_schema_unref(ps->sc);
+    tdp__free(ps);
+}
+
+static void prep_cb(void *req, ucs_status_t st, void *user)
+{
+    prep_send *ps = user;
+    struct tdp__link *l = ps->l;
+    (void)st; /* a failed send fails the link through UCX's error handler */
+    ucp_request_free(req);
+    l->reqs--;
+    prep_send_free(ps);
+    link_maybe_free(l);
+}
+
+/*
+ * The send side has nothing to make for host memory (UCX registers the
+ * application's buffer as it goes); a GPU layout staged through host
+ * memory gets its bounces now. The SCHEMA goes flagged TDP_AM_F_PREPARE:
+ * the receiver builds its storage (faulted in: rx_store_build) and answers
+ * READY. A peer that does not answer READY is sent nothing now.
+ */
+static tdp_err u_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
+                         bool *await)
+{
+    *sent = *await = false;
+    if (l->sep == NULL)
+        return TDP_EAGAIN;
+    if (l->stage_failed)
+        return TDP_ECONNRESET;
+    tdp_device dev = tdp_schema_device(sc);
+    if (stages(l, dev)) {
+        tdp_err rc = stage_ready(l, dev.index);
+        for (uint32_t i = 0; rc == TDP_OK && i < l->ntxb; i++)
+            if (!l->txb[i].busy)
+                rc = bounce_fit(l, &l->txb[i], tdp_schema_total_bytes(sc));
+        if (rc != TDP_OK)
+            return rc;
+    }
+    if (!send_schema || !l->peer_ready)
+        return TDP_OK;
+    prep_send *ps = tdp__calloc(1, sizeof(*ps));
+    if (ps == NULL)
+        return TDP_ENOMEM;
+    ps->l = l;
+    ps->sc = tdp_schema_ref(sc);
+    size_t jl;
+    const char *json = tdp_schema_json(sc, &jl);
+    tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
+                    .flags = TDP_AM_F_PREPARE,
+                    .token = l->peer_token,
+                    .seq = seq,
+                    .hash = tdp_schema_hash(sc),
+                    .length = jl,
+                    .arg = tdp_schema_total_bytes(sc)};
+    tdp_wire_am_encode(ps->hdr, &h);
+    ucp_request_param_t prm = {
+        .op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = prep_cb,
+        .user_data = ps,
+        .flags = UCP_AM_SEND_FLAG_EAGER, /* whole in the receiver's callback, as any SCHEMA */
+    };
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, ps->hdr, TDP_AM_HDR_LEN, json, jl, &prm);
+    tdp__loop_kick(l->x->loop);
+    if (UCS_PTR_IS_ERR(r)) {
+        tdp_log_debug("ucp_am_send_nbx (prepared schema): %s",
+                      ucs_status_string(UCS_PTR_STATUS(r)));
+        prep_send_free(ps);
+        return TDP_ECONNRESET;
+    }
+    if (r == NULL)
+        prep_send_free(ps);
+    else
+        l->reqs++;
+    *sent = *await = true;
+    return TDP_OK;
+}
+
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
@@ -1781,6 +1882,7 @@ const tdp__plane_ops tdp__plane_ucx = {
     .send = u_send,
     .credit = u_credit,
     .rx_schema = u_rx_schema,
+    .prepare = u_prepare,
     .recv = u_recv,
     .release = u_release,
     .loan = u_loan,
