@@ -378,7 +378,24 @@ typedef struct fanin_tx {
     tdp_td *td;
     bool loan;
     tdp_err rc;
+    atomic_int *warm; /* producers past their warm-up: both wait for the other there */
 } fanin_tx;
+
+/*
+ * Both producers start their steady messages together (bounded: 30 s), so
+ * that a producer the scheduler runs far ahead of the other cannot leave
+ * the consumer's window, which needs both past their warm-up, too short.
+ */
+static void fanin_warm_wait(atomic_int *warm)
+{
+    atomic_fetch_add(warm, 1);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
+        sched_yield();
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while (atomic_load(warm) < 2 && t.tv_sec - t0.tv_sec < 30);
+}
 
 static void *fanin_tx_main(void *arg)
 {
@@ -403,6 +420,8 @@ static void *fanin_tx_main(void *arg)
         t->rc = tdp_pipe_send(pipe, buf, TMO);
         if (t->loan)
             tdp_td_unref(buf);
+        if (i == WARMUP)
+            fanin_warm_wait(t->warm);
     }
     if (t->rc == TDP_OK)
         t->rc = tdp_pipe_close(pipe, TMO);
@@ -430,8 +449,10 @@ static void fanin_case(tdp_plane plane, bool loan)
     fo.listener.pipe.plane = plane;
     assert_int_equal(tdp_fanin_new(fl, "127.0.0.1", 0, &fo, &f), TDP_OK);
     fanin_tx tx[2];
+    atomic_int warm = 0;
     for (int i = 0; i < 2; i++) {
-        tx[i] = (fanin_tx){.loop = pl, .port = tdp_fanin_port(f), .plane = plane, .loan = loan};
+        tx[i] = (fanin_tx){
+            .loop = pl, .port = tdp_fanin_port(f), .plane = plane, .loan = loan, .warm = &warm};
         assert_int_equal(tdp_td_new(s, &tx[i].td), TDP_OK);
         assert_int_equal(pthread_create(&tx[i].th, NULL, fanin_tx_main, &tx[i]), 0);
     }
