@@ -58,4 +58,15 @@ void tdp__shm_step_ring(tdp__link *l);
  * or the peer's (receiving): the zero-copy proof. */
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
 
+/*
+ * Make link l send from the pools of link `with` (both of one loop, on the
+ * shm plane): a loan of that group goes to each of their peers without a
+ * copy. l must hold no slot in flight (TDP_EAGAIN). At most 64 links share
+ * a group (TDP_ELIMIT).
+ */
+tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
+
+/* The bytes of the pool segments l sends from (its group's), and how many. */
+uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools);
+
 #endif
