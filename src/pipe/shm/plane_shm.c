@@ -134,6 +134,7 @@ typedef struct tx_slot {
     tdp_td *td;
     uint32_t idx;
     uint64_t held;  /* the group's links it is in flight on: sent, not yet released */
+    bool parked;    /* held by a link that closed while its peer lives: never reused */
     bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
@@ -163,6 +164,7 @@ struct tx_group {
     uint64_t bits; /* the bits of the links in it */
     tx_pool *pool; /* current generation; older ones in pool->next */
     uint32_t next_gen;
+    bool stale; /* the current pool has parked slots and none free: make a new one */
 };
 
 typedef struct rx_slot {
@@ -239,6 +241,7 @@ struct tdp__link {
     uint8_t key[TDP_SHM_KEY_LEN], peer_key[TDP_SHM_KEY_LEN], proof_key[TDP_SHM_KEY_LEN];
     uint8_t hello_rec[TDP_SHM_REC_MAX]; /* this side's TDP_HX_SHM value */
     bool started, closed, failed, proven;
+    bool peer_dead; /* closed because the peer process or host is gone */
     int sock;
     struct event *sev;
     tdp__reap reap;
@@ -428,7 +431,7 @@ static void rx_pool_drop(rx_pool *p)
 /* A slot is free when no link has it in flight and no loan of it is out. */
 static bool tx_slot_free(const tx_slot *s)
 {
-    return s->held == 0 &&
+    return s->held == 0 && !s->parked &&
            (s->td == NULL || atomic_load_explicit(&s->td->refs, memory_order_acquire) == 1);
 }
 
@@ -608,7 +611,7 @@ static uint32_t tx_pools_pending(struct tdp__link *l)
 static bool tx_pool_fits(const struct tdp__link *l, uint64_t bytes, int dev)
 {
     const tx_pool *p = l->grp->pool;
-    if (p == NULL || p->stride < bytes || p->gen < l->ann_gen)
+    if (p == NULL || p->stride < bytes || p->gen < l->ann_gen || l->grp->stale)
         return false;
     if (p->gen != l->ann_gen && (p->dp != NULL || p->nslots > pool_slots(l->peer_depth)))
         return false; /* a device pool is exported once; the peer maps so many slots */
@@ -647,12 +650,35 @@ static tdp_err tx_group_new(struct tdp__link *l)
     return TDP_OK;
 }
 
-/* Older pools that no link holds a slot of go (loans out keep their mapping). */
+/* Whether a loan of p is out (the application, or a fan-out, holds a view of a slot). */
+static bool tx_pool_lent(const tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++)
+        if (p->slots[i].held == 0 && !p->slots[i].parked && p->slots[i].td != NULL &&
+            atomic_load_explicit(&p->slots[i].td->refs, memory_order_acquire) > 1)
+            return true;
+    return false;
+}
+
+static bool tx_pool_parked(const tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++)
+        if (p->slots[i].parked)
+            return true;
+    return false;
+}
+
+/*
+ * Older pools that no link holds a slot of go (loans out keep their
+ * mapping). A shared group keeps a pool a loan of which is out: other
+ * links may still send it where it lies.
+ */
 static void tx_group_trim(tx_group *g)
 {
+    bool shared = (g->bits & (g->bits - 1)) != 0;
     for (tx_pool **pp = &g->pool->next; *pp != NULL;) {
         tx_pool *o = *pp;
-        if (o->nflight == 0) {
+        if (o->nflight == 0 && !(shared && tx_pool_lent(o))) {
             *pp = o->next;
             tx_pool_drop(o);
         } else {
@@ -664,17 +690,23 @@ static void tx_group_trim(tx_group *g)
 /*
  * The link leaves its group (at teardown, or to join another): every slot
  * it holds is given back, as a release would, and with the last link the
- * pools go (loans the application still holds keep their mapping).
+ * pools go (loans the application still holds keep their mapping). In a
+ * group shared with other links, a link closed while its peer lives parks
+ * what it holds instead: the peer may still read those slots, so they are
+ * never reused (their pool goes once nothing else of it is out). A peer
+ * that is gone (killed) or failed gives them back.
  */
 static void tx_group_leave(struct tdp__link *l)
 {
     tx_group *g = l->grp;
     if (g == NULL || l->bit == 0)
         return;
+    bool park = (g->bits & ~l->bit) != 0 && l->closed && !l->failed && !l->peer_dead;
     for (tx_pool *p = g->pool; p != NULL; p = p->next) {
         for (uint32_t i = 0; i < p->nslots; i++) {
             if ((p->slots[i].held & l->bit) != 0) {
                 p->slots[i].held &= ~l->bit;
+                p->slots[i].parked |= park && p->slots[i].held == 0;
                 p->nflight--;
             }
         }
@@ -790,8 +822,18 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
         p->registered = seg_register(p->seg);
     p->next = g->pool;
     g->pool = p;
+    g->stale = false;
     tx_group_trim(g);
     return TDP_OK;
+}
+
+/* Whether p is one of g's pools (a pool struct of another group may look alike). */
+static bool tx_pool_listed(const tx_group *g, const tx_pool *p)
+{
+    for (const tx_pool *q = g->pool; q != NULL; q = q->next)
+        if (q == p)
+            return true;
+    return false;
 }
 
 static tx_slot *tx_pick(tx_pool *p)
@@ -802,15 +844,23 @@ static tx_slot *tx_pick(tx_pool *p)
     return NULL;
 }
 
-/* The loaned slot td is, when it is one of the current pool of this link's group. */
+/*
+ * The loaned slot td is, when it is one of this link's group and of the
+ * pool its next DATA may name: the one last announced to the peer, or the
+ * group's current one (announced at the send). A link of its own always
+ * has them equal; in a shared group a loan made just before another link
+ * grew the group is still sent where it lies.
+ */
 static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
 {
-    if (td->release != tx_view_gone)
+    if (td->release != tx_view_gone || l->bit == 0)
         return NULL;
     tx_slot *s = td->release_arg;
-    if (s->pool != l->grp->pool || s->td != td || (s->held & l->bit) != 0 || s->staging)
-        return NULL; /* another group's, an older pool's, or sent on this link already: copy it */
-    return s;
+    if (s->td != td || (s->held & l->bit) != 0 || s->staging)
+        return NULL; /* let go by its group, or sent on this link already: copy it */
+    if (s->pool->gen == l->ann_gen && l->ann_gen != 0 && tx_pool_listed(l->grp, s->pool))
+        return s;
+    return s->pool == l->grp->pool ? s : NULL; /* else another group's or an older pool's */
 }
 
 /* Put the descriptor of tx (in slot s) on the ring. */
@@ -961,13 +1011,16 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK && gpu)
         rc = link_stage(l, td->device.index);
-    if (rc == TDP_OK)
+    /* a loan of the pool in force at the peer goes as it is; else the current pool */
+    tx_slot *s = rc == TDP_OK ? tx_loaned(l, td) : NULL;
+    if (rc == TDP_OK && (s == NULL || s->pool->gen != l->ann_gen))
         rc = tx_pool_grow(l, td->nbytes, pdev);
+    if (s != NULL && s->pool != l->grp->pool && s->pool->gen != l->ann_gen)
+        s = NULL;
     if (rc == TDP_OK && tx->schema != NULL)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
         return rc;
-    tx_slot *s = tx_loaned(l, td);
     bool loaned = s != NULL;
     if (!loaned && (s = tx_pick(l->grp->pool)) == NULL)
         return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
@@ -1102,6 +1155,32 @@ static int tx_arm(void *arg)
     return a < 0 ? 1 : a; /* a broken ring: progress reports it */
 }
 
+/* Lend free slot s of p as a tensordict of layout sc. */
+static tdp_err tx_lend(tx_pool *p, tx_slot *s, tdp_schema *sc, tdp_td **out)
+{
+    if (s->td == NULL || s->td->schema != sc) {
+        /* a new layout: the views of every free slot, made once for the loans to come */
+        uint64_t need = tdp_schema_total_bytes(sc);
+        for (uint32_t i = 0; i < p->nslots; i++) {
+            tx_slot *f = &p->slots[i];
+            if ((f != s && !tx_slot_free(f)) || (f->td != NULL && f->td->schema == sc))
+                continue;
+            tdp_td *td;
+            atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+            tdp_err rc = tdp_td_wrap(sc, tx_mem(p, f->idx), need, tdp_schema_device(sc),
+                                     tx_view_gone, f, &td);
+            if (rc != TDP_OK) {
+                tx_pool_unref(p);
+                return rc;
+            }
+            tdp_td_unref(f->td);
+            f->td = td;
+        }
+    }
+    *out = tdp_td_ref(s->td);
+    return TDP_OK;
+}
+
 static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 {
     tdp_device sdev = tdp_schema_device(sc);
@@ -1143,25 +1222,7 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
         l->loan_starved = true; /* a release may end this: be woken by one */
         return TDP_EAGAIN;
     }
-    if (s->td == NULL || s->td->schema != sc) {
-        /* a new layout: the views of every free slot, made once for the loans to come */
-        for (uint32_t i = 0; i < p->nslots; i++) {
-            tx_slot *f = &p->slots[i];
-            if ((f != s && !tx_slot_free(f)) || (f->td != NULL && f->td->schema == sc))
-                continue;
-            tdp_td *td;
-            atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-            rc = tdp_td_wrap(sc, tx_mem(p, f->idx), need, sdev, tx_view_gone, f, &td);
-            if (rc != TDP_OK) {
-                tx_pool_unref(p);
-                return rc;
-            }
-            tdp_td_unref(f->td);
-            f->td = td;
-        }
-    }
-    *out = tdp_td_ref(s->td);
-    return TDP_OK;
+    return tx_lend(p, s, sc, out);
 }
 
 /* Releases already in the ring count now (see tdp__plane_ops.poll_credit). */
@@ -2368,10 +2429,10 @@ static bool s_link_busy(const tdp__link *l)
 
 static void s_link_close(tdp__link *l, bool peer_gone)
 {
-    (void)peer_gone; /* nothing here waits for the peer */
     if (l->closed)
         return;
     l->closed = true;
+    l->peer_dead = peer_gone; /* nothing here waits for the peer; a shared group parks for it */
     link_teardown(l);
     tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
 }
@@ -2637,4 +2698,39 @@ uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools)
     if (npools != NULL)
         *npools = k;
     return n;
+}
+
+tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
+{
+    if (l == NULL || l->bit == 0 || l->failed || l->closed ||
+        tdp_schema_device(sc).type != TDP_DEVICE_CPU)
+        return TDP_EINVAL;
+    if (l->sock < 0 || !l->proven)
+        return TDP_EAGAIN;
+    uint64_t need = tdp_schema_total_bytes(sc);
+    if (!tx_pool_fits(l, need, -1) && tx_pools_pending(l) > l->peer_depth)
+        return TDP_EAGAIN; /* as s_loan: room for the announcements the credit allows */
+    tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK)
+        rc = tx_pool_grow(l, need, -1);
+    if (rc != TDP_OK)
+        return rc;
+    /* the group's links send nothing but its loans: any free slot will do */
+    tx_slot *s = tx_pick(l->grp->pool);
+    if (s == NULL && tx_pool_parked(l->grp->pool) && tx_pools_pending(l) <= l->peer_depth) {
+        l->grp->stale = true; /* parked slots may never come back: a new generation */
+        if ((rc = tx_pool_grow(l, need, -1)) != TDP_OK)
+            return rc;
+        s = tx_pick(l->grp->pool);
+    }
+    if (s == NULL) {
+        l->loan_starved = true; /* a release wakes the loop */
+        return TDP_EAGAIN;
+    }
+    return tx_lend(l->grp->pool, s, sc, out);
+}
+
+bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td)
+{
+    return l != NULL && td != NULL && tx_loaned(l, td) != NULL;
 }

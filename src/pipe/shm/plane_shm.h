@@ -66,6 +66,17 @@ bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
  */
 tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
 
+/*
+ * Lend a slot of l's group as a tensordict of host layout sc, with no slot
+ * kept back for plain sends: for links that send nothing but the group's
+ * loans (a fan-out's). TDP_EAGAIN: none free now (a release will wake the
+ * loop), or l's socket is not up yet.
+ */
+tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out);
+
+/* Whether td is a loan of l's group that l can send as it is. */
+bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td);
+
 /* The bytes of the pool segments l sends from (its group's), and how many. */
 uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools);
 
