@@ -812,8 +812,8 @@ static void test_shm_loan_zero_copy(void **state)
         assert_int_equal(tdp_op_result(op), TDP_OK);
         tdp_td_unref(td); /* got[]: lent, given back by the next receive (depth 1) */
     }
+    bare_down(&e); /* then the op: its completion may still be on the loop thread */
     tdp_op_free(op);
-    bare_down(&e);
     tdp_schema_unref(s);
 }
 
