@@ -706,7 +706,7 @@ static void tx_group_leave(struct tdp__link *l)
         for (uint32_t i = 0; i < p->nslots; i++) {
             if ((p->slots[i].held & l->bit) != 0) {
                 p->slots[i].held &= ~l->bit;
-                p->slots[i].parked |= park && p->slots[i].held == 0;
+                p->slots[i].parked |= park; /* the others may let go first: still parked */
                 p->nflight--;
             }
         }
