@@ -22,6 +22,10 @@
 
 #include <tdpipe/tdpipe.h>
 
+#include "pipe/op.h"
+#include "pipe/session.h"
+#include "pipe/shm/plane_shm.h"
+
 #define TMO    20000 /* ms: bound for any single wait */
 #define NBYTES 4096
 #define MAXC   8
@@ -606,6 +610,279 @@ static void test_kill_one_of_four(void **state)
     }
 }
 
+/* ---- the shm plane: one pool for every consumer ------------------------------------ */
+
+static bool on_shm(void)
+{
+    const char *n = getenv("TDP_TEST_PLANE");
+    return n != NULL && strcmp(n, "shm") == 0;
+}
+
+/*
+ * Where p lies in this process's memfd mappings: the file (device and
+ * inode) and the offset in it; false when in none.
+ */
+static bool memfd_at(const void *p, unsigned long *ino, unsigned long *off)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    assert_non_null(f);
+    char line[512];
+    bool found = false;
+    while (!found && fgets(line, sizeof(line), f) != NULL) {
+        unsigned long a, b, o, in;
+        if (strstr(line, "/memfd:") == NULL ||
+            sscanf(line, "%lx-%lx %*s %lx %*s %lu", &a, &b, &o, &in) != 4)
+            continue;
+        if ((uintptr_t)p >= a && (uintptr_t)p < b) {
+            *ino = in;
+            *off = o + ((uintptr_t)p - a);
+            found = true;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* The memfds this process maps that are larger than min bytes: how many, and their bytes. */
+static uint32_t memfd_pools(unsigned long min, unsigned long *bytes)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    assert_non_null(f);
+    unsigned long seen[64];
+    uint32_t n = 0;
+    *bytes = 0;
+    char line[512];
+    while (fgets(line, sizeof(line), f) != NULL) {
+        unsigned long a, b, in;
+        if (strstr(line, "/memfd:tdpipe") == NULL ||
+            sscanf(line, "%lx-%lx %*s %*s %*s %lu", &a, &b, &in) != 3 || b - a < min)
+            continue;
+        bool dup = false;
+        for (uint32_t i = 0; i < n; i++)
+            dup |= seen[i] == in;
+        if (!dup && n < 64) {
+            seen[n++] = in;
+            *bytes += b - a;
+        }
+    }
+    fclose(f);
+    return n;
+}
+
+/*
+ * Broadcast to 1, 2 and 4 consumer processes: the producer maps one pool,
+ * of the same bytes, whatever their number (each had its own before).
+ */
+static void test_shm_one_pool(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    const uint64_t n = 50;
+    const int64_t big = 256 * 1024; /* pools stand out from the control segments */
+    unsigned long bytes1 = 0;
+    for (int nc = 1; nc <= 4; nc *= 2) {
+        pid_t pid[4];
+        int wfd[4];
+        for (int i = 0; i < nc; i++) {
+            int fds[2];
+            assert_int_equal(pipe(fds), 0);
+            pid[i] = fork();
+            assert_true(pid[i] >= 0);
+            if (pid[i] == 0) {
+                close(fds[1]);
+                _exit(child_main(fds[0], n));
+            }
+            close(fds[0]);
+            wfd[i] = fds[1];
+        }
+        env e;
+        env_up(&e, NULL);
+        for (int i = 0; i < nc; i++) {
+            assert_int_equal(write(wfd[i], &e.port, sizeof(e.port)), (ssize_t)sizeof(e.port));
+            close(wfd[i]);
+        }
+        wait_consumers(&e, (uint32_t)nc);
+        tdp_schema *s = bytes_schema(big);
+        tdp_td *td;
+        assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+        for (uint64_t i = 1; i <= n; i++) {
+            fill(td, i);
+            assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+        }
+        unsigned long bytes;
+        uint32_t pools = memfd_pools(big, &bytes);
+        print_message("%d consumer(s): %u pool(s), %lu bytes\n", nc, pools, bytes);
+        assert_int_equal(pools, 1);
+        if (nc == 1)
+            bytes1 = bytes;
+        assert_int_equal(bytes, bytes1);
+        assert_int_equal(tdp_fanout_close(e.fo, TMO), TDP_OK);
+        for (int i = 0; i < nc; i++) {
+            int st;
+            assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
+            assert_true(WIFEXITED(st));
+            assert_int_equal(WEXITSTATUS(st), 0);
+        }
+        tdp_fanout_free(e.fo);
+        tdp_loop_free(e.cl);
+        tdp_loop_free(e.pl);
+        tdp_td_unref(td);
+        tdp_schema_unref(s);
+    }
+}
+
+/* Consumers received by the test thread itself: dial nc of them, of receive depth depth. */
+static void dial_bare(env *e, int nc, uint32_t depth)
+{
+    for (int i = 0; i < nc; i++) {
+        tdp_pipe_opts o = popts();
+        o.recv_depth = depth;
+        assert_int_equal(tdp_pipe_connect(e->cl, "127.0.0.1", e->port, &o, &e->c[i].pipe), TDP_OK);
+        e->nc++;
+        wait_consumers(e, (uint32_t)e->nc);
+    }
+}
+
+/* The consumers go first (the test thread cannot receive their end while it closes). */
+static void bare_down(env *e)
+{
+    for (int i = 0; i < e->nc; i++)
+        tdp_pipe_free(e->c[i].pipe);
+    assert_int_equal(tdp_fanout_close(e->fo, TMO), TDP_OK);
+    tdp_fanout_free(e->fo);
+    tdp_loop_free(e->cl);
+    tdp_loop_free(e->pl);
+}
+
+/* A loan of the fan-out, or TDP_EAGAIN for a bounded while (the sockets come up). */
+static tdp_err loan_retry(tdp_fanout *fo, tdp_schema *s, tdp_td **out)
+{
+    tdp_err rc = TDP_EAGAIN;
+    for (int64_t end = mono_ms() + TMO; rc == TDP_EAGAIN && mono_ms() < end; usleep(1000))
+        rc = tdp_fanout_loan(fo, s, out);
+    return rc;
+}
+
+/*
+ * A loan goes to every consumer without a copy, and a plain send is copied
+ * once: each consumer's view is the same bytes of the same memfd.
+ */
+static void test_shm_loan_zero_copy(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    enum { NC = 3 };
+    env e;
+    env_up(&e, NULL);
+    dial_bare(&e, NC, 1);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_op *op;
+    assert_int_equal(tdp_op_new(NULL, NULL, &op), TDP_OK);
+    for (uint64_t i = 1; i <= 6; i++) {
+        tdp_td *td;
+        unsigned long ino0, off0;
+        bool loaned = i % 2 == 1;
+        if (loaned) {
+            assert_int_equal(loan_retry(e.fo, s, &td), TDP_OK);
+            assert_true(memfd_at(tdp_td_data(td), &ino0, &off0)); /* a slot of the pool */
+        } else {
+            assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+            assert_false(memfd_at(tdp_td_data(td), &ino0, &off0));
+        }
+        fill(td, i);
+        /* async: a consumer gives the last message back at its next receive */
+        tdp_fanout_send_async(e.fo, td, op);
+        tdp_td *got[NC];
+        for (int c = 0; c < NC; c++) {
+            assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got[c]), TDP_OK);
+            assert_int_equal(check(got[c]), i);
+            unsigned long ino, off;
+            assert_true(memfd_at(tdp_td_data(got[c]), &ino, &off));
+            if (c == 0 && !loaned) {
+                ino0 = ino;
+                off0 = off;
+            }
+            assert_int_equal(ino, ino0);
+            assert_int_equal(off, off0);
+        }
+        for (int64_t end = mono_ms() + TMO; tdp_op_result(op) == TDP_EAGAIN && mono_ms() < end;)
+            usleep(1000);
+        assert_int_equal(tdp_op_result(op), TDP_OK);
+        tdp_td_unref(td); /* got[]: lent, given back by the next receive (depth 1) */
+    }
+    bare_down(&e); /* then the op: its completion may still be on the loop thread */
+    tdp_op_free(op);
+    tdp_schema_unref(s);
+}
+
+typedef struct rogue_rel {
+    tdp__link *l;
+    tdp__shm_desc d;
+    tdp_err rc;
+} rogue_rel;
+
+/* The same release twice, at once: the first gives the slot back, the second is a lie. */
+static void rogue_rel_task(void *arg)
+{
+    rogue_rel *r = arg;
+    r->rc = tdp__shm_rogue_release(r->l, &r->d);
+    if (r->rc == TDP_OK)
+        r->rc = tdp__shm_rogue_release(r->l, &r->d);
+}
+
+/*
+ * A consumer that gives back a slot it does not hold (another consumer
+ * holds it) is refused: its pipe fails, the slot stays held, and the
+ * others go on.
+ */
+static void test_shm_release_refused(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    env e;
+    env_up(&e, NULL);
+    dial_bare(&e, 2, 4); /* consumer 0 holds a message while it receives others */
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    tdp_td *held, *other;
+    assert_int_equal(tdp_pipe_recv(e.c[0].pipe, TMO, &held), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.c[1].pipe, TMO, &other), TDP_OK);
+    /* consumer 0 keeps it; consumer 1 gives it back, and then again */
+    /* the first message of a fresh pool (generation 1) is in its slot 0 */
+    rogue_rel r = {
+        .l = tdp__session_link(e.c[1].pipe),
+        .d = {.type = tdp__shm_desc_word(TDP__SHM_DESC_RELEASE, 1), .slot = 0, .seq = 1}};
+    tdp__call_on_loop(e.cl, rogue_rel_task, &r);
+    assert_int_equal(r.rc, TDP_OK);
+    /* consumer 0 goes on; the slot it holds is not written again (the
+     * producer reads the second release by its next send at the latest) */
+    for (uint64_t i = 2; i <= 20; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+        tdp_td *got;
+        assert_int_equal(tdp_pipe_recv(e.c[0].pipe, TMO, &got), TDP_OK);
+        assert_int_equal(check(got), i);
+        tdp_pipe_release(e.c[0].pipe, got);
+        assert_int_equal(check(held), 1);
+    }
+    tdp_fanout_stats st;
+    int64_t end = mono_ms() + TMO;
+    for (tdp_fanout_stats_get(e.fo, &st, NULL, 0); st.failed == 0 && mono_ms() < end;
+         tdp_fanout_stats_get(e.fo, &st, NULL, 0))
+        usleep(2000);
+    assert_int_equal(st.failed, 1);
+    tdp_pipe_release(e.c[0].pipe, held);
+    bare_down(&e);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -620,6 +897,9 @@ int main(void)
         cmocka_unit_test(test_zero_alloc),
         cmocka_unit_test(test_dial_and_add),
         cmocka_unit_test(test_kill_one_of_four),
+        cmocka_unit_test(test_shm_one_pool),
+        cmocka_unit_test(test_shm_loan_zero_copy),
+        cmocka_unit_test(test_shm_release_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -125,6 +125,15 @@ TDP_API tdp_err tdp_fanout_remove(tdp_fanout *fo, uint64_t id);
 TDP_API void tdp_fanout_send_async(tdp_fanout *fo, tdp_td *td, tdp_op *op);
 
 /*
+ * A tensordict of layout schema to fill and send (any thread but the
+ * loop's): in broadcast mode with consumers on the shm plane, a slot of
+ * the pool their links share, which tdp_fanout_send then gives every one
+ * of them without a copy; else an ordinary buffer. TDP_EAGAIN: every slot
+ * is held by a consumer now; try again shortly. Send it once.
+ */
+TDP_API tdp_err tdp_fanout_loan(tdp_fanout *fo, tdp_schema *schema, tdp_td **out);
+
+/*
  * Send and wait (timeout_ms -1: forever). One blocking send at a time. A
  * send that times out after consumers took it goes on to them (the
  * fan-out keeps its own reference on td).

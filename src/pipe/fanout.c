@@ -8,6 +8,13 @@
  * broadcast mode; one in distribute mode, where being free is the credit),
  * so its pipe streams as it would alone. A slot is free when no consumer holds it;
  * then the producer's op completes. Nothing here allocates per message.
+ *
+ * One copy on the shm plane: in broadcast mode the links of the consumers
+ * on the shm plane send from one pool group (plane_shm.h), the first such
+ * consumer's. A message is copied once, into a loan of that group (or is
+ * one already: tdp_fanout_loan), and that loan goes to each of them
+ * without a copy. Those links send nothing else, so a message waits for a
+ * free slot of the group instead of being copied per consumer.
  */
 #include <event2/event.h>
 #include <string.h>
@@ -15,6 +22,7 @@
 
 #include "op.h"
 #include "session.h"
+#include "shm/plane_shm.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 
@@ -58,7 +66,8 @@ typedef struct fo_consumer {
     enum c_state state;
     uint8_t q[FO_MAX_DEPTH]; /* msgs[] indices, oldest first */
     uint32_t qh, qn;
-    bool ended; /* its pipe's end callback ran */
+    bool ended;  /* its pipe's end callback ran */
+    bool shared; /* its link sends from the fan-out's shm pool group */
     char peer[64];
     tdp_fanout_peer_stats st;
 } fo_consumer;
@@ -405,6 +414,120 @@ static void redistribute(tdp_fanout *fo)
     }
 }
 
+/* ---- one copy on the shm plane ------------------------------------------------- */
+
+/* A consumer whose link is in the group, other than c; NULL: none. */
+static fo_consumer *shm_member(tdp_fanout *fo, const fo_consumer *c)
+{
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *d = &fo->cons[i];
+        if (d != c && d->shared && c_holds(d) && tdp__session_link(d->pipe) != NULL)
+            return d;
+    }
+    return NULL;
+}
+
+/* A new consumer on the shm plane joins the group (or founds it). */
+static void c_share(tdp_fanout *fo, fo_consumer *c)
+{
+    if (fo->o.mode != TDP_FANOUT_BROADCAST || tdp_pipe_plane(c->pipe) != TDP_PLANE_SHM ||
+        tdp__session_link(c->pipe) == NULL)
+        return;
+    fo_consumer *d = shm_member(fo, c);
+    tdp_err rc = d == NULL
+                     ? TDP_OK
+                     : tdp__shm_link_share(tdp__session_link(c->pipe), tdp__session_link(d->pipe));
+    /* else it holds slots of its own (tried again when idle), or the group is full: copies */
+    c->shared = rc == TDP_OK;
+}
+
+/* Consumers whose plane was not known when they joined, or whose link was busy then. */
+static void share_late(tdp_fanout *fo)
+{
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->state == C_LIVE && !c->shared && c->ninflight == 0 && c->qn == 0)
+            c_share(fo, c);
+    }
+}
+
+/*
+ * What msgs[] holds for the producer's td: td itself when it is a loan of
+ * the group already or no consumer is in the group, else a loan of the
+ * group with td copied in. TDP_EAGAIN: no slot of the group is free yet.
+ */
+static tdp_err one_copy(tdp_fanout *fo, tdp_td *td, tdp_td **out)
+{
+    *out = NULL;
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (!c->shared || !c_holds(c))
+            continue;
+        tdp__link *l = tdp__session_link(c->pipe);
+        if (tdp__shm_group_lent(l, td))
+            break;
+        tdp_td *loan;
+        tdp_err rc = tdp__shm_group_loan(l, tdp_td_schema(td), &loan);
+        if (rc == TDP_EAGAIN)
+            return rc;
+        if (rc != TDP_OK)
+            continue; /* a failing link, or a device layout: another, or as it is */
+        memcpy(tdp_td_data(loan), tdp_td_data(td), tdp_td_nbytes(td));
+        *out = loan;
+        return TDP_OK;
+    }
+    *out = tdp_td_ref(td);
+    return TDP_OK;
+}
+
+typedef struct loan_call {
+    tdp_fanout *fo;
+    tdp_schema *sc;
+    tdp_td **out;
+    tdp_err rc;
+} loan_call;
+
+static void loan_task(void *arg)
+{
+    loan_call *a = arg;
+    tdp_fanout *fo = a->fo;
+    a->rc = TDP_ENOENT;
+    for (uint32_t i = 0; i < fo->o.max_consumers && a->rc != TDP_OK && a->rc != TDP_EAGAIN; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->shared && c_holds(c))
+            a->rc = tdp__shm_group_loan(tdp__session_link(c->pipe), a->sc, a->out);
+    }
+    if (a->rc != TDP_OK && a->rc != TDP_EAGAIN)
+        a->rc = tdp_td_new(a->sc, a->out); /* no group: an ordinary buffer */
+}
+
+tdp_err tdp_fanout_loan(tdp_fanout *fo, tdp_schema *schema, tdp_td **out)
+{
+    if (fo == NULL || schema == NULL || out == NULL || tdp_loop_on_thread(fo->loop))
+        return TDP_EINVAL;
+    *out = NULL;
+    loan_call a = {.fo = fo, .sc = schema, .out = out};
+    tdp__call_on_loop(fo->loop, loan_task, &a);
+    return a.rc;
+}
+
+/*
+ * Drop-oldest: the group's slots are all held, some by messages that only
+ * lagging consumers still wait for: the oldest of them goes, as when
+ * msgs[] is full. Whether one went.
+ */
+static bool drop_for_slot(tdp_fanout *fo)
+{
+    uint32_t live = 0;
+    for (uint32_t i = 0; i < fo->o.depth; i++)
+        live += fo->msgs[i].live;
+    drop_oldest(fo);
+    uint32_t after = 0;
+    for (uint32_t i = 0; i < fo->o.depth; i++)
+        after += fo->msgs[i].live;
+    return after < live;
+}
+
 /* Give waiting sends a slot and their consumers while there is room. */
 static void admit(tdp_fanout *fo)
 {
@@ -424,9 +547,21 @@ static void admit(tdp_fanout *fo)
         fo_consumer *one = NULL;
         if (!bcast && (one = pick(fo)) == NULL)
             return;
+        share_late(fo);
+        tdp_td *td = NULL;
+        if (!bcast)
+            td = tdp_td_ref(fo->waitq.head->td);
+        else if (one_copy(fo, fo->waitq.head->td, &td) != TDP_OK &&
+                 (fo->o.slow != TDP_FANOUT_DROP_OLDEST || !drop_for_slot(fo) ||
+                  one_copy(fo, fo->waitq.head->td, &td) != TDP_OK)) {
+            /* the group's slots are all held: a release frees one soon */
+            static const struct timeval again = {0, 1000};
+            evtimer_add(fo->retry_ev, &again);
+            return;
+        }
         tdp_op *op = tdp__opq_pop(&fo->waitq);
         fo_msg *g = &fo->msgs[m];
-        *g = (fo_msg){.td = tdp_td_ref(op->td), .op = op, .seq = ++fo->next_seq, .live = true};
+        *g = (fo_msg){.td = td, .op = op, .seq = ++fo->next_seq, .live = true};
         op->seq = g->seq;
         if (one != NULL) {
             c_push(one, m);
@@ -622,6 +757,7 @@ static void add_task(void *arg)
         fo->st.consumers++;
         a->id = c->id;
         a->rc = TDP_OK;
+        c_share(fo, c);
         tdp_pipe_set_end_cb(a->pipe, c_end_cb, c); /* an end that came before runs now */
         pump(fo);
         return;

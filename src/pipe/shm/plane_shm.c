@@ -125,6 +125,7 @@ _Static_assert(sizeof(shm_msg) == MSG_HDR_BYTES, "socket message header is 80 by
 
 typedef struct shm_ext shm_ext;
 typedef struct tx_pool tx_pool;
+typedef struct tx_group tx_group;
 typedef struct rx_pool rx_pool;
 
 /* A sender's slot. td: a view of the slot for lending (the link holds a
@@ -133,7 +134,8 @@ typedef struct tx_slot {
     tx_pool *pool;
     tdp_td *td;
     uint32_t idx;
-    bool in_flight; /* sent, not yet released by the receiver */
+    uint64_t held;  /* the group's links it is in flight on: sent, not yet released */
+    bool parked;    /* held by a link that closed while its peer lives: never reused */
     bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
@@ -141,12 +143,30 @@ struct tx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per slot view alive */
     tdp__shm_seg *seg;
     tdp__dpool *dp; /* cuda-ipc: device slots instead of seg */
-    uint32_t gen, nslots, nflight;
+    uint32_t gen, nslots, nflight; /* nflight: holds, a link's bit on a slot each */
     uint64_t stride;
     tx_slot *slots;
     tx_pool *next;   /* older generations still out */
     bool registered; /* page-locked with the CUDA driver (GPU copies) */
     bool populated;  /* its slots' pages faulted in (s_prepare) */
+};
+
+/*
+ * The pools some links send from: a link's own (one pipe), or shared by
+ * several links of one loop (tdp__shm_link_share), so that one slot goes
+ * to each of their peers without a copy. A slot says which links hold it
+ * (one bit each, so at most 64 links a group); a release is checked
+ * against the releasing link's bit, and a link that goes gives its bits
+ * back. Generations count per group; each link announces to its own peer
+ * the generation it sends from when that peer has not seen it yet.
+ * Loop thread only.
+ */
+struct tx_group {
+    uint32_t refs; /* links that point at it, in it or gone from it */
+    uint64_t bits; /* the bits of the links in it */
+    tx_pool *pool; /* current generation; older ones in pool->next */
+    uint32_t next_gen;
+    bool stale; /* the current pool has parked slots and none free: make a new one */
 };
 
 typedef struct rx_slot {
@@ -223,6 +243,7 @@ struct tdp__link {
     uint8_t key[TDP_SHM_KEY_LEN], peer_key[TDP_SHM_KEY_LEN], proof_key[TDP_SHM_KEY_LEN];
     uint8_t hello_rec[TDP_SHM_REC_MAX]; /* this side's TDP_HX_SHM value */
     bool started, closed, failed, proven;
+    bool peer_dead; /* closed because the peer process or host is gone */
     int sock;
     struct event *sev;
     tdp__reap reap;
@@ -238,8 +259,9 @@ struct tdp__link {
     tdp__source *tx_src; /* the release ring */
     bool tx_armed;       /* its doorbell may hold a wakeup to reset */
     uint32_t tx_skips, rx_skips;
-    tx_pool *pool;       /* current generation; older ones in pool->next */
-    uint32_t next_gen;
+    tx_group *grp;               /* the pools this link sends from */
+    uint64_t bit;                /* this link's bit in its group */
+    uint32_t ann_gen;            /* the newest generation announced to the peer */
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     uint64_t prep_ann_seq;       /* s_prepare announced a schema for this DATA seq (0: none) */
@@ -409,10 +431,10 @@ static void rx_pool_drop(rx_pool *p)
     rx_pool_unref(p);
 }
 
-/* A slot is free when nothing is in flight on it and no loan of it is out. */
+/* A slot is free when no link has it in flight and no loan of it is out. */
 static bool tx_slot_free(const tx_slot *s)
 {
-    return !s->in_flight &&
+    return s->held == 0 && !s->parked &&
            (s->td == NULL || atomic_load_explicit(&s->td->refs, memory_order_acquire) == 1);
 }
 
@@ -451,7 +473,7 @@ static tdp_err link_stage(struct tdp__link *l, int dev)
     tdp_err rc = tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
     if (rc != TDP_OK)
         return rc;
-    for (tx_pool *p = l->pool; p != NULL; p = p->next)
+    for (tx_pool *p = l->grp->pool; p != NULL; p = p->next)
         if (!p->registered)
             p->registered = seg_register(p->seg);
     for (rx_pool *p = l->rpool; p != NULL; p = p->next)
@@ -570,7 +592,6 @@ static tdp_err tx_ctl_up(struct tdp__link *l)
     return TDP_OK;
 }
 
-/* Make a pool that holds `bytes` per slot the current one, announced from the next DATA on. */
 /*
  * POOLs the receiver may not have put in force: those announced for a DATA
  * past the ones it has given back (it reads DATA in order, so it has read,
@@ -585,13 +606,135 @@ static uint32_t tx_pools_pending(struct tdp__link *l)
     return l->npool_ann;
 }
 
-/* Whether the current pool is of the kind wanted (dev -1: host) and holds bytes per slot. */
+/*
+ * Whether the current pool is of the kind wanted (dev -1: host), holds
+ * bytes per slot and is announced to the peer or may be (its generation is
+ * not older than the last one announced: a link that joined a group).
+ */
 static bool tx_pool_fits(const struct tdp__link *l, uint64_t bytes, int dev)
 {
-    const tx_pool *p = l->pool;
-    if (p == NULL || p->stride < bytes)
+    const tx_pool *p = l->grp->pool;
+    if (p == NULL || p->stride < bytes || p->gen < l->ann_gen || l->grp->stale)
         return false;
+    if (p->gen != l->ann_gen && (p->dp != NULL || p->nslots > pool_slots(l->peer_depth)))
+        return false; /* a device pool is exported once; the peer maps so many slots */
     return dev < 0 ? p->dp == NULL : p->dp != NULL && tdp__dpool_device(p->dp) == dev;
+}
+
+/*
+ * Announce the group's current pool (host slots, made by another link of
+ * the group) to this link's peer, from the next DATA on, unless it has it.
+ */
+static tdp_err tx_pool_announce(struct tdp__link *l)
+{
+    tx_pool *p = l->grp->pool;
+    if (p->gen == l->ann_gen)
+        return TDP_OK;
+    if (tx_pools_pending(l) >= PEND_POOLS(l->peer_depth))
+        return TDP_EINTERNAL; /* s_loan keeps room for every send the credit allows */
+    tdp_err rc = announce_seg(l, MSG_POOL, p->seg, l->last_seq + 1);
+    if (rc != TDP_OK)
+        return rc;
+    l->pool_ann[(l->pool_ann_head + l->npool_ann++) % PEND_POOLS(TDP_MAX_DEPTH)] = l->last_seq + 1;
+    l->ann_gen = p->gen;
+    return TDP_OK;
+}
+
+/* A group of one link, which takes the group's first bit. */
+static tdp_err tx_group_new(struct tdp__link *l)
+{
+    tx_group *g = tdp__calloc(1, sizeof(*g));
+    if (g == NULL)
+        return TDP_ENOMEM;
+    g->refs = 1;
+    g->bits = 1;
+    l->grp = g;
+    l->bit = 1;
+    return TDP_OK;
+}
+
+/* Whether a loan of p is out (the application, or a fan-out, holds a view of a slot). */
+static bool tx_pool_lent(const tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++)
+        if (p->slots[i].held == 0 && !p->slots[i].parked && p->slots[i].td != NULL &&
+            atomic_load_explicit(&p->slots[i].td->refs, memory_order_acquire) > 1)
+            return true;
+    return false;
+}
+
+static bool tx_pool_parked(const tx_pool *p)
+{
+    for (uint32_t i = 0; i < p->nslots; i++)
+        if (p->slots[i].parked)
+            return true;
+    return false;
+}
+
+/*
+ * Older pools that no link holds a slot of go (loans out keep their
+ * mapping). A shared group keeps a pool a loan of which is out: other
+ * links may still send it where it lies.
+ */
+static void tx_group_trim(tx_group *g)
+{
+    bool shared = (g->bits & (g->bits - 1)) != 0;
+    for (tx_pool **pp = &g->pool->next; *pp != NULL;) {
+        tx_pool *o = *pp;
+        if (o->nflight == 0 && !(shared && tx_pool_lent(o))) {
+            *pp = o->next;
+            tx_pool_drop(o);
+        } else {
+            pp = &o->next;
+        }
+    }
+}
+
+/*
+ * The link leaves its group (at teardown, or to join another): every slot
+ * it holds is given back, as a release would, and with the last link the
+ * pools go (loans the application still holds keep their mapping). In a
+ * group shared with other links, a link closed while its peer lives parks
+ * what it holds instead: the peer may still read those slots, so they are
+ * never reused (their pool goes once nothing else of it is out). A peer
+ * that is gone (killed) or failed gives them back.
+ */
+static void tx_group_leave(struct tdp__link *l)
+{
+    tx_group *g = l->grp;
+    if (g == NULL || l->bit == 0)
+        return;
+    bool park = (g->bits & ~l->bit) != 0 && l->closed && !l->failed && !l->peer_dead;
+    for (tx_pool *p = g->pool; p != NULL; p = p->next) {
+        for (uint32_t i = 0; i < p->nslots; i++) {
+            if ((p->slots[i].held & l->bit) != 0) {
+                p->slots[i].held &= ~l->bit;
+                p->slots[i].parked |= park; /* the others may let go first: still parked */
+                p->nflight--;
+            }
+        }
+    }
+    g->bits &= ~l->bit;
+    l->bit = 0;
+    if (g->bits != 0) {
+        if (g->pool != NULL)
+            tx_group_trim(g);
+        return;
+    }
+    while (g->pool != NULL) {
+        tx_pool *p = g->pool;
+        g->pool = p->next;
+        tx_pool_drop(p);
+    }
+}
+
+/* The link lets go of its group's struct (at its destruction). */
+static void tx_group_unref(struct tdp__link *l)
+{
+    tx_group_leave(l);
+    if (l->grp != NULL && --l->grp->refs == 0)
+        tdp__free(l->grp);
+    l->grp = NULL;
 }
 
 /*
@@ -640,10 +783,13 @@ static tdp_err tx_dpool_new(struct tdp__link *l, tx_pool *p, uint32_t n, uint64_
 static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
 {
     if (tx_pool_fits(l, bytes, dev))
-        return TDP_OK;
-    if (l->next_gen >= MAX_GEN)
+        return tx_pool_announce(l);
+    tx_group *g = l->grp;
+    if (g->next_gen < l->ann_gen)
+        g->next_gen = l->ann_gen; /* the peer takes only newer generations */
+    if (g->next_gen >= MAX_GEN)
         return TDP_ENOMEM;
-    uint32_t gen = ++l->next_gen;
+    uint32_t gen = ++g->next_gen;
     uint32_t n = pool_slots(l->peer_depth);
     tx_pool *p = tdp__calloc(1, sizeof(*p));
     if (p == NULL)
@@ -670,25 +816,27 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
         return rc;
     }
     l->pool_ann[(l->pool_ann_head + l->npool_ann++) % PEND_POOLS(TDP_MAX_DEPTH)] = l->last_seq + 1;
+    l->ann_gen = gen;
     atomic_init(&p->refs, 1);
     p->nslots = n;
     for (uint32_t i = 0; i < n; i++)
         p->slots[i] = (tx_slot){.pool = p, .idx = i};
     if (l->stage != NULL)
         p->registered = seg_register(p->seg);
-    p->next = l->pool;
-    l->pool = p;
-    /* older pools with nothing out go now */
-    for (tx_pool **pp = &p->next; *pp != NULL;) {
-        tx_pool *o = *pp;
-        if (o->nflight == 0) {
-            *pp = o->next;
-            tx_pool_drop(o);
-        } else {
-            pp = &o->next;
-        }
-    }
+    p->next = g->pool;
+    g->pool = p;
+    g->stale = false;
+    tx_group_trim(g);
     return TDP_OK;
+}
+
+/* Whether p is one of g's pools (a pool struct of another group may look alike). */
+static bool tx_pool_listed(const tx_group *g, const tx_pool *p)
+{
+    for (const tx_pool *q = g->pool; q != NULL; q = q->next)
+        if (q == p)
+            return true;
+    return false;
 }
 
 static tx_slot *tx_pick(tx_pool *p)
@@ -699,15 +847,23 @@ static tx_slot *tx_pick(tx_pool *p)
     return NULL;
 }
 
-/* The loaned slot td is, when it is one of this link's current pool. */
+/*
+ * The loaned slot td is, when it is one of this link's group and of the
+ * pool its next DATA may name: the one last announced to the peer, or the
+ * group's current one (announced at the send). A link of its own always
+ * has them equal; in a shared group a loan made just before another link
+ * grew the group is still sent where it lies.
+ */
 static tx_slot *tx_loaned(struct tdp__link *l, const tdp_td *td)
 {
-    if (td->release != tx_view_gone)
+    if (td->release != tx_view_gone || l->bit == 0)
         return NULL;
     tx_slot *s = td->release_arg;
-    if (s->pool != l->pool || s->td != td || s->in_flight)
-        return NULL; /* another pipe's, an older pool's, or sent already: copy it */
-    return s;
+    if (s->td != td || (s->held & l->bit) != 0 || s->staging)
+        return NULL; /* let go by its group, or sent on this link already: copy it */
+    if (s->pool->gen == l->ann_gen && l->ann_gen != 0 && tx_pool_listed(l->grp, s->pool))
+        return s;
+    return s->pool == l->grp->pool ? s : NULL; /* else another group's or an older pool's */
 }
 
 /* Put the descriptor of tx (in slot s) on the ring. */
@@ -858,20 +1014,23 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     tdp_err rc = tx_ctl_up(l);
     if (rc == TDP_OK && gpu)
         rc = link_stage(l, td->device.index);
-    if (rc == TDP_OK)
+    /* a loan of the pool in force at the peer goes as it is; else the current pool */
+    tx_slot *s = rc == TDP_OK ? tx_loaned(l, td) : NULL;
+    if (rc == TDP_OK && (s == NULL || s->pool->gen != l->ann_gen))
         rc = tx_pool_grow(l, td->nbytes, pdev);
+    if (s != NULL && s->pool != l->grp->pool && s->pool->gen != l->ann_gen)
+        s = NULL;
     if (rc == TDP_OK && tx->schema != NULL)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
         return rc;
-    tx_slot *s = tx_loaned(l, td);
     bool loaned = s != NULL;
-    if (!loaned && (s = tx_pick(l->pool)) == NULL)
+    if (!loaned && (s = tx_pick(l->grp->pool)) == NULL)
         return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
     if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
-        memcpy(tx_mem(l->pool, s->idx), td->data, td->nbytes);
+        memcpy(tx_mem(s->pool, s->idx), td->data, td->nbytes);
     /* the slot is taken from now on, and later announcements follow this seq */
-    s->in_flight = true;
+    s->held |= l->bit;
     s->pool->nflight++;
     l->last_seq = tx->seq;
     /* streamed: the descriptor leaves before the bytes, so it cannot carry
@@ -884,7 +1043,8 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     else
         rc = tx_post(l, s, tx);
     if (rc != TDP_OK && rc != TDP_ECONNRESET) {
-        s->in_flight = s->staging = false;
+        s->held &= ~l->bit;
+        s->staging = false;
         s->pool->nflight--;
     }
     return rc;
@@ -950,27 +1110,23 @@ static unsigned tx_progress_now(struct tdp__link *l)
     while (!l->closed && (rc = tdp__shm_ring_pop(r, &d)) == TDP_OK) {
         n++;
         uint32_t gen = DESC_GEN(d.type);
-        tx_pool *p = l->pool;
+        tx_pool *p = l->grp->pool;
         while (p != NULL && p->gen != gen)
             p = p->next;
+        /* only a slot this link holds: another link's hold is not this peer's to give */
         if (DESC_TYPE(d.type) != TDP__SHM_DESC_RELEASE || p == NULL || d.slot >= p->nslots ||
-            !p->slots[d.slot].in_flight || p->slots[d.slot].staging) {
+            (p->slots[d.slot].held & l->bit) == 0 || p->slots[d.slot].staging) {
             link_fail(l, TDP_EPROTO, "invalid release descriptor");
             return n;
         }
         if (p->dp != NULL)
             tdp__dpool_observe(p->dp); /* the receiver's reads before our next write */
-        p->slots[d.slot].in_flight = false;
+        p->slots[d.slot].held &= ~l->bit;
         p->nflight--;
         l->released++;
         l->loan_starved = false;
-        if (p != l->pool && p->nflight == 0) {
-            tx_pool **pp = &l->pool->next;
-            while (*pp != p)
-                pp = &(*pp)->next;
-            *pp = p->next;
-            tx_pool_drop(p);
-        }
+        if (p != l->grp->pool && p->nflight == 0)
+            tx_group_trim(l->grp);
     }
     if (!l->closed && rc == TDP_EPROTO) {
         link_fail(l, TDP_EPROTO, "release ring corrupted");
@@ -1002,6 +1158,32 @@ static int tx_arm(void *arg)
     return a < 0 ? 1 : a; /* a broken ring: progress reports it */
 }
 
+/* Lend free slot s of p as a tensordict of layout sc. */
+static tdp_err tx_lend(tx_pool *p, tx_slot *s, tdp_schema *sc, tdp_td **out)
+{
+    if (s->td == NULL || s->td->schema != sc) {
+        /* a new layout: the views of every free slot, made once for the loans to come */
+        uint64_t need = tdp_schema_total_bytes(sc);
+        for (uint32_t i = 0; i < p->nslots; i++) {
+            tx_slot *f = &p->slots[i];
+            if ((f != s && !tx_slot_free(f)) || (f->td != NULL && f->td->schema == sc))
+                continue;
+            tdp_td *td;
+            atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+            tdp_err rc = tdp_td_wrap(sc, tx_mem(p, f->idx), need, tdp_schema_device(sc),
+                                     tx_view_gone, f, &td);
+            if (rc != TDP_OK) {
+                tx_pool_unref(p);
+                return rc;
+            }
+            tdp_td_unref(f->td);
+            f->td = td;
+        }
+    }
+    *out = tdp_td_ref(s->td);
+    return TDP_OK;
+}
+
 static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 {
     tdp_device sdev = tdp_schema_device(sc);
@@ -1026,41 +1208,24 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
         rc = tx_pool_grow(l, need, pdev);
     if (rc != TDP_OK)
         return rc;
-    tx_pool *p = l->pool;
+    tx_pool *p = l->grp->pool;
     /* leave a free slot for each send the credit still allows */
-    uint32_t nfree = 0;
+    uint32_t nfree = 0, mine = 0;
     tx_slot *s = NULL;
     for (uint32_t i = 0; i < p->nslots; i++) {
+        mine += (p->slots[i].held & l->bit) != 0;
         if (tx_slot_free(&p->slots[i])) {
             nfree++;
             if (s == NULL)
                 s = &p->slots[i];
         }
     }
-    uint32_t credit_left = p->nflight < l->peer_depth ? l->peer_depth - p->nflight : 0;
+    uint32_t credit_left = mine < l->peer_depth ? l->peer_depth - mine : 0;
     if (s == NULL || nfree <= credit_left) {
         l->loan_starved = true; /* a release may end this: be woken by one */
         return TDP_EAGAIN;
     }
-    if (s->td == NULL || s->td->schema != sc) {
-        /* a new layout: the views of every free slot, made once for the loans to come */
-        for (uint32_t i = 0; i < p->nslots; i++) {
-            tx_slot *f = &p->slots[i];
-            if ((f != s && !tx_slot_free(f)) || (f->td != NULL && f->td->schema == sc))
-                continue;
-            tdp_td *td;
-            atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
-            rc = tdp_td_wrap(sc, tx_mem(p, f->idx), need, sdev, tx_view_gone, f, &td);
-            if (rc != TDP_OK) {
-                tx_pool_unref(p);
-                return rc;
-            }
-            tdp_td_unref(f->td);
-            f->td = td;
-        }
-    }
-    *out = tdp_td_ref(s->td);
-    return TDP_OK;
+    return tx_lend(p, s, sc, out);
 }
 
 /* Releases already in the ring count now (see tdp__plane_ops.poll_credit). */
@@ -2047,11 +2212,7 @@ static void link_teardown(struct tdp__link *l)
         tdp_schema_unref((tdp_schema *)l->early[i].tx.schema);
     }
     l->nearly = 0;
-    while (l->pool != NULL) {
-        tx_pool *p = l->pool;
-        l->pool = p->next;
-        tx_pool_drop(p);
-    }
+    tx_group_leave(l);
     tdp__shm_seg_close(l->tx_ctl);
     l->tx_ctl = NULL;
     for (uint32_t i = 0; i < l->npend; i++) {
@@ -2085,6 +2246,7 @@ static void link_destroy(struct tdp__link *l)
         dev_store_unref(NULL, l->dstore[i]);
     }
     tdp_schema_unref(l->rx_schema);
+    tx_group_unref(l);
     /* here, not in teardown: a close may come from inside one of its callbacks */
     tdp__stage_free(l->stage);
     tdp__free(l->stx);
@@ -2166,6 +2328,10 @@ static tdp_err s_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->up = up;
     l->sock = -1;
     l->cuda_device = -1;
+    if (tx_group_new(l) != TDP_OK) {
+        tdp__free(l);
+        return TDP_ENOMEM;
+    }
     l->next = x->links;
     if (x->links != NULL)
         x->links->prev = l;
@@ -2266,10 +2432,10 @@ static bool s_link_busy(const tdp__link *l)
 
 static void s_link_close(tdp__link *l, bool peer_gone)
 {
-    (void)peer_gone; /* nothing here waits for the peer */
     if (l->closed)
         return;
     l->closed = true;
+    l->peer_dead = peer_gone; /* nothing here waits for the peer; a shared group parks for it */
     link_teardown(l);
     tdp__reap_later(l->x->loop, &l->reap, link_reap, l);
 }
@@ -2462,8 +2628,8 @@ tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t 
     tdp_err rc;
     if (pool) {
         tdp__shm_seg *seg;
-        if ((rc = tdp__shm_seg_create(++l->next_gen, pool_slots(l->peer_depth), bytes, 0, &seg)) !=
-            TDP_OK)
+        if ((rc = tdp__shm_seg_create(++l->grp->next_gen, pool_slots(l->peer_depth), bytes, 0,
+                                      &seg)) != TDP_OK)
             return rc;
         rc = announce_seg(l, MSG_POOL, seg, seq);
         tdp__shm_seg_close(seg);
@@ -2492,7 +2658,7 @@ tdp_err tdp__shm_rogue_dpool(tdp__link *l, uint64_t seq, int dev, uint64_t bytes
         return rc;
     tdp__cuda_ipc h;
     shm_msg m = {.type = MSG_DPOOL,
-                 .gen = ++l->next_gen,
+                 .gen = ++l->grp->next_gen,
                  .seq = seq,
                  .json_len = nslots,
                  .total = stride,
@@ -2551,8 +2717,79 @@ bool tdp__shm_view_in_pool(tdp__link *l, const void *p)
     for (rx_pool *rp = l != NULL ? l->rpool : NULL; rp != NULL; rp = rp->next)
         if (in_seg(rp->seg, rp->dp, p))
             return true;
-    for (tx_pool *tp = l != NULL ? l->pool : NULL; tp != NULL; tp = tp->next)
+    for (tx_pool *tp = l != NULL ? l->grp->pool : NULL; tp != NULL; tp = tp->next)
         if (in_seg(tp->seg, tp->dp, p))
             return true;
     return false;
+}
+
+tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
+{
+    if (l == NULL || with == NULL || l == with || l->x != with->x || l->ipc || with->ipc ||
+        l->bit == 0 || with->bit == 0)
+        return TDP_EINVAL;
+    tx_group *g = with->grp;
+    if (l->grp == g)
+        return TDP_OK;
+    for (tx_pool *p = l->grp->pool; p != NULL; p = p->next)
+        for (uint32_t i = 0; i < p->nslots; i++)
+            if ((p->slots[i].held & l->bit) != 0 || p->slots[i].staging)
+                return TDP_EAGAIN; /* its releases would name the old group's slots */
+    if (g->bits == UINT64_MAX)
+        return TDP_ELIMIT;
+    uint64_t bit = ~g->bits & (g->bits + 1); /* the lowest bit free */
+    tx_group_unref(l);
+    l->grp = g;
+    l->bit = bit;
+    g->bits |= bit;
+    g->refs++;
+    return TDP_OK;
+}
+
+uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools)
+{
+    uint64_t n = 0;
+    uint32_t k = 0;
+    for (tx_pool *p = l != NULL && l->grp != NULL ? l->grp->pool : NULL; p != NULL; p = p->next) {
+        n += p->seg != NULL ? tdp__shm_seg_geom(p->seg)->total_bytes : tdp__dpool_bytes(p->dp);
+        k++;
+    }
+    if (npools != NULL)
+        *npools = k;
+    return n;
+}
+
+tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
+{
+    if (l == NULL || l->bit == 0 || l->failed || l->closed ||
+        tdp_schema_device(sc).type != TDP_DEVICE_CPU)
+        return TDP_EINVAL;
+    if (l->sock < 0 || !l->proven)
+        return TDP_EAGAIN;
+    uint64_t need = tdp_schema_total_bytes(sc);
+    if (!tx_pool_fits(l, need, -1) && tx_pools_pending(l) > l->peer_depth)
+        return TDP_EAGAIN; /* as s_loan: room for the announcements the credit allows */
+    tdp_err rc = tx_ctl_up(l);
+    if (rc == TDP_OK)
+        rc = tx_pool_grow(l, need, -1);
+    if (rc != TDP_OK)
+        return rc;
+    /* the group's links send nothing but its loans: any free slot will do */
+    tx_slot *s = tx_pick(l->grp->pool);
+    if (s == NULL && tx_pool_parked(l->grp->pool) && tx_pools_pending(l) <= l->peer_depth) {
+        l->grp->stale = true; /* parked slots may never come back: a new generation */
+        if ((rc = tx_pool_grow(l, need, -1)) != TDP_OK)
+            return rc;
+        s = tx_pick(l->grp->pool);
+    }
+    if (s == NULL) {
+        l->loan_starved = true; /* a release wakes the loop */
+        return TDP_EAGAIN;
+    }
+    return tx_lend(l->grp->pool, s, sc, out);
+}
+
+bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td)
+{
+    return l != NULL && td != NULL && tx_loaned(l, td) != NULL;
 }

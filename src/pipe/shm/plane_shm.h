@@ -58,4 +58,26 @@ void tdp__shm_step_ring(tdp__link *l);
  * or the peer's (receiving): the zero-copy proof. */
 bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
 
+/*
+ * Make link l send from the pools of link `with` (both of one loop, on the
+ * shm plane): a loan of that group goes to each of their peers without a
+ * copy. l must hold no slot in flight (TDP_EAGAIN). At most 64 links share
+ * a group (TDP_ELIMIT).
+ */
+tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
+
+/*
+ * Lend a slot of l's group as a tensordict of host layout sc, with no slot
+ * kept back for plain sends: for links that send nothing but the group's
+ * loans (a fan-out's). TDP_EAGAIN: none free now (a release will wake the
+ * loop), or l's socket is not up yet.
+ */
+tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out);
+
+/* Whether td is a loan of l's group that l can send as it is. */
+bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td);
+
+/* The bytes of the pool segments l sends from (its group's), and how many. */
+uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools);
+
 #endif
