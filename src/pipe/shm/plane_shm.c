@@ -2474,7 +2474,7 @@ static tdp_err s_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
         rc = tx_pool_grow(l, total, pdev);
     if (rc != TDP_OK)
         return rc;
-    tx_pool *p = l->pool;
+    tx_pool *p = l->grp->pool;
     bool fits = tx_pool_fits(l, total, pdev);
     if (fits && p->seg != NULL && !p->populated) {
         /* the slots the sends the credit allows at once take first (tx_pick): the
@@ -2485,7 +2485,10 @@ static tdp_err s_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
     }
     /* the receiver takes a schema only into a pool that holds it (s_rx_schema):
      * announced after that pool, or left to the send that makes one */
-    if (send_schema && fits && l->prep_ann_seq != seq && l->seq0 + l->released + 1 >= seq) {
+    /* (a pool another link of a shared group made, this peer has not seen:
+     * the send announces both, in order) */
+    if (send_schema && fits && p->gen == l->ann_gen && l->prep_ann_seq != seq &&
+        l->seq0 + l->released + 1 >= seq) {
         if ((rc = announce_schema(l, sc, seq)) != TDP_OK)
             return rc;
         l->prep_ann_seq = seq;
