@@ -78,6 +78,7 @@ enum tdp_hx_type {
     TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
     TDP_HX_PROVEN = 9,         /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
     TDP_HX_CUDA_IPC = 10,      /* the shm record, then the GPUs this side sees (cudaipc.h) */
+    TDP_HX_UCX_CHUNKS = 11,    /* u8 version: the ucx plane reads staged DATA as CHUNK frames */
 };
 
 /* TDP_HX_PROVEN's value: the one version of the PROVEN frame. */
@@ -244,11 +245,16 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 #define TDP_AM_HDR_SUM_LEN 56u
 #define TDP_AM_HDR_MAX_LEN TDP_AM_HDR_SUM_LEN
 #define TDP_AM_F_SUM       (1u << 0) /* DATA only, when both HELLOs offered TDP_HX_CHECKSUM */
+/* DATA only: no payload of its own; the bytes follow in CHUNK frames (TDP_HX_UCX_CHUNKS) */
+#define TDP_AM_F_CHUNKED (1u << 1)
+/* TDP_HX_UCX_CHUNKS's value: the one version of chunked DATA. */
+#define TDP_UCX_CHUNKS_V1 1u
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */
     TDP_AM_DATA = 2,   /* payload: the consolidated buffer; arg = as CREDIT's, riding along */
     TDP_AM_CREDIT = 3, /* no payload; arg = buffers released, cumulative */
+    TDP_AM_CHUNK = 4,  /* payload: bytes of a CHUNKED DATA; seq, hash as its; arg = offset */
 };
 
 typedef struct tdp_am_hdr {
