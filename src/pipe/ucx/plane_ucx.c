@@ -198,6 +198,7 @@ struct tdp__link {
     tdp__stage *rx_stage;   /* ...and for receives (a chunked receive waits on its peer) */
     bool peer_chunks;       /* the peer's HELLO has TDP_HX_UCX_CHUNKS version 1 */
     rx_buf *rx_open;        /* the chunked message whose CHUNK frames are still due */
+    uint64_t chunked_tx, chunked_rx; /* messages sent / taken as CHUNK frames (for tests) */
     bounce txb[2];          /* send bounces: a copy overlaps the previous transfer */
     uint32_t ntxb;          /* in use: min(peer depth, 2) */
     ticket *txq, *txq_tail; /* sends in order behind a staged one */
@@ -1069,6 +1070,7 @@ static tdp_err rx_chunked_start(struct tdp__link *l, rx_buf *b, const am_desc *d
     b->lent = true;
     *td = b->td;
     l->rx_open = b;
+    l->chunked_rx++;
     return TDP_EAGAIN;
 }
 
@@ -1583,6 +1585,7 @@ static bool tx_chunks(struct tdp__link *l, ticket *t)
             tx_finish_head(l, t, rc); /* nothing was posted */
             return true;
         }
+        l->chunked_tx++;
     }
     uint32_t i;
     while (rc == TDP_OK && t->status == TDP_OK && t->posted < t->landed &&
@@ -1607,7 +1610,9 @@ static bool tx_chunks(struct tdp__link *l, ticket *t)
         rc = t->status; /* a request UCX gave back failed */
     if (rc == TDP_OK && t->copied && t->copy_rc != TDP_OK)
         rc = t->copy_rc;
-    if (rc == TDP_OK && t->posted < n)
+    /* the copy's done comes after its last progress: until then the stage
+     * holds t->copy, so the ticket must not come free (tx_copied pumps) */
+    if (rc == TDP_OK && (t->posted < n || !t->copied))
         return false; /* more when the copy lands more or a CHUNK completes */
     tx_chunks_leave(l, t, rc);
     return true;
@@ -2242,4 +2247,9 @@ bool tdp__ucx_link_peer_mode(const tdp__link *l)
 uint64_t tdp__ucx_link_peer_token(const tdp__link *l)
 {
     return l != NULL ? l->peer_token : 0;
+}
+
+uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx)
+{
+    return l == NULL ? 0 : rx ? l->chunked_rx : l->chunked_tx;
 }
