@@ -211,6 +211,24 @@ static void test_threshold(void **state)
     env_down(&e);
 }
 
+/* A peer whose HELLO has no UCX_CHUNKS (an older one) gets whole messages. */
+static void test_older_peer(void **state)
+{
+    env e;
+    tdp__ucx_hello_no_chunks(true);
+    env_up(&e);
+    tdp__ucx_hello_no_chunks(false);
+    tdp_schema *s = bytes_schema(20 * MIB + 3, true);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    send_recv(&e, td, 2, 4);
+    assert_int_equal(tdp__ucx_link_chunked(tdp__session_link(e.cli), false), 0);
+    assert_int_equal(tdp__ucx_link_chunked(tdp__session_link(e.srv), true), 0);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
 /* ---- hostile frames ------------------------------------------------------------- */
 
 typedef struct rogue {
@@ -434,7 +452,8 @@ int main(int argc, char **argv)
         child_send((uint16_t)atoi(argv[2]), (unsigned)atoi(argv[3]));
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunked_roundtrip), cmocka_unit_test(test_chunked_late_copies),
-        cmocka_unit_test(test_threshold),         cmocka_unit_test(test_hostile_chunks),
+        cmocka_unit_test(test_threshold),         cmocka_unit_test(test_older_peer),
+        cmocka_unit_test(test_hostile_chunks),
         cmocka_unit_test(test_killed_mid_chunks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

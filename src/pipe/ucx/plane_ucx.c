@@ -18,6 +18,7 @@
  * completes; in peer-failure mode closing the endpoint completes them at
  * once. What UCX never gives back is freed after the workers are gone.
  */
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/random.h>
 #include <unistd.h>
@@ -1924,6 +1925,14 @@ static void link_drop_own(struct tdp__link *l)
     l->own = NULL;
 }
 
+/* Tests: HELLOs without TDP_HX_UCX_CHUNKS, as an older peer sends them. */
+static atomic_bool hello_no_chunks;
+
+void tdp__ucx_hello_no_chunks(bool on)
+{
+    atomic_store(&hello_no_chunks, on);
+}
+
 static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
 {
     const void *addr, *laddr = NULL;
@@ -1957,7 +1966,7 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_ADDR, addr, (uint32_t)alen);
     if (rc == TDP_OK && laddr != NULL && llen > 0)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_LOCAL_ADDR, laddr, (uint32_t)llen);
-    if (rc == TDP_OK && addr != NULL && alen > 0) {
+    if (rc == TDP_OK && addr != NULL && alen > 0 && !atomic_load(&hello_no_chunks)) {
         /* this side reads chunked DATA: a peer that knows it may send it */
         static const uint8_t chunks_v = TDP_UCX_CHUNKS_V1;
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_CHUNKS, &chunks_v, 1);
