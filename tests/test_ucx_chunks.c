@@ -308,20 +308,24 @@ static void hostile(int kind, tdp_err want)
     uint8_t desc[8] = {(uint8_t)csize, (uint8_t)(csize >> 8), (uint8_t)(csize >> 16),
                        (uint8_t)(csize >> 24)};
 
-    tdp_am_hdr h = {.type = TDP_AM_SCHEMA, .token = tok, .seq = 1, .hash = hash,
-                    .length = jl, .arg = n};
+    tdp_am_hdr h = {
+        .type = TDP_AM_SCHEMA, .token = tok, .seq = 1, .hash = hash, .length = jl, .arg = n};
     rogue_send(&e, &h, json, jl);
     if (kind != H_NO_DATA) {
-        h = (tdp_am_hdr){.type = TDP_AM_DATA, .flags = TDP_AM_F_CHUNKED, .token = tok,
-                         .seq = 1, .hash = hash, .length = n};
+        h = (tdp_am_hdr){.type = TDP_AM_DATA,
+                         .flags = TDP_AM_F_CHUNKED,
+                         .token = tok,
+                         .seq = 1,
+                         .hash = hash,
+                         .length = n};
         rogue_send(&e, &h, desc, sizeof(desc));
     }
     /* the chunks, in the order 2, 0, 1 (UCX may reorder them too) */
     const size_t off[3] = {2 * MIB, 0, MIB};
     for (int i = 0; i < 3; i++) {
         size_t o = off[i], len = o + MIB > n ? n - o : MIB;
-        h = (tdp_am_hdr){.type = TDP_AM_CHUNK, .token = tok, .seq = 1, .hash = hash,
-                         .length = len, .arg = o};
+        h = (tdp_am_hdr){
+            .type = TDP_AM_CHUNK, .token = tok, .seq = 1, .hash = hash, .length = len, .arg = o};
         if (i == 1) {
             if (kind == H_OFF_GRID)
                 h.arg = 4096;
@@ -340,8 +344,12 @@ static void hostile(int kind, tdp_err want)
             break;
         }
         if (i == 1 && kind == H_SCHEMA_INSIDE) {
-            tdp_am_hdr d = {.type = TDP_AM_SCHEMA, .token = tok, .seq = 2, .hash = hash,
-                            .length = jl, .arg = n};
+            tdp_am_hdr d = {.type = TDP_AM_SCHEMA,
+                            .token = tok,
+                            .seq = 2,
+                            .hash = hash,
+                            .length = jl,
+                            .arg = n};
             rogue_send(&e, &d, json, jl);
             break;
         }
@@ -453,8 +461,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunked_roundtrip), cmocka_unit_test(test_chunked_late_copies),
         cmocka_unit_test(test_threshold),         cmocka_unit_test(test_older_peer),
-        cmocka_unit_test(test_hostile_chunks),
-        cmocka_unit_test(test_killed_mid_chunks),
+        cmocka_unit_test(test_hostile_chunks),    cmocka_unit_test(test_killed_mid_chunks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1226,8 +1226,8 @@ static void test_chunk_frames(void **state)
     assert_int_equal(tdp_hello_add_rec(&h, TDP_HX_UCX_CHUNKS, &v1, 1), TDP_OK);
     round_trip(&h);
 
-    tdp_am_hdr am = {.type = TDP_AM_CHUNK, .token = 5, .seq = 9, .hash = 7, .length = 4096,
-                     .arg = 8192};
+    tdp_am_hdr am = {
+        .type = TDP_AM_CHUNK, .token = 5, .seq = 9, .hash = 7, .length = 4096, .arg = 8192};
     uint8_t ab[TDP_AM_HDR_MAX_LEN];
     tdp_am_hdr g;
     assert_int_equal(tdp_wire_am_encode(ab, &am), TDP_AM_HDR_LEN);

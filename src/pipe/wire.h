@@ -73,12 +73,12 @@ enum tdp_hx_type {
     TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
-    TDP_HX_RESUME = 6,         /* critical; u64: seq of the next DATA the sender sends (reconnected) */
-    TDP_HX_WANT_DEPTH = 7,     /* u32 1..64: the receive depth the sender asks the peer to hold */
-    TDP_HX_CHECKSUM = 8,       /* u8 algorithm: the sender offers a payload checksum */
-    TDP_HX_PROVEN = 9,         /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
-    TDP_HX_CUDA_IPC = 10,      /* the shm record, then the GPUs this side sees (cudaipc.h) */
-    TDP_HX_UCX_CHUNKS = 11,    /* u8 version: the ucx plane reads staged DATA as CHUNK frames */
+    TDP_HX_RESUME = 6,      /* critical; u64: seq of the next DATA the sender sends (reconnected) */
+    TDP_HX_WANT_DEPTH = 7,  /* u32 1..64: the receive depth the sender asks the peer to hold */
+    TDP_HX_CHECKSUM = 8,    /* u8 algorithm: the sender offers a payload checksum */
+    TDP_HX_PROVEN = 9,      /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
+    TDP_HX_CUDA_IPC = 10,   /* the shm record, then the GPUs this side sees (cudaipc.h) */
+    TDP_HX_UCX_CHUNKS = 11, /* u8 version: the ucx plane reads staged DATA as CHUNK frames */
 };
 
 /* TDP_HX_PROVEN's value: the one version of the PROVEN frame. */

@@ -106,8 +106,8 @@ typedef struct ticket {
     bool chunked;
     bool head_sent; /* SCHEMA and DATA are posted; CHUNKs follow */
     uint64_t data_seq;
-    size_t landed;  /* bytes of the bounce that hold their final value */
-    size_t posted;  /* bytes posted as CHUNK frames */
+    size_t landed; /* bytes of the bounce that hold their final value */
+    size_t posted; /* bytes posted as CHUNK frames */
     uint8_t chunk_hdr[TX_CHUNKS][TDP_AM_HDR_LEN];
     uint8_t chunk_desc[CHUNK_DESC]; /* the DATA's payload: the chunk size */
 } ticket;
@@ -128,8 +128,8 @@ typedef struct rx_chunk {
     void *req; /* rendezvous receive in flight */
     size_t len;
     tdp_err rc;
-    bool seen; /* its CHUNK frame came (each comes once) */
-    bool done; /* its bytes are in the bounce (or failed: rc) */
+    bool seen;                 /* its CHUNK frame came (each comes once) */
+    bool done;                 /* its bytes are in the bounce (or failed: rc) */
     bool posting, posted_done; /* as rx_buf's, for this receive */
 } rx_chunk;
 
@@ -148,9 +148,9 @@ typedef struct rx_buf {
     tdp_err posted_rc;
     /* a chunked message: one entry per chunk of the sender's grid */
     bool chunk_failed;
-    uint64_t cseq, chash; /* the DATA frame's: every CHUNK must carry them */
-    size_t csize;         /* the sender's chunk size, from the DATA frame */
-    size_t cavail;        /* bytes [0, cavail) of the bounce are in */
+    uint64_t cseq, chash;       /* the DATA frame's: every CHUNK must carry them */
+    size_t csize;               /* the sender's chunk size, from the DATA frame */
+    size_t cavail;              /* bytes [0, cavail) of the bounce are in */
     uint32_t nch, nseen, nheld; /* chunks, CHUNK frames seen, receives in UCX */
     uint32_t cbase;             /* the first chunk not yet in */
     rx_chunk *ch;               /* capch entries: grown with the layout, never per message */
@@ -1039,8 +1039,8 @@ static tdp_err rx_chunked_start(struct tdp__link *l, rx_buf *b, const am_desc *d
     const uint8_t *p = d->data;
     if (!rx_staged(b) || l->rx_stage == NULL || d->length != CHUNK_DESC || n == 0)
         return TDP_EPROTO; /* chunks for a layout this side does not stage */
-    uint32_t csize = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                     (uint32_t)p[3] << 24;
+    uint32_t csize =
+        (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
     if (csize < CHUNK_MIN_LEN || csize > CHUNK_MAX_LEN || memcmp(p + 4, "\0\0\0\0", 4) != 0)
         return TDP_EPROTO;
     if (d->h->length != n)
@@ -1085,8 +1085,8 @@ static void rx_chunk_fail(struct tdp__link *l, rx_buf *b, tdp_err rc)
     b->chunk_failed = true;
     if (l->rx_open == b)
         l->rx_open = NULL;
-    tdp_log_warn("a chunked message was cut short: %zu of %zu bytes arrived in order",
-                 b->cavail, b->td != NULL ? b->td->nbytes : 0);
+    tdp_log_warn("a chunked message was cut short: %zu of %zu bytes arrived in order", b->cavail,
+                 b->td != NULL ? b->td->nbytes : 0);
     if (b->copying) {
         tdp__stage_copy_cancel(l->rx_stage, &b->copy);
         b->copying = false;
@@ -1352,9 +1352,9 @@ static void send_cb(void *req, ucs_status_t st, void *user)
  * Post one AM for a ticket, its request kept in t->req[slot]; counts it in
  * flight unless it finished at once.
  */
-static tdp_err am_post(struct tdp__link *l, ticket *t, uint32_t slot, uint8_t *hdr,
-                       size_t hdr_len, const void *buf, size_t len, uint32_t flags,
-                       ucs_memory_type_t mt, ucp_mem_h memh)
+static tdp_err am_post(struct tdp__link *l, ticket *t, uint32_t slot, uint8_t *hdr, size_t hdr_len,
+                       const void *buf, size_t len, uint32_t flags, ucs_memory_type_t mt,
+                       ucp_mem_h memh)
 {
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
