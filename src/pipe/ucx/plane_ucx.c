@@ -825,6 +825,8 @@ static tdp_err rx_store_build(struct tdp__link *l, rx_buf *b)
     return TDP_OK;
 }
 
+static tdp_err rx_chunks_fit(rx_buf *b, uint32_t n);
+
 /*
  * Make b hold a td of the current receive schema; a GPU layout on a UCX
  * without CUDA gets its bounce (as large as the storage) and the stream now.
@@ -837,7 +839,12 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
         return rc;
     if ((rc = stage_ready(l, dev.index)) != TDP_OK)
         return rc;
-    return bounce_fit(l, &b->rb, b->store->cap);
+    if ((rc = bounce_fit(l, &b->rb, b->store->cap)) != TDP_OK)
+        return rc;
+    /* room for a chunked message at the smallest chunk size a peer may use:
+     * made with the layout, so no receive allocates */
+    uint64_t most = (b->store->cap + CHUNK_MIN_LEN - 1) / CHUNK_MIN_LEN;
+    return rx_chunks_fit(b, most > UINT32_MAX ? UINT32_MAX : (uint32_t)most);
 }
 
 static tdp_err u_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
