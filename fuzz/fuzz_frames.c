@@ -211,7 +211,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     tdp_am_hdr am;
     if (tdp_wire_am_decode(data, size, &am) == TDP_OK) {
         uint8_t re[TDP_AM_HDR_MAX_LEN];
-        if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_CREDIT)
+        if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_CHUNK)
+            abort();
+        /* CHUNKED only on DATA; a CHUNK carries no flag and is never empty */
+        if ((am.flags & TDP_AM_F_CHUNKED) != 0 && am.type != TDP_AM_DATA)
+            abort();
+        if (am.type == TDP_AM_CHUNK && (am.flags != 0 || am.length == 0))
             abort();
         /* the prepare flag on SCHEMA only, the sum flag on DATA only */
         if ((am.flags & TDP_AM_F_PREPARE) != 0 && am.type != TDP_AM_SCHEMA)

@@ -192,6 +192,7 @@ static void round_trip(const tdp_hello *h)
     for (uint16_t t = TDP_HX_UCX_ADDR; t <= TDP_HX_SHM; t++)
         assert_bytes(REC_BYTES(&g, t), REC_BYTES(h, t));
     assert_bytes(REC_BYTES(&g, TDP_HX_CUDA_IPC), REC_BYTES(h, TDP_HX_CUDA_IPC));
+    assert_bytes(REC_BYTES(&g, TDP_HX_UCX_CHUNKS), REC_BYTES(h, TDP_HX_UCX_CHUNKS));
     assert_int_equal(g.nskipped, 0);
     assert_int_equal(g.unknown_critical, 0);
     /* decoded pointers point into the input */
@@ -1268,9 +1269,57 @@ static void test_bye_and_am_unchanged(void **state)
     assert_int_equal(tdp_wire_am_decode(ab, sizeof(ab), &g), TDP_EVERSION);
 }
 
+/*
+ * Chunked DATA on the ucx plane: the UCX_CHUNKS record is a plane's
+ * (framed here, read by the plane), CHUNKED goes on DATA only, and a CHUNK
+ * has no flags and is never empty.
+ */
+static void test_chunk_frames(void **state)
+{
+    (void)state;
+    tdp_hello h = base_hello();
+    static const uint8_t v1 = TDP_UCX_CHUNKS_V1;
+    assert_true(tdp_wire_hx_is_plane(TDP_HX_UCX_CHUNKS));
+    assert_int_equal(tdp_hello_add_rec(&h, TDP_HX_UCX_CHUNKS, &v1, 1), TDP_OK);
+    round_trip(&h);
+
+    tdp_am_hdr am = {
+        .type = TDP_AM_CHUNK, .token = 5, .seq = 9, .hash = 7, .length = 4096, .arg = 8192};
+    uint8_t ab[TDP_AM_HDR_MAX_LEN];
+    tdp_am_hdr g;
+    assert_int_equal(tdp_wire_am_encode(ab, &am), TDP_AM_HDR_LEN);
+    assert_int_equal(ab[5], 4);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.type, TDP_AM_CHUNK);
+    assert_int_equal(g.arg, 8192);
+    assert_int_equal(g.length, 4096);
+    am.length = 0; /* an empty chunk */
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_EPROTO);
+    am.length = 1;
+    am.flags = TDP_AM_F_CHUNKED; /* a flag on a chunk */
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_EPROTO);
+
+    am = (tdp_am_hdr){.type = TDP_AM_DATA, .flags = TDP_AM_F_CHUNKED, .length = 40 << 20};
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.flags, TDP_AM_F_CHUNKED);
+    am.type = TDP_AM_SCHEMA; /* CHUNKED on anything but DATA */
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_EPROTO);
+    am = (tdp_am_hdr){.type = TDP_AM_CREDIT, .flags = TDP_AM_F_CHUNKED};
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_EPROTO);
+    am = (tdp_am_hdr){.type = 5}; /* the next type is still unknown */
+    tdp_wire_am_encode(ab, &am);
+    assert_int_equal(tdp_wire_am_decode(ab, TDP_AM_HDR_LEN, &g), TDP_EPROTO);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chunk_frames),
         cmocka_unit_test(test_round_trip_each_record),
         cmocka_unit_test(test_round_trip_bounds),
         cmocka_unit_test(test_encode_refuses_what_would_not_decode),

@@ -109,7 +109,7 @@ static bool planes_ok(const uint8_t *ids, size_t n)
 bool tdp_wire_hx_is_plane(uint16_t type)
 {
     return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM ||
-           type == TDP_HX_CUDA_IPC;
+           type == TDP_HX_CUDA_IPC || type == TDP_HX_UCX_CHUNKS;
 }
 
 static bool rec_ok(uint16_t type, uint32_t len)
@@ -261,6 +261,9 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     const tdp_hx_rec *ipc = tdp_hello_rec(h, TDP_HX_CUDA_IPC); /* a plane's, typed after the rest */
     if (ipc != NULL)
         memcpy(hx_put(&p, TDP_HX_CUDA_IPC, ipc->len), ipc->val, ipc->len);
+    const tdp_hx_rec *chk = tdp_hello_rec(h, TDP_HX_UCX_CHUNKS);
+    if (chk != NULL)
+        memcpy(hx_put(&p, TDP_HX_UCX_CHUNKS, chk->len), chk->val, chk->len);
     return TDP_OK;
 }
 
@@ -279,6 +282,7 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
     case TDP_HX_UCX_LOCAL_ADDR:
     case TDP_HX_SHM:
     case TDP_HX_CUDA_IPC:
+    case TDP_HX_UCX_CHUNKS:
         /* a plane's: framed here, read and checked by the plane */
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
     case TDP_HX_AUTH:
@@ -573,7 +577,10 @@ tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h)
     case TDP_AM_SCHEMA:
         return (h->flags & ~TDP_AM_F_PREPARE) == 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_DATA:
-        return (h->flags & ~TDP_AM_F_SUM) == 0 ? TDP_OK : TDP_EPROTO;
+        return (h->flags & ~(TDP_AM_F_SUM | TDP_AM_F_CHUNKED)) == 0 ? TDP_OK : TDP_EPROTO;
+    case TDP_AM_CHUNK:
+        /* a chunk is never empty; where it lies is the receiving plane's to check */
+        return h->flags == 0 && h->length > 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_CREDIT:
         return h->flags == 0 && h->length == 0 ? TDP_OK : TDP_EPROTO;
     default:

@@ -80,12 +80,13 @@ enum tdp_hx_type {
     TDP_HX_UCX_LOCAL_ADDR = 3, /* shared-memory worker's address, same-host peers */
     TDP_HX_SHM = 4,            /* key[16] | name_len u16 | name: the same-host plane's socket */
     TDP_HX_AUTH = 5,           /* critical; method u8: the sender requires a shared secret */
-    TDP_HX_RESUME = 6,     /* critical; u64: seq of the next DATA the sender sends (reconnected) */
-    TDP_HX_WANT_DEPTH = 7, /* u32 1..64: the receive depth the sender asks the peer to hold */
-    TDP_HX_CHECKSUM = 8,   /* u8 algorithm: the sender offers a payload checksum */
-    TDP_HX_PROVEN = 9,     /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
-    TDP_HX_CUDA_IPC = 10,  /* the shm record, then the GPUs this side sees (cudaipc.h) */
-    TDP_HX_READY = 11,     /* u8 version: the sender speaks TDP_CTL_READY and TDP_AM_F_PREPARE */
+    TDP_HX_RESUME = 6,      /* critical; u64: seq of the next DATA the sender sends (reconnected) */
+    TDP_HX_WANT_DEPTH = 7,  /* u32 1..64: the receive depth the sender asks the peer to hold */
+    TDP_HX_CHECKSUM = 8,    /* u8 algorithm: the sender offers a payload checksum */
+    TDP_HX_PROVEN = 9,      /* u8 version: the sender speaks TDP_CTL_PROVEN (with AUTH) */
+    TDP_HX_CUDA_IPC = 10,   /* the shm record, then the GPUs this side sees (cudaipc.h) */
+    TDP_HX_READY = 11,      /* u8 version: the sender speaks TDP_CTL_READY and TDP_AM_F_PREPARE */
+    TDP_HX_UCX_CHUNKS = 12, /* u8 version: the ucx plane reads staged DATA as CHUNK frames */
 };
 
 /* TDP_HX_READY's value: the one version of READY and prepared SCHEMAs. */
@@ -269,11 +270,16 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 /* SCHEMA only, to a peer whose HELLO carried TDP_HX_READY: sent by
  * tdp_pipe_prepare ahead of any DATA; the receiver answers TDP_CTL_READY */
 #define TDP_AM_F_PREPARE (1u << 1)
+/* DATA only: no payload of its own; the bytes follow in CHUNK frames (TDP_HX_UCX_CHUNKS) */
+#define TDP_AM_F_CHUNKED (1u << 2)
+/* TDP_HX_UCX_CHUNKS's value: the one version of chunked DATA. */
+#define TDP_UCX_CHUNKS_V1 1u
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */
     TDP_AM_DATA = 2,   /* payload: the consolidated buffer; arg = as CREDIT's, riding along */
     TDP_AM_CREDIT = 3, /* no payload; arg = buffers released, cumulative */
+    TDP_AM_CHUNK = 4,  /* payload: bytes of a CHUNKED DATA; seq, hash as its; arg = offset */
 };
 
 typedef struct tdp_am_hdr {

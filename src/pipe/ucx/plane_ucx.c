@@ -18,6 +18,7 @@
  * completes; in peer-failure mode closing the endpoint completes them at
  * once. What UCX never gives back is freed after the workers are gone.
  */
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/random.h>
 #include <unistd.h>
@@ -66,7 +67,24 @@ typedef struct bounce {
     bool busy;
 } bounce;
 
-/* A send UCX may hold: the headers live here until both requests finish. */
+/*
+ * Chunked staged sends (TDP_AM_F_CHUNKED, CHUNK frames): a GPU payload of
+ * more than CHUNK_MIN bytes goes out as CHUNK frames of STAGE_CHUNK bytes
+ * (the last one shorter), each posted as soon as the device->bounce copy
+ * has landed it, at most TX_CHUNKS of a message in flight in UCX. UCX may
+ * hand the receiver the CHUNKs of one message in another order than they
+ * were sent (rendezvous and multi-lane eager complete as they complete):
+ * the receiver places each by its offset on the sender's grid.
+ */
+#define STAGE_CHUNK   (4u << 20)
+#define CHUNK_MIN     STAGE_CHUNK
+#define TX_CHUNKS     8u
+#define TX_REQS       (2u + TX_CHUNKS) /* SCHEMA, DATA, then one per CHUNK in flight */
+#define CHUNK_DESC    8u               /* a CHUNKED DATA's payload: chunk_bytes u32, 0 u32 */
+#define CHUNK_MIN_LEN (1u << 20)       /* the chunk sizes a receiver takes */
+#define CHUNK_MAX_LEN (64u << 20)
+
+/* A send UCX may hold: the headers live here until its requests finish. */
 typedef struct ticket {
     tdp__stage_copy copy; /* a staged send's device->bounce copy (copy.arg: the ticket) */
     struct tdp__link *l;
@@ -74,7 +92,7 @@ typedef struct ticket {
     tdp_td *td;
     int inflight;
     tdp_err status;
-    void *req[2];
+    void *req[TX_REQS]; /* [0] SCHEMA, [1] DATA, [2 + i] the CHUNK in chunk_hdr[i] */
     struct ticket *next_free;
     struct ticket *next_q; /* in l->txq: sends waiting behind a staged one */
     bounce *bn;            /* a staged send's bounce, while it holds one */
@@ -85,6 +103,14 @@ typedef struct ticket {
     uint8_t schema_hdr[TDP_AM_HDR_LEN];
     uint8_t data_hdr[TDP_AM_HDR_MAX_LEN];
     size_t data_hdr_len; /* TDP_AM_HDR_LEN, or with the checksum TDP_AM_HDR_SUM_LEN */
+    /* a chunked staged send: its frames go out as the copy lands them */
+    bool chunked;
+    bool head_sent; /* SCHEMA and DATA are posted; CHUNKs follow */
+    uint64_t data_seq;
+    size_t landed; /* bytes of the bounce that hold their final value */
+    size_t posted; /* bytes posted as CHUNK frames */
+    uint8_t chunk_hdr[TX_CHUNKS][TDP_AM_HDR_LEN];
+    uint8_t chunk_desc[CHUNK_DESC]; /* the DATA's payload: the chunk size */
 } ticket;
 
 /* Receive storage shared by the tds that wrap it; freed with the last one. */
@@ -94,6 +120,19 @@ typedef struct rx_store {
     uint64_t cap;
     tdp_mem_type mt;
 } rx_store;
+
+struct rx_buf;
+
+/* One CHUNK frame's bytes on their way into the receive bounce. */
+typedef struct rx_chunk {
+    struct rx_buf *b;
+    void *req; /* rendezvous receive in flight */
+    size_t len;
+    tdp_err rc;
+    bool seen;                 /* its CHUNK frame came (each comes once) */
+    bool done;                 /* its bytes are in the bounce (or failed: rc) */
+    bool posting, posted_done; /* as rx_buf's, for this receive */
+} rx_chunk;
 
 typedef struct rx_buf {
     tdp__stage_copy copy; /* a staged receive's bounce->device copy (copy.arg: the buffer) */
@@ -108,6 +147,15 @@ typedef struct rx_buf {
     bool posting;     /* inside ucp_am_recv_data_nbx */
     bool posted_done; /* ...and its callback already ran, with posted_rc */
     tdp_err posted_rc;
+    /* a chunked message: one entry per chunk of the sender's grid */
+    bool chunk_failed;
+    uint64_t cseq, chash;       /* the DATA frame's: every CHUNK must carry them */
+    size_t csize;               /* the sender's chunk size, from the DATA frame */
+    size_t cavail;              /* bytes [0, cavail) of the bounce are in */
+    uint32_t nch, nseen, nheld; /* chunks, CHUNK frames seen, receives in UCX */
+    uint32_t cbase;             /* the first chunk not yet in */
+    rx_chunk *ch;               /* capch entries: grown with the layout, never per message */
+    uint32_t capch;
 } rx_buf;
 
 struct tdp__link {
@@ -148,7 +196,11 @@ struct tdp__link {
 
     /* GPU payloads where UCX cannot take device memory ("GPU payloads" below) */
     int cuda_device;        /* tdp_pipe_opts.cuda_device, -1 for none */
-    tdp__stage *stage;      /* the link's copy stream, made once */
+    tdp__stage *stage;      /* the link's copy stream for sends, made once */
+    tdp__stage *rx_stage;   /* ...and for receives (a chunked receive waits on its peer) */
+    bool peer_chunks;       /* the peer's HELLO has TDP_HX_UCX_CHUNKS version 1 */
+    rx_buf *rx_open;        /* the chunked message whose CHUNK frames are still due */
+    uint64_t chunked_tx, chunked_rx; /* messages sent / taken as CHUNK frames (for tests) */
     bounce txb[2];          /* send bounces: a copy overlaps the previous transfer */
     uint32_t ntxb;          /* in use: min(peer depth, 2) */
     ticket *txq, *txq_tail; /* sends in order behind a staged one */
@@ -249,7 +301,7 @@ static void ext_pre_fini(void *ext)
     x->nclosing = 0;
     for (struct tdp__link *l = x->links; l != NULL; l = l->next) {
         for (uint32_t i = 0; i < l->nticket; i++) {
-            for (int k = 0; k < 2; k++) {
+            for (uint32_t k = 0; k < TX_REQS; k++) {
                 if (l->tickets[i].req[k] != NULL)
                     ucp_request_free(l->tickets[i].req[k]);
                 l->tickets[i].req[k] = NULL;
@@ -259,6 +311,11 @@ static void ext_pre_fini(void *ext)
             if (l->rx[i].req != NULL)
                 ucp_request_free(l->rx[i].req);
             l->rx[i].req = NULL;
+            for (uint32_t k = 0; k < l->rx[i].capch; k++) {
+                if (l->rx[i].ch[k].req != NULL)
+                    ucp_request_free(l->rx[i].ch[k].req);
+                l->rx[i].ch[k].req = NULL;
+            }
         }
         if (l->credit_req != NULL)
             ucp_request_free(l->credit_req);
@@ -512,7 +569,9 @@ static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
     for (uint32_t i = 0; i < x->cap; i++) {
         struct tdp__link *l = x->tab[i];
         if (l != NULL && l->sep == e && !l->closed)
-            l->up->failed(l->owner, l, TDP_ECONNRESET, ucs_status_string(st));
+            l->up->failed(l->owner, l, TDP_ECONNRESET,
+                          l->rx_open != NULL ? "the peer failed inside a chunked message"
+                                             : ucs_status_string(st));
     }
     ep_unref(e);
 }
@@ -612,7 +671,6 @@ static void ep_unref(shared_ep *e)
  * once, so a large payload neither waits for one huge copy nor floods the
  * stream.
  */
-#define STAGE_CHUNK    (4u << 20)
 #define STAGE_INFLIGHT 4u
 
 /*
@@ -679,9 +737,12 @@ static tdp_err bounce_fit(struct tdp__link *l, bounce *b, size_t need)
 /* The link's stream, made at link start when the pipe names a device, else now. */
 static tdp_err stage_ready(struct tdp__link *l, int dev)
 {
-    if (l->stage != NULL)
-        return TDP_OK;
-    return tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
+    tdp_err rc = TDP_OK;
+    if (l->stage == NULL)
+        rc = tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->stage);
+    if (rc == TDP_OK && l->rx_stage == NULL)
+        rc = tdp__stage_new(l->x->loop, dev < 0 ? 0 : dev, 0, &l->rx_stage);
+    return rc;
 }
 
 /* ---- receive storage ------------------------------------------------------------ */
@@ -771,6 +832,8 @@ static tdp_err rx_store_build(struct tdp__link *l, rx_buf *b)
     return TDP_OK;
 }
 
+static tdp_err rx_chunks_fit(rx_buf *b, uint32_t n);
+
 /*
  * Make b hold a td of the current receive schema; a GPU layout on a UCX
  * without CUDA gets its bounce (as large as the storage) and the stream now.
@@ -783,7 +846,12 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
         return rc;
     if ((rc = stage_ready(l, dev.index)) != TDP_OK)
         return rc;
-    return bounce_fit(l, &b->rb, b->store->cap);
+    if ((rc = bounce_fit(l, &b->rb, b->store->cap)) != TDP_OK)
+        return rc;
+    /* room for a chunked message at the smallest chunk size a peer may use:
+     * made with the layout, so no receive allocates */
+    uint64_t most = (b->store->cap + CHUNK_MIN_LEN - 1) / CHUNK_MIN_LEN;
+    return rx_chunks_fit(b, most > UINT32_MAX ? UINT32_MAX : (uint32_t)most);
 }
 
 static tdp_err u_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
@@ -825,8 +893,8 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
 static tdp_err rx_copy_start(struct tdp__link *l, rx_buf *b, size_t n)
 {
     b->copy = (tdp__stage_copy){.done = rx_copied, .arg = b};
-    tdp_err rc = tdp__stage_copy_start(l->stage, &b->copy, b->td->data, b->rb.p, n, n, STAGE_CHUNK,
-                                       STAGE_INFLIGHT);
+    tdp_err rc = tdp__stage_copy_start(l->rx_stage, &b->copy, b->td->data, b->rb.p, n, n,
+                                       STAGE_CHUNK, STAGE_INFLIGHT);
     if (rc != TDP_OK)
         return rc;
     b->copying = true;
@@ -887,7 +955,10 @@ typedef struct am_desc {
     void *data;
     size_t length;
     const ucp_am_recv_param_t *param;
+    const tdp_am_hdr *h; /* the DATA frame's header */
 } am_desc;
+
+static tdp_err rx_chunked_start(struct tdp__link *l, rx_buf *b, const am_desc *d, tdp_td **td);
 
 static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
 {
@@ -900,6 +971,8 @@ static tdp_err u_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
     tdp_err rc = rx_buf_build(l, b);
     if (rc != TDP_OK)
         return rc;
+    if ((d->h->flags & TDP_AM_F_CHUNKED) != 0)
+        return rx_chunked_start(l, b, d, td);
     if (d->length != b->td->nbytes)
         return TDP_EMSGSIZE;
     b->lent = true;
@@ -951,6 +1024,210 @@ static void u_release(tdp__link *l, uint32_t slot)
         l->rx[slot].lent = false;
 }
 
+/* ---- chunked receives --------------------------------------------------------- */
+
+/* Room for n chunk entries: grown when a layout needs more, never per message. */
+static tdp_err rx_chunks_fit(rx_buf *b, uint32_t n)
+{
+    if (b->capch >= n)
+        return TDP_OK;
+    rx_chunk *ch = tdp__alloc_array(n, sizeof(*ch));
+    if (ch == NULL)
+        return TDP_ENOMEM;
+    tdp__free(b->ch);
+    b->ch = ch;
+    b->capch = n;
+    return TDP_OK;
+}
+
+/*
+ * A CHUNKED DATA frame: its 8-byte payload names the sender's chunk size
+ * (1..64 MiB). The buffer's bounce->device copy starts now with nothing
+ * yet to copy and follows the CHUNK frames as their bytes land
+ * (tdp__stage_copy_avail); the session hears through up->landed once the
+ * last byte is on the device. Only a layout this side stages takes it.
+ */
+static tdp_err rx_chunked_start(struct tdp__link *l, rx_buf *b, const am_desc *d, tdp_td **td)
+{
+    size_t n = b->td->nbytes;
+    const uint8_t *p = d->data;
+    if (!rx_staged(b) || l->rx_stage == NULL || d->length != CHUNK_DESC || n == 0)
+        return TDP_EPROTO; /* chunks for a layout this side does not stage */
+    uint32_t csize =
+        (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+    if (csize < CHUNK_MIN_LEN || csize > CHUNK_MAX_LEN || memcmp(p + 4, "\0\0\0\0", 4) != 0)
+        return TDP_EPROTO;
+    if (d->h->length != n)
+        return TDP_EMSGSIZE;
+    if (b->nheld != 0)
+        return TDP_EPROTO; /* receives of an earlier message still held: never reused */
+    uint64_t nch = (n + csize - 1) / csize;
+    if (nch > UINT32_MAX)
+        return TDP_EMSGSIZE;
+    tdp_err rc = rx_chunks_fit(b, (uint32_t)nch);
+    if (rc != TDP_OK)
+        return rc;
+    memset(b->ch, 0, nch * sizeof(*b->ch));
+    b->chunk_failed = false;
+    b->cseq = d->h->seq;
+    b->chash = d->h->hash;
+    b->csize = csize;
+    b->nch = (uint32_t)nch;
+    b->nseen = b->cbase = 0;
+    b->cavail = 0;
+    b->copy = (tdp__stage_copy){.done = rx_copied, .arg = b};
+    rc = tdp__stage_copy_start(l->rx_stage, &b->copy, b->td->data, b->rb.p, n, 0, STAGE_CHUNK,
+                               STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    b->copying = true;
+    l->reqs++;
+    b->lent = true;
+    *td = b->td;
+    l->rx_open = b;
+    l->chunked_rx++;
+    return TDP_EAGAIN;
+}
+
+/*
+ * A chunked message will not complete: its copy stops, the session drops
+ * the buffer (never handed out partly filled) and the link ends. Receives
+ * still in UCX keep the link until they come back.
+ */
+static void rx_chunk_fail(struct tdp__link *l, rx_buf *b, tdp_err rc)
+{
+    b->chunk_failed = true;
+    if (l->rx_open == b)
+        l->rx_open = NULL;
+    tdp_log_warn("a chunked message was cut short: %zu of %zu bytes arrived in order", b->cavail,
+                 b->td != NULL ? b->td->nbytes : 0);
+    if (b->copying) {
+        tdp__stage_copy_cancel(l->rx_stage, &b->copy);
+        b->copying = false;
+        l->reqs--;
+    }
+    if (l->closed)
+        return;
+    l->up->failed(l->owner, l, rc, "the peer's chunked message was cut short");
+    if (!l->closed)
+        l->up->landed(l->owner, l, (uint32_t)(b - l->rx), rc);
+}
+
+/* The copy may take the bytes up to the first chunk not yet in. */
+static void rx_chunks_settle(struct tdp__link *l, rx_buf *b)
+{
+    while (b->cbase < b->nch && b->ch[b->cbase].done) {
+        rx_chunk *k = &b->ch[b->cbase];
+        if (k->rc != TDP_OK) {
+            rx_chunk_fail(l, b, k->rc);
+            return;
+        }
+        b->cavail += k->len;
+        b->cbase++;
+    }
+    if (b->copying)
+        tdp__stage_copy_avail(l->rx_stage, &b->copy, b->cavail);
+}
+
+static void chunk_recv_cb(void *req, ucs_status_t st, size_t length, void *user)
+{
+    rx_chunk *k = user;
+    rx_buf *b = k->b;
+    struct tdp__link *l = b->l;
+    tdp_err rc = st == UCS_OK && length == k->len ? TDP_OK : TDP_ECONNRESET;
+    ucp_request_free(req);
+    k->rc = rc;
+    if (k->posting) { /* as in recv_cb: the poster sees it */
+        k->posted_done = true;
+        return;
+    }
+    k->req = NULL;
+    k->done = true;
+    b->nheld--;
+    l->reqs--;
+    if (!l->closed && !b->chunk_failed)
+        rx_chunks_settle(l, b);
+    link_maybe_free(l);
+}
+
+/* Fetch one chunk's bytes into the bounce; k is done, or held by UCX. */
+static void rx_chunk_fetch(struct tdp__link *l, rx_chunk *k, void *desc, void *into,
+                           const ucp_am_recv_param_t *param)
+{
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(into, desc, k->len);
+        k->done = true;
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .cb.recv_am = chunk_recv_cb,
+        .user_data = k,
+    };
+    if (k->b->rb.memh != NULL) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        prm.memh = k->b->rb.memh;
+    }
+    k->posting = true;
+    k->posted_done = false;
+    void *r = ucp_am_recv_data_nbx(link_worker(l), desc, into, k->len, &prm);
+    k->posting = false;
+    if (k->posted_done || r == NULL) {
+        k->done = true; /* k->rc: TDP_OK, or what the callback said */
+    } else if (UCS_PTR_IS_ERR(r)) {
+        k->done = true;
+        k->rc = TDP_ECONNRESET;
+    } else {
+        k->req = r;
+        k->b->nheld++;
+        l->reqs++;
+    }
+}
+
+/*
+ * A CHUNK frame. Checked before a byte moves: a chunked message is open
+ * on this link and the frame is of it (seq, hash); its offset is on the
+ * sender's grid and inside the layout, its length is that chunk's (the
+ * grid's size, the last one what is left), no chunk comes twice (so none
+ * overlaps and, once all have come, none is missing), and the payload is
+ * as long as the frame says. Anything else ends the link (TDP_EPROTO).
+ */
+static void rx_chunk_in(struct tdp__link *l, const tdp_am_hdr *h, void *data, size_t length,
+                        const ucp_am_recv_param_t *param)
+{
+    rx_buf *b = l->rx_open;
+    const char *why = NULL;
+    uint64_t i = 0;
+    if (b == NULL) {
+        why = "chunk frame without a chunked message in progress";
+    } else if (h->seq != b->cseq || h->hash != b->chash) {
+        why = "chunk frame of another message";
+    } else if (h->arg % b->csize != 0 || (i = h->arg / b->csize) >= b->nch) {
+        why = "chunk frame off its message's grid";
+    } else if (b->ch[i].seen) {
+        why = "chunk frame sent twice";
+    } else {
+        size_t left = b->td->nbytes - (size_t)h->arg;
+        if (h->length != (left < b->csize ? left : b->csize))
+            why = "chunk frame of the wrong length";
+        else if (length != h->length)
+            why = "chunk length differs from its frame";
+    }
+    if (why != NULL) {
+        tdp_log_debug("chunk frame refused: seq %llu offset %llu length %llu",
+                      (unsigned long long)h->seq, (unsigned long long)h->arg,
+                      (unsigned long long)h->length);
+        l->up->failed(l->owner, l, TDP_EPROTO, why);
+        return;
+    }
+    rx_chunk *k = &b->ch[i];
+    *k = (rx_chunk){.b = b, .len = length, .rc = TDP_OK, .seen = true};
+    if (++b->nseen == b->nch)
+        l->rx_open = NULL; /* every chunk announced: the next frame is a new message */
+    rx_chunk_fetch(l, k, data, (char *)b->rb.p + h->arg, param);
+    rx_chunks_settle(l, b);
+}
+
 /* ---- incoming frames ------------------------------------------------------------ */
 
 static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
@@ -999,6 +1276,10 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         l->up->credit(l->owner, l, h.arg);
         break;
     case TDP_AM_SCHEMA:
+        if (l->rx_open != NULL) {
+            l->up->failed(l->owner, l, TDP_EPROTO, "schema frame inside a chunked message");
+            break;
+        }
         if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || length != h.length) {
             l->up->failed(l->owner, l, TDP_EPROTO, "schema frame by rendezvous or cut short");
             break;
@@ -1008,7 +1289,12 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         l->rx_populate = false;
         break;
     case TDP_AM_DATA: {
-        if (length != h.length) {
+        bool chunked = (h.flags & TDP_AM_F_CHUNKED) != 0;
+        if (l->rx_open != NULL) {
+            l->up->failed(l->owner, l, TDP_EPROTO, "data frame inside a chunked message");
+            break;
+        }
+        if (chunked ? length != CHUNK_DESC : length != h.length) {
             l->up->failed(l->owner, l, TDP_EMSGSIZE, "data length differs from its frame");
             break;
         }
@@ -1016,10 +1302,13 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         l->up->credit(l->owner, l, h.arg);
         if (l->closed)
             break;
-        am_desc d = {data, length, param};
+        am_desc d = {data, length, param, &h};
         l->up->data(l->owner, l, &f, &d);
         break;
     }
+    case TDP_AM_CHUNK:
+        rx_chunk_in(l, &h, data, length, param);
+        break;
     }
     return UCS_OK;
 }
@@ -1055,19 +1344,32 @@ static void ticket_done(ticket *t, ucs_status_t st)
     link_maybe_free(l);
 }
 
+/* A chunked send still posting: its hold keeps the ticket while it is. */
+static bool chunks_due(const ticket *t)
+{
+    return t->chunked && t->td != NULL && t->posted < t->td->nbytes;
+}
+
 static void send_cb(void *req, ucs_status_t st, void *user)
 {
     ticket *t = user;
-    for (int i = 0; i < 2; i++)
+    struct tdp__link *l = t->l;
+    for (uint32_t i = 0; i < TX_REQS; i++)
         if (t->req[i] == req)
             t->req[i] = NULL;
     ucp_request_free(req);
-    t->l->reqs--;
+    l->reqs--;
+    bool more = chunks_due(t); /* a failure there ends the send too */
     ticket_done(t, st);
+    if (more && !l->closed)
+        tx_pump(l); /* a CHUNK slot came free */
 }
 
-/* Post one AM for a ticket; counts it in flight unless it finished at once. */
-static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, size_t hdr_len,
+/*
+ * Post one AM for a ticket, its request kept in t->req[slot]; counts it in
+ * flight unless it finished at once.
+ */
+static tdp_err am_post(struct tdp__link *l, ticket *t, uint32_t slot, uint8_t *hdr, size_t hdr_len,
                        const void *buf, size_t len, uint32_t flags, ucs_memory_type_t mt,
                        ucp_mem_h memh)
 {
@@ -1093,7 +1395,7 @@ static tdp_err am_post(struct tdp__link *l, ticket *t, uint8_t *hdr, size_t hdr_
         tdp_log_debug("ucp_am_send_nbx: %s", ucs_status_string(UCS_PTR_STATUS(r)));
         return TDP_ECONNRESET;
     }
-    t->req[t->req[0] == NULL ? 0 : 1] = r;
+    t->req[slot] = r;
     t->inflight++;
     l->reqs++;
     return TDP_OK;
@@ -1124,7 +1426,7 @@ static tdp_err tx_post(struct tdp__link *l, ticket *t)
         size_t jl;
         const char *json = tdp_schema_json(td->schema, &jl);
         /* eager: the schema is whole in the receiver's callback, before its data */
-        rc = am_post(l, t, t->schema_hdr, TDP_AM_HDR_LEN, json, jl, UCP_AM_SEND_FLAG_EAGER,
+        rc = am_post(l, t, 0, t->schema_hdr, TDP_AM_HDR_LEN, json, jl, UCP_AM_SEND_FLAG_EAGER,
                      UCS_MEMORY_TYPE_HOST, NULL);
     }
     if (rc == TDP_OK) {
@@ -1132,8 +1434,21 @@ static tdp_err tx_post(struct tdp__link *l, ticket *t)
         ucs_memory_type_t mt = td->device.type == TDP_DEVICE_CUDA && t->bn == NULL
                                    ? UCS_MEMORY_TYPE_CUDA
                                    : UCS_MEMORY_TYPE_HOST;
-        rc = am_post(l, t, t->data_hdr, t->data_hdr_len, src, td->nbytes, 0, mt,
-                     t->bn != NULL ? t->bn->memh : NULL);
+        if (t->chunked) /* the chunk size only: the CHUNKs carry the bytes */
+            rc = am_post(l, t, 1, t->data_hdr, t->data_hdr_len, t->chunk_desc, CHUNK_DESC,
+                         UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST, NULL);
+        else
+            rc = am_post(l, t, 1, t->data_hdr, t->data_hdr_len, src, td->nbytes, 0, mt,
+                         t->bn != NULL ? t->bn->memh : NULL);
+    }
+    if (t->chunked) { /* the hold stays until every CHUNK is posted (tx_chunks) */
+        tdp__loop_kick(l->x->loop);
+        if (rc != TDP_OK && t->inflight == 1)
+            return rc;
+        if (rc != TDP_OK)
+            t->status = rc;
+        t->head_sent = true;
+        return TDP_OK;
     }
     tdp__loop_kick(l->x->loop);
     if (rc != TDP_OK && t->inflight == 1)
@@ -1160,6 +1475,15 @@ static bounce *bounce_take(struct tdp__link *l, size_t need, tdp_err *rc)
     return NULL;
 }
 
+/* Bytes [0, landed) of a chunked send's bounce are in: CHUNKs may go. */
+static void tx_progress(tdp__stage_copy *c, size_t landed)
+{
+    ticket *t = c->arg;
+    t->landed = landed;
+    if (!t->l->closed)
+        tx_pump(t->l);
+}
+
 /* A staged send's device->bounce copy landed (or failed). */
 static void tx_copied(tdp__stage_copy *c, tdp_err st)
 {
@@ -1168,6 +1492,8 @@ static void tx_copied(tdp__stage_copy *c, tdp_err st)
     t->copying = false;
     t->copied = true;
     t->copy_rc = st;
+    if (st == TDP_OK)
+        t->landed = t->td->nbytes;
     l->reqs--;
     if (!l->closed)
         tx_pump(l);
@@ -1210,7 +1536,8 @@ static void tx_pump_copies(struct tdp__link *l)
             break; /* every bounce in flight: a completion brings this back */
         if (rc == TDP_OK) {
             t->bn = b;
-            t->copy = (tdp__stage_copy){.done = tx_copied, .arg = t};
+            t->copy = (tdp__stage_copy){
+                .done = tx_copied, .progress = t->chunked ? tx_progress : NULL, .arg = t};
             rc = tdp__stage_copy_start(l->stage, &t->copy, b->p, t->td->data, t->td->nbytes,
                                        t->td->nbytes, STAGE_CHUNK, STAGE_INFLIGHT);
         }
@@ -1224,11 +1551,103 @@ static void tx_pump_copies(struct tdp__link *l)
     }
 }
 
+/* The head, chunked and posting, leaves the queue; its hold goes. */
+static void tx_chunks_leave(struct tdp__link *l, ticket *t, tdp_err rc)
+{
+    l->txq = t->next_q;
+    if (l->txq == NULL)
+        l->txq_tail = NULL;
+    t->next_q = NULL;
+    if (rc != TDP_OK) {
+        if (t->copying) {
+            tdp__stage_copy_cancel(l->stage, &t->copy);
+            t->copying = false;
+            l->reqs--;
+        }
+        if (t->status == TDP_OK)
+            t->status = rc;
+        l->stage_failed = true;
+    }
+    ticket_done(t, UCS_OK); /* the session hears when UCX gave every request back */
+    if (rc != TDP_OK && !l->closed)
+        l->up->failed(l->owner, l, rc == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
+                      "cannot stage a GPU payload through host memory");
+}
+
+/* A free CHUNK slot of t (its header and request), or TX_CHUNKS. */
+static uint32_t chunk_slot(const ticket *t)
+{
+    for (uint32_t i = 0; i < TX_CHUNKS; i++)
+        if (t->req[2 + i] == NULL)
+            return i;
+    return TX_CHUNKS;
+}
+
+/*
+ * The chunked head: its SCHEMA and DATA go at once, then a CHUNK for each
+ * piece of the bounce the copy has landed, at most TX_CHUNKS in UCX. True
+ * when it left the queue (every CHUNK posted, or failed).
+ */
+static bool tx_chunks(struct tdp__link *l, ticket *t)
+{
+    size_t n = t->td->nbytes;
+    tdp_err rc = l->stage_failed ? TDP_ECONNRESET : TDP_OK;
+    if (!t->head_sent) {
+        if (rc == TDP_OK && t->copied)
+            rc = t->copy_rc;
+        if (rc != TDP_OK) { /* nothing posted yet: as any staged send */
+            tx_finish_head(l, t, rc);
+            return true;
+        }
+        if ((rc = tx_post(l, t)) != TDP_OK) {
+            tx_finish_head(l, t, rc); /* nothing was posted */
+            return true;
+        }
+        l->chunked_tx++;
+    }
+    uint32_t i;
+    while (rc == TDP_OK && t->status == TDP_OK && t->posted < t->landed &&
+           (i = chunk_slot(t)) < TX_CHUNKS) {
+        size_t len = t->landed - t->posted;
+        if (len > STAGE_CHUNK)
+            len = STAGE_CHUNK;
+        tdp_am_hdr h = {.type = TDP_AM_CHUNK,
+                        .token = l->peer_token,
+                        .seq = t->data_seq,
+                        .hash = tdp_schema_hash(t->td->schema),
+                        .length = len,
+                        .arg = t->posted};
+        tdp_wire_am_encode(t->chunk_hdr[i], &h);
+        rc = am_post(l, t, 2 + i, t->chunk_hdr[i], TDP_AM_HDR_LEN, (char *)t->bn->p + t->posted,
+                     len, 0, UCS_MEMORY_TYPE_HOST, t->bn->memh);
+        if (rc == TDP_OK)
+            t->posted += len;
+    }
+    tdp__loop_kick(l->x->loop);
+    if (rc == TDP_OK && t->status != TDP_OK)
+        rc = t->status; /* a request UCX gave back failed */
+    if (rc == TDP_OK && t->copied && t->copy_rc != TDP_OK)
+        rc = t->copy_rc;
+    /* the copy's done comes after its last progress: until then the stage
+     * holds t->copy, so the ticket must not come free (tx_copied pumps) */
+    if (rc == TDP_OK && (t->posted < n || !t->copied))
+        return false; /* more when the copy lands more or a CHUNK completes */
+    tx_chunks_leave(l, t, rc);
+    return true;
+}
+
 static void tx_pump(struct tdp__link *l)
 {
     tx_pump_copies(l);
-    while (l->txq != NULL && !l->closed && (!l->txq->staged || l->txq->copied)) {
+    while (l->txq != NULL && !l->closed) {
         ticket *t = l->txq;
+        if (t->chunked && t->bn != NULL) {
+            if (!tx_chunks(l, t))
+                break;
+            continue;
+        }
+        if (t->staged && !t->copied)
+            break;
         tx_finish_head(l, t, l->stage_failed ? TDP_ECONNRESET : t->copy_rc);
     }
 }
@@ -1244,6 +1663,10 @@ static void tx_queue_drop(struct tdp__link *l)
             tdp__stage_copy_cancel(l->stage, &t->copy); /* waits for the stream */
             t->copying = false;
             l->reqs--;
+        }
+        if (t->head_sent) { /* UCX holds some of its frames: they give it back */
+            ticket_done(t, UCS_OK);
+            continue;
         }
         if (t->bn != NULL)
             t->bn->busy = false;
@@ -1286,6 +1709,17 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
     t->staged = stages(l, td->device);
     t->copying = t->copied = false;
     t->copy_rc = TDP_OK;
+    /* the CHUNK frames carry the DATA's seq (tx->seq lives only in this call) */
+    t->data_seq = tx->seq;
+    t->chunked = t->staged && l->peer_chunks && td->nbytes > CHUNK_MIN;
+    t->head_sent = false;
+    t->landed = t->posted = 0;
+    if (t->chunked) {
+        uint32_t c = STAGE_CHUNK;
+        uint8_t d[CHUNK_DESC] = {(uint8_t)c, (uint8_t)(c >> 8), (uint8_t)(c >> 16),
+                                 (uint8_t)(c >> 24)};
+        memcpy(t->chunk_desc, d, sizeof(d));
+    }
     t->bn = NULL;
     t->next_q = NULL;
     if (tx->schema != NULL) {
@@ -1305,6 +1739,8 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
                     .hash = tdp_schema_hash(td->schema),
                     .length = td->nbytes,
                     .arg = tx->credit};
+    if (t->chunked)
+        h.flags |= TDP_AM_F_CHUNKED;
     if (l->sum_on) { /* host memory only (refused above otherwise) */
         h.flags |= TDP_AM_F_SUM;
         h.sum = tdp__sum_tx(td->data, td->nbytes, tx->seq);
@@ -1506,6 +1942,14 @@ static void link_drop_own(struct tdp__link *l)
     l->own = NULL;
 }
 
+/* Tests: HELLOs without TDP_HX_UCX_CHUNKS, as an older peer sends them. */
+static atomic_bool hello_no_chunks;
+
+void tdp__ucx_hello_no_chunks(bool on)
+{
+    atomic_store(&hello_no_chunks, on);
+}
+
 static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
 {
     const void *addr, *laddr = NULL;
@@ -1539,6 +1983,11 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_ADDR, addr, (uint32_t)alen);
     if (rc == TDP_OK && laddr != NULL && llen > 0)
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_LOCAL_ADDR, laddr, (uint32_t)llen);
+    if (rc == TDP_OK && addr != NULL && alen > 0 && !atomic_load(&hello_no_chunks)) {
+        /* this side reads chunked DATA: a peer that knows it may send it */
+        static const uint8_t chunks_v = TDP_UCX_CHUNKS_V1;
+        rc = tdp_hello_add_rec(h, TDP_HX_UCX_CHUNKS, &chunks_v, 1);
+    }
     return rc == TDP_OK ? TDP_OK : TDP_EINTERNAL;
 }
 
@@ -1605,6 +2054,11 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->peer_token = h->token;
     l->sum_on = peer->checksum;
     l->peer_ready = h->ready == TDP_READY_V1;
+    /* chunked DATA only to a peer that reads it; another version: whole messages */
+    const tdp_hx_rec *ck = tdp_hello_rec(h, TDP_HX_UCX_CHUNKS);
+    if (ck != NULL && ck->len != 1)
+        return TDP_EPROTO;
+    l->peer_chunks = ck != NULL && ck->val[0] == TDP_UCX_CHUNKS_V1;
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
@@ -1696,8 +2150,12 @@ static void link_destroy(struct tdp__link *l)
     link_drop_own(l);
     tdp__stage_free(l->stage); /* cancels its copies: the bounces are free to go */
     l->stage = NULL;
-    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+    tdp__stage_free(l->rx_stage);
+    l->rx_stage = NULL;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         rx_buf_drop(l, &l->rx[i]);
+        tdp__free(l->rx[i].ch);
+    }
     for (uint32_t i = 0; i < sizeof(l->txb) / sizeof(l->txb[0]); i++)
         bounce_free(l, &l->txb[i]);
     for (uint32_t i = 0; i < l->nticket; i++)
@@ -1732,7 +2190,7 @@ static void u_link_close(tdp__link *l, bool peer_gone)
     tx_queue_drop(l);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         if (l->rx[i].copying) {
-            tdp__stage_copy_cancel(l->stage, &l->rx[i].copy);
+            tdp__stage_copy_cancel(l->rx_stage, &l->rx[i].copy);
             l->rx[i].copying = false;
             l->reqs--;
         }
@@ -1907,4 +2365,9 @@ bool tdp__ucx_link_peer_mode(const tdp__link *l)
 uint64_t tdp__ucx_link_peer_token(const tdp__link *l)
 {
     return l != NULL ? l->peer_token : 0;
+}
+
+uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx)
+{
+    return l == NULL ? 0 : rx ? l->chunked_rx : l->chunked_tx;
 }

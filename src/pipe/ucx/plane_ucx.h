@@ -10,5 +10,9 @@ ucp_ep_h tdp__ucx_link_ep(const tdp__link *l);
 int tdp__ucx_link_worker(const tdp__link *l);
 bool tdp__ucx_link_peer_mode(const tdp__link *l);
 uint64_t tdp__ucx_link_peer_token(const tdp__link *l);
+/* Messages this link sent (rx false) or received (rx true) as CHUNK frames. */
+uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx);
+/* Leave TDP_HX_UCX_CHUNKS out of this process's HELLOs (an older peer's). */
+void tdp__ucx_hello_no_chunks(bool on);
 
 #endif
