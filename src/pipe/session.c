@@ -540,13 +540,21 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     become_open(p);
 }
 
+/* The peer's READY for a prepare (session_prepare.c). */
+static void on_ctl_ready(void *owner, const tdp_ready *r)
+{
+    tdp_pipe *p = owner;
+    if (!tdp__prep_ready(p, r))
+        pipe_fail(p, TDP_EPROTO, "READY for a prepare never sent");
+}
+
 static const tdp__ctl_up ctl_up = {
     .connected = on_ctl_connected,
     .hello_in = on_ctl_hello_in,
     .proven = on_ctl_proven,
     .hello = on_ctl_hello,
     .bye = on_ctl_bye,
-    .ready = tdp__prep_ready,
+    .ready = on_ctl_ready,
     .closed = on_ctl_closed,
     .bye_flushed = on_ctl_bye_flushed,
 };
@@ -979,13 +987,43 @@ static bool refuse_memory(tdp_pipe *p, tdp_op *op)
     return true;
 }
 
+#define PREP_RETRY_MS 1 /* a prepare whose plane was not up yet */
+
+static void prep_retry_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    send_kick(arg);
+}
+
+/* The prepare at the queue's head waits for its plane: look again soon. */
+static void prep_retry(tdp_pipe *p)
+{
+    if (p->prep_ev == NULL) {
+        p->prep_ev = evtimer_new(tdp__loop_base(p->loop), prep_retry_cb, p);
+        if (p->prep_ev == NULL) {
+            tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOMEM);
+            return;
+        }
+    }
+    struct timeval tv = {0, PREP_RETRY_MS * 1000};
+    event_add(p->prep_ev, &tv);
+}
+
 /* Send what the queue's head may: credit, a ticket and the link allow. */
 static void kick_once(tdp_pipe *p)
 {
     while (p->sendq.head != NULL && p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed) {
         if (p->sendq.head->prep != NULL) { /* tdp_pipe_prepare: no credit, no ticket */
-            if (!tdp__prep_step(p))
+            tdp_err fail = TDP_OK;
+            if (tdp__prep_step(p, &fail) == TDP__PREP_RETRY) {
+                prep_retry(p);
                 return;
+            }
+            if (fail != TDP_OK) {
+                pipe_fail(p, fail, "prepare failed");
+                return;
+            }
             continue;
         }
         if (refuse_memory(p, p->sendq.head)) {
@@ -1050,23 +1088,6 @@ static void send_kick(tdp_pipe *p)
     p->kicking = false;
     if (done && p->state == PIPE_OPEN)
         check_close(p);
-}
-
-static void send_start(void *arg);
-
-void tdp__session_send_start(void *op)
-{
-    send_start(op);
-}
-
-void tdp__session_kick(tdp_pipe *p)
-{
-    send_kick(p);
-}
-
-void tdp__session_fail(tdp_pipe *p, tdp_err err, const char *why)
-{
-    pipe_fail(p, err, why);
 }
 
 static void send_start(void *arg)
@@ -1264,6 +1285,22 @@ tdp_err tdp_pipe_send(tdp_pipe *pipe, tdp_td *td, int64_t timeout_ms)
     if (pipe->lat != NULL)
         op->t_call_ns = lat_now_ns();
     return tdp__op_run(pipe->loop, op, send_start, timeout_ms);
+}
+
+/* tdp_pipe_prepare: a send op without a td (session_prepare.c handles it at the queue's head). */
+tdp_err tdp_pipe_prepare(tdp_pipe *pipe, tdp_schema *schema, int64_t timeout_ms)
+{
+    if (pipe == NULL || schema == NULL || tdp__op_pending(pipe->sync_send))
+        return TDP_EINVAL;
+    if (tdp__loop_running(pipe->loop) && tdp_loop_on_thread(pipe->loop))
+        return TDP_EINVAL; /* it would wait for itself */
+    tdp_op *op = pipe->sync_send;
+    op->kind = OP_SEND;
+    op->td = NULL;
+    op->prep = schema; /* the caller's reference: the op is done before this returns */
+    tdp_err rc = tdp__op_run(pipe->loop, op, send_start, timeout_ms);
+    op->prep = NULL;
+    return rc;
 }
 
 tdp_err tdp_pipe_recv(tdp_pipe *pipe, int64_t timeout_ms, tdp_td **out)
@@ -1687,6 +1724,8 @@ static void begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     /* sending: what the old link held is lost to us; the rest waits */
     fail_ops_sent(p, TDP_ECONNRESET);
     tdp__prep_reset(p);
+    if (p->prep_ev != NULL)
+        event_del(p->prep_ev);
     tdp__free(p->tickets);
     p->tickets = NULL;
     p->free_tickets = NULL;

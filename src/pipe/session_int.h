@@ -167,21 +167,25 @@ struct tdp_pipe {
     struct event *prep_ev; /* the plane was not up yet: try again */
 };
 
-/* ---- between session.c and session_prepare.c (loop thread) ---- */
+/*
+ * ---- session_prepare.c, for session.c (loop thread) ----
+ * It never calls the session back: what the session must do (fail the
+ * pipe, look at the queue again later) comes back as results.
+ */
 
-/* session.c: start a send op (tdp__op_submit's start), and look at the send queue again. */
-void tdp__session_send_start(void *op);
-void tdp__session_kick(tdp_pipe *p);
-void tdp__session_fail(tdp_pipe *p, tdp_err err, const char *why);
+typedef enum tdp__prep_step_rc {
+    TDP__PREP_DONE = 0,  /* the prepare left the queue (done, failed or waiting for READY) */
+    TDP__PREP_RETRY = 1, /* the plane is not up yet: it stays at the head; look again soon */
+} tdp__prep_step_rc;
 
-/* The send queue's head is a prepare: handle it. False: it stays at the head (try later). */
-bool tdp__prep_step(tdp_pipe *p);
+/* The send queue's head is a prepare: handle it. *fail: the pipe must end with it (else as was). */
+tdp__prep_step_rc tdp__prep_step(tdp_pipe *p, tdp_err *fail);
 /* The prepare waiting for READY ends with rc (the link went, or the pipe ended). */
 void tdp__prep_fail(tdp_pipe *p, tdp_err rc);
 /* A timed-out op: true if it was the prepare waiting for READY (now completed). */
 bool tdp__prep_take_back(tdp_pipe *p, tdp_op *op);
-/* The peer's READY (ctl up-call). */
-void tdp__prep_ready(void *owner, const tdp_ready *r);
+/* The peer's READY; false: it answers no prepare ever sent (a protocol error). */
+bool tdp__prep_ready(tdp_pipe *p, const tdp_ready *r);
 /* A prepared SCHEMA (f->prepare) was put in force: answer READY. */
 void tdp__prep_schema_in(tdp_pipe *p, const tdp__frame *f);
 /* A new connection: the counts start again. */

@@ -12,7 +12,6 @@
  * and faulted in; the prepare completes then. A prepare is not a message:
  * no sequence number, no credit, no ticket.
  */
-#include <event2/event.h>
 #include <inttypes.h>
 #include <stddef.h>
 
@@ -21,29 +20,7 @@
 #include "../core/log.h"
 #include "../schema/schema_int.h"
 
-#define PREP_RETRY_MS 1 /* the plane was not up yet */
-
-static void prep_retry_cb(evutil_socket_t fd, short what, void *arg)
-{
-    (void)fd;
-    (void)what;
-    tdp__session_kick(arg);
-}
-
-static void prep_retry(tdp_pipe *p)
-{
-    if (p->prep_ev == NULL) {
-        p->prep_ev = evtimer_new(tdp__loop_base(p->loop), prep_retry_cb, p);
-        if (p->prep_ev == NULL) {
-            tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOMEM);
-            return;
-        }
-    }
-    struct timeval tv = {0, PREP_RETRY_MS * 1000};
-    event_add(p->prep_ev, &tv);
-}
-
-bool tdp__prep_step(tdp_pipe *p)
+tdp__prep_step_rc tdp__prep_step(tdp_pipe *p, tdp_err *fail)
 {
     tdp_op *op = p->sendq.head;
     tdp_schema *sc = op->prep;
@@ -53,7 +30,7 @@ bool tdp__prep_step(tdp_pipe *p)
         /* a plane without the operation; or a second prepare meanwhile (async) */
         tdp__op_complete(tdp__opq_pop(&p->sendq),
                          p->plane->prepare == NULL ? TDP_ENOTSUP : TDP_EAGAIN);
-        return true;
+        return TDP__PREP_DONE;
     }
     if (p->peer_max_msg != 0 && total > p->peer_max_msg) {
         /* what the peer's receive of such a send would say, without ending the pipe */
@@ -61,27 +38,25 @@ bool tdp__prep_step(tdp_pipe *p)
                      "-byte limit: refused",
                      p->ctl.peer_name, total, p->peer_max_msg);
         tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_EMSGSIZE);
-        return true;
+        return TDP__PREP_DONE;
     }
     tdp_device dev = tdp_schema_device(sc);
     uint32_t need = dev.type == TDP_DEVICE_CPU ? TDP__MEM_HOST : TDP__MEM_ANY_CUDA;
     if ((p->plane_mem & need) == 0) {
         tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOTSUP); /* as a send of it */
-        return true;
+        return TDP__PREP_DONE;
     }
     bool in_force = p->sent_schema == sc || tdp_schema_equal(p->sent_schema, sc);
     bool sent = false, await = false;
     tdp_err rc = p->plane->prepare(p->link, sc, p->send_seq + 1, !in_force, &sent, &await);
-    if (rc == TDP_EAGAIN) {
-        prep_retry(p);
-        return false;
-    }
+    if (rc == TDP_EAGAIN)
+        return TDP__PREP_RETRY;
     tdp__opq_pop(&p->sendq);
     if (rc != TDP_OK) {
         tdp__op_complete(op, rc);
         if (rc == TDP_ECONNRESET)
-            tdp__session_fail(p, rc, "prepare failed");
-        return true;
+            *fail = rc;
+        return TDP__PREP_DONE;
     }
     if (sent) {
         if (p->sent_schema != sc) {
@@ -92,12 +67,12 @@ bool tdp__prep_step(tdp_pipe *p)
     }
     if (!(sent && await)) {
         tdp__op_complete(op, TDP_OK);
-        return true;
+        return TDP__PREP_DONE;
     }
     p->prep_op = op;
     p->prep_hash = tdp_schema_hash(sc);
     p->prep_want = ++p->prep_tx_n;
-    return true;
+    return TDP__PREP_DONE;
 }
 
 void tdp__prep_fail(tdp_pipe *p, tdp_err rc)
@@ -116,17 +91,16 @@ bool tdp__prep_take_back(tdp_pipe *p, tdp_op *op)
     return true;
 }
 
-void tdp__prep_ready(void *owner, const tdp_ready *r)
+bool tdp__prep_ready(tdp_pipe *p, const tdp_ready *r)
 {
-    tdp_pipe *p = owner;
     if (r->count > p->prep_tx_n) {
         tdp_log_warn("pipe %s: READY for a prepare never sent", p->ctl.peer_name);
-        tdp__session_fail(p, TDP_EPROTO, "READY for a prepare never sent");
-        return;
+        return false;
     }
     /* an earlier prepare's (one that timed out) is late: not this one's */
     if (p->prep_op != NULL && r->count == p->prep_want && r->hash == p->prep_hash)
         tdp__prep_fail(p, TDP_OK);
+    return true;
 }
 
 void tdp__prep_schema_in(tdp_pipe *p, const tdp__frame *f)
@@ -145,21 +119,4 @@ void tdp__prep_reset(tdp_pipe *p)
     p->prep_tx_n = p->prep_rx_n = 0;
     p->peer_ready = false;
     p->peer_max_msg = 0;
-    if (p->prep_ev != NULL)
-        event_del(p->prep_ev);
-}
-
-tdp_err tdp_pipe_prepare(tdp_pipe *pipe, tdp_schema *schema, int64_t timeout_ms)
-{
-    if (pipe == NULL || schema == NULL || tdp__op_pending(pipe->sync_send))
-        return TDP_EINVAL;
-    if (tdp__loop_running(pipe->loop) && tdp_loop_on_thread(pipe->loop))
-        return TDP_EINVAL; /* it would wait for itself */
-    tdp_op *op = pipe->sync_send;
-    op->kind = OP_SEND;
-    op->td = NULL;
-    op->prep = schema; /* the caller's reference: the op is done before this returns */
-    tdp_err rc = tdp__op_run(pipe->loop, op, tdp__session_send_start, timeout_ms);
-    op->prep = NULL;
-    return rc;
 }
