@@ -359,23 +359,35 @@ static void seg_unregister(tdp__shm_seg *seg, bool registered)
         (void)tdp__cuda_host_unregister(tdp__shm_seg_base(seg));
 }
 
+/* Slot i of a pool's memory (either side's), host or device. */
+static void *pool_mem(const tdp__shm_seg *seg, const tdp__dpool *dp, uint64_t stride, uint32_t i)
+{
+    if (dp != NULL)
+        return (uint8_t *)tdp__dpool_base(dp) + (uint64_t)i * stride;
+    return tdp__shm_seg_slot(seg, i);
+}
+
+/* A pool's memory and slot table go (either side's, its last reference gone). */
+static void pool_mem_free(tdp__shm_seg *seg, bool registered, tdp__dpool *dp, void *slots)
+{
+    seg_unregister(seg, registered);
+    tdp__shm_seg_close(seg);
+    tdp__dpool_unref(dp);
+    tdp__free(slots);
+}
+
 static void tx_pool_unref(tx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
-    seg_unregister(p->seg, p->registered);
-    tdp__shm_seg_close(p->seg);
-    tdp__dpool_unref(p->dp);
-    tdp__free(p->slots);
+    pool_mem_free(p->seg, p->registered, p->dp, p->slots);
     tdp__free(p);
 }
 
 /* Slot i of a sender's pool, host or device. */
 static void *tx_mem(const tx_pool *p, uint32_t i)
 {
-    if (p->dp != NULL)
-        return (uint8_t *)tdp__dpool_base(p->dp) + (uint64_t)i * p->stride;
-    return tdp__shm_seg_slot(p->seg, i);
+    return pool_mem(p->seg, p->dp, p->stride, i);
 }
 
 static void tx_view_gone(void *buf, void *arg)
@@ -400,19 +412,14 @@ static void rx_pool_unref(rx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
-    seg_unregister(p->seg, p->registered);
-    tdp__shm_seg_close(p->seg);
-    tdp__dpool_unref(p->dp);
-    tdp__free(p->slots);
+    pool_mem_free(p->seg, p->registered, p->dp, p->slots);
     tdp__free(p);
 }
 
 /* Slot i of a received pool (i checked by the caller), host or device. */
 static void *rx_mem(const rx_pool *p, uint32_t i)
 {
-    if (p->dp != NULL)
-        return (uint8_t *)tdp__dpool_base(p->dp) + (uint64_t)i * p->stride;
-    return tdp__shm_seg_slot(p->seg, i);
+    return pool_mem(p->seg, p->dp, p->stride, i);
 }
 
 static void rx_view_gone(void *buf, void *arg)
