@@ -22,6 +22,7 @@
 
 #include <tdpipe/tdpipe.h>
 
+#include "core/cuda.h"
 #include "pipe/op.h"
 #include "pipe/session.h"
 #include "pipe/shm/plane_shm.h"
@@ -883,6 +884,137 @@ static void test_shm_release_refused(void **state)
     tdp_schema_unref(s);
 }
 
+/* ---- GPU broadcasts to shm consumers: each link stages its own copy -------------- */
+
+typedef struct gpu_consumer {
+    pthread_t th;
+    tdp_pipe *pipe;
+    int hold;     /* views kept at once (its loans) */
+    int sleep_us; /* after each receive: a slow consumer */
+    uint64_t seqs[256];
+    uint64_t n;
+    tdp_err end;
+} gpu_consumer;
+
+/* The seq in a device message's first 8 bytes. */
+static uint64_t gpu_seq(const tdp_td *td)
+{
+    uint64_t seq = 0;
+    if (tdp_td_device(td).type == TDP_DEVICE_CPU)
+        memcpy(&seq, tdp_td_data(td), 8);
+    else if (tdp__cuda_memcpy(&seq, tdp_td_data(td), 8) != TDP_OK)
+        return 0;
+    return seq;
+}
+
+static void *gpu_consumer_main(void *arg)
+{
+    gpu_consumer *c = arg;
+    tdp_td *held[8] = {0};
+    for (uint64_t i = 0;; i++) {
+        tdp_td *td;
+        tdp_err rc = tdp_pipe_recv(c->pipe, TMO, &td);
+        if (rc != TDP_OK) {
+            c->end = rc;
+            break;
+        }
+        if (c->n < 256)
+            c->seqs[c->n++] = gpu_seq(td);
+        tdp_td **slot = &held[i % (uint64_t)c->hold];
+        if (*slot != NULL)
+            tdp_pipe_release(c->pipe, *slot);
+        *slot = td;
+        if (c->sleep_us > 0)
+            usleep((useconds_t)c->sleep_us);
+    }
+    for (int k = 0; k < c->hold; k++)
+        if (held[k] != NULL)
+            tdp_pipe_release(c->pipe, held[k]);
+    tdp_pipe_free(c->pipe);
+    c->pipe = NULL;
+    return NULL;
+}
+
+/*
+ * A GPU broadcast to four shm consumers (fake device), a deep stream, one
+ * consumer slow and holding its loans: each consumer's link stages the
+ * message into a slot of the pool they share, so every slot can be held at
+ * once. That must mean wait (block) or drops (drop-oldest), never a failed
+ * consumer (TDP_EINTERNAL).
+ */
+static void test_shm_gpu_slots_held(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    enum { NC = 4, DEPTH = 4 };
+    const uint64_t n = 120;
+    const int64_t nbytes = 64 * 1024;
+    assert_int_equal(tdp__cuda_select("fake"), TDP_OK);
+    tdp__cuda_fake_set_delay_us(200); /* copies land after they are queued */
+    for (int slow = 0; slow < 2; slow++) {
+        tdp_fanout_opts fo;
+        tdp_fanout_opts_default(&fo);
+        fo.depth = 16;
+        fo.slow = slow == 0 ? TDP_FANOUT_BLOCK : TDP_FANOUT_DROP_OLDEST;
+        env e;
+        env_up(&e, &fo);
+        gpu_consumer gc[NC];
+        memset(gc, 0, sizeof(gc));
+        for (int i = 0; i < NC; i++) {
+            tdp_pipe_opts o = popts();
+            o.recv_depth = DEPTH;
+            assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", e.port, &o, &gc[i].pipe),
+                             TDP_OK);
+            wait_consumers(&e, (uint32_t)i + 1);
+            gc[i].hold = i == 0 ? DEPTH - 1 : 1; /* all of them would stop its own pipe */
+            gc[i].sleep_us = i == 0 ? 3000 : 0;
+            assert_int_equal(pthread_create(&gc[i].th, NULL, gpu_consumer_main, &gc[i]), 0);
+        }
+        tdp_schema_builder *b;
+        tdp_schema *s;
+        assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
+        assert_int_equal(tdp_schema_builder_set_device(b, (tdp_device){TDP_DEVICE_CUDA, 0}),
+                         TDP_OK);
+        assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
+        assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
+        tdp_schema_builder_free(b);
+        for (uint64_t i = 1; i <= n; i++) {
+            tdp_td *td; /* fresh each time: drop-oldest completes a send once queued */
+            assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+            assert_int_equal(tdp__cuda_memcpy(tdp_td_data(td), &i, 8), TDP_OK);
+            assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+            tdp_td_unref(td);
+        }
+        tdp_fanout_stats st;
+        tdp_fanout_peer_stats ps[MAXC];
+        uint32_t there = tdp_fanout_stats_get(e.fo, &st, ps, MAXC);
+        print_message("%s: consumers %u, failed %" PRIu64 ", drops %" PRIu64 "\n",
+                      slow == 0 ? "block" : "drop-oldest", there, st.failed, st.drops);
+        assert_int_equal(st.failed, 0);
+        assert_int_equal(there, NC);
+        assert_int_equal(tdp_fanout_close(e.fo, TMO), TDP_OK);
+        for (int i = 0; i < NC; i++) {
+            pthread_join(gc[i].th, NULL);
+            assert_int_equal(gc[i].end, TDP_ECLOSED);
+            if (slow == 0)
+                assert_int_equal(gc[i].n, n);
+            for (uint64_t k = 0; k < gc[i].n; k++) {
+                assert_true(gc[i].seqs[k] >= 1 && gc[i].seqs[k] <= n);
+                if (k > 0)
+                    assert_true(gc[i].seqs[k] > gc[i].seqs[k - 1]);
+                if (slow == 0)
+                    assert_int_equal(gc[i].seqs[k], k + 1);
+            }
+        }
+        tdp_fanout_free(e.fo);
+        tdp_loop_free(e.cl);
+        tdp_loop_free(e.pl);
+        tdp_schema_unref(s);
+    }
+    tdp__cuda_fake_set_delay_us(0);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -900,6 +1032,9 @@ int main(void)
         cmocka_unit_test(test_shm_one_pool),
         cmocka_unit_test(test_shm_loan_zero_copy),
         cmocka_unit_test(test_shm_release_refused),
+        cmocka_unit_test(test_shm_gpu_slots_held),
     };
+    if (getenv("TDP_TEST_FILTER") != NULL)
+        cmocka_set_test_filter(getenv("TDP_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

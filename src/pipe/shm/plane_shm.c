@@ -270,8 +270,11 @@ struct tdp__link {
     uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
     uint32_t pool_ann_head, npool_ann;
     bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
-    early_tx *early;
+    early_tx *early; /* sends waiting, oldest first: for the socket, or for a slot */
     uint32_t nearly, capearly;
+    /* early holds sends that found every slot of the shared group held:
+     * they go, in order, when one is released (shm_ext.slot_ev) */
+    bool slot_wait;
 
     /* receiving */
     tdp__shm_seg *rx_ctl;
@@ -324,6 +327,8 @@ struct shm_ext {
     char name[TDP__SHM_NAME_LEN];
     struct event *lev;
     struct event *resume; /* accepting paused: out of descriptors */
+    struct event *slot_ev; /* a slot of a shared group came back: waiting links send */
+    uint32_t slot_waits;   /* links with slot_wait set */
     struct tdp__link *links;
     pending_conn *conns;
     uint32_t nconns;
@@ -332,6 +337,8 @@ struct shm_ext {
 static void link_fail(struct tdp__link *l, tdp_err st, const char *why);
 static void link_flush_early(struct tdp__link *l);
 static void sock_arm(struct tdp__link *l);
+static void slot_wait_set(struct tdp__link *l, bool on);
+static void group_slot_back(struct tdp__link *l);
 
 /* ---- pools ------------------------------------------------------------------------- */
 
@@ -1013,6 +1020,19 @@ static bool ipc_dev_ok(struct tdp__link *l, int dev)
     return l->ipc_reach[dev] > 0;
 }
 
+/*
+ * No slot is free and some are parked (held by a link that closed while
+ * its peer lives: never given back): a new generation, when the peer can
+ * take one more announcement. Marks the pool stale; whether it did.
+ */
+static bool tx_restock(struct tdp__link *l)
+{
+    if (!tx_pool_parked(l->grp->pool) || tx_pools_pending(l) > l->peer_depth)
+        return false;
+    l->grp->stale = true;
+    return true;
+}
+
 static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
 {
     tdp_td *td = tx->td;
@@ -1027,13 +1047,19 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
         rc = tx_pool_grow(l, td->nbytes, pdev);
     if (s != NULL && s->pool != l->grp->pool && s->pool->gen != l->ann_gen)
         s = NULL;
+    bool loaned = s != NULL;
+    if (rc == TDP_OK && !loaned && (s = tx_pick(l->grp->pool)) == NULL && tx_restock(l)) {
+        rc = tx_pool_grow(l, td->nbytes, pdev);
+        s = rc == TDP_OK ? tx_pick(l->grp->pool) : NULL;
+    }
+    if (rc == TDP_OK && !loaned && s == NULL)
+        /* alone, the credit and the loan limit leave one free; in a shared
+         * group the other links' holds count too: wait for a release */
+        return (l->grp->bits & ~l->bit) != 0 ? TDP_EAGAIN : TDP_EINTERNAL;
     if (rc == TDP_OK && tx->schema != NULL)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
         return rc;
-    bool loaned = s != NULL;
-    if (!loaned && (s = tx_pick(l->grp->pool)) == NULL)
-        return TDP_EINTERNAL; /* the credit and the loan limit leave one free */
     if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
         memcpy(tx_mem(s->pool, s->idx), td->data, td->nbytes);
     /* the slot is taken from now on, and later announcements follow this seq */
@@ -1061,9 +1087,14 @@ static tdp_err s_send(tdp__link *l, const tdp__tx *tx)
 {
     if (l->failed)
         return TDP_ECONNRESET;
-    if (l->sock >= 0 && l->proven)
-        return tx_now(l, tx);
-    /* the peer has not connected yet: keep it (the session bounds how many) */
+    if (l->sock >= 0 && l->proven && l->nearly == 0) {
+        tdp_err rc = tx_now(l, tx);
+        if (rc != TDP_EAGAIN)
+            return rc;
+        slot_wait_set(l, true); /* kept below, sent when a slot comes back */
+    }
+    /* the peer has not connected yet, or sends wait for a slot: keep it
+     * (the session's credit bounds how many) */
     if (l->nearly == l->capearly)
         return TDP_EINTERNAL;
     l->early[l->nearly++] = (early_tx){*tx};
@@ -1073,13 +1104,24 @@ static tdp_err s_send(tdp__link *l, const tdp__tx *tx)
     return TDP_OK;
 }
 
+/*
+ * Send what waits, oldest first, until a send finds no slot (it stays at
+ * the head). A send made from a callback in here queues behind.
+ */
 static void link_flush_early(struct tdp__link *l)
 {
-    uint32_t n = l->nearly;
-    l->nearly = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        early_tx e = l->early[i];
+    slot_wait_set(l, false);
+    while (l->nearly > 0) {
+        early_tx e = l->early[0];
         tdp_err rc = l->closed || l->failed ? TDP_ECONNRESET : tx_now(l, &e.tx);
+        if (rc == TDP_EAGAIN) {
+            slot_wait_set(l, true);
+            return;
+        }
+        if (l->nearly == 0)
+            return; /* a callback in tx_now closed the link: teardown let go of e */
+        l->nearly--;
+        memmove(&l->early[0], &l->early[1], l->nearly * sizeof(l->early[0]));
         if (rc != TDP_OK && !l->closed)
             l->up->sent(l->owner, l, e.tx.cookie, rc);
         tdp_td_unref(e.tx.td);
@@ -1139,9 +1181,55 @@ static unsigned tx_progress_now(struct tdp__link *l)
         link_fail(l, TDP_EPROTO, "release ring corrupted");
         return n;
     }
-    if (n > 0 && !l->closed)
+    if (n > 0 && !l->closed) {
+        group_slot_back(l);
         l->up->credit(l->owner, l, l->released);
+    }
     return n;
+}
+
+static void slot_wait_set(struct tdp__link *l, bool on)
+{
+    if (l->slot_wait == on)
+        return;
+    l->slot_wait = on;
+    if (on)
+        l->x->slot_waits++;
+    else
+        l->x->slot_waits--;
+}
+
+/* A slot of l's group may be free again: links of the group waiting for one try. */
+static void group_slot_back(struct tdp__link *l)
+{
+    if (l->x->slot_waits > 0 && l->x->slot_ev != NULL)
+        event_active(l->x->slot_ev, 0, 0);
+}
+
+/* A link that waits and can go: its group has a free slot (or will make a pool). */
+static struct tdp__link *slot_waiter(shm_ext *x)
+{
+    for (struct tdp__link *l = x->links; l != NULL; l = l->next)
+        if (l->slot_wait && !l->closed &&
+            (l->grp->pool == NULL || l->failed || tx_pick(l->grp->pool) != NULL ||
+             (tx_pool_parked(l->grp->pool) && tx_pools_pending(l) <= l->peer_depth)))
+            return l;
+    return NULL;
+}
+
+/*
+ * Out of every callback: a link's sends may complete the application's
+ * ops. Each round either sends (a slot taken) or leaves the link waiting
+ * on a group with none free, so it ends.
+ */
+static void slot_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    shm_ext *x = arg;
+    struct tdp__link *l;
+    while ((l = slot_waiter(x)) != NULL)
+        link_flush_early(l);
 }
 
 /*
@@ -1158,7 +1246,8 @@ static int tx_arm(void *arg)
      * and the receiver is spared an eventfd write per message (and this
      * side a wakeup). The safety timer bounds how stale they can get.
      */
-    if (l->last_seq - l->seq0 - l->released < l->peer_depth && !l->loan_starved)
+    bool group_waits = l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0;
+    if (l->last_seq - l->seq0 - l->released < l->peer_depth && !l->loan_starved && !group_waits)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
     l->tx_armed |= a == 0;
@@ -2219,6 +2308,8 @@ static void link_teardown(struct tdp__link *l)
         tdp_schema_unref((tdp_schema *)l->early[i].tx.schema);
     }
     l->nearly = 0;
+    slot_wait_set(l, false);
+    group_slot_back(l); /* what it held is given back */
     tx_group_leave(l);
     tdp__shm_seg_close(l->tx_ctl);
     l->tx_ctl = NULL;
@@ -2278,6 +2369,8 @@ static void ext_fini(void *ext)
         event_free(x->lev);
     if (x->resume != NULL)
         event_free(x->resume);
+    if (x->slot_ev != NULL)
+        event_free(x->slot_ev);
     if (x->lfd >= 0)
         close(x->lfd);
     tdp__free(x);
@@ -2298,7 +2391,8 @@ static tdp_err ext_get(tdp_loop *loop, shm_ext **out)
     tdp_err rc = tdp__shm_listen(SOCK_SEQPACKET, true, x->name, &x->lfd);
     if (rc == TDP_OK) {
         x->lev = event_new(tdp__loop_base(loop), x->lfd, EV_READ | EV_PERSIST, accept_cb, x);
-        if (x->lev == NULL || event_add(x->lev, NULL) != 0)
+        x->slot_ev = event_new(tdp__loop_base(loop), -1, 0, slot_cb, x);
+        if (x->lev == NULL || x->slot_ev == NULL || event_add(x->lev, NULL) != 0)
             rc = TDP_ENOMEM;
     }
     /* set even on failure: later pipes on this loop do not try again */
@@ -2306,7 +2400,9 @@ static tdp_err ext_get(tdp_loop *loop, shm_ext **out)
     if (rc != TDP_OK) {
         if (x->lev != NULL)
             event_free(x->lev);
-        x->lev = NULL;
+        if (x->slot_ev != NULL)
+            event_free(x->slot_ev);
+        x->lev = x->slot_ev = NULL;
         if (x->lfd >= 0)
             close(x->lfd);
         x->lfd = -1;
