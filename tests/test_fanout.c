@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1015,6 +1016,90 @@ static void test_shm_gpu_slots_held(void **state)
     tdp__cuda_fake_set_delay_us(0);
 }
 
+static void tid_task(void *arg)
+{
+    *(long *)arg = syscall(SYS_gettid);
+}
+
+/* Voluntary context switches of thread tid of this process so far: its sleeps. */
+static long thread_sleeps(long tid)
+{
+    char path[64], line[128];
+    snprintf(path, sizeof(path), "/proc/self/task/%ld/status", tid);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    long n = -1;
+    while (fgets(line, sizeof(line), f) != NULL)
+        if (sscanf(line, "voluntary_ctxt_switches: %ld", &n) == 1)
+            break;
+    fclose(f);
+    return n;
+}
+
+/*
+ * A broadcast waiting for a free slot of the shm group is woken by the
+ * release that frees one (a consumer's credit), not by a timer: while
+ * nothing is released the producer's loop sleeps (about the loop's own
+ * 10 ms safety timer, where a 1 ms retry made it wake 300 times in 300 ms),
+ * and the send goes as soon as a consumer gives a slot back.
+ */
+static void test_shm_wait_woken(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    enum { NC = 2, NM = 4 };
+    env e;
+    env_up(&e, NULL);
+    dial_bare(&e, NC, 1);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_op *op[NM];
+    tdp_td *td[NM];
+    for (int i = 0; i < NM; i++) {
+        assert_int_equal(tdp_op_new(NULL, NULL, &op[i]), TDP_OK);
+        assert_int_equal(tdp_td_new(s, &td[i]), TDP_OK);
+        fill(td[i], (uint64_t)i + 1);
+    }
+    /* the first makes the group (the sockets come up); then the pool's three slots
+     * go to the next two and the first, and the fourth finds none */
+    tdp_td *got[NC];
+    tdp_fanout_send_async(e.fo, td[0], op[0]);
+    for (int c = 0; c < NC; c++) {
+        assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got[c]), TDP_OK);
+        assert_int_equal(check(got[c]), 1);
+    }
+    for (int i = 1; i < NM; i++)
+        tdp_fanout_send_async(e.fo, td[i], op[i]);
+    usleep(100 * 1000);
+    assert_int_equal(tdp_op_result(op[NM - 1]), TDP_EAGAIN);
+    long tid = 0;
+    tdp__call_on_loop(e.pl, tid_task, &tid);
+    long before = thread_sleeps(tid);
+    usleep(300 * 1000);
+    long slept = thread_sleeps(tid) - before;
+    print_message("producer loop: %ld wakeups in 300 ms of waiting\n", slept);
+    assert_int_equal(tdp_op_result(op[NM - 1]), TDP_EAGAIN);
+    assert_true(slept < 100);
+    /* each consumer takes the rest: its releases free slots, the last send goes */
+    for (uint64_t i = 2; i <= NM; i++) {
+        for (int c = 0; c < NC; c++) {
+            assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got[c]), TDP_OK);
+            assert_int_equal(check(got[c]), i);
+        }
+    }
+    for (int i = 0; i < NM; i++) {
+        for (int64_t end = mono_ms() + TMO; tdp_op_result(op[i]) == TDP_EAGAIN && mono_ms() < end;)
+            usleep(1000);
+        assert_int_equal(tdp_op_result(op[i]), TDP_OK);
+    }
+    bare_down(&e);
+    for (int i = 0; i < NM; i++) {
+        tdp_op_free(op[i]);
+        tdp_td_unref(td[i]);
+    }
+    tdp_schema_unref(s);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -1033,6 +1118,7 @@ int main(void)
         cmocka_unit_test(test_shm_loan_zero_copy),
         cmocka_unit_test(test_shm_release_refused),
         cmocka_unit_test(test_shm_gpu_slots_held),
+        cmocka_unit_test(test_shm_wait_woken),
     };
     if (getenv("TDP_TEST_FILTER") != NULL)
         cmocka_set_test_filter(getenv("TDP_TEST_FILTER"));

@@ -82,8 +82,10 @@ struct tdp_fanout {
     uint32_t rr; /* distribute: where the next search starts */
     tdp_listener *listener;
     struct event *reap_ev;  /* frees dead consumers' pipes outside their callbacks */
-    struct event *retry_ev; /* distribute: a message waits for credit; look again */
-    bool closing, freeing, pumping, again;
+    /* a message waits for credit (distribute) or a free slot of the shm
+     * group: a consumer's credit (each release on shm) activates it */
+    struct event *wake_ev;
+    bool closing, freeing, pumping, again, want_wake;
     tdp_fanout_stats st;
     tdp_op *sync;
     tdp__waiter w;
@@ -196,6 +198,7 @@ static void reap_later(tdp_fanout *fo)
 static void c_free(fo_consumer *c)
 {
     tdp_fanout *fo = c->fo;
+    tdp__session_set_credit_cb(c->pipe, NULL, NULL);
     tdp_pipe_free(c->pipe);
     for (uint32_t k = 0; k < c->nops; k++)
         tdp_op_free(c->ops[k]);
@@ -222,11 +225,21 @@ static void reap_cb(evutil_socket_t fd, short what, void *arg)
     pump(fo);
 }
 
-static void retry_cb(evutil_socket_t fd, short what, void *arg)
+static void wake_cb(evutil_socket_t fd, short what, void *arg)
 {
     (void)fd;
     (void)what;
-    pump(arg);
+    tdp_fanout *fo = arg;
+    fo->want_wake = false;
+    pump(fo);
+}
+
+/* A consumer's pipe got credit; in its callback: the pump runs from the event. */
+static void c_credit_cb(void *arg)
+{
+    fo_consumer *c = arg;
+    if (c->fo->want_wake && !c->fo->freeing)
+        event_active(c->fo->wake_ev, 0, 0);
 }
 
 static void c_send_cb(tdp_op *op, void *arg)
@@ -399,9 +412,7 @@ static void redistribute(tdp_fanout *fo)
             continue;
         fo_consumer *d = pick_free(fo, true);
         if (d == NULL) {
-            /* a pipe says nothing when credit comes back: look again shortly */
-            static const struct timeval again = {0, 1000};
-            evtimer_add(fo->retry_ev, &again);
+            fo->want_wake = true; /* a consumer's credit wakes us (c_credit_cb) */
             return;
         }
         int m = c->op_msg[k];
@@ -554,9 +565,9 @@ static void admit(tdp_fanout *fo)
         else if (one_copy(fo, fo->waitq.head->td, &td) != TDP_OK &&
                  (fo->o.slow != TDP_FANOUT_DROP_OLDEST || !drop_for_slot(fo) ||
                   one_copy(fo, fo->waitq.head->td, &td) != TDP_OK)) {
-            /* the group's slots are all held: a release frees one soon */
-            static const struct timeval again = {0, 1000};
-            evtimer_add(fo->retry_ev, &again);
+            /* the group's slots are all held: a release (a consumer's
+             * credit) wakes us; the group's links all ask to hear of one */
+            fo->want_wake = true;
             return;
         }
         tdp_op *op = tdp__opq_pop(&fo->waitq);
@@ -689,8 +700,8 @@ tdp_err tdp_fanout_new(tdp_loop *loop, const tdp_fanout_opts *opts, tdp_fanout *
     tdp__waiter_init(&fo->w);
     fo->cons = tdp__calloc(o.max_consumers, sizeof(*fo->cons));
     fo->reap_ev = event_new(tdp__loop_base(loop), -1, 0, reap_cb, fo);
-    fo->retry_ev = evtimer_new(tdp__loop_base(loop), retry_cb, fo);
-    if (fo->cons == NULL || fo->reap_ev == NULL || fo->retry_ev == NULL ||
+    fo->wake_ev = event_new(tdp__loop_base(loop), -1, 0, wake_cb, fo);
+    if (fo->cons == NULL || fo->reap_ev == NULL || fo->wake_ev == NULL ||
         tdp_op_new(NULL, NULL, &fo->sync) != TDP_OK)
         goto err_free;
     fo->sync->waiter = &fo->w;
@@ -702,8 +713,8 @@ tdp_err tdp_fanout_new(tdp_loop *loop, const tdp_fanout_opts *opts, tdp_fanout *
 err_free:
     if (fo->reap_ev != NULL)
         event_free(fo->reap_ev);
-    if (fo->retry_ev != NULL)
-        event_free(fo->retry_ev);
+    if (fo->wake_ev != NULL)
+        event_free(fo->wake_ev);
     tdp__free(fo->cons);
     tdp__waiter_fini(&fo->w);
     tdp__free(fo);
@@ -758,6 +769,7 @@ static void add_task(void *arg)
         a->id = c->id;
         a->rc = TDP_OK;
         c_share(fo, c);
+        tdp__session_set_credit_cb(a->pipe, c_credit_cb, c);
         tdp_pipe_set_end_cb(a->pipe, c_end_cb, c); /* an end that came before runs now */
         pump(fo);
         return;
@@ -927,7 +939,7 @@ static void free_task(void *arg)
         if (fo->msgs[i].live)
             msg_finish(fo, (int)i, TDP_ECANCELED);
     event_free(fo->reap_ev);
-    event_free(fo->retry_ev);
+    event_free(fo->wake_ev);
 }
 
 void tdp_fanout_free(tdp_fanout *fo)

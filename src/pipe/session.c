@@ -632,6 +632,8 @@ static bool take_credit(tdp_pipe *p, uint64_t total)
     if (total > p->peer_credit) {
         p->peer_credit = total;
         send_kick(p);
+        if (p->credit_cb != NULL)
+            p->credit_cb(p->credit_arg);
     }
     return true;
 }

@@ -65,6 +65,14 @@ bool tdp__session_send_waiting(const tdp_pipe *p, const struct tdp_op *op);
  */
 bool tdp__session_send_credit(const tdp_pipe *p);
 
+/*
+ * Loop thread: cb(arg) runs each time the peer gives p credit (on the shm
+ * plane, each release; a slot of a shared pool group may be free again),
+ * after p's own queue took what it could. NULL clears it. The fan-out
+ * waits on it instead of polling.
+ */
+void tdp__session_set_credit_cb(tdp_pipe *p, void (*cb)(void *arg), void *arg);
+
 /* For tests: the chosen plane's link and its loop (NULL before the HELLO). */
 struct tdp__link *tdp__session_link(const tdp_pipe *p);
 tdp_loop *tdp__session_loop(const tdp_pipe *p);

@@ -84,6 +84,8 @@ struct tdp_pipe {
     tdp__opq sendq; /* waiting for credit, a ticket or the HELLO */
     uint64_t send_seq;
     uint64_t peer_credit; /* cumulative buffers the peer released */
+    void (*credit_cb)(void *arg); /* tdp__session_set_credit_cb */
+    void *credit_arg;
     uint32_t peer_depth;
     tdp_schema *sent_schema;
     tx_ticket *tickets;

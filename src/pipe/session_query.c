@@ -132,6 +132,12 @@ bool tdp__session_send_waiting(const tdp_pipe *p, const tdp_op *op)
     return false;
 }
 
+void tdp__session_set_credit_cb(tdp_pipe *p, void (*cb)(void *arg), void *arg)
+{
+    p->credit_cb = cb;
+    p->credit_arg = arg;
+}
+
 bool tdp__session_send_credit(const tdp_pipe *p)
 {
     return p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed && p->sendq.head == NULL &&

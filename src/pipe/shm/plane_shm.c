@@ -167,6 +167,9 @@ struct tx_group {
     tx_pool *pool; /* current generation; older ones in pool->next */
     uint32_t next_gen;
     bool stale; /* the current pool has parked slots and none free: make a new one */
+    /* a group loan found no slot free: every link of the group asks to be
+     * woken by a release (one of any of them frees a slot) */
+    bool starved;
 };
 
 typedef struct rx_slot {
@@ -1174,6 +1177,7 @@ static unsigned tx_progress_now(struct tdp__link *l)
         p->nflight--;
         l->released++;
         l->loan_starved = false;
+        l->grp->starved = false;
         if (p != l->grp->pool && p->nflight == 0)
             tx_group_trim(l->grp);
     }
@@ -1246,7 +1250,8 @@ static int tx_arm(void *arg)
      * and the receiver is spared an eventfd write per message (and this
      * side a wakeup). The safety timer bounds how stale they can get.
      */
-    bool group_waits = l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0;
+    bool group_waits =
+        l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
     if (l->last_seq - l->seq0 - l->released < l->peer_depth && !l->loan_starved && !group_waits)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
@@ -2890,6 +2895,7 @@ tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     }
     if (s == NULL) {
         l->loan_starved = true; /* a release wakes the loop */
+        l->grp->starved = true;
         return TDP_EAGAIN;
     }
     return tx_lend(l->grp->pool, s, sc, out);
