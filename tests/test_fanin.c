@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,6 +98,13 @@ static bool in_shm_pool(const void *p)
     if (f != NULL)
         fclose(f);
     return in;
+}
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* ---- a producer in this process: a pipe on the producers' loop, a thread ---- */
@@ -786,6 +794,166 @@ static void test_credit(void **state)
     env_down(&e);
 }
 
+/* Producer rounds in one thread of this process: each a new pipe (round 1 aborts). */
+typedef struct rounds {
+    pthread_t th;
+    producer p[3];
+} rounds;
+
+static void *rounds_main(void *arg)
+{
+    rounds *r = arg;
+    for (int i = 0; i < 3; i++)
+        producer_main(&r->p[i]);
+    return NULL;
+}
+
+/* A reconnecting producer (tdp_pipe_opts.reconnect_ms): count sends from `from` on, on a go. */
+typedef struct resumer {
+    pthread_t th;
+    tdp_pipe *pipe;
+    uint64_t from, count, tag;
+    atomic_int go; /* 1: send the first part; 2: the second, then close */
+    tdp_err rc;
+} resumer;
+
+static void *resumer_main(void *arg)
+{
+    resumer *r = arg;
+    tdp_schema *sc = bytes_schema(4096, "a");
+    tdp_td *td = NULL;
+    r->rc = sc != NULL && tdp_td_new(sc, &td) == TDP_OK ? TDP_OK : TDP_ENOMEM;
+    for (int part = 1; part <= 2 && r->rc == TDP_OK; part++) {
+        for (int64_t end = mono_ms() + TMO; atomic_load(&r->go) < part && mono_ms() < end;)
+            usleep(1000);
+        for (uint64_t i = 0; i < r->count && r->rc == TDP_OK; i++) {
+            stamp(td, r->tag, r->from + i);
+            r->rc = tdp_pipe_send(r->pipe, td, TMO);
+        }
+        r->from += r->count;
+    }
+    if (r->rc == TDP_OK)
+        r->rc = tdp_pipe_close(r->pipe, TMO);
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+    return NULL;
+}
+
+/*
+ * Producers that go and come back. (1) One process opens a new pipe three
+ * times (the second time it aborts): each is a producer of its own — JOIN,
+ * its messages from seq 1 in order, LEAVE — while a steady producer beside
+ * it loses nothing. (2) A pipe that reconnects by itself (reconnect_ms)
+ * after its fan-in went and another came on the same port: the new fan-in
+ * sees it JOIN, its stream resume at the next seq (the pipe's numbering is
+ * never reused: RESUME), in order, and a clean LEAVE.
+ */
+static void test_producer_reconnects(void **state)
+{
+    (void)state;
+    env e;
+    env_up(&e, NULL);
+    uint16_t port = tdp_fanin_port(e.f);
+    producer steady = {.loop = e.pl, .port = port, .tag = 200, .count = 300, .bytes = 4096};
+    static rounds r;
+    memset(&r, 0, sizeof(r));
+    for (int i = 0; i < 3; i++)
+        r.p[i] = (producer){.loop = e.pl,
+                            .port = port,
+                            .tag = 300 + (uint64_t)i,
+                            .count = 20,
+                            .bytes = 4096,
+                            .abort = i == 1};
+    producer_start(&steady);
+    assert_int_equal(pthread_create(&r.th, NULL, rounds_main, &r), 0);
+    static tally t;
+    memset(&t, 0, sizeof(t));
+    drain(&e, &t, 4);
+    pthread_join(steady.th, NULL);
+    pthread_join(r.th, NULL);
+    assert_int_equal(steady.rc, TDP_OK);
+    assert_int_equal(by_tag(&t, 200)->msgs, 300);
+    assert_int_equal(by_tag(&t, 200)->status, TDP_ECLOSED);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(r.p[i].rc, TDP_OK);
+        seen *s = by_tag(&t, 300 + (uint64_t)i);
+        assert_int_equal(s->joins, 1);
+        assert_int_equal(s->leaves, 1);
+        if (i == 1) {
+            assert_true(s->msgs <= 20);
+            assert_true(s->status != TDP_OK && s->status != TDP_ECLOSED);
+        } else {
+            assert_int_equal(s->msgs, 20);
+            assert_int_equal(s->status, TDP_ECLOSED);
+        }
+    }
+    tdp_fanin_stats st;
+    tdp_fanin_stats_get(e.f, &st);
+    assert_int_equal(st.producers_total, 4);
+
+    /* (2) the pipe layer's reconnect */
+    static resumer rs;
+    memset(&rs, 0, sizeof(rs));
+    rs.from = 1;
+    rs.count = 10;
+    rs.tag = 400;
+    tdp_pipe_opts o;
+    pipe_opts(&o);
+    o.reconnect_ms = TMO;
+    assert_int_equal(tdp_pipe_connect(e.pl, "127.0.0.1", port, &o, &rs.pipe), TDP_OK);
+    assert_int_equal(pthread_create(&rs.th, NULL, resumer_main, &rs), 0);
+    atomic_store(&rs.go, 1);
+    tdp_fanin_msg m;
+    uint64_t next = 1;
+    while (next <= 10) {
+        assert_int_equal(tdp_fanin_recv(e.f, TMO, &m), TDP_OK);
+        if (m.kind == TDP_FANIN_MSG) {
+            assert_int_equal(m.seq, next);
+            assert_int_equal(word(m.td, 0), 400);
+            assert_int_equal(word(m.td, 1), next);
+            next++;
+        }
+        tdp_fanin_release(e.f, &m);
+    }
+    tdp_fanin_free(e.f); /* the producer's peer is gone: it dials again */
+    tdp_fanin_opts fo;
+    tdp_fanin_opts_default(&fo);
+    fo.listener.pipe.plane = test_plane();
+    tdp_err rc = TDP_EADDR;
+    for (int64_t end = mono_ms() + TMO; mono_ms() < end; usleep(20 * 1000))
+        if ((rc = tdp_fanin_new(e.fl, "127.0.0.1", port, &fo, &e.f)) == TDP_OK)
+            break;
+    assert_int_equal(rc, TDP_OK);
+    atomic_store(&rs.go, 2);
+    int joins = 0, leaves = 0;
+    while (leaves == 0) {
+        assert_int_equal(tdp_fanin_recv(e.f, TMO, &m), TDP_OK);
+        if (m.kind == TDP_FANIN_JOIN) {
+            joins++;
+        } else if (m.kind == TDP_FANIN_MSG) {
+            assert_int_equal(joins, 1);
+            assert_int_equal(m.seq, next);
+            assert_int_equal(word(m.td, 0), 400);
+            assert_int_equal(word(m.td, 1), next);
+            assert_true(m.new_schema == (next == 11)); /* sent again after the reconnect */
+            next++;
+        } else {
+            assert_int_equal(m.status, TDP_ECLOSED);
+            leaves++;
+        }
+        tdp_fanin_release(e.f, &m);
+    }
+    pthread_join(rs.th, NULL);
+    assert_int_equal(rs.rc, TDP_OK);
+    assert_int_equal(next, 21);
+    assert_int_equal(joins, 1);
+    tdp_pipe_stats ps;
+    tdp_pipe_stats_get(rs.pipe, &ps);
+    assert_int_equal(ps.reconnects, 1);
+    tdp_pipe_free(rs.pipe);
+    env_down(&e);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--producer") == 0)
@@ -800,6 +968,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_secret),
         cmocka_unit_test(test_memory_cap),
         cmocka_unit_test(test_credit),
+        cmocka_unit_test(test_producer_reconnects),
     };
     const char *filter = getenv("TDP_TEST_FILTER");
     if (filter != NULL && *filter != '\0')
