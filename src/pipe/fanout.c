@@ -438,6 +438,17 @@ static fo_consumer *shm_member(tdp_fanout *fo, const fo_consumer *c)
     return NULL;
 }
 
+/* Whether a consumer of the group has a link whose socket is not up yet. */
+static bool shm_starting(tdp_fanout *fo)
+{
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->shared && c_holds(c) && !tdp__shm_link_up(tdp__session_link(c->pipe)))
+            return true;
+    }
+    return false;
+}
+
 /* A new consumer on the shm plane joins the group (or founds it). */
 static void c_share(tdp_fanout *fo, fo_consumer *c)
 {
@@ -568,6 +579,12 @@ static void admit(tdp_fanout *fo)
             /* the group's slots are all held: a release (a consumer's
              * credit) wakes us; the group's links all ask to hear of one */
             fo->want_wake = true;
+            if (shm_starting(fo)) {
+                /* a link's socket is still coming up: nothing will be
+                 * released to say when it is (once per consumer) */
+                static const struct timeval again = {0, 1000};
+                event_add(fo->wake_ev, &again);
+            }
             return;
         }
         tdp_op *op = tdp__opq_pop(&fo->waitq);

@@ -2901,6 +2901,11 @@ tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     return tx_lend(l->grp->pool, s, sc, out);
 }
 
+bool tdp__shm_link_up(const tdp__link *l)
+{
+    return l != NULL && l->sock >= 0 && l->proven;
+}
+
 bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td)
 {
     return l != NULL && td != NULL && tx_loaned(l, td) != NULL;

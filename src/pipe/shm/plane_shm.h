@@ -74,6 +74,12 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
  */
 tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out);
 
+/*
+ * Whether l's socket to its peer is up and proven: until then a loan of
+ * its group is refused (TDP_EAGAIN) and no release can come to end that.
+ */
+bool tdp__shm_link_up(const tdp__link *l);
+
 /* Whether td is a loan of l's group that l can send as it is. */
 bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td);
 
