@@ -85,6 +85,7 @@ struct tdp_pipe {
     uint64_t send_seq;
     uint64_t peer_credit; /* cumulative buffers the peer released */
     uint32_t peer_depth;
+    uint64_t peer_window; /* the peer's receive window (TDP_HX_WINDOW), 0: none */
     tdp_schema *sent_schema;
     tx_ticket *tickets;
     uint32_t nticket, tx_inflight;
