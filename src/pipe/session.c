@@ -302,6 +302,7 @@ static void send_hello(tdp_pipe *p)
         h.recv_depth = p->depth - held;
     if (held > 0)
         h.window = 0; /* lent buffers hold slots of the window too: depth alone */
+    p->window_sent = h.window != 0;
     if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce)) {
         /* never seen; still unique enough to tell an echo (ctl.c) from a peer */
         struct timespec ts;
@@ -1166,7 +1167,15 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
     p->released++;
     if (p->plane->credit == NULL)
         return; /* the plane's own release is the credit (shm): nothing to send */
-    if (defer_credit && p->credit_ev != NULL) {
+    /*
+     * With a window in force, fewer than depth credits wait for the end of
+     * this loop turn too: a receiver draining a batch then returns it in one
+     * frame, not one per message. The sender is never held back by them
+     * alone: depth is no more than any layout's window.
+     */
+    bool batch = p->window_sent && p->rx_schema != NULL && rx_window(p, p->rx_schema) > p->depth &&
+                 p->released - p->credit_sent < p->depth;
+    if ((defer_credit || batch) && p->credit_ev != NULL) {
         static const struct timeval zero = {0, 0};
         event_add(p->credit_ev, &zero);
         return;

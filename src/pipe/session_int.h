@@ -106,6 +106,7 @@ struct tdp_pipe {
     uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
     uint32_t ready_head, ready_count;
     int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
+    bool window_sent; /* the last HELLO granted a window (recv_window_bytes) */
     tdp__opq recvq;
     tdp_schema *rx_schema;
     uint64_t rx_hash, rx_seq;
