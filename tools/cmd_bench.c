@@ -729,11 +729,13 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
-            "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
+            "  \"config\": {\"depth\": %u, \"window\": %llu, \"busy_poll_us\": %u, "
+            "\"peer_mode\": \"%s\", "
             "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"checksum\": %s, "
             "\"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
-            ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
+            ucp_get_version_string(), tls ? tls : "default", cfg->depth,
+            (unsigned long long)cfg->window, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
