@@ -1,6 +1,7 @@
 /*
- * peer_zmq.c: ZeroMQ (libzmq) over tcp://127.0.0.1 — a widely used
- * messaging library doing the same job as tdpipe.
+ * peer_zmq.c: ZeroMQ (libzmq) over tcp://127.0.0.1, or ipc:// (an abstract
+ * Unix socket) with --transport ipc — a widely used messaging library doing
+ * the same job as tdpipe.
  *
  * Latency: REQ/REP, the REP side sends each message it receives straight
  * back (the same zmq_msg_t, no copy). Throughput: PUSH/PULL, a new pair per
@@ -54,12 +55,20 @@ static void *new_socket(void *ctx, int type, int hwm)
     return s;
 }
 
-/* Bind to 127.0.0.1 at an ephemeral port; the endpoint goes into ep. */
-static bool bind_loopback(void *s, char ep[EP_LEN])
+/*
+ * Bind to 127.0.0.1 at an ephemeral port, or (--transport ipc) to an
+ * abstract Unix socket named after this process; the endpoint goes into ep.
+ */
+static bool bind_loopback(const peer_cfg *cfg, void *s, char ep[EP_LEN])
 {
+    static unsigned n;
+    char want[EP_LEN];
     size_t len = EP_LEN;
-    return zmq_bind(s, "tcp://127.0.0.1:*") == 0 &&
-           zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) == 0;
+    if (cfg->zmq_ipc)
+        snprintf(want, sizeof(want), "ipc://@tdp-peers-zmq-%ld-%u", (long)getpid(), n++);
+    else
+        snprintf(want, sizeof(want), "tcp://127.0.0.1:*");
+    return zmq_bind(s, want) == 0 && zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) == 0;
 }
 
 static bool send_ctrl(void *s, const ctrl *c)
@@ -179,7 +188,7 @@ static bool measure(const peer_cfg *cfg, void *ctx, void *req, char *msg, uint64
                .count = count,
                .warm = twarm,
                .hwm = hwm_for(bytes)};
-    ok = ok && push != NULL && bind_loopback(push, c.endpoint);
+    ok = ok && push != NULL && bind_loopback(cfg, push, c.endpoint);
     for (int r = 0; ok && r < PEERS_REPEATS; r++) {
         ctrl q = c;
         ok = send_ctrl(req, &q) && recv_ctrl(req, &q);
@@ -223,7 +232,7 @@ static int zmq_run(const peer_cfg *cfg, size_result *res)
     char ep[EP_LEN] = "";
     void *ctx = zmq_ctx_new(), *req = new_socket(ctx, ZMQ_REQ, 0);
     char *msg = malloc(max);
-    bool ok = child > 0 && msg != NULL && req != NULL && bind_loopback(req, ep) &&
+    bool ok = child > 0 && msg != NULL && req != NULL && bind_loopback(cfg, req, ep) &&
               write(pfd[1], ep, sizeof(ep)) == (ssize_t)sizeof(ep);
     close(pfd[1]);
     if (!ok)
@@ -262,6 +271,7 @@ static void zmq_describe(const peer_cfg *cfg, json_t *obj)
     snprintf(v, sizeof(v), "%d.%d.%d", ma, mi, pa);
     json_object_set_new(obj, "zmq_version", json_string(v));
     json_object_set_new(obj, "hwm", json_string("min(1000, max(4, 256 MiB / size)) messages"));
+    json_object_set_new(obj, "transport", json_string(cfg->zmq_ipc ? "ipc" : "tcp"));
 }
 
 #else /* !TDP_HAVE_ZMQ */

@@ -35,6 +35,7 @@ static void usage(FILE *f)
                "                   size exactly as tdpipe bench; at least 3)\n"
                "  --wait MODE      perftest: poll (default, busy-polling) or sleep (-E sleep)\n"
                "  --perftest PATH  the ucx_perftest to run (default: from PATH)\n"
+               "  --transport T    zmq: tcp (default, tcp://127.0.0.1) or ipc (a Unix socket)\n"
                "  --json FILE      write the results as JSON (the shape of tdpipe bench --json)\n"
                "  --quiet          no progress on stderr\n"
                "\n"
@@ -51,6 +52,7 @@ static int parse_args(int argc, char **argv, peer_cfg *cfg)
         {"sizes", required_argument, NULL, 's'}, {"rounds", required_argument, NULL, 'r'},
         {"wait", required_argument, NULL, 'w'},  {"perftest", required_argument, NULL, 'p'},
         {"json", required_argument, NULL, 'j'},  {"quiet", no_argument, NULL, 'q'},
+        {"transport", required_argument, NULL, 't'},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
     };
     int c;
@@ -74,6 +76,13 @@ static int parse_args(int argc, char **argv, peer_cfg *cfg)
                 return 2;
             }
             cfg->wait_mode = optarg;
+            break;
+        case 't':
+            if (strcmp(optarg, "tcp") != 0 && strcmp(optarg, "ipc") != 0) {
+                fprintf(stderr, "tdp_peers: --transport is tcp or ipc\n");
+                return 2;
+            }
+            cfg->zmq_ipc = strcmp(optarg, "ipc") == 0;
             break;
         case 'p':
             cfg->perftest_bin = optarg;

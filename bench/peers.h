@@ -38,6 +38,8 @@ typedef struct peer_cfg {
     /* perftest only */
     const char *wait_mode;    /* "poll" (ucx_perftest's default) or "sleep" */
     const char *perftest_bin; /* default "ucx_perftest" from PATH */
+    /* zmq only */
+    bool zmq_ipc; /* ipc:// (an abstract socket) instead of tcp://127.0.0.1 */
 } peer_cfg;
 
 /* One size's figures; a field a peer cannot measure stays negative. */

@@ -159,6 +159,12 @@ want_idle() {
 }
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+# ZeroMQ on the transport that matches tdpipe's plane: a Unix socket (ipc)
+# next to a same-host plane, TCP next to the ucx plane
+case $PLANE in
+    ucx) ZMQ_TRANSPORT=tcp ;;
+    *) ZMQ_TRANSPORT=ipc ;;
+esac
 OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL == 0 ]] || echo "-bp$BUSY_POLL")}
 mkdir -p "$OUT"
 JSON=${JSON:-$OUT/results.json}
@@ -225,7 +231,8 @@ for ((run = 1; run <= RUNS; run++)); do
         step "ucx_perftest ucp_am_lat/ucp_am_bw (-E sleep)" "$D/perftest-sleep.json" \
             "${EV[@]}" "$PEERS" perftest "${COMMON[@]}" --wait sleep --quiet
     fi
-    step "ZeroMQ (REQ/REP, PUSH/PULL)" "$D/zmq.json" "${EV[@]}" "$PEERS" zmq "${COMMON[@]}" --quiet
+    step "ZeroMQ (REQ/REP, PUSH/PULL) over $ZMQ_TRANSPORT" "$D/zmq.json" "${EV[@]}" "$PEERS" zmq \
+        "${COMMON[@]}" --transport "$ZMQ_TRANSPORT" --quiet
     step "raw TCP" "$D/tcp.json" "${EV[@]}" "$PEERS" tcp "${COMMON[@]}" --quiet
     step "memcpy" "$D/memcpy.json" "$PEERS" memcpy "${COMMON[@]}" --quiet
 done

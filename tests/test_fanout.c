@@ -39,10 +39,14 @@ static int64_t mono_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Every pipe's receive window (0: none); a test sets it for itself. */
+static uint64_t g_window;
+
 static tdp_pipe_opts popts(void)
 {
     tdp_pipe_opts o;
     tdp_pipe_opts_default(&o);
+    o.recv_window_bytes = g_window;
     const char *n = getenv("TDP_TEST_PLANE");
     if (n != NULL && tdp_plane_parse(n, &o.plane) != TDP_OK)
         abort();
@@ -195,9 +199,8 @@ static void assert_run(const consumer *c, uint64_t from, uint64_t to)
 /* ---- tests ------------------------------------------------------------------- */
 
 /* Broadcast: three consumers each get 1..N in order; one buffer reused. */
-static void test_broadcast_order(void **state)
+static void broadcast_order(void)
 {
-    (void)state;
     env e;
     const uint64_t n = 300;
     env_up(&e, NULL);
@@ -226,6 +229,24 @@ static void test_broadcast_order(void **state)
         assert_run(&e.c[i], 1, n);
     tdp_td_unref(td);
     tdp_schema_unref(s);
+}
+
+static void test_broadcast_order(void **state)
+{
+    (void)state;
+    broadcast_order();
+}
+
+/*
+ * Consumers that grant a receive window: more in flight per consumer, and
+ * on the shm plane pools of their own (a shared group is sized by depth).
+ */
+static void test_broadcast_order_window(void **state)
+{
+    (void)state;
+    g_window = 256u << 10;
+    broadcast_order();
+    g_window = 0;
 }
 
 /* Async sends, several in flight, each with its own buffer: all in order. */
@@ -1105,6 +1126,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_broadcast_order),
+        cmocka_unit_test(test_broadcast_order_window),
         cmocka_unit_test(test_broadcast_async),
         cmocka_unit_test(test_late_joiner),
         cmocka_unit_test(test_broadcast_nobody),

@@ -177,6 +177,8 @@ static void *run_side(void *arg)
 static bool g_prepare;
 /* Process mallocs that come from inside UCX, counted but not asserted (see its case). */
 static bool ucx_mallocs_known;
+/* Both sides grant a receive window (more small messages in flight than depth). */
+static uint64_t g_window;
 
 static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bool loan, bool lat,
                             bool dev)
@@ -194,6 +196,7 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
     so.recv_depth = depth;
     so.plane = plane;
     so.latency_stats = lat;
+    so.recv_window_bytes = g_window;
     if (dev) { /* the pipe names its GPU: cuda-ipc is offered */
         so.cuda_device_set = true;
         so.cuda_device = 0;
@@ -242,12 +245,12 @@ static void steady_case_mem(uint64_t nbytes, uint32_t depth, tdp_plane plane, bo
     assert_int_equal(tx.rc, TDP_OK);
     assert_int_equal(rx.rc, TDP_OK);
 
-    print_message("%s%s%s%s %" PRIu64
+    print_message("%s%s%s%s%s %" PRIu64
                   " B depth %u: library allocations in %d steady messages: %" PRIu64
                   "; process mallocs: %s%" PRIu64 "\n",
                   tdp_plane_name(plane), dev ? " cuda" : "", loan ? " loaned" : "",
-                  lat ? " latency_stats" : "", nbytes, depth, STEADY, rx.lib1 - rx.lib0,
-                  HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
+                  lat ? " latency_stats" : "", g_window ? " window" : "", nbytes, depth, STEADY,
+                  rx.lib1 - rx.lib0, HAVE_INTERPOSE ? "" : "(not counted) ", rx.m1 - rx.m0);
     assert_int_equal(rx.lib1 - rx.lib0, 0);
     /* no pool exported or imported per message */
     print_message("device pools exported + imported in steady state: %" PRIu64 "\n", rx.x1 - rx.x0);
@@ -325,6 +328,28 @@ static void test_shm_loan_small_depth1(void **state)
 static void test_shm_loan_large_depth4(void **state)
 {
     steady_case(4 << 20, 4, TDP_PLANE_SHM, true, true);
+}
+
+/* A receive window: up to 64 small messages in flight, storage for as many. */
+static void test_window_small_depth4(void **state)
+{
+    g_window = 256u << 10;
+    steady_case(1000, 4, TDP_PLANE_UCX, false, false);
+    g_window = 0;
+}
+
+static void test_shm_window_small_depth4(void **state)
+{
+    g_window = 256u << 10;
+    steady_case(1000, 4, TDP_PLANE_SHM, false, false);
+    g_window = 0;
+}
+
+static void test_shm_loan_window_small_depth4(void **state)
+{
+    g_window = 256u << 10;
+    steady_case(1000, 4, TDP_PLANE_SHM, true, false);
+    g_window = 0;
 }
 
 /* Device buffers (cuda:0; the fake device where the machine has no GPU). */
@@ -549,6 +574,9 @@ int main(void)
         cmocka_unit_test(test_shm_large_depth4),
         cmocka_unit_test(test_shm_loan_small_depth1),
         cmocka_unit_test(test_shm_loan_large_depth4),
+        cmocka_unit_test(test_window_small_depth4),
+        cmocka_unit_test(test_shm_window_small_depth4),
+        cmocka_unit_test(test_shm_loan_window_small_depth4),
         cmocka_unit_test(test_cuda_ucx_small_depth1),
         cmocka_unit_test(test_cuda_ucx_large_depth4),
         cmocka_unit_test(test_cuda_ucx_chunked_depth4),

@@ -460,6 +460,54 @@ static void test_want_depth_record(void **state)
     buf_free(&b);
 }
 
+/* WINDOW: a plain (skippable) record; 8 bytes, TDP_HX_WINDOW_MIN..MAX, once. */
+static void test_window_record(void **state)
+{
+    (void)state;
+    tdp_hello h = {.recv_depth = 4, .window = 256u << 10}, g;
+    size_t n = tdp_wire_hello_size(&h);
+    assert_true(n > 0);
+    uint8_t *out = malloc(n);
+    assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
+    assert_int_equal(tdp_wire_hello_decode(out + TDP_CTL_HDR_LEN, n - TDP_CTL_HDR_LEN, &g), TDP_OK);
+    assert_int_equal(g.window, 256u << 10);
+    const uint8_t *r = out + TDP_CTL_HDR_LEN + TDP_HELLO_FIXED_LEN;
+    assert_int_equal(r[0] | r[1] << 8, TDP_HX_WINDOW);
+    assert_false((r[2] | r[3] << 8) & TDP_HX_CRITICAL);
+    free(out);
+    h.window = TDP_HX_WINDOW_MIN - 1;
+    assert_int_equal(tdp_wire_hello_size(&h), 0);
+    h.window = TDP_HX_WINDOW_MAX + 1;
+    assert_int_equal(tdp_wire_hello_size(&h), 0);
+    const uint64_t bad[] = {0, TDP_HX_WINDOW_MIN - 1, TDP_HX_WINDOW_MAX + 1};
+    for (size_t i = 0; i < 3; i++) {
+        buf b;
+        buf_init(&b);
+        put_fixed(&b, 2, 0, 0);
+        uint8_t v[8];
+        for (int k = 0; k < 8; k++)
+            v[k] = (uint8_t)(bad[i] >> (8 * k));
+        put_rec(&b, TDP_HX_WINDOW, 0, v, 8);
+        assert_int_equal(dec(&b, &g), TDP_EPROTO);
+        buf_free(&b);
+    }
+    const uint8_t v8[8] = {0, 0x10}, v4[4] = {0, 0x10}; /* 4096 */
+    buf b;
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_WINDOW, 0, v4, 4);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+    buf_init(&b);
+    put_fixed(&b, 2, 0, 0);
+    put_rec(&b, TDP_HX_WINDOW, 0, v8, 8);
+    assert_int_equal(dec(&b, &g), TDP_OK);
+    assert_int_equal(g.window, 4096);
+    put_rec(&b, TDP_HX_WINDOW, 0, v8, 8);
+    assert_int_equal(dec(&b, &g), TDP_EPROTO);
+    buf_free(&b);
+}
+
 /* TDP_HX_CHECKSUM: one byte, not 0, not twice, not critical; the AM sum field. */
 static void test_checksum_record(void **state)
 {
@@ -1330,6 +1378,7 @@ int main(void)
         cmocka_unit_test(test_duplicate_known_record),
         cmocka_unit_test(test_auth_and_resume_records),
         cmocka_unit_test(test_want_depth_record),
+        cmocka_unit_test(test_window_record),
         cmocka_unit_test(test_checksum_record),
         cmocka_unit_test(test_proven),
         cmocka_unit_test(test_truncated_every_prefix),

@@ -59,12 +59,17 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 /* SETUP's ack, word 1: the peer is a bench consumer (any other answer is not) */
 #define BENCH_MAGIC   INT64_C(0x7464702d62656e63)
 #define SETUP_NO_LOAN 1 /* SETUP word 1: the producer sends plain buffers */
+/* --window: each side's receive window (tdp_pipe_opts.recv_window_bytes) */
+#define TDP_BENCH_WINDOW     (256u << 10)
+#define TDP_BENCH_WINDOW_MIN 4096u
+#define TDP_BENCH_WINDOW_MAX (1ull << 30)
 
 typedef struct bench_cfg {
     uint64_t sizes[MAX_SIZES];
     int nsizes;
     int rounds; /* 0: scaled by size */
     uint32_t depth;
+    uint64_t window; /* tdp_pipe_opts.recv_window_bytes of both sides (--window) */
     uint32_t busy_poll_us;
     tdp_peer_mode peer_mode;
     tdp_plane plane;
@@ -367,6 +372,7 @@ static int run_consumer(const bench_cfg *cfg)
         return TDP_EXIT_USAGE;
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
+    po.recv_window_bytes = cfg->window;
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     opts_mem(cfg, &po);
@@ -442,6 +448,7 @@ static int run_server(const bench_cfg *cfg)
 
     tdp_listener_opts_default(&lopts);
     lopts.pipe.recv_depth = cfg->depth; /* for a client that asks for none */
+    lopts.pipe.recv_window_bytes = cfg->window;
     lopts.pipe.peer_mode = cfg->peer_mode;
     lopts.pipe.plane = cfg->plane;
     lopts.pipe.checksum = cfg->checksum;
@@ -722,11 +729,13 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
-            "  \"config\": {\"depth\": %u, \"busy_poll_us\": %u, \"peer_mode\": \"%s\", "
+            "  \"config\": {\"depth\": %u, \"window\": %llu, \"busy_poll_us\": %u, "
+            "\"peer_mode\": \"%s\", "
             "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"checksum\": %s, "
             "\"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
-            ucp_get_version_string(), tls ? tls : "default", cfg->depth, cfg->busy_poll_us,
+            ucp_get_version_string(), tls ? tls : "default", cfg->depth,
+            (unsigned long long)cfg->window, cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
@@ -977,11 +986,12 @@ out:
 
 static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
 {
-    char hp[64], depth[16], poll[16], mem[TDP_DEVICE_STRLEN];
+    char hp[64], depth[16], poll[16], mem[TDP_DEVICE_STRLEN], win[24];
     bool gpu = cfg->mem.type == TDP_DEVICE_CUDA;
     snprintf(hp, sizeof(hp), "127.0.0.1:%u", port);
     tdp_device_format(cfg->mem, mem);
     snprintf(depth, sizeof(depth), "%u", cfg->depth);
+    snprintf(win, sizeof(win), "%llu", (unsigned long long)cfg->window);
     snprintf(poll, sizeof(poll), "%u", cfg->busy_poll_us);
     const char *mode = cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
                        : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
@@ -990,7 +1000,7 @@ static pid_t spawn_consumer(const bench_cfg *cfg, uint16_t port)
     pid_t pid = fork();
     if (pid == 0) {
         execl("/proc/self/exe", "tdpipe", "bench", "--role=consumer", "--connect", hp, "--depth",
-              depth, "--busy-poll", poll, "--peer-mode", mode, "--plane",
+              depth, "--window", win, "--busy-poll", poll, "--peer-mode", mode, "--plane",
               tdp_plane_name(cfg->plane), cfg->no_loan ? "--no-loan" : "--quiet",
               cfg->checksum ? "--checksum" : "--quiet",
               /* the consumer's pipe names the GPU too (cuda-ipc is offered then) */
@@ -1113,6 +1123,7 @@ static int run_producer(bench_cfg *cfg)
 
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
+    po.recv_window_bytes = cfg->window;
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
     opts_mem(cfg, &po);
@@ -1191,6 +1202,7 @@ static int run_client(bench_cfg *cfg)
 
     tdp_pipe_opts_default(&po);
     po.recv_depth = cfg->depth;
+    po.recv_window_bytes = cfg->window;
     po.want_peer_depth = cfg->depth; /* the server receives as the loopback consumer would */
     po.peer_mode = cfg->peer_mode;
     po.plane = cfg->plane;
@@ -1257,6 +1269,8 @@ static void usage(FILE *f)
             "  --rounds N         ping-pongs and messages per repeat (default: scaled by size;\n"
             "                     below 20 the figures are mostly noise, and a warning says so)\n"
             "  --depth N          receive buffers on each side (default 4)\n"
+            "  --window SIZE      receive window of each side for small messages (default\n"
+            "                     256KiB; 0: depth alone bounds what is in flight)\n"
             "  --tls LIST         UCX transports (sets UCX_TLS, e.g. tcp or shm,self)\n"
             "  --busy-poll US     busy-poll window of both loops (default 0: event-driven)\n"
             "  --peer-mode MODE   auto, ucx or socket (see docs/pipe.md)\n"
@@ -1365,6 +1379,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"sizes", required_argument, NULL, 's'},
         {"rounds", required_argument, NULL, 'r'},
         {"depth", required_argument, NULL, 'd'},
+        {"window", required_argument, NULL, 'w'},
         {"tls", required_argument, NULL, 't'},
         {"busy-poll", required_argument, NULL, 'b'},
         {"peer-mode", required_argument, NULL, 'm'},
@@ -1469,6 +1484,17 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
                 return TDP_EXIT_USAGE;
             cfg->depth = (uint32_t)v;
             break;
+        case 'w': {
+            const char *bad = NULL;
+            if (!tdp_cli_parse_size(optarg, &v, &bad) ||
+                (v != 0 && (v < TDP_BENCH_WINDOW_MIN || v > TDP_BENCH_WINDOW_MAX)))
+                return tdp_cli_usage_error("bench",
+                                           "--window wants 0 (off) or a size from 4 KiB to "
+                                           "1 GiB, not '%s'%s%s",
+                                           optarg, bad != NULL ? ": " : "", bad != NULL ? bad : "");
+            cfg->window = v;
+            break;
+        }
         case 't':
             cfg->tls = optarg;
             break;
@@ -1571,6 +1597,7 @@ int tdp_cmd_bench(int argc, char **argv)
         .sizes = {1000, 1000 * 1000, 100 * 1000 * 1000}, /* 1 KB, 1 MB, 100 MB */
         .nsizes = 3,
         .depth = TDP_CLI_DEFAULT_DEPTH,
+        .window = TDP_BENCH_WINDOW,
         .peer_mode = TDP_PEER_AUTO,
     };
     int rc = parse_args(argc, argv, &cfg);

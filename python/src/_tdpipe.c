@@ -181,6 +181,15 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
                 return -1;
             }
             o->recv_depth = (uint32_t)n;
+        } else if (!strcmp(key, "window")) {
+            unsigned long long n = PyLong_AsUnsignedLongLong(v);
+            if (n == (unsigned long long)-1 && PyErr_Occurred())
+                return -1;
+            if (n != 0 && (n < 4096 || n > (1ull << 30))) {
+                PyErr_SetString(PyExc_ValueError, "window must be 0 or 4096..2**30 bytes");
+                return -1;
+            }
+            o->recv_window_bytes = n;
         } else if (!strcmp(key, "connect_timeout")) {
             if (timeout_ms(v, &o->connect_timeout_ms) < 0)
                 return -1;

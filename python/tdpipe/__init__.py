@@ -47,7 +47,7 @@ __version__ = _tdpipe.library_version()
 # interpreter is shutting down.
 atexit.register(_tdpipe._finalizing)
 
-_OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "reconnect", "connect_wait",
+_OPTS = ("depth", "recv_depth", "window", "connect_timeout", "linger", "reconnect", "connect_wait",
          "latency_stats", "plane", "peer_mode", "keepalive", "secret", "recv_device",
          "cuda_device")
 
@@ -573,7 +573,9 @@ class Pipe:
 
 def connect(host, port, *, as_="torch", loop="caller", **opts):
     """Connect to a listener and handshake. Options (keyword): depth (alias
-    recv_depth, 1..64), connect_timeout and linger (seconds), plane ("auto",
+    recv_depth, 1..64), window (bytes: the receive window for small messages,
+    0 or 4096..2**30, docs/pipe.md#receive-window), connect_timeout and
+    linger (seconds), plane ("auto",
     "ucx", "shm", "cuda-ipc": the last for pipes that name cuda_device), peer_mode ("auto", "ucx", "socket"), keepalive
     ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves.
 

@@ -37,6 +37,25 @@ typedef struct tdp__link tdp__link;
 #define TDP_MAX_DEPTH 64u
 
 /*
+ * The receive window: how many messages of a layout of `bytes` bytes may
+ * be in flight to a receiver with `depth` buffers that granted `window`
+ * bytes (its HELLO's TDP_HX_WINDOW; 0: none). Each message counts whole
+ * 4 KiB pages, so a small layout gets window / 4 KiB messages, never fewer
+ * than depth nor more than TDP_MAX_DEPTH. Both sides compute it from the
+ * same three numbers: the sender to hold back, the receiver to check the
+ * sender and to size its storage for the layout (at most
+ * max(depth x bytes, window) bytes).
+ */
+static inline uint32_t tdp__window(uint32_t depth, uint64_t window, uint64_t bytes)
+{
+    uint64_t pages = bytes / 4096u + (bytes % 4096u != 0) + (bytes == 0);
+    uint64_t w = window / (pages * 4096u);
+    if (w <= depth)
+        return depth;
+    return w > TDP_MAX_DEPTH ? TDP_MAX_DEPTH : (uint32_t)w;
+}
+
+/*
  * What memory a plane can carry (tdp__plane_ops.mem, link_mem). The
  * session never hands a plane a message in memory its mask lacks: the send
  * ends with TDP_ENOTSUP (docs/planes.md, "Memory").
@@ -85,6 +104,9 @@ typedef struct tdp__link_peer {
     bool local;          /* the control socket proves one network stack (tdp__ctl.peer_local) */
     uint32_t peer_depth; /* buffers the peer holds: most sends in flight */
     uint32_t depth;      /* buffers this side holds */
+    /* the receive windows (tdp__window), bytes, 0 for none: the peer's,
+     * which bounds this side's sends, and this side's own */
+    uint64_t peer_window, window;
     uint64_t peer_caps;  /* the peer's HELLO caps (TDP_CAP_MEM_*: what memory it takes) */
     tdp_peer_mode mode;  /* this side's option */
     uint64_t max_json_bytes, max_total_bytes; /* this side's schema limits */

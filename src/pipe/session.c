@@ -290,15 +290,19 @@ static void send_hello(tdp_pipe *p)
     h.want_depth = p->opts.want_peer_depth;
     h.checksum = p->opts.checksum ? TDP_SUM_XXH3_64 : 0;
     h.ready = TDP_READY_V1; /* this side answers prepared SCHEMAs (session_prepare.c) */
+    h.window = p->opts.recv_window_bytes;
     /* with a secret, a peer on this host gets a same-host UCX worker only
      * after the proofs: its address then travels in PROVEN (wire.h) */
     h.proven = p->secret_len > 0 && tdp__ctl_local_now(&p->ctl) ? TDP_PROVEN_V1 : 0;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
-    for (uint32_t i = 0; i < p->depth; i++)
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
         held += p->slots[i].state != SLOT_FREE;
     if (held > 0 && held < p->depth)
         h.recv_depth = p->depth - held;
+    if (held > 0)
+        h.window = 0; /* lent buffers hold slots of the window too: depth alone */
+    p->window_sent = h.window != 0;
     if (getrandom(h.nonce, sizeof(h.nonce), 0) != (ssize_t)sizeof(h.nonce)) {
         /* never seen; still unique enough to tell an echo (ctl.c) from a peer */
         struct timespec ts;
@@ -467,6 +471,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->peer_ready = h->ready == TDP_READY_V1;
     p->peer_max_msg = h->max_msg_bytes;
     p->peer_depth = h->recv_depth;
+    p->peer_window = h->window;
     p->stats.recv_depth = p->depth;
     p->stats.peer_depth = p->peer_depth;
     if (h->resume != 0 && p->ctl.dialer) {
@@ -504,9 +509,10 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     p->link = p->links[ci];
     p->peer_caps = h->caps;
 
-    /* sends in flight are bounded by the peer's credit; twice that covers a
-     * credit that comes back before the local completion of its send */
-    p->nticket = 2 * p->peer_depth + 1;
+    /* sends in flight are bounded by the peer's credit (its window for the
+     * smallest layouts); twice that covers a credit that comes back before
+     * the local completion of its send */
+    p->nticket = 2 * tdp__window(p->peer_depth, p->peer_window, 1) + 1;
     p->tickets = tdp__alloc_array(p->nticket, sizeof(*p->tickets));
     if (p->tickets == NULL) {
         pipe_fail(p, TDP_ENOMEM, "no memory for send tickets");
@@ -522,6 +528,8 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .local = p->ctl.peer_local,
         .peer_depth = p->peer_depth,
         .depth = p->depth,
+        .peer_window = p->peer_window,
+        .window = p->opts.recv_window_bytes,
         .peer_caps = h->caps,
         .mode = p->opts.peer_mode,
         .max_json_bytes = p->limits.max_json_bytes,
@@ -651,6 +659,12 @@ static void up_credit(void *owner, tdp__link *l, uint64_t total)
  * storage of all its clients: depth buffers of the largest layout so far
  * (storage that is large enough is reused). Fails the pipe when not.
  */
+/* Messages of receive layout sc that may be in flight to this side. */
+static uint32_t rx_window(const tdp_pipe *p, const tdp_schema *sc)
+{
+    return tdp__window(p->depth, p->opts.recv_window_bytes, tdp_schema_total_bytes(sc));
+}
+
 static tdp_err rx_layout_admit(tdp_pipe *p, const tdp_schema *sc)
 {
     if (p->sum_on && tdp_schema_device(sc).type != TDP_DEVICE_CPU) {
@@ -659,13 +673,14 @@ static tdp_err rx_layout_admit(tdp_pipe *p, const tdp_schema *sc)
                   "layout is received into device memory");
         return TDP_ENOTSUP;
     }
-    uint64_t need = (uint64_t)p->depth * tdp_schema_total_bytes(sc); /* <= 64 x total cap */
+    /* <= 64 x total cap */
+    uint64_t need = (uint64_t)rx_window(p, sc) * tdp_schema_total_bytes(sc);
     if (p->budget == NULL || need <= p->budget_held)
         return TDP_OK;
     if (!tdp__budget_take(p->budget, need - p->budget_held)) {
         tdp_log_warn("pipe %s: a layout of %u x %" PRIu64 " bytes would take the server past its "
                      "memory cap (%" PRIu64 " of %" PRIu64 " bytes in use): refused",
-                     p->ctl.peer_name, p->depth, tdp_schema_total_bytes(sc),
+                     p->ctl.peer_name, rx_window(p, sc), tdp_schema_total_bytes(sc),
                      tdp__budget_used(p->budget), p->budget->cap);
         pipe_fail(p, TDP_ELIMIT, "schema over the server's memory cap");
         return TDP_ELIMIT;
@@ -730,7 +745,7 @@ static void up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void
     p->rx_schema = sc;
     p->rx_hash = f->hash;
     p->stats.schemas_recv++;
-    if ((rc = ops->rx_schema(l, sc, p->depth)) != TDP_OK) {
+    if ((rc = ops->rx_schema(l, sc, rx_window(p, sc))) != TDP_OK) {
         pipe_fail(p, rc, "cannot prepare receive storage");
         return;
     }
@@ -822,8 +837,10 @@ static void up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc)
         proto_fail(p, TDP_EPROTO, "data frame with a checksum not agreed, or without one agreed");
         return;
     }
+    /* fewer than the window's messages in flight leave one of its slots free */
     rx_slot *s = NULL;
-    for (uint32_t i = 0; i < p->depth; i++) {
+    uint32_t win = rx_window(p, p->rx_schema);
+    for (uint32_t i = 0; i < win; i++) {
         if (p->slots[i].state == SLOT_FREE) {
             s = &p->slots[i];
             break;
@@ -1012,6 +1029,14 @@ static void prep_retry(tdp_pipe *p)
     event_add(p->prep_ev, &tv);
 }
 
+/* Messages of op's layout that may be in flight to the peer. */
+static uint32_t tx_window(const tdp_pipe *p, const tdp_op *op)
+{
+    if (p->peer_window == 0 || op->td == NULL)
+        return p->peer_depth;
+    return tdp__window(p->peer_depth, p->peer_window, tdp_schema_total_bytes(op->td->schema));
+}
+
 /* Send what the queue's head may: credit, a ticket and the link allow. */
 static void kick_once(tdp_pipe *p)
 {
@@ -1032,7 +1057,7 @@ static void kick_once(tdp_pipe *p)
             tdp__op_complete(tdp__opq_pop(&p->sendq), TDP_ENOTSUP);
             continue;
         }
-        if (p->send_seq - p->credit_base - p->peer_credit >= p->peer_depth ||
+        if (p->send_seq - p->credit_base - p->peer_credit >= tx_window(p, p->sendq.head) ||
             p->free_tickets == NULL) {
             if (p->done_head != NULL)
                 return; /* completions are queued: send_kick takes them, then looks again */
@@ -1144,7 +1169,15 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
     p->released++;
     if (p->plane->credit == NULL)
         return; /* the plane's own release is the credit (shm): nothing to send */
-    if (defer_credit && p->credit_ev != NULL) {
+    /*
+     * With a window in force, fewer than depth credits wait for the end of
+     * this loop turn too: a receiver draining a batch then returns it in one
+     * frame, not one per message. The sender is never held back by them
+     * alone: depth is no more than any layout's window.
+     */
+    bool batch = p->window_sent && p->rx_schema != NULL && rx_window(p, p->rx_schema) > p->depth &&
+                 p->released - p->credit_sent < p->depth;
+    if ((defer_credit || batch) && p->credit_ev != NULL) {
         static const struct timeval zero = {0, 0};
         event_add(p->credit_ev, &zero);
         return;
@@ -1354,7 +1387,7 @@ static void release_task(void *arg)
     p->rel_posted = false;
     pthread_mutex_unlock(&p->w.mtx);
     for (uint32_t k = 0; k < n; k++) {
-        for (uint32_t i = 0; i < p->depth; i++) {
+        for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
             if (p->slots[i].td == batch[k] && p->slots[i].state == SLOT_LENT) {
                 slot_release(p, &p->slots[i], false);
                 break;
@@ -1371,7 +1404,7 @@ typedef struct release_req {
 static void release_now(void *arg)
 {
     release_req *r = arg;
-    for (uint32_t i = 0; i < r->p->depth; i++) {
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         if (r->p->slots[i].td == r->td && r->p->slots[i].state == SLOT_LENT) {
             slot_release(r->p, &r->p->slots[i], false);
             return;

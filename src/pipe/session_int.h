@@ -87,6 +87,7 @@ struct tdp_pipe {
     void (*credit_cb)(void *arg); /* tdp__session_set_credit_cb */
     void *credit_arg;
     uint32_t peer_depth;
+    uint64_t peer_window; /* the peer's receive window (TDP_HX_WINDOW), 0: none */
     tdp_schema *sent_schema;
     tx_ticket *tickets;
     uint32_t nticket, tx_inflight;
@@ -107,6 +108,7 @@ struct tdp_pipe {
     uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
     uint32_t ready_head, ready_count;
     int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
+    bool window_sent; /* the last HELLO granted a window (recv_window_bytes) */
     tdp__opq recvq;
     tdp_schema *rx_schema;
     uint64_t rx_hash, rx_seq;

@@ -54,6 +54,7 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(connect_wait_ms)
     TAKE(cuda_device_set)
     TAKE(checksum)
+    TAKE(recv_window_bytes)
 #undef TAKE
     if (out->cuda_device_set)
         out->cuda_device = in->cuda_device;
@@ -66,6 +67,10 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
         out->recv_depth = TDP_MAX_DEPTH;
     if (out->want_peer_depth > TDP_MAX_DEPTH)
         out->want_peer_depth = TDP_MAX_DEPTH;
+    if (out->recv_window_bytes != 0 && out->recv_window_bytes < TDP_HX_WINDOW_MIN)
+        out->recv_window_bytes = TDP_HX_WINDOW_MIN;
+    if (out->recv_window_bytes > TDP_HX_WINDOW_MAX)
+        out->recv_window_bytes = TDP_HX_WINDOW_MAX;
 }
 
 const char *tdp_plane_name(tdp_plane plane)

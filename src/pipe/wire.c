@@ -191,6 +191,11 @@ static tdp_err hello_payload_len(const tdp_hello *h, uint64_t *out)
         n += TDP_HX_HDR_LEN + hx_span(1);
     if (h->ready != 0)
         n += TDP_HX_HDR_LEN + hx_span(1);
+    if (h->window != 0) {
+        if (h->window < TDP_HX_WINDOW_MIN || h->window > TDP_HX_WINDOW_MAX)
+            return TDP_EINVAL;
+        n += TDP_HX_HDR_LEN + hx_span(8);
+    }
     if (n > TDP_HELLO_MAX_LEN)
         return TDP_EINVAL;
     *out = n;
@@ -264,6 +269,8 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     const tdp_hx_rec *chk = tdp_hello_rec(h, TDP_HX_UCX_CHUNKS);
     if (chk != NULL)
         memcpy(hx_put(&p, TDP_HX_UCX_CHUNKS, chk->len), chk->val, chk->len);
+    if (h->window != 0)
+        put64(hx_put(&p, TDP_HX_WINDOW, 8), h->window);
     return TDP_OK;
 }
 
@@ -317,6 +324,15 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
         if (h->proven != 0 || vlen != 1 || v[0] == 0)
             return TDP_EPROTO;
         h->proven = v[0];
+        return TDP_OK;
+    case TDP_HX_WINDOW:
+        /* the receiver's grant: a sender that knows it may use it, one that
+         * does not skips it and keeps to recv_depth */
+        if (h->window != 0 || vlen != 8)
+            return TDP_EPROTO;
+        h->window = get64(v);
+        if (h->window < TDP_HX_WINDOW_MIN || h->window > TDP_HX_WINDOW_MAX)
+            return TDP_EPROTO;
         return TDP_OK;
     case TDP_HX_READY:
         /* a later version is allowed: nothing is prepared with that peer then */

@@ -72,6 +72,8 @@ typedef struct tdp_ctl_hdr {
 #define TDP_HX_MAX_RECORDS 64u
 #define TDP_HX_CRITICAL    (1u << 0) /* record flag; the other bits are ignored */
 #define TDP_HX_MAX_DEPTH   64u       /* receive depths, in the fixed part and records */
+#define TDP_HX_WINDOW_MIN  4096ull   /* TDP_HX_WINDOW's bounds */
+#define TDP_HX_WINDOW_MAX  (1ull << 30)
 
 /* Extension record types. 0 is never a record type. */
 enum tdp_hx_type {
@@ -87,6 +89,9 @@ enum tdp_hx_type {
     TDP_HX_CUDA_IPC = 10,   /* the shm record, then the GPUs this side sees (cudaipc.h) */
     TDP_HX_READY = 11,      /* u8 version: the sender speaks TDP_CTL_READY and TDP_AM_F_PREPARE */
     TDP_HX_UCX_CHUNKS = 12, /* u8 version: the ucx plane reads staged DATA as CHUNK frames */
+    /* u64 TDP_HX_WINDOW_MIN..MAX: the sender's receive window in bytes: small
+     * layouts may have more than recv_depth messages in flight (tdp__window) */
+    TDP_HX_WINDOW = 13,
 };
 
 /* TDP_HX_READY's value: the one version of READY and prepared SCHEMAs. */
@@ -155,6 +160,7 @@ typedef struct tdp_hello {
     uint8_t checksum;    /* TDP_HX_CHECKSUM: 0 (not offered) or the algorithm offered */
     uint8_t proven;      /* TDP_HX_PROVEN: 0 (not spoken) or the version spoken */
     uint8_t ready;       /* TDP_HX_READY: 0 (not spoken) or the version spoken */
+    uint64_t window;     /* TDP_HX_WINDOW: 0 (none) or its bytes */
 
     /* Set by the decoder, ignored by the encoder. */
     uint32_t nskipped;         /* unknown non-critical records skipped */

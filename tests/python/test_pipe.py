@@ -177,6 +177,26 @@ def test_in_process_planes_and_depth(plane, loop):
         rx.close(5)
 
 
+@pytest.mark.parametrize("plane", ["shm", "ucx"])
+def test_window_lets_small_messages_past_depth(plane):
+    # the receiver grants 256 KiB: 64 small messages in flight, not depth 2
+    with listen(depth=2, window=256 << 10, plane=plane, loop="thread") as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port, plane=plane, loop="thread")
+        rx = lst.accept(timeout=10)
+        for i in range(10):
+            tx.send({"i": torch.tensor([i])}, timeout=5 if i == 0 else 0.5)
+        got = []
+        for _ in range(10):
+            m = rx.recv(timeout=5)
+            got.append(m["i"].item())
+            m.release()
+        assert got == list(range(10))
+        tx.close(5)
+        rx.close(5)
+    with pytest.raises(ValueError):
+        tdpipe.connect("127.0.0.1", 1, window=100)
+
+
 @pytest.mark.parametrize("loop", ["caller", "thread"])
 def test_depth1_next_recv_releases_previous(loop):
     with listen(loop=loop) as lst:

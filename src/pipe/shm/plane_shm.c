@@ -252,6 +252,8 @@ struct tdp__link {
     tdp__reap reap;
     struct tdp__link *next, *prev;
     uint32_t depth, peer_depth;
+    uint64_t window, peer_window; /* receive windows, bytes (tdp__window); 0: none */
+    uint32_t tx_win_now;          /* the window of the layout last sent */
     uint64_t max_json, max_total;
     /* the payload checksum is in force: a DATA descriptor's arg is the sum
      * of the slot's bytes instead of their count (the layout says that) */
@@ -472,6 +474,18 @@ static uint32_t pool_slots(uint32_t peer_depth)
     return peer_depth + (peer_depth < 2 ? 2 : peer_depth);
 }
 
+/* Messages of `bytes` that may be in flight to the peer (its depth, or its window). */
+static uint32_t tx_win(const struct tdp__link *l, uint64_t bytes)
+{
+    return tdp__window(l->peer_depth, l->peer_window, bytes);
+}
+
+/* Messages of `bytes` this side lets the peer have in flight to it. */
+static uint32_t rx_win(const struct tdp__link *l, uint64_t bytes)
+{
+    return tdp__window(l->depth, l->window, bytes);
+}
+
 /* ---- GPU staging --------------------------------------------------------------------- */
 
 /*
@@ -589,7 +603,7 @@ static tdp_err tx_ctl_up(struct tdp__link *l)
     if (l->tx_ctl != NULL)
         return TDP_OK;
     uint32_t ring = 1;
-    while (ring < 2 * pool_slots(l->peer_depth))
+    while (ring < 2 * pool_slots(tx_win(l, 1)))
         ring <<= 1;
     tdp__shm_seg *seg;
     tdp_err rc = tdp__shm_seg_create(0, 1, TDP__SHM_PAGE, ring, &seg);
@@ -633,8 +647,10 @@ static bool tx_pool_fits(const struct tdp__link *l, uint64_t bytes, int dev)
     const tx_pool *p = l->grp->pool;
     if (p == NULL || p->stride < bytes || p->gen < l->ann_gen || l->grp->stale)
         return false;
-    if (p->gen != l->ann_gen && (p->dp != NULL || p->nslots > pool_slots(l->peer_depth)))
+    if (p->gen != l->ann_gen && (p->dp != NULL || p->nslots > pool_slots(tx_win(l, p->stride))))
         return false; /* a device pool is exported once; the peer maps so many slots */
+    if (l->peer_window != 0 && p->nslots < pool_slots(tx_win(l, bytes)))
+        return false; /* a small layout's window wants more slots than this pool has */
     return dev < 0 ? p->dp == NULL : p->dp != NULL && tdp__dpool_device(p->dp) == dev;
 }
 
@@ -807,7 +823,7 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
     if (g->next_gen >= MAX_GEN)
         return TDP_ENOMEM;
     uint32_t gen = ++g->next_gen;
-    uint32_t n = pool_slots(l->peer_depth);
+    uint32_t n = pool_slots(tx_win(l, bytes));
     tx_pool *p = tdp__calloc(1, sizeof(*p));
     if (p == NULL)
         return TDP_ENOMEM;
@@ -1069,6 +1085,7 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
     s->held |= l->bit;
     s->pool->nflight++;
     l->last_seq = tx->seq;
+    l->tx_win_now = tx_win(l, td->nbytes);
     /* streamed: the descriptor leaves before the bytes, so it cannot carry
      * their sum; a device pool is filled device to device, never streamed */
     if (gpu && !loaned && pdev < 0 && td->nbytes >= STREAM_MIN && l->stx_unposted == 0 &&
@@ -1252,7 +1269,7 @@ static int tx_arm(void *arg)
      */
     bool group_waits =
         l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
-    if (l->last_seq - l->seq0 - l->released < l->peer_depth && !l->loan_starved && !group_waits)
+    if (l->last_seq - l->seq0 - l->released < l->tx_win_now && !l->loan_starved && !group_waits)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
     l->tx_armed |= a == 0;
@@ -1321,7 +1338,8 @@ static tdp_err s_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
                 s = &p->slots[i];
         }
     }
-    uint32_t credit_left = mine < l->peer_depth ? l->peer_depth - mine : 0;
+    uint32_t win = tx_win(l, need);
+    uint32_t credit_left = mine < win ? win - mine : 0;
     if (s == NULL || nfree <= credit_left) {
         l->loan_starved = true; /* a release may end this: be woken by one */
         return TDP_EAGAIN;
@@ -1351,12 +1369,18 @@ static uint64_t rx_map_cap(const struct tdp__link *l, uint32_t nslots)
     return stride != 0 && cap / stride != nslots ? UINT64_MAX : cap + (8u << 20);
 }
 
+/* The largest pool this side maps: depth's slots of the largest layout, or a window's small ones */
+static uint64_t rx_pool_cap(const struct tdp__link *l)
+{
+    return rx_map_cap(l, pool_slots(l->depth)) + 2 * l->window;
+}
+
 /* A pool announced: its generation in order and its size in bounds; mapped once in force. */
 static tdp_err rx_check_pool(struct tdp__link *l, const shm_msg *m, const int *fds)
 {
     struct stat st;
     if (m->gen <= l->last_gen || m->gen > MAX_GEN || fstat(fds[0], &st) != 0 ||
-        (uint64_t)st.st_size > rx_map_cap(l, pool_slots(l->depth)))
+        (uint64_t)st.st_size > rx_pool_cap(l))
         return TDP_EPROTO;
     l->last_gen = m->gen;
     return TDP_OK;
@@ -1370,8 +1394,8 @@ static tdp_err rx_check_pool(struct tdp__link *l, const shm_msg *m, const int *f
 static tdp_err rx_check_dpool(struct tdp__link *l, const shm_msg *m)
 {
     uint64_t n = m->json_len, stride = m->total;
-    if (m->gen <= l->last_gen || m->gen > MAX_GEN || n == 0 || n > pool_slots(l->depth) ||
-        stride == 0 || stride % TDP__SHM_PAGE != 0 ||
+    if (m->gen <= l->last_gen || m->gen > MAX_GEN || n == 0 || stride == 0 ||
+        n > pool_slots(rx_win(l, stride)) || stride % TDP__SHM_PAGE != 0 ||
         stride > page_round(l->max_total) + TDP__SHM_PAGE ||
         tdp__cudaipc_local_dev(m->peer_key) < 0)
         return TDP_EPROTO;
@@ -1402,15 +1426,16 @@ static tdp_err rx_open_dpool(struct tdp__link *l, pend_msg *pm, rx_pool *p)
 /* A pool in force: map it (it is checked whole). The fds are the segment's, or closed. */
 static tdp_err rx_map_pool(struct tdp__link *l, const pend_msg *pm, tdp__shm_seg **out)
 {
-    tdp_err rc = tdp__shm_seg_map(pm->fds[0], pm->fds[1], pm->fds[2], pm->m.gen,
-                                  rx_map_cap(l, pool_slots(l->depth)), out);
+    tdp_err rc =
+        tdp__shm_seg_map(pm->fds[0], pm->fds[1], pm->fds[2], pm->m.gen, rx_pool_cap(l), out);
     if (rc != TDP_OK) {
         for (int i = 0; i < 3; i++)
             close(pm->fds[i]);
         return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
     }
     const tdp__shm_geom *g = tdp__shm_seg_geom(*out);
-    if (g->nslots > pool_slots(l->depth) || g->slot_bytes > page_round(l->max_total) + TDP__SHM_PAGE) {
+    if (g->nslots > pool_slots(rx_win(l, g->slot_bytes)) ||
+        g->slot_bytes > page_round(l->max_total) + TDP__SHM_PAGE) {
         tdp__shm_seg_close(*out);
         *out = NULL;
         return TDP_EPROTO;
@@ -1427,7 +1452,7 @@ static tdp_err rx_map_ctl(struct tdp__link *l, const shm_msg *m, int *fds)
     if (rc != TDP_OK)
         return rc;
     uint32_t want = 1;
-    while (want < 2 * pool_slots(l->depth))
+    while (want < 2 * pool_slots(rx_win(l, 1)))
         want <<= 1;
     const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
     if (g->ring_cap > want || g->nslots < 1 || g->slot_bytes < PROGRESS_WORDS * sizeof(uint64_t)) {
@@ -2477,11 +2502,14 @@ static tdp_err link_start_sock(struct tdp__link *l, const tdp__link_peer *peer,
     memcpy(l->peer_key, h->key, TDP_SHM_KEY_LEN);
     l->depth = peer->depth;
     l->peer_depth = peer->peer_depth;
+    l->window = peer->window;
+    l->peer_window = peer->peer_window;
+    l->tx_win_now = l->peer_depth;
     l->last_seq = l->seq0 = peer->sent_seq; /* announcements name seqs from there on */
     l->max_json = peer->max_json_bytes;
     l->max_total = peer->max_total_bytes;
     l->sum_on = peer->checksum;
-    l->capearly = 2 * peer->peer_depth + 1;
+    l->capearly = 2 * tx_win(l, 1) + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
     l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);
     l->pend = tdp__alloc_array(l->pend_cap, sizeof(*l->pend));
@@ -2839,6 +2867,8 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
     if (l == NULL || with == NULL || l == with || l->x != with->x || l->ipc || with->ipc ||
         l->bit == 0 || with->bit == 0)
         return TDP_EINVAL;
+    if (l->peer_window != 0 || with->peer_window != 0)
+        return TDP_ENOTSUP; /* a group's pools are sized by depth: a window's sends need more */
     tx_group *g = with->grp;
     if (l->grp == g)
         return TDP_OK;

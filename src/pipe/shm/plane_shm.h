@@ -62,7 +62,8 @@ bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
  * Make link l send from the pools of link `with` (both of one loop, on the
  * shm plane): a loan of that group goes to each of their peers without a
  * copy. l must hold no slot in flight (TDP_EAGAIN). At most 64 links share
- * a group (TDP_ELIMIT).
+ * a group (TDP_ELIMIT). Not for a link whose peer granted a receive window
+ * (TDP_ENOTSUP): a group's pools are sized by depth.
  */
 tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
 

@@ -2093,7 +2093,7 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
         tdp_log_warn("the peer chose another UCX worker than this side would");
         return TDP_EPROTO;
     }
-    l->nticket = 2 * peer->peer_depth + 1;
+    l->nticket = 2 * tdp__window(peer->peer_depth, peer->peer_window, 1) + 1;
     l->tickets = tdp__alloc_array(l->nticket, sizeof(*l->tickets));
     if (l->tickets == NULL)
         return TDP_ENOMEM;
