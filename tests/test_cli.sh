@@ -1467,6 +1467,39 @@ test_fanout_send() {
     expect_rc fo_echo 2
 }
 
+# --distribute: each message to one receiver; the shares add up to the count
+test_fanout_distribute() {
+    local i port to=() pids=() total=0 n
+    for i in 1 2 3; do
+        start fd_recv_$i 60 "$TDPIPE" recv --bind 127.0.0.1 --no-verify --quiet
+        pids+=("$PID")
+        port=$(port_of fd_recv_$i) || return
+        to+=(--to "127.0.0.1:$port")
+    done
+    run fd_send 60 "$TDPIPE" send "${to[@]}" --distribute --size 100KB --count 300 --json
+    expect_rc fd_send 0
+    expect_in fd_send out '"mode":"distribute"'
+    expect_in fd_send out '"peers":[{'
+    for i in 1 2 3; do
+        finish fd_recv_$i "${pids[$((i - 1))]}"
+        expect_rc fd_recv_$i 0
+        n=$(sed -n 's/^received \([0-9]*\) messages.*/\1/p' "$WORK/fd_recv_$i.out")
+        total=$((total + ${n:-0}))
+    done
+    CHECKS=$((CHECKS + 1))
+    if [[ $total -ne 300 ]]; then
+        fail "fd_send: the receivers got $total messages in all, not 300"
+    fi
+    # --distribute needs two or more receivers; it is not a single-pipe option
+    run fd_one 10 "$TDPIPE" send --to 127.0.0.1:1 --distribute
+    expect_rc fd_one 2
+    expect_in fd_one err "name two or more"
+    run fd_plain 10 "$TDPIPE" send 127.0.0.1:1 --distribute
+    expect_rc fd_plain 2
+    run fd_echo 10 "$TDPIPE" send --to 127.0.0.1:1 --to 127.0.0.1:2 --distribute --echo
+    expect_rc fd_echo 2
+}
+
 test_usage
 test_signals
 test_peer_killed
@@ -1496,6 +1529,7 @@ test_serve
 test_credit_kept_up
 test_live
 test_fanout_send
+test_fanout_distribute
 
 if [[ $FAILS -ne 0 ]]; then
     echo "test_cli: $FAILS of $CHECKS checks failed"
