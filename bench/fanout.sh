@@ -9,7 +9,10 @@
 #    shared memory it maps (pool bytes and mappings).
 # 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight) against ZeroMQ's
 #    PUB over ipc:// to 4 SUB processes, without drops (build/bench/tdp_zmq_fan broadcast).
-# Each figure is the median of --runs runs (default 3). The CPU idle
+# 3. `tdpipe bench --fanout 4 --sizes 1MB,100MB`: the same broadcast from one
+#    process to 4 consumer pipes of its own, loaned slots against plain
+#    buffers (one run).
+# Each figure of 1 and 2 is the median of --runs runs (default 3). The CPU idle
 # share before and after says whether the machine was quiet. It builds
 # nothing. Method: docs/benchmarks.md, "Fan-out".
 set -euo pipefail
@@ -25,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     --plane) PLANE=$2; shift 2 ;;
     --count) COUNT=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/fanout.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -83,5 +86,10 @@ if [[ -x $FZ ]]; then
         "$tm" "$zm" "$(echo "$tm / $zm" | bc -l)"
 else
     printf '1 MB to 4 consumers: tdp_fanout %.0f msgs/s (no ZeroMQ peer built)\n' "$tm"
+fi
+TD=$BUILD/tools/tdpipe
+if [[ -x $TD ]]; then
+    echo
+    "$TD" bench --fanout 4 --sizes 1MB,100MB --rounds 20 --plane "$PLANE" --quiet
 fi
 echo "== CPU idle after: $(cpu_idle)%; load: $(cut -d' ' -f1-3 /proc/loadavg)"

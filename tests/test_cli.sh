@@ -1467,6 +1467,85 @@ test_fanout_send() {
     expect_rc fo_echo 2
 }
 
+# --distribute: each message to one receiver; the shares add up to the count
+test_fanout_distribute() {
+    local i port to=() pids=() total=0 n
+    for i in 1 2 3; do
+        start fd_recv_$i 60 "$TDPIPE" recv --bind 127.0.0.1 --no-verify --quiet
+        pids+=("$PID")
+        port=$(port_of fd_recv_$i) || return
+        to+=(--to "127.0.0.1:$port")
+    done
+    run fd_send 60 "$TDPIPE" send "${to[@]}" --distribute --size 100KB --count 300 --json
+    expect_rc fd_send 0
+    expect_in fd_send out '"mode":"distribute"'
+    expect_in fd_send out '"peers":[{'
+    for i in 1 2 3; do
+        finish fd_recv_$i "${pids[$((i - 1))]}"
+        expect_rc fd_recv_$i 0
+        n=$(sed -n 's/^received \([0-9]*\) messages.*/\1/p' "$WORK/fd_recv_$i.out")
+        total=$((total + ${n:-0}))
+    done
+    CHECKS=$((CHECKS + 1))
+    if [[ $total -ne 300 ]]; then
+        fail "fd_send: the receivers got $total messages in all, not 300"
+    fi
+    # --distribute needs two or more receivers; it is not a single-pipe option
+    run fd_one 10 "$TDPIPE" send --to 127.0.0.1:1 --distribute
+    expect_rc fd_one 2
+    expect_in fd_one err "name two or more"
+    run fd_plain 10 "$TDPIPE" send 127.0.0.1:1 --distribute
+    expect_rc fd_plain 2
+    run fd_echo 10 "$TDPIPE" send --to 127.0.0.1:1 --to 127.0.0.1:2 --distribute --echo
+    expect_rc fd_echo 2
+}
+
+# bench --fanout N: loaned and plain broadcasts to N consumers, figures per size; refusals
+test_bench_fanout() {
+    run bfo 120 "$TDPIPE" bench --fanout 3 --sizes 1KB,64KB --rounds 10 --quiet \
+        --json "$WORK/bfo.json"
+    expect_rc bfo 0
+    expect_in bfo out "fan-out broadcast to 3 consumers"
+    expect_in bfo out "64.0 KB    loan"
+    expect_in bfo out "64.0 KB    plain"
+    CHECKS=$((CHECKS + 1))
+    if ! python3 - "$WORK/bfo.json" <<'PY'; then
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["mode"] == "fanout" and r["consumers"] == 3, r
+rows = r["results"]
+assert [(x["size"], x["send"]) for x in rows] == [(1000, "loan"), (1000, "plain"),
+                                                  (64000, "loan"), (64000, "plain")], rows
+for x in rows:
+    assert x["msgs"] == 10 and x["bytes_per_s_per_consumer"] > 0, x
+    assert 0 < x["p50_all_ns"] <= x["p50_last_ns"] < 60e9, x
+    agg, one = x["bytes_per_s_aggregate"], x["bytes_per_s_per_consumer"]
+    assert x["rss_bytes"] > 0 and abs(agg - 3 * one) <= 1e-6 * agg, x
+PY
+        fail "bfo: the JSON figures are not what --fanout 3 should write"
+        dump "$WORK/bfo.json"
+    fi
+    run bfo_nl 60 "$TDPIPE" bench --fanout 2 --sizes 1KB --rounds 10 --no-loan --quiet
+    expect_rc bfo_nl 0
+    CHECKS=$((CHECKS + 1))
+    if grep -q " loan " "$WORK/bfo_nl.out"; then
+        fail "bfo_nl: --no-loan still measured loans"
+    fi
+    run bfo_zero 10 "$TDPIPE" bench --fanout 0
+    expect_rc bfo_zero 2
+    run bfo_many 10 "$TDPIPE" bench --fanout 65
+    expect_rc bfo_many 2
+    run bfo_clients 10 "$TDPIPE" bench --fanout 2 --clients 2
+    expect_rc bfo_clients 2
+    expect_in bfo_clients err "does not go with --clients"
+    run bfo_fanin 10 "$TDPIPE" bench --fanout 2 --fanin 2
+    expect_rc bfo_fanin 2
+    run bfo_server 10 "$TDPIPE" bench --fanout 2 --server
+    expect_rc bfo_server 2
+    run bfo_mem 10 "$TDPIPE" bench --fanout 2 --mem cpu
+    expect_rc bfo_mem 2
+}
+
 test_usage
 test_signals
 test_peer_killed
@@ -1496,6 +1575,8 @@ test_serve
 test_credit_kept_up
 test_live
 test_fanout_send
+test_fanout_distribute
+test_bench_fanout
 
 if [[ $FAILS -ne 0 ]]; then
     echo "test_cli: $FAILS of $CHECKS checks failed"

@@ -398,6 +398,13 @@ int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane p
 int tdp_bench_fanin_consumer(uint64_t expect, uint32_t depth, tdp_plane plane);
 
 /*
+ * bench_fanout.c: `tdpipe bench --fanout N` (one producer broadcasting to
+ * N consumer pipes of this process, loaned and plain, for each size).
+ */
+int tdp_bench_fanout(int n, const uint64_t *sizes, int nsizes, int rounds, uint32_t depth,
+                     tdp_plane plane, bool no_loan, const char *json, bool quiet);
+
+/*
  * Receive buffers of recv and serve (and each side of bench) unless --depth
  * says otherwise: with 4 the sender keeps messages in flight instead of
  * waiting for each to be read, which is the speed docs/benchmarks.md

@@ -82,6 +82,7 @@ typedef struct bench_cfg {
     int fanin;                  /* --fanin N: many producers into one tdp_fanin (bench_fanin.c) */
     const char *fanin_baseline; /* --fanin-baseline PROG: the poll-loop consumer */
     bool fanin_role;            /* --role=fanin: its consumer process */
+    int fanout;                 /* --fanout N: a broadcast to N consumers (bench_fanout.c) */
     bool no_loan;               /* --no-loan: plain sends on the shm plane too */
     bool prepare;               /* --prepare: tdp_pipe_prepare each size's layout, untimed */
     bool checksum;              /* --checksum: both sides offer the payload checksum */
@@ -1299,6 +1300,11 @@ static void usage(FILE *f)
             "                     with --fanin: also the same N producers each on its own\n"
             "                     pipe, drained by PROG (bench/fanin_poll.c: a hand-written\n"
             "                     poll loop)\n"
+            "  --fanout N         instead: one producer broadcasting to N consumers (pipes\n"
+            "                     of this process) through a fan-out (tdp_fanout), loaned\n"
+            "                     slots and plain buffers (--no-loan: plain only), for\n"
+            "                     each --sizes entry: throughput per consumer, one-way p50\n"
+            "                     to the last consumer, shared memory and RSS\n"
             "  --quiet            no progress on stderr\n"
             "\n"
             "Across two hosts (as iperf3 -s / -c), the same figures:\n"
@@ -1354,6 +1360,23 @@ static int check_modes(const bench_cfg *cfg)
                                    "--clients starts its own server and clients on loopback; "
                                    "it does not go with --%s",
                                    cfg->serve ? "server" : "client");
+    if (cfg->fanout > 0) {
+        const char *other = cfg->clients > 0         ? "--clients"
+                            : cfg->fanin > 0         ? "--fanin"
+                            : cfg->fanin_baseline    ? "--fanin-baseline"
+                            : cfg->serve             ? "--server"
+                            : cfg->client_of != NULL ? "--client"
+                            : cfg->mem_given         ? "--mem"
+                            : cfg->plot_path != NULL ? "--plot"
+                            : cfg->prepare           ? "--prepare"
+                            : cfg->checksum          ? "--checksum"
+                                                     : NULL;
+        if (other != NULL)
+            return tdp_cli_usage_error("bench",
+                                       "--fanout runs its own producer and consumers on this "
+                                       "host with host buffers; it does not go with %s",
+                                       other);
+    }
     if (!cfg->serve)
         return TDP_EXIT_OK;
     const char *opt = cfg->sizes_given  ? "--sizes"
@@ -1392,6 +1415,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"clients", required_argument, NULL, 'C'},
         {"fanin", required_argument, NULL, 'F'},
         {"fanin-baseline", required_argument, NULL, 'G'},
+        {"fanout", required_argument, NULL, 'T'},
         {"plane", required_argument, NULL, 'P'},
         {"verbose", no_argument, NULL, 'v'},
         {"no-loan", no_argument, NULL, 'L'},
@@ -1461,6 +1485,11 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             if (!parse_num("--fanin", optarg, 1, 1024, &v))
                 return TDP_EXIT_USAGE;
             cfg->fanin = (int)v;
+            break;
+        case 'T':
+            if (!parse_num("--fanout", optarg, 1, 64, &v))
+                return TDP_EXIT_USAGE;
+            cfg->fanout = (int)v;
             break;
         case 'G':
             cfg->fanin_baseline = optarg;
@@ -1565,7 +1594,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
 
 static void warn_rounds(const bench_cfg *cfg)
 {
-    if (cfg->rounds <= 0 || cfg->consumer || cfg->server)
+    if (cfg->rounds <= 0 || cfg->consumer || cfg->server || cfg->fanout > 0)
         return;
     if (cfg->clients > 0) {
         if (cfg->rounds < 10 * cfg->clients)
@@ -1632,6 +1661,9 @@ int tdp_cmd_bench(int argc, char **argv)
         return tdp_bench_clients_server((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
     if (cfg.fanin_role)
         return tdp_bench_fanin_consumer((uint64_t)cfg.rounds, cfg.depth, cfg.plane);
+    if (cfg.fanout > 0)
+        return tdp_bench_fanout(cfg.fanout, cfg.sizes, cfg.nsizes, cfg.rounds, cfg.depth, cfg.plane,
+                                cfg.no_loan, cfg.json_path, cfg.quiet);
     if (cfg.fanin > 0)
         return tdp_bench_fanin(cfg.fanin, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
                                cfg.depth, cfg.plane, cfg.fanin_baseline, cfg.json_path, cfg.quiet);

@@ -234,7 +234,7 @@ enum {
     OPT_JSON,
     OPT_CHECKSUM,
 };
-enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES, OPT_TO }; /* real data; --to */
+enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES, OPT_TO, OPT_DISTRIBUTE };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -562,13 +562,17 @@ static const char send_help[] =
     "pace of the slowest; a receiver that fails leaves and the others go on.\n"
     "The summary adds a line per receiver (its messages, bytes, plane), the\n"
     "rate lines and --json a \"peers\" list; not with --echo, --reconnect,\n"
-    "--depth-hint.\n\n"
+    "--depth-hint. With --distribute each message goes to one receiver that is\n"
+    "free instead (a share each; their pattern check no longer lines up: run\n"
+    "them with --no-verify).\n\n"
     "Options:\n"
     "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
     "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
     "                      a multiple of 4 (whole float32 elements)\n"
     "  -n, --count N       messages to send (default 1000; 1 with --file)\n"
     "      --to HOST:PORT  one more receiver (repeat it: up to 64)\n"
+    "      --distribute    with several receivers: each message to one that is free\n"
+    "                      (default: every message to each of them)\n"
     "      --file PATH     send the tensors of safetensors file PATH (checked first:\n"
     "                      a malformed file is refused, exit 2); not with --size,\n"
     "                      --echo\n"
@@ -650,6 +654,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"schema", required_argument, NULL, OPT_SCHEMA},
         {"wait", required_argument, NULL, OPT_WAIT},
         {"to", required_argument, NULL, OPT_TO},
+        {"distribute", no_argument, NULL, OPT_DISTRIBUTE},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -699,6 +704,9 @@ static int send_parse(int argc, char **argv, send_args *a)
                 return tdp_cli_usage_error(
                     "send", "invalid address '%s' (want HOST:PORT or [V6]:PORT)", optarg);
             fan.n++;
+            break;
+        case OPT_DISTRIBUTE:
+            fan.distribute = true;
             break;
         case OPT_WAIT:
             if (!tdp_cli_parse_double(optarg, &wait_s) || wait_s <= 0 ||
@@ -789,6 +797,9 @@ static int send_parse(int argc, char **argv, send_args *a)
         a->port = fan.port[0];
         fan.n = 0;
     }
+    if (fan.distribute && fan.n < 2)
+        return tdp_cli_usage_error("send", "--distribute shares the messages among receivers: "
+                                           "name two or more (--to HOST:PORT, repeated)");
     if (fan.n > 1 && (a->echo || a->reconnect_ms > 0 || a->depth_hint))
         return tdp_cli_usage_error("send", "several receivers: not with --echo, --reconnect or "
                                            "--depth-hint");

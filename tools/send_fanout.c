@@ -1,8 +1,9 @@
 /*
  * send_fanout.c: `tdpipe send` to several receivers at once (--to,
- * repeated): one broadcast fan-out (include/tdpipe/fanout.h) whose
- * consumers are the receivers dialed, every message to each of them, the
- * producer at the pace of the slowest. Rate lines and the summary show
+ * repeated): one fan-out (include/tdpipe/fanout.h) whose consumers are
+ * the receivers dialed. Broadcast (the default): every message to each of
+ * them, the producer at the pace of the slowest; --distribute: each
+ * message to one receiver that is free. Rate lines and the summary show
  * each receiver's figures.
  */
 #include <inttypes.h>
@@ -45,11 +46,18 @@ static int dial_all(const tdp_cli_fanout_args *a, tdp_fanout *fo)
     return -1;
 }
 
-static void report_text(const tdp_cli_meter *m, const tdp_fanout_peer_stats *ps, uint32_t n)
+static const char *mode_name(const tdp_cli_fanout_args *a)
+{
+    return a->distribute ? "distribute" : "broadcast";
+}
+
+static void report_text(const tdp_cli_fanout_args *a, const tdp_cli_meter *m,
+                        const tdp_fanout_peer_stats *ps, uint32_t n)
 {
     char line[256], sz[TDP_CLI_FMT_LEN];
-    printf("%s; to %u receiver%s\n",
-           tdp_cli_meter_summary(m, "sent", tdp_cli_now_ns(), line, sizeof(line)), n, tdp_cli_s(n));
+    printf("%s; to %u receiver%s%s\n",
+           tdp_cli_meter_summary(m, "sent", tdp_cli_now_ns(), line, sizeof(line)), n, tdp_cli_s(n),
+           a->distribute ? ", distributed" : "");
     for (uint32_t i = 0; i < n; i++)
         printf("  %s: %" PRIu64 " message%s, %s, plane %s, %" PRIu64 " dropped\n", ps[i].peer,
                ps[i].msgs_sent, tdp_cli_s(ps[i].msgs_sent),
@@ -57,15 +65,15 @@ static void report_text(const tdp_cli_meter *m, const tdp_fanout_peer_stats *ps,
                ps[i].drops);
 }
 
-static void report_json(const tdp_cli_meter *m, const tdp_fanout_peer_stats *ps, uint32_t n,
-                        uint64_t size, const char *end)
+static void report_json(const tdp_cli_fanout_args *a, const tdp_cli_meter *m,
+                        const tdp_fanout_peer_stats *ps, uint32_t n, uint64_t size, const char *end)
 {
     json_t *o = json_object(), *peers = json_array();
     json_object_set_new(o, "cmd", json_string("send"));
     tdp_cli_meter_json(o, m, tdp_cli_now_ns());
     json_object_set_new(o, "size", json_integer((json_int_t)size));
     json_object_set_new(o, "end", json_string(end));
-    json_object_set_new(o, "mode", json_string("broadcast"));
+    json_object_set_new(o, "mode", json_string(mode_name(a)));
     for (uint32_t i = 0; i < n; i++) {
         json_t *p = json_object();
         json_object_set_new(p, "peer", json_string(ps[i].peer));
@@ -111,8 +119,11 @@ int tdp_cli_send_fanout(const tdp_cli_fanout_args *a, tdp_td *td)
     tdp_fanout *fo;
     tdp_cli_meter m;
     tdp_fanout_peer_stats ps[TDP_CLI_FANOUT_MAX];
+    tdp_fanout_opts fopts;
+    tdp_fanout_opts_default(&fopts);
+    fopts.mode = a->distribute ? TDP_FANOUT_DISTRIBUTE : TDP_FANOUT_BROADCAST;
     tdp_err rc = tdp_loop_new(NULL, &loop);
-    if (rc == TDP_OK && (rc = tdp_fanout_new(loop, NULL, &fo)) != TDP_OK)
+    if (rc == TDP_OK && (rc = tdp_fanout_new(loop, &fopts, &fo)) != TDP_OK)
         tdp_loop_free(loop);
     if (rc != TDP_OK) {
         tdp_cli_error("send", "cannot make the fan-out: %s", tdp_strerror(rc));
@@ -122,7 +133,8 @@ int tdp_cli_send_fanout(const tdp_cli_fanout_args *a, tdp_td *td)
     if (ec >= 0)
         goto out;
     if (!a->quiet && !a->json)
-        fprintf(stderr, "send: broadcasting to %u receivers\n", a->n);
+        fprintf(stderr, "send: %s to %u receivers\n",
+                a->distribute ? "distributing" : "broadcasting", a->n);
     tdp_cli_meter_start(&m);
     tdp_cli_ticker *tick = tdp_cli_ticker_start(
         "send", 0, a->json, tdp_cli_interval(a->interval, a->quiet), sample, fo);
@@ -139,12 +151,12 @@ int tdp_cli_send_fanout(const tdp_cli_fanout_args *a, tdp_td *td)
         rc = crc;
     }
     if (a->json)
-        report_json(&m, ps, n, tdp_td_nbytes(td),
+        report_json(a, &m, ps, n, tdp_td_nbytes(td),
                     sig != 0       ? "interrupted"
                     : rc == TDP_OK ? "ok"
                                    : tdp_strerror(rc));
     else
-        report_text(&m, ps, n);
+        report_text(a, &m, ps, n);
     ec = rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig) : tdp_cli_exit_for(rc);
 out:
     tdp_fanout_free(fo);

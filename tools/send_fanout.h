@@ -1,4 +1,5 @@
-/* send_fanout.h: `tdpipe send --to A --to B ...`, a broadcast to several receivers. */
+/* send_fanout.h: `tdpipe send --to A --to B ...`: a broadcast (or, --distribute, a share each) to
+ * several receivers. */
 #ifndef TDP_TOOLS_SEND_FANOUT_H
 #define TDP_TOOLS_SEND_FANOUT_H
 
@@ -19,10 +20,11 @@ typedef struct tdp_cli_fanout_args {
     int64_t timeout_ms;
     const tdp_pipe_opts *pipe; /* every receiver's pipe options */
     bool fill;                 /* synthetic: write message n's pattern before sending it */
+    bool distribute;           /* --distribute: each message to one receiver */
     bool quiet, json;
 } tdp_cli_fanout_args;
 
-/* Send a->count messages of td to every receiver; returns the exit status. */
+/* Send a->count messages of td to every receiver (or one each); returns the exit status. */
 int tdp_cli_send_fanout(const tdp_cli_fanout_args *a, tdp_td *td);
 
 #endif

@@ -11,6 +11,8 @@
  *             for asyncio (loop.add_reader)
  *   Server    a tdp_server whose handler calls back into Python on the
  *             library's loop thread (under PyGILState_Ensure)
+ *   FanIn     a tdp_fanin (many producers, one stream)
+ *   FanOut    a tdp_fanout (one producer, many consumers)
  *
  * Every pipe, listener and server of the process runs on one tdp_loop that
  * runs on its own thread, started with the first of them and never freed:
@@ -42,7 +44,8 @@ static atomic_int g_finalizing;
 /* tdpipe._errors.make_error(code, name, message) -> exception instance. */
 static PyObject *g_make_error;
 
-static PyTypeObject SchemaType, TdType, PipeType, ListenerType, OpType, ServerType, FanInType;
+static PyTypeObject SchemaType, TdType, PipeType, ListenerType, OpType, ServerType, FanInType,
+    FanOutType;
 
 /* Raise the Python exception for a tdpipe error; returns NULL. */
 static PyObject *raise_tdp(tdp_err rc, const char *context)
@@ -2328,11 +2331,424 @@ static PyTypeObject FanInType = {
     .tp_getset = fanin_getset,
 };
 
+/* ---- FanOut ----------------------------------------------------------------- */
+
+/*
+ * One producer, many consumers (tdp_fanout). Sends are blocking (send)
+ * or asynchronous (start_send / result / settle / fileno: an eventfd the
+ * completion writes, for asyncio); one asynchronous send at a time, whose
+ * Td is kept alive until it completes.
+ */
+typedef struct FanOutObject {
+    PyObject_HEAD tdp_fanout *fo;
+    int on_thread, busy;
+    int port;   /* what listen bound, 0 before */
+    tdp_op *op; /* the async send */
+    int efd;
+    int pending;
+    TdObject *sending; /* the async send's tensordict */
+} FanOutObject;
+
+static int fanout_check(FanOutObject *self)
+{
+    if (self->fo == NULL) {
+        raise_tdp(TDP_ECANCELED, "fan-out freed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this fan-out");
+        return -1;
+    }
+    return 0;
+}
+
+/* FanOut.new(mode, slow, depth, max_consumers, close_timeout_ms, on_thread) */
+static PyObject *fanout_new(PyObject *cls, PyObject *args)
+{
+    int mode, slow, on_thread = 1;
+    unsigned int depth, max_consumers;
+    long long close_ms;
+    if (!PyArg_ParseTuple(args, "iiIIL|p", &mode, &slow, &depth, &max_consumers, &close_ms,
+                          &on_thread))
+        return NULL;
+    tdp_fanout_opts o;
+    tdp_fanout_opts_default(&o);
+    o.mode = (tdp_fanout_mode)mode;
+    o.slow = (tdp_fanout_slow)slow;
+    o.depth = depth;
+    o.max_consumers = max_consumers;
+    o.close_timeout_ms = close_ms;
+    tdp_loop *loop = on_thread ? get_loop() : get_loop_caller();
+    if (loop == NULL)
+        return NULL;
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    tdp_op *op;
+    tdp_err rc = tdp_op_new(op_done, (void *)(intptr_t)fd, &op);
+    if (rc != TDP_OK) {
+        close(fd);
+        return raise_tdp(rc, "fan-out");
+    }
+    tdp_fanout *fo;
+    if ((rc = tdp_fanout_new(loop, &o, &fo)) != TDP_OK) {
+        tdp_op_free(op);
+        close(fd);
+        return raise_tdp(rc, "fan-out");
+    }
+    FanOutObject *self = PyObject_New(FanOutObject, &FanOutType);
+    if (self == NULL) {
+        Py_BEGIN_ALLOW_THREADS tdp_fanout_free(fo);
+        Py_END_ALLOW_THREADS tdp_op_free(op);
+        close(fd);
+        return NULL;
+    }
+    self->fo = fo;
+    self->on_thread = on_thread;
+    self->busy = 0;
+    self->port = 0;
+    self->op = op;
+    self->efd = fd;
+    self->pending = 0;
+    self->sending = NULL;
+    return (PyObject *)self;
+}
+
+/* connect(host, port, opts) -> the consumer's id */
+static PyObject *fanout_connect(FanOutObject *self, PyObject *args)
+{
+    const char *host;
+    int port;
+    PyObject *d = NULL;
+    if (!PyArg_ParseTuple(args, "si|O", &host, &port, &d) || fanout_check(self) < 0)
+        return NULL;
+    if (port < 1 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 1..65535");
+        return NULL;
+    }
+    tdp_pipe_opts o;
+    if (parse_opts(d, &o) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    uint64_t id = 0;
+    tdp_err rc;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_connect(fo, host, (uint16_t)port, &o, &id);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "connect");
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+/* listen(host, port, opts) -> the port bound */
+static PyObject *fanout_listen(FanOutObject *self, PyObject *args)
+{
+    const char *host;
+    int port = 0;
+    PyObject *d = NULL;
+    if (!PyArg_ParseTuple(args, "z|iO", &host, &port, &d) || fanout_check(self) < 0)
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_SetString(PyExc_ValueError, "port must be 0..65535");
+        return NULL;
+    }
+    tdp_listener_opts lo;
+    tdp_listener_opts_default(&lo);
+    if (parse_opts(d, &lo.pipe) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    uint16_t bound = 0;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_listen(fo, host, (uint16_t)port, &lo, &bound);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "listen");
+    self->port = bound;
+    return PyLong_FromLong(bound);
+}
+
+static PyObject *fanout_remove(FanOutObject *self, PyObject *arg)
+{
+    unsigned long long id = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || fanout_check(self) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_remove(fo, id);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "remove");
+    Py_RETURN_NONE;
+}
+
+/* send(td, timeout) */
+static PyObject *fanout_send(FanOutObject *self, PyObject *args)
+{
+    TdObject *td;
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "O!|O", &TdType, &td, &to) || timeout_ms(to, &ms) < 0 ||
+        fanout_check(self) < 0 || td_check_live(td) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    tdp_td *t = td->td;
+    tdp_err rc;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_send(fo, t, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "send");
+    Py_RETURN_NONE;
+}
+
+/* loan(schema) -> Td (raises EAGAIN while every slot is held) */
+static PyObject *fanout_loan(FanOutObject *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &SchemaType)) {
+        PyErr_SetString(PyExc_TypeError, "Schema expected");
+        return NULL;
+    }
+    if (fanout_check(self) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    tdp_schema *s = ((SchemaObject *)arg)->s;
+    tdp_td *t;
+    tdp_err rc;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_loan(fo, s, &t);
+    Py_END_ALLOW_THREADS if (rc != TDP_OK) return raise_tdp(rc, "loan");
+    TdObject *o = td_new_obj(t);
+    tdp_td_unref(t);
+    return (PyObject *)o;
+}
+
+static PyObject *fanout_start_send(FanOutObject *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &TdType)) {
+        PyErr_SetString(PyExc_TypeError, "Td expected");
+        return NULL;
+    }
+    TdObject *td = (TdObject *)arg;
+    if (fanout_check(self) < 0 || td_check_live(td) < 0)
+        return NULL;
+    if (!self->on_thread) {
+        PyErr_SetString(PyExc_RuntimeError, "async sends need a fan-out on the loop thread");
+        return NULL;
+    }
+    if (self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "a send is already pending");
+        return NULL;
+    }
+    Py_INCREF(td);
+    self->sending = td;
+    self->pending = 1;
+    tdp_fanout *fo = self->fo;
+    tdp_td *t = td->td;
+    tdp_op *op = self->op;
+    Py_BEGIN_ALLOW_THREADS tdp_fanout_send_async(fo, t, op);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* result() -> None while pending, else the fan-out's sequence number (or raises). */
+static PyObject *fanout_result(FanOutObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    if (!self->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "no send started");
+        return NULL;
+    }
+    tdp_err rc = tdp_op_result(self->op);
+    if (rc == TDP_EAGAIN)
+        Py_RETURN_NONE;
+    self->pending = 0;
+    Py_CLEAR(self->sending);
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "send");
+    return PyLong_FromUnsignedLongLong(tdp_op_seq(self->op));
+}
+
+/* settle(us): wait up to us microseconds without the GIL, then as result(). */
+static PyObject *fanout_settle(FanOutObject *self, PyObject *arg)
+{
+    long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred())
+        return NULL;
+    if (self->pending && us > 0 && tdp_op_result(self->op) == TDP_EAGAIN) {
+        tdp_op *op = self->op;
+        Py_BEGIN_ALLOW_THREADS struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            sched_yield();
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while (tdp_op_result(op) == TDP_EAGAIN &&
+                 (t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000 < us);
+        Py_END_ALLOW_THREADS
+    }
+    return fanout_result(self, NULL);
+}
+
+static PyObject *fanout_fileno(FanOutObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->efd);
+}
+
+static PyObject *fanout_drain(FanOutObject *self, PyObject *unused)
+{
+    uint64_t v;
+    while (read(self->efd, &v, sizeof v) > 0) {
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fanout_close(FanOutObject *self, PyObject *args)
+{
+    PyObject *to = NULL;
+    int64_t ms;
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0)
+        return NULL;
+    if (self->fo == NULL)
+        Py_RETURN_NONE;
+    if (fanout_check(self) < 0)
+        return NULL;
+    tdp_fanout *fo = self->fo;
+    tdp_err rc;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS rc = tdp_fanout_close(fo, ms);
+    Py_END_ALLOW_THREADS self->busy = 0;
+    if (rc != TDP_OK)
+        return raise_tdp(rc, "close");
+    Py_RETURN_NONE;
+}
+
+static void fanout_free_now(FanOutObject *self)
+{
+    tdp_fanout *fo = self->fo;
+    if (fo == NULL)
+        return;
+    self->fo = NULL;
+    int caller = !self->on_thread;
+    Py_BEGIN_ALLOW_THREADS tdp_fanout_free(fo); /* a pending send completes: TDP_ECANCELED */
+    if (caller)
+        pump_caller_loop();
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *fanout_free_m(FanOutObject *self, PyObject *unused)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this fan-out");
+        return NULL;
+    }
+    fanout_free_now(self);
+    Py_RETURN_NONE;
+}
+
+static void fanout_dealloc(FanOutObject *self)
+{
+    fanout_free_now(self);
+    Py_CLEAR(self->sending);
+    tdp_op_free(self->op);
+    close(self->efd);
+    PyObject_Free(self);
+}
+
+static PyObject *fanout_peer_dict(const tdp_fanout_peer_stats *p)
+{
+    return Py_BuildValue(
+        "{sKsssKsKsKsKsKsIsisOss}", "id", (unsigned long long)p->id, "peer", p->peer, "msgs_sent",
+        (unsigned long long)p->msgs_sent, "bytes_sent", (unsigned long long)p->bytes_sent, "drops",
+        (unsigned long long)p->drops, "first_seq", (unsigned long long)p->first_seq, "moved",
+        (unsigned long long)p->moved, "queued", (unsigned int)p->queued, "status", (int)p->status,
+        "leaving", p->leaving ? Py_True : Py_False, "plane", tdp_plane_name(p->plane));
+}
+
+/* stats() -> the fan-out's figures, "peers": a dict per consumer there now */
+static PyObject *fanout_stats(FanOutObject *self, PyObject *unused)
+{
+    if (self->fo == NULL)
+        return raise_tdp(TDP_ECANCELED, "fan-out freed");
+    tdp_fanout *fo = self->fo;
+    tdp_fanout_stats s;
+    uint32_t cap = 64, n;
+    tdp_fanout_peer_stats *ps = NULL;
+    for (;;) { /* consumers may join between the two calls: grow until they fit */
+        tdp_fanout_peer_stats *grown = PyMem_Realloc(ps, cap * sizeof(*ps));
+        if (grown == NULL) {
+            PyMem_Free(ps);
+            return PyErr_NoMemory();
+        }
+        ps = grown;
+        Py_BEGIN_ALLOW_THREADS n = tdp_fanout_stats_get(fo, &s, ps, cap);
+        Py_END_ALLOW_THREADS if (n <= cap) break;
+        cap = n + 16;
+    }
+    PyObject *peers = PyList_New(n);
+    for (uint32_t i = 0; peers != NULL && i < n; i++) {
+        PyObject *p = fanout_peer_dict(&ps[i]);
+        if (p == NULL)
+            Py_CLEAR(peers);
+        else
+            PyList_SET_ITEM(peers, i, p);
+    }
+    PyMem_Free(ps);
+    if (peers == NULL)
+        return NULL;
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsIsN}", "msgs", (unsigned long long)s.msgs, "bytes",
+                         (unsigned long long)s.bytes, "unsent", (unsigned long long)s.unsent,
+                         "drops", (unsigned long long)s.drops, "joined",
+                         (unsigned long long)s.joined, "left", (unsigned long long)s.left, "failed",
+                         (unsigned long long)s.failed, "refused", (unsigned long long)s.refused,
+                         "moved", (unsigned long long)s.moved, "consumers",
+                         (unsigned int)s.consumers, "peers", peers);
+}
+
+static PyObject *fanout_port(FanOutObject *self, void *c)
+{
+    if (self->port == 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(self->port);
+}
+
+static PyObject *fanout_on_thread(FanOutObject *self, void *c)
+{
+    return PyBool_FromLong(self->on_thread);
+}
+
+static PyMethodDef fanout_methods[] = {
+    {"new", (PyCFunction)fanout_new, METH_VARARGS | METH_CLASS, NULL},
+    {"connect", (PyCFunction)fanout_connect, METH_VARARGS, NULL},
+    {"listen", (PyCFunction)fanout_listen, METH_VARARGS, NULL},
+    {"remove", (PyCFunction)fanout_remove, METH_O, NULL},
+    {"send", (PyCFunction)fanout_send, METH_VARARGS, NULL},
+    {"loan", (PyCFunction)fanout_loan, METH_O, NULL},
+    {"start_send", (PyCFunction)fanout_start_send, METH_O, NULL},
+    {"result", (PyCFunction)fanout_result, METH_NOARGS, NULL},
+    {"settle", (PyCFunction)fanout_settle, METH_O, NULL},
+    {"fileno", (PyCFunction)fanout_fileno, METH_NOARGS, NULL},
+    {"drain", (PyCFunction)fanout_drain, METH_NOARGS, NULL},
+    {"close", (PyCFunction)fanout_close, METH_VARARGS, NULL},
+    {"free", (PyCFunction)fanout_free_m, METH_NOARGS, NULL},
+    {"stats", (PyCFunction)fanout_stats, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef fanout_getset[] = {
+    {"port", (getter)fanout_port, NULL, NULL, NULL},
+    {"on_thread", (getter)fanout_on_thread, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject FanOutType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tdpipe._tdpipe.FanOut",
+    .tp_basicsize = sizeof(FanOutObject),
+    .tp_dealloc = (destructor)fanout_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = fanout_methods,
+    .tp_getset = fanout_getset,
+};
+
 PyMODINIT_FUNC PyInit__tdpipe(void)
 {
-    PyTypeObject *types[] = {&SchemaType, &TdType,     &PipeType, &ListenerType,
-                             &OpType,     &ServerType, &FanInType};
-    const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server", "FanIn"};
+    PyTypeObject *types[] = {&SchemaType, &TdType,     &PipeType,  &ListenerType,
+                             &OpType,     &ServerType, &FanInType, &FanOutType};
+    const char *names[] = {"Schema", "Td", "Pipe", "Listener", "Op", "Server", "FanIn", "FanOut"};
     PyObject *m = PyModule_Create(&mod_def);
     if (m == NULL)
         return NULL;

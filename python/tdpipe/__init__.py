@@ -34,7 +34,7 @@ __all__ = [
     "connect", "aconnect", "listen", "Pipe", "Listener", "Server", "Message", "Consolidated",
     "consolidate", "Error", "ClosedError", "PeerError", "TimeoutError", "ProtocolError",
     "RefusedError", "CanceledError", "AuthError", "ChecksumError", "SchemaError", "Schema",
-    "library_version", "mem_stats", "DLPackArray", "cuda_device_count", "FanIn",
+    "library_version", "mem_stats", "DLPackArray", "cuda_device_count", "FanIn", "FanOut",
 ]
 
 Schema = _tdpipe.Schema
@@ -786,3 +786,4 @@ class Server:
 
 
 from .fanin import FanIn  # noqa: E402  (it uses the helpers above)
+from .fanout import FanOut  # noqa: E402

@@ -29,3 +29,14 @@ def test_gpu_dataloader_example():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "trained on 100 GPU batches over cuda-ipc" in r.stdout, r.stdout
+
+
+def test_weights_broadcast_example():
+    """One trainer broadcasts loaned weight buffers to 3 replica processes;
+    the example checks every replica got every version, in order, and ends
+    with the trainer's weights."""
+    r = subprocess.run([sys.executable, os.path.join(EX, "weights_broadcast.py"), "--replicas",
+                        "3", "--steps", "20"],
+                       capture_output=True, text=True, timeout=240, env=os.environ.copy())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 replicas got 20 weight versions" in r.stdout, r.stdout
