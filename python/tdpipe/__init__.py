@@ -23,7 +23,7 @@ from . import _tdpipe
 from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
                      ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
-    consolidate, consolidated_check, producer_done as _producer_done
+    consolidate, consolidated_check, producer_done as _producer_done, _is_mapping
 
 try:
     import torch as _torch
@@ -105,11 +105,19 @@ def _on_device(raw, device):
 
 
 
+def _check_into(td):
+    if td is not None and not _is_mapping(td):
+        # refused before a message is taken
+        raise TypeError("recv(td): td is a tensordict or a nested mapping of tensors or arrays "
+                        "to receive into, got %s" % type(td).__name__)
+
+
 def _as_timeout(td, timeout):
     """recv(td) takes the tensordict first (as tensordict's pipe does); a
     number there is the timeout of older calls, recv(5)."""
     if isinstance(td, (int, float)) and not isinstance(td, bool):
         return None, td
+    _check_into(td)
     return td, timeout
 
 
@@ -412,6 +420,7 @@ class Pipe:
         Either way the event loop never blocks, and a cancelled arecv leaves
         its receive pending: the next arecv takes its message. arecv(td)
         receives into td as recv(td) does."""
+        _check_into(td)
         device = _check_device(device)
         self._gpu_reuse()
         raw = _on_device(await self._arecv_raw(), device)
