@@ -2,6 +2,9 @@
 tensordict, the receive device, tuple keys and batch_size, async with and
 async connect/accept, key order, and the errors of what this side sends."""
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -575,3 +578,48 @@ def test_cancelled_arecvs_lose_nothing_and_close_at_once(pair):
             await asyncio.wait_for(tx.arecv(), 5)
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+# ---- across hosts (docs/python.md, "Across hosts"), as far as one host shows it ------
+
+_ACROSS = r"""
+import os, socket, sys, torch, tdpipe
+assert os.environ["UCX_NET_DEVICES"] == "lo"
+hosts = ["127.0.0.1"]
+try:
+    s = socket.socket(socket.AF_INET6)
+    s.bind(("::1", 0))
+    s.close()
+    hosts.append("::1")
+except OSError:
+    pass
+with tdpipe.listen(None, 0, loop="thread", plane="ucx") as lst:  # every address
+    for h in hosts:
+        tx = tdpipe.connect(h, lst.port, plane="ucx")
+        rx = lst.accept(timeout=20)
+        assert tx.plane == rx.plane == "ucx", (tx.plane, rx.plane)
+        tx.send({"x": torch.arange(5), "h": h}, timeout=10)
+        with rx.recv(timeout=10) as m:
+            assert m["x"].tolist() == list(range(5)) and m["h"] == h
+        tx.close(5)
+        rx.abort()
+if "::1" in hosts:  # a listener on one address is reached there only
+    with tdpipe.listen("127.0.0.1", 0, loop="thread") as lst:
+        try:
+            tdpipe.connect("::1", lst.port, connect_timeout=5)
+            raise AssertionError("::1 reached a listener bound to 127.0.0.1")
+        except tdpipe.RefusedError:
+            pass
+print("across:", " ".join(hosts))
+"""
+
+
+def test_every_address_listener_with_ucx_net_devices_in_a_fresh_process():
+    """listen(None) binds every address (reached here by 127.0.0.1 and ::1),
+    the ucx plane (the one used between hosts) carries the message, and
+    UCX_NET_DEVICES set before the process's first pipe is taken."""
+    env = dict(os.environ, UCX_NET_DEVICES="lo")
+    r = subprocess.run([sys.executable, "-c", _ACROSS], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "across: 127.0.0.1" in r.stdout
