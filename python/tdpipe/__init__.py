@@ -47,6 +47,10 @@ __version__ = _tdpipe.library_version()
 # interpreter is shutting down.
 atexit.register(_tdpipe._finalizing)
 
+# asend gathers a dict of at least this many bytes into a loaned shm slot
+# (measured: below it the loan per message costs more than the copy saved)
+_ALOAN_MIN_BYTES = 64 * 1024
+
 _OPTS = ("depth", "recv_depth", "connect_timeout", "linger", "reconnect", "connect_wait",
          "latency_stats", "plane", "peer_mode", "keepalive", "secret", "recv_device",
          "cuda_device")
@@ -480,10 +484,12 @@ class Pipe:
         raw_td, gather = self._send_args(td)
         if raw_td is None:
             schema, addrs, keep = gather
-            if self._abuf_schema is not schema:
-                self._abuf = _tdpipe.Td.alloc(schema)
-                self._abuf_schema = schema
-            raw_td = self._abuf
+            raw_td = self._aloan(schema)
+            if raw_td is None:
+                if self._abuf_schema is not schema:
+                    self._abuf = _tdpipe.Td.alloc(schema)
+                    self._abuf_schema = schema
+                raw_td = self._abuf
             raw_td.fill(addrs)
             del keep
         self._sop.start_send(self._raw, raw_td)
@@ -494,6 +500,22 @@ class Pipe:
         if spin <= 0 or self._sop.settle(spin) is None:
             await self._wait(self._sop)
         self._sop_pending = False
+
+    def _aloan(self, schema):
+        """On the shm plane, a pool slot for asend to gather a dict into:
+        the send then copies nothing more (one copy in all, where the
+        pipe's own buffer costs a second one into a slot). None below 64 KB
+        (a loan per message costs more than copying that much twice), when
+        every slot is out (the receiver holds them), or on another plane:
+        then the pipe's buffer."""
+        if schema.total_bytes < _ALOAN_MIN_BYTES or self._raw.plane != "shm":
+            return None
+        try:
+            return self._raw.loan(schema)
+        except Error as e:
+            if e.errname != "EAGAIN":
+                raise
+            return None
 
     def __aiter__(self):
         return self

@@ -623,3 +623,46 @@ def test_every_address_listener_with_ucx_net_devices_in_a_fresh_process():
                        timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "across: 127.0.0.1" in r.stdout
+
+
+def test_large_asend_gathers_into_pool_slots_and_held_messages_stay_intact():
+    """On shm an asend of a dict of 64 KB or more is gathered straight into a
+    loaned pool slot (the pipe's own gather buffer is never made); messages
+    the receiver holds keep their contents while later asends go, and an
+    asend with every slot held waits for a release."""
+    async def main():
+        lst = tdpipe.listen("127.0.0.1", loop="thread", depth=3)
+        tx = await tdpipe.aconnect("127.0.0.1", lst.port, plane="shm")
+        rx = await lst.aaccept(timeout=10)
+        lst.close()
+        assert tx.plane == "shm"
+        d = {"obs": torch.zeros(200000, dtype=torch.uint8), "i": {"x": torch.zeros(4)}}
+        held = []
+        for i in range(3):
+            d["obs"].fill_(i + 1)
+            d["i"]["x"].fill_(float(i))
+            await tx.asend(d)
+            held.append(await asyncio.wait_for(rx.arecv(), 10))
+        assert tx._abuf is None  # every one went through a loaned slot
+        d["obs"].fill_(9)
+        late = asyncio.ensure_future(tx.asend(d))  # every receive buffer is held
+        await asyncio.sleep(0.2)
+        assert not late.done()  # no credit: it waits
+        for i, m in enumerate(held):
+            assert m["i", "x"].tolist() == [float(i)] * 4
+            assert int(m["obs"].min()) == int(m["obs"].max()) == i + 1
+        held.pop(0).release()
+        await asyncio.wait_for(late, 10)
+        with await asyncio.wait_for(rx.arecv(), 10) as m:
+            assert int(m["obs"].min()) == int(m["obs"].max()) == 9
+        for m in held:
+            m.release()
+        # small messages keep the pipe's buffer (a loan each costs more)
+        await tx.asend({"s": torch.ones(16)})
+        assert tx._abuf is not None
+        with await asyncio.wait_for(rx.arecv(), 10) as m:
+            assert m["s"].tolist() == [1.0] * 16
+        tx.abort()
+        rx.abort()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
