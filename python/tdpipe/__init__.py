@@ -173,6 +173,7 @@ class Pipe:
         self._sop_pending = False
         self._abuf = None  # asend's gather buffer, reused while its schema holds
         self._abuf_schema = None
+        self._aloans = 0  # asends gathered into a loaned slot (the tests read it)
         self._dbuf = None  # send's device gather buffer, reused while its schema holds
         self._dbuf_schema = None
         # depth 1: the device of the GPU message lent last, whose buffer the
@@ -484,12 +485,16 @@ class Pipe:
         raw_td, gather = self._send_args(td)
         if raw_td is None:
             schema, addrs, keep = gather
+            if self._abuf_schema is not schema:
+                # made with the layout even where loans carry it, so that a
+                # loan refused later (every slot out) allocates nothing
+                self._abuf = _tdpipe.Td.alloc(schema)
+                self._abuf_schema = schema
             raw_td = self._aloan(schema)
             if raw_td is None:
-                if self._abuf_schema is not schema:
-                    self._abuf = _tdpipe.Td.alloc(schema)
-                    self._abuf_schema = schema
                 raw_td = self._abuf
+            else:
+                self._aloans += 1
             raw_td.fill(addrs)
             del keep
         self._sop.start_send(self._raw, raw_td)

@@ -627,7 +627,7 @@ def test_every_address_listener_with_ucx_net_devices_in_a_fresh_process():
 
 def test_large_asend_gathers_into_pool_slots_and_held_messages_stay_intact():
     """On shm an asend of a dict of 64 KB or more is gathered straight into a
-    loaned pool slot (the pipe's own gather buffer is never made); messages
+    loaned pool slot (not into the pipe's own gather buffer); messages
     the receiver holds keep their contents while later asends go, and an
     asend with every slot held waits for a release."""
     async def main():
@@ -637,13 +637,16 @@ def test_large_asend_gathers_into_pool_slots_and_held_messages_stay_intact():
         lst.close()
         assert tx.plane == "shm"
         d = {"obs": torch.zeros(200000, dtype=torch.uint8), "i": {"x": torch.zeros(4)}}
+        # loans wait for the peer's shared-memory connection to be proven
+        # (an asend before that takes the pipe's buffer): one loan first
+        tx.loan(d, timeout=10)  # dropped at once: the slot goes back to the pool
         held = []
         for i in range(3):
             d["obs"].fill_(i + 1)
             d["i"]["x"].fill_(float(i))
             await tx.asend(d)
             held.append(await asyncio.wait_for(rx.arecv(), 10))
-        assert tx._abuf is None  # every one went through a loaned slot
+        assert tx._aloans == 3  # every one went through a loaned slot
         d["obs"].fill_(9)
         late = asyncio.ensure_future(tx.asend(d))  # every receive buffer is held
         await asyncio.sleep(0.2)
@@ -657,9 +660,10 @@ def test_large_asend_gathers_into_pool_slots_and_held_messages_stay_intact():
             assert int(m["obs"].min()) == int(m["obs"].max()) == 9
         for m in held:
             m.release()
-        # small messages keep the pipe's buffer (a loan each costs more)
+        # small messages take the pipe's buffer (a loan each costs more)
+        n = tx._aloans
         await tx.asend({"s": torch.ones(16)})
-        assert tx._abuf is not None
+        assert tx._aloans == n
         with await asyncio.wait_for(rx.arecv(), 10) as m:
             assert m["s"].tolist() == [1.0] * 16
         tx.abort()
