@@ -461,8 +461,10 @@ class Pipe:
     async def asend(self, td):
         """send() for asyncio. A Consolidated goes as it is; separate
         leaves are gathered (one copy) into a send buffer this pipe keeps
-        for its asynchronous sends and reuses while the layout repeats: no
-        allocation in steady state, as for send(). The data is referenced
+        for its asynchronous sends and reuses while the layout repeats, or,
+        for 64 KB or more on the shm plane, into a loaned pool slot (the
+        send then copies nothing more): no allocation in steady state, as
+        for send(). The data is referenced
         until the send completes; a cancelled asend's send still completes,
         and the next asend waits for it first.
 
