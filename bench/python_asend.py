@@ -87,27 +87,28 @@ def one(pipe, way, d, seconds):
 def run(sizes, seconds=1.0, repeats=3):
     """[(size, way, median msgs/s, host allocs/msg, small allocs/msg, plane)]."""
     rows = []
-    for size in sizes:
-        with tdpipe.listen("127.0.0.1", loop="thread") as lst:
-            child = subprocess.Popen([sys.executable, __file__, "--drain", str(lst.port)])
-            try:
-                pipe = lst.accept(timeout=30)
+    # one receiver process for every size (starting one, which imports
+    # torch, takes seconds on a loaded machine)
+    with tdpipe.listen("127.0.0.1", loop="thread") as lst:
+        child = subprocess.Popen([sys.executable, __file__, "--drain", str(lst.port)])
+        try:
+            pipe = lst.accept(timeout=120)
+            for size in sizes:
                 d = payload(size)
                 got = {w: [] for w in WAYS}
                 for _ in range(repeats):
                     for w in WAYS:
                         got[w].append(one(pipe, w, d, seconds))
-                plane = pipe.plane
-                pipe.close(10)
-                child.wait(60)
-            finally:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait(10)
-        for w in WAYS:
-            rate = statistics.median(r[0] for r in got[w])
-            rows.append((size, w, rate, max(r[1] for r in got[w]), max(r[2] for r in got[w]),
-                         plane))
+                for w in WAYS:
+                    rate = statistics.median(r[0] for r in got[w])
+                    rows.append((size, w, rate, max(r[1] for r in got[w]),
+                                 max(r[2] for r in got[w]), pipe.plane))
+            pipe.close(10)
+            child.wait(60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
     return rows
 
 

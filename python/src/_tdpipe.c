@@ -382,7 +382,7 @@ static PyObject *schema_build(PyObject *cls, PyObject *args)
             goto done;
         tdp_dtype dt;
         if (tdp_dtype_parse(dtn, &dt) != TDP_OK) {
-            PyErr_Format(PyExc_TypeError, "leaf %s: dtype %s is not supported by tdpipe", path,
+            PyErr_Format(PyExc_TypeError, "leaf '%s': dtype %s is not supported by tdpipe", path,
                          dtn);
             goto done;
         }

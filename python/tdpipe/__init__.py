@@ -23,7 +23,7 @@ from . import _tdpipe
 from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
                      ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
-    consolidate, consolidated_check, producer_done as _producer_done
+    consolidate, consolidated_check, producer_done as _producer_done, _is_mapping
 
 try:
     import torch as _torch
@@ -46,6 +46,10 @@ __version__ = _tdpipe.library_version()
 # Nothing on the library's loop thread may take the GIL once the
 # interpreter is shutting down.
 atexit.register(_tdpipe._finalizing)
+
+# asend gathers a dict of at least this many bytes into a loaned shm slot
+# (measured: below it the loan per message costs more than the copy saved)
+_ALOAN_MIN_BYTES = 64 * 1024
 
 _OPTS = ("depth", "recv_depth", "window", "connect_timeout", "linger", "reconnect", "connect_wait",
          "latency_stats", "plane", "peer_mode", "keepalive", "secret", "recv_device",
@@ -105,11 +109,19 @@ def _on_device(raw, device):
 
 
 
+def _check_into(td):
+    if td is not None and not _is_mapping(td):
+        # refused before a message is taken
+        raise TypeError("recv(td): td is a tensordict or a nested mapping of tensors or arrays "
+                        "to receive into, got %s" % type(td).__name__)
+
+
 def _as_timeout(td, timeout):
     """recv(td) takes the tensordict first (as tensordict's pipe does); a
     number there is the timeout of older calls, recv(5)."""
     if isinstance(td, (int, float)) and not isinstance(td, bool):
         return None, td
+    _check_into(td)
     return td, timeout
 
 
@@ -161,6 +173,7 @@ class Pipe:
         self._sop_pending = False
         self._abuf = None  # asend's gather buffer, reused while its schema holds
         self._abuf_schema = None
+        self._aloans = 0  # asends gathered into a loaned slot (the tests read it)
         self._dbuf = None  # send's device gather buffer, reused while its schema holds
         self._dbuf_schema = None
         # depth 1: the device of the GPU message lent last, whose buffer the
@@ -412,6 +425,7 @@ class Pipe:
         Either way the event loop never blocks, and a cancelled arecv leaves
         its receive pending: the next arecv takes its message. arecv(td)
         receives into td as recv(td) does."""
+        _check_into(td)
         device = _check_device(device)
         self._gpu_reuse()
         raw = _on_device(await self._arecv_raw(), device)
@@ -447,8 +461,10 @@ class Pipe:
     async def asend(self, td):
         """send() for asyncio. A Consolidated goes as it is; separate
         leaves are gathered (one copy) into a send buffer this pipe keeps
-        for its asynchronous sends and reuses while the layout repeats: no
-        allocation in steady state, as for send(). The data is referenced
+        for its asynchronous sends and reuses while the layout repeats, or,
+        for 64 KB or more on the shm plane, into a loaned pool slot (the
+        send then copies nothing more): no allocation in steady state, as
+        for send(). The data is referenced
         until the send completes; a cancelled asend's send still completes,
         and the next asend waits for it first.
 
@@ -472,9 +488,15 @@ class Pipe:
         if raw_td is None:
             schema, addrs, keep = gather
             if self._abuf_schema is not schema:
+                # made with the layout even where loans carry it, so that a
+                # loan refused later (every slot out) allocates nothing
                 self._abuf = _tdpipe.Td.alloc(schema)
                 self._abuf_schema = schema
-            raw_td = self._abuf
+            raw_td = self._aloan(schema)
+            if raw_td is None:
+                raw_td = self._abuf
+            else:
+                self._aloans += 1
             raw_td.fill(addrs)
             del keep
         self._sop.start_send(self._raw, raw_td)
@@ -485,6 +507,22 @@ class Pipe:
         if spin <= 0 or self._sop.settle(spin) is None:
             await self._wait(self._sop)
         self._sop_pending = False
+
+    def _aloan(self, schema):
+        """On the shm plane, a pool slot for asend to gather a dict into:
+        the send then copies nothing more (one copy in all, where the
+        pipe's own buffer costs a second one into a slot). None below 64 KB
+        (a loan per message costs more than copying that much twice), when
+        every slot is out (the receiver holds them), or on another plane:
+        then the pipe's buffer."""
+        if schema.total_bytes < _ALOAN_MIN_BYTES or self._raw.plane != "shm":
+            return None
+        try:
+            return self._raw.loan(schema)
+        except Error as e:
+            if e.errname != "EAGAIN":
+                raise
+            return None
 
     def __aiter__(self):
         return self

@@ -243,11 +243,11 @@ def flatten(obj):
             items = sorted(m.items())
         except TypeError:
             bad = [k for k in m.keys() if not isinstance(k, str)]
-            raise TypeError("keys must be strings, got %r" % (bad[0] if bad else None,)) from None
+            raise _key_type_error(bad[0] if bad else None, prefix) from None
         for k, v in items:
             if type(k) is not str:
                 if not isinstance(k, str):
-                    raise TypeError("keys must be strings, got %r" % (k,))
+                    raise _key_type_error(k, prefix)
                 k = str.__str__(k)  # the text itself, not a subclass's __str__
             if "." in k:
                 raise _dot_key_error(prefix[:-1], k)
@@ -264,7 +264,10 @@ def flatten(obj):
                     nodes.append((path, None, None))  # an implicit node: checked, not built
                 walk(v, path + ".")
             else:
-                dt, shape, addr, k2, dev = _leaf_info(v)
+                try:
+                    dt, shape, addr, k2, dev = _leaf_info(v)
+                except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+                    raise _leaf_error(e, path, v) from e
                 tensors.append((path, dt, shape))
                 addrs.append(addr)
                 keep.append(k2)
@@ -274,6 +277,28 @@ def flatten(obj):
     device = _one_device(tensors, devs)
     key = (tuple(nodes), tuple(tensors), tuple(values), device)
     return key, nodes, tensors, values, addrs, keep
+
+
+def _key_type_error(key, prefix):
+    where = " under %r" % prefix[:-1] if prefix else ""
+    return TypeError("key %r%s is of type %s: tdpipe keys are str (for a nested path, nest a "
+                     "dict)" %
+                     (key, where, type(key).__name__))
+
+
+def _leaf_error(e, path, v):
+    """e, raised making leaf `path` a buffer, again with the key in front
+    (the same class, so callers catching TypeError or ValueError still do)."""
+    if torch is not None and isinstance(v, torch.Tensor) and v.layout is not torch.strided:
+        return TypeError("leaf %r: a %s tensor: tdpipe sends dense (strided) tensors; "
+                         "send x.to_dense()" % (path, str(v.layout).replace("torch.", "")))
+    text = str(e)
+    if text.startswith("leaf %s:" % path) or text.startswith("leaf %r" % path):
+        return e
+    try:
+        return type(e)("leaf %r: %s" % (path, text))
+    except Exception:  # a class that takes other arguments
+        return TypeError("leaf %r: %s: %s" % (path, type(e).__name__, text))
 
 
 def _one_device(tensors, devs):
@@ -299,7 +324,11 @@ def _check_key(path):
     where = " under %r" % parent if parent else ""
     if not key:
         return _schema_error("empty key%s: tdpipe keys are 1..%d bytes" % (where, MAX_KEY_BYTES))
-    n = len(key.encode("utf-8", "surrogatepass"))
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return _schema_error("key %r%s is not valid Unicode text (a lone surrogate): tdpipe "
+                             "keys are UTF-8" % (key, where))
     if n > MAX_KEY_BYTES:
         return _schema_error("key %r%s is %d bytes, limit %d" % (key, where, n, MAX_KEY_BYTES))
     if any(ord(c) < 0x20 or ord(c) == 0x7f for c in key):
@@ -332,8 +361,37 @@ def check_layout(nodes, tensors, values):
         if len(vjson) > MAX_VALUE_BYTES:
             raise _schema_error(
                 "value %r is %d bytes encoded, limit %d for a non-tensor value (it travels "
-                "in the schema): send long text or bytes as a uint8 tensor" %
-                (path, len(vjson), MAX_VALUE_BYTES))
+                "in the schema as JSON, non-ASCII text as \\uXXXX escapes): send long text or "
+                "bytes as a uint8 tensor" % (path, len(vjson), MAX_VALUE_BYTES))
+        exc = _check_value(path, vjson)
+        if exc is not None:
+            raise exc
+
+
+def _check_value(path, vjson):
+    """The JSON scalars the schema cannot carry (jansson's rules): NaN and
+    the infinities, integers beyond int64, text with NUL or a lone surrogate."""
+    if vjson in ("NaN", "Infinity", "-Infinity"):
+        return _schema_error("value %r is %s, which JSON (the schema's encoding of a "
+                             "non-tensor value) cannot carry: send it as a 0-d tensor" %
+                             (path, vjson.lower().replace("infinity", "inf")))
+    c = vjson[0]
+    if c == "-" or c.isdigit():
+        if "." not in vjson and "e" not in vjson and "E" not in vjson and \
+                not -2**63 <= int(vjson) < 2**63:
+            return _schema_error("value %r is an int outside int64, the schema's integer "
+                                 "range: send it as a str or a tensor" % path)
+    elif c == '"':
+        text = json.loads(vjson)
+        if "\0" in text:
+            return _schema_error("value %r contains a NUL character, which a schema string may "
+                                 "not: send it as a uint8 tensor" % path)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return _schema_error("value %r is not valid Unicode text (a lone surrogate): "
+                                 "schema strings are UTF-8" % path)
+    return None
 
 
 def build_schema(nodes, tensors, values, device=None):
@@ -571,7 +629,7 @@ class DLPackArray:
 class Plan:
     """How a schema's buffer becomes nested dicts: made once per schema."""
 
-    __slots__ = ("schema", "nodes", "tensors", "values", "batch", "leaves", "device")
+    __slots__ = ("schema", "nodes", "tensors", "values", "batch", "leaves", "device", "_paths")
 
     def __init__(self, schema):
         self.schema = schema
@@ -588,6 +646,18 @@ class Plan:
             else:
                 self.tensors.append((parent, key, dt == "torch.bool"))
                 self.leaves.append((dt, tuple(shape), off, nb))
+        self._paths = None
+
+    def paths(self):
+        """{path: is_node} of every key in the message (made on first use)."""
+        if self._paths is None:
+            paths = {p: True for p in self.nodes}
+            for parent, key, _b in self.tensors:
+                paths[parent + "." + key if parent else key] = False
+            for parent, key, _v in self.values:
+                paths[parent + "." + key if parent else key] = False
+            self._paths = paths
+        return self._paths
 
 
 def _to_torch(cap, is_bool):
@@ -672,6 +742,35 @@ def copy_into(dst, td, plan):
     the key; nothing is allocated for the payload."""
     if plan.device != "cpu":
         _gpu_check("torch" if torch is not None else "numpy", plan.device)
+    _check_no_extra(dst, plan)
+    if torch is not None:
+        # a receive writes storage, as torch.distributed's recv does: a leaf
+        # that requires grad (a parameter being synced) takes the data
+        with torch.no_grad():
+            return _copy_leaves(dst, td, plan)
+    return _copy_leaves(dst, td, plan)
+
+
+def _check_no_extra(dst, plan):
+    """A key of dst the message lacks would keep stale contents: refused,
+    naming it (before anything is written)."""
+    have = plan.paths()
+    stack = [(dst, "")]
+    while stack:
+        node, prefix = stack.pop()
+        for k in node.keys():
+            path = prefix + k if isinstance(k, str) else k
+            if path not in have:
+                raise ValueError(
+                    "recv into a tensordict: it has a key %r, which the message lacks (the "
+                    "message's layout differs: receive without one to get it)" % (path,))
+            if have[path]:
+                sub = node[k]
+                if _is_mapping(sub):
+                    stack.append((sub, path + "."))
+
+
+def _copy_leaves(dst, td, plan):
     gpu_copies = False
     caps = td.capsules()
     for i, (parent, key, is_bool) in enumerate(plan.tensors):
@@ -696,7 +795,10 @@ def copy_into(dst, td, plan):
             if out.shape != src.shape or out.dtype != src.dtype:
                 raise ValueError("recv into a tensordict: leaf %r is %s %s there, %s %s in the "
                                  "message" % (path, out.dtype, out.shape, src.dtype, src.shape))
-            np.copyto(out, src)
+            try:
+                np.copyto(out, src)
+            except ValueError as e:  # a read-only array
+                raise ValueError("recv into a tensordict: leaf %r: %s" % (path, e)) from None
         else:
             raise ValueError("recv into a tensordict: leaf %r is a %s there, not a tensor" %
                              (path, type(out).__name__))

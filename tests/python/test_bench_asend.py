@@ -12,10 +12,10 @@ import python_asend  # noqa: E402
 
 
 def test_send_paths_rates_and_allocations(capsys):
-    rows = python_asend.run([1000, 1000000], seconds=0.2, repeats=1)
+    rows = python_asend.run([1000, 1000000, 3000000], seconds=0.2, repeats=1)
     with capsys.disabled():
         print("\n" + python_asend.table(rows))
-    assert [r[1] for r in rows] == list(python_asend.WAYS) * 2
+    assert [r[1] for r in rows] == list(python_asend.WAYS) * 3
     for size, way, rate, host, small, _plane in rows:
         assert rate > 0
         assert host == 0, (size, way, host)  # no buffer allocated per message

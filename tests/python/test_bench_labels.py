@@ -41,3 +41,28 @@ def test_plain_throughput_is_a_data_rate(tmp_path):
     assert res["throughput_is"] == "data" and "plain_send_Bps" not in res
     head = [ln for ln in r.stdout.splitlines() if ln.startswith("size")][0]
     assert "throughput" in head and "hand-off" not in head
+
+
+@pytest.mark.skipif(not os.access(CLI, os.X_OK), reason="no tdpipe CLI in this build tree")
+@pytest.mark.parametrize("loan", [True, False])
+def test_plot_labels_handoff_and_draws_the_data_rate(tmp_path, loan):
+    """--plot: the gnuplot script (captured by a gnuplot that writes its
+    input to the plot file) names the loaned rate a hand-off rate, not a
+    data rate, and draws the plain send's data rate beside it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "gnuplot").write_text("#!/bin/sh\nexec cat\n")
+    (fake / "gnuplot").chmod(0o755)
+    env = dict(os.environ, PATH="%s:%s" % (fake, os.environ.get("PATH", "")))
+    plot = tmp_path / "p.svg"
+    r = subprocess.run([CLI, "bench", "--sizes", "1M", "--rounds", "20", "--plot", str(plot)] +
+                       ([] if loan else ["--no-loan"]), capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    script = plot.read_text()
+    if loan:
+        assert "'plain send (data rate, one copy)'" in script
+        assert "'hand-off rate, loaned slots (no copy: not a data rate)'" in script
+        assert "throughput" not in script
+    else:
+        assert "throughput (GB/s)" in script and "hand-off" not in script
