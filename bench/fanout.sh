@@ -4,11 +4,13 @@
 #   bench/fanout.sh [--build DIR] [--plane NAME] [--count K] [--runs K]
 #
 # 1. A broadcast of 100 MB messages to 1, 2 and 4 consumer processes
-#    (build/bench/tdp_fanout_bench): the one-way p50 to the last consumer,
-#    its ratio to the one-consumer hand-off, the producer's RSS and the
-#    shared memory it maps (pool bytes and mappings).
-# 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight) against ZeroMQ's
-#    PUB over ipc:// to 4 SUB processes, without drops (build/bench/tdp_zmq_fan broadcast).
+#    (build/bench/tdp_fanout_bench), loaned slots (tdp_fanout_loan: the
+#    hand-off) and plain buffers (one copy into the pool): the one-way p50
+#    to the last consumer, its ratio to one consumer's, the producer's RSS
+#    and the shared memory it maps (pool bytes and mappings).
+# 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight),
+#    loaned and plain, against ZeroMQ's PUB over ipc:// to 4 SUB processes,
+#    without drops (build/bench/tdp_zmq_fan broadcast).
 # 3. `tdpipe bench --fanout 4 --sizes 1MB,100MB`: the same broadcast from one
 #    process to 4 consumer pipes of its own, loaned slots against plain
 #    buffers (one run).
@@ -28,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     --plane) PLANE=$2; shift 2 ;;
     --count) COUNT=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/fanout.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -63,30 +65,42 @@ print(json.dumps(rows[len(rows) // 2]))' "$key"
 echo "== bench/fanout.sh: plane $PLANE, $RUNS run(s) each, $(nproc) CPUs; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "== CPU idle before: $(cpu_idle)%"
 declare -A P50
-printf '%-10s %14s %10s %12s %14s %9s\n' consumers "p50 last (ms)" "x one" "RSS (MB)" "shm (MB)" mappings
-for n in 1 2 4; do
-    row=$(med p50_last_ns "$FB" --consumers "$n" --size 100000000 --count "$COUNT" --plane "$PLANE")
-    read -r p50 rss shm maps < <(python3 -c '
+for kind in loan plain; do
+    flag=
+    [[ $kind == loan ]] && flag=--loan
+    echo "100 MB broadcast, $kind:"
+    printf '%-10s %14s %10s %12s %14s %9s\n' consumers "p50 last (ms)" "x one" "RSS (MB)" "shm (MB)" mappings
+    for n in 1 2 4; do
+        row=$(med p50_last_ns "$FB" --consumers "$n" --size 100000000 --count "$COUNT" --plane "$PLANE" $flag)
+        read -r p50 rss shm maps < <(python3 -c '
 import json, sys
 r = json.loads(sys.argv[1])
 print(r["p50_last_ns"], r["producer_rss_bytes"], r["producer_shm_bytes"], r["producer_shm_mappings"])' "$row")
-    P50[$n]=$p50
-    printf '%-10s %14.2f %10.2f %12.1f %14.1f %9s\n' "$n" "$(echo "$p50 / 1000000" | bc -l)" \
-        "$(echo "$p50 / ${P50[1]}" | bc -l)" "$(echo "$rss / 1000000" | bc -l)" \
-        "$(echo "$shm / 1000000" | bc -l)" "$maps"
+        P50[$n]=$p50
+        printf '%-10s %14.3f %10.2f %12.1f %14.1f %9s\n' "$n" "$(echo "$p50 / 1000000" | bc -l)" \
+            "$(echo "$p50 / ${P50[1]}" | bc -l)" "$(echo "$rss / 1000000" | bc -l)" \
+            "$(echo "$shm / 1000000" | bc -l)" "$maps"
+    done
 done
 echo
-t=$(med msgs_per_s "$FB" --consumers 4 --size 1000000 --count 2000 --plane "$PLANE" --inflight 4)
-tm=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["msgs_per_s"])' "$t")
+zm=
 if [[ -x $FZ ]]; then
     # the slowest subscriber's message rate: every consumer gets every message
     z=$(med slowest_consumer_Bps "$FZ" broadcast --peers 4 --size 1000000 --count 2000 --json)
     zm=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["slowest_consumer_Bps"] / r["bytes"])' "$z")
-    printf '1 MB to 4 consumers: tdp_fanout %.0f msgs/s, ZeroMQ PUB/SUB ipc %.0f msgs/s: %.2fx\n' \
-        "$tm" "$zm" "$(echo "$tm / $zm" | bc -l)"
-else
-    printf '1 MB to 4 consumers: tdp_fanout %.0f msgs/s (no ZeroMQ peer built)\n' "$tm"
 fi
+for kind in loan plain; do
+    flag=
+    [[ $kind == loan ]] && flag=--loan
+    t=$(med msgs_per_s "$FB" --consumers 4 --size 1000000 --count 2000 --plane "$PLANE" --inflight 4 $flag)
+    tm=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["msgs_per_s"])' "$t")
+    if [[ -n $zm ]]; then
+        printf '1 MB to 4 consumers, %s: tdp_fanout %.0f msgs/s, ZeroMQ PUB/SUB ipc %.0f msgs/s: %.2fx\n' \
+            "$kind" "$tm" "$zm" "$(echo "$tm / $zm" | bc -l)"
+    else
+        printf '1 MB to 4 consumers, %s: tdp_fanout %.0f msgs/s (no ZeroMQ peer built)\n' "$kind" "$tm"
+    fi
+done
 TD=$BUILD/tools/tdpipe
 if [[ -x $TD ]]; then
     echo

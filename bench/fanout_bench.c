@@ -3,7 +3,7 @@
  * this host through a tdp_fanout (docs/benchmarks.md, "Fan-out").
  *
  *   tdp_fanout_bench [--consumers N] [--size BYTES] [--count K] [--plane NAME]
- *                    [--inflight W]
+ *                    [--inflight W] [--loan]
  *
  * The consumers are forked before the producer touches UCX, dial the
  * fan-out's listener and receive K messages (4 receive buffers each, as
@@ -14,12 +14,16 @@
  * pipe is done with the last), so the one-way time is a hand-off, not a
  * queue; with --inflight W it keeps W asynchronous sends going, each from
  * a buffer of its own (for throughput; the one-way time then includes the
- * queue). Printed as one JSON object: the one-way p50 to the last consumer
+ * queue). With --loan each message is a slot lent by the fan-out
+ * (tdp_fanout_loan: on the shm plane, of the pool every consumer maps), so
+ * nothing is copied on the way and the one-way time is the hand-off
+ * itself; without it each send copies the buffer into the pool once. Printed as one JSON object: the one-way p50 to the last consumer
  * (per message, the latest consumer), the p50 over all consumers, the
  * throughput, and the producer's memory: VmRSS and the bytes of shared
  * memory (memfd) it maps.
  */
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -133,12 +137,30 @@ static uint64_t p50(uint64_t *v, uint64_t n)
     return n ? v[n / 2] : 0;
 }
 
+/* A slot lent by the fan-out; while every slot is held, look again shortly. */
+static tdp_err loan_td(tdp_fanout *fo, tdp_schema *s, tdp_td **out)
+{
+    uint64_t end = now_ns() + 60000000000u;
+    tdp_err rc;
+    while ((rc = tdp_fanout_loan(fo, s, out)) == TDP_EAGAIN && now_ns() < end)
+        usleep(10);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     int nc = 4, inflight = 1;
+    bool loan = false;
     uint64_t size = 100000000, count = 20;
     tdp_plane plane = TDP_PLANE_SHM;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
+        if (strcmp(argv[i], "--loan") == 0) {
+            loan = true;
+            i--; /* no value */
+            continue;
+        }
+        if (i + 1 >= argc)
+            return 2;
         if (strcmp(argv[i], "--consumers") == 0)
             nc = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--size") == 0)
@@ -150,7 +172,9 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--plane") == 0 && tdp_plane_parse(argv[i + 1], &plane) == TDP_OK)
             ;
         else {
-            fprintf(stderr, "usage: %s [--consumers N] [--size BYTES] [--count K] [--plane NAME]\n",
+            fprintf(stderr,
+                    "usage: %s [--consumers N] [--size BYTES] [--count K] [--plane NAME]"
+                    " [--inflight W] [--loan]\n",
                     argv[0]);
             return 2;
         }
@@ -198,12 +222,16 @@ int main(int argc, char **argv)
         return 1;
 
     tdp_schema *s = bytes_schema((int64_t)size);
-    tdp_td *tds[MAX_INFLIGHT];
+    tdp_td *tds[MAX_INFLIGHT] = {NULL};
     tdp_op *ops[MAX_INFLIGHT];
     if (s == NULL)
         return 1;
     for (int k = 0; k < inflight; k++) {
-        if (tdp_td_new(s, &tds[k]) != TDP_OK || tdp_op_new(NULL, NULL, &ops[k]) != TDP_OK)
+        if (tdp_op_new(NULL, NULL, &ops[k]) != TDP_OK)
+            return 1;
+        if (loan) /* the slots are the fan-out's */
+            continue;
+        if (tdp_td_new(s, &tds[k]) != TDP_OK)
             return 1;
         memset(tdp_td_data(tds[k]), 0x5a, size); /* touched once: RSS shows it */
     }
@@ -211,20 +239,28 @@ int main(int argc, char **argv)
     for (uint64_t i = 0; i < count; i++) {
         int k = (int)(i % (uint64_t)inflight);
         uint64_t t;
+        if (inflight > 1) {
+            while (tdp_op_result(ops[k]) == TDP_EAGAIN)
+                ; /* the send W messages ago: done soon, with the pace of the consumers */
+            if (tdp_op_result(ops[k]) != TDP_OK)
+                return 1;
+        }
+        tdp_td *td = tds[k];
+        if (loan && loan_td(fo, s, &td) != TDP_OK)
+            return 1;
+        t = now_ns();
+        memcpy(tdp_td_data(td), &t, 8);
         if (inflight == 1) {
-            t = now_ns();
-            memcpy(tdp_td_data(tds[0]), &t, 8);
-            if (tdp_fanout_send(fo, tds[0], 60000) != TDP_OK)
+            tdp_err rc = tdp_fanout_send(fo, td, 60000);
+            if (loan)
+                tdp_td_unref(td);
+            if (rc != TDP_OK)
                 return 1;
             continue;
         }
-        while (tdp_op_result(ops[k]) == TDP_EAGAIN)
-            ; /* the send W messages ago: done soon, with the pace of the consumers */
-        if (tdp_op_result(ops[k]) != TDP_OK)
-            return 1;
-        t = now_ns();
-        memcpy(tdp_td_data(tds[k]), &t, 8);
-        tdp_fanout_send_async(fo, tds[k], ops[k]);
+        tdp_fanout_send_async(fo, td, ops[k]);
+        if (loan)
+            tdp_td_unref(td); /* the fan-out holds its own reference until sent */
     }
     for (int k = 0; k < inflight; k++)
         while (tdp_op_result(ops[k]) == TDP_EAGAIN)
@@ -257,9 +293,10 @@ int main(int argc, char **argv)
            ",\"p50_last_ns\":%" PRIu64 ",\"p50_all_ns\":%" PRIu64
            ",\"msgs_per_s\":%.1f,\"bytes_per_s\":%.0f,\"producer_rss_bytes\":%" PRIu64
            ",\"producer_shm_bytes\":%" PRIu64
-           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d}\n",
+           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d,\"loan\":%s}\n",
            nc, tdp_plane_name(plane), size, count, p50(last, count), p50(lat, (uint64_t)nc * count),
-           (double)count / secs, (double)(count * size) / secs, rss_kb * 1024, shm, maps, bad);
+           (double)count / secs, (double)(count * size) / secs, rss_kb * 1024, shm, maps, bad,
+           loan ? "true" : "false");
     tdp_fanout_free(fo);
     tdp_loop_free(loop);
     for (int k = 0; k < inflight; k++) {
