@@ -344,6 +344,32 @@ test_recv_send() {
     expect_in recv out "; plane ucx, depth 4"
 }
 
+# recv --window: 1 KB messages into a receiver that grants a window, on each
+# plane; bad windows refused
+test_recv_window() {
+    local port rpid plane
+    for plane in shm ucx; do
+        start "recvw_$plane" 60 "$TDPIPE" recv --bind 127.0.0.1 --port 0 --quiet --plane "$plane" \
+            --window 256KiB --count 3000
+        rpid=$PID
+        port=$(port_of "recvw_$plane") || return
+        run "sendw_$plane" 60 "$TDPIPE" send "127.0.0.1:$port" --count 3000 --size 1KB --quiet \
+            --plane "$plane"
+        expect_rc "sendw_$plane" 0
+        finish "recvw_$plane" "$rpid"
+        expect_rc "recvw_$plane" 0
+        expect_in "recvw_$plane" out "received 3000 messages"
+        expect_in "recvw_$plane" out "verify ok"
+        expect_in "recvw_$plane" out "; plane $plane, depth 4, window 262144 B"
+    done
+    run recvw_small 10 "$TDPIPE" recv --window 4000
+    expect_rc recvw_small 2
+    expect_in recvw_small err "--window wants 0 (off) or a size from 4 KiB to 1 GiB, not '4000'"
+    run servew_big 10 "$TDPIPE" serve --window 2GiB
+    expect_rc servew_big 2
+    expect_in servew_big err "not '2GiB'"
+}
+
 # recv --producers: three senders into one stream, each verified with its
 # own numbering (one paced, so that rate lines see it); --json names each.
 test_recv_producers() {
@@ -1554,6 +1580,7 @@ test_secret
 test_reconnect
 test_defaults
 test_recv_send
+test_recv_window
 test_recv_producers
 test_checksum_and_cap
 test_recv_count

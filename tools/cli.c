@@ -156,8 +156,24 @@ bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o)
     return true;
 }
 
+int tdp_cli_parse_window(const char *cmd, const char *s, uint64_t *out)
+{
+    const char *bad = NULL;
+    uint64_t v = 0;
+    bool parsed = tdp_cli_parse_size(s, &v, &bad);
+    if (!parsed || (v != 0 && (v < TDP_CLI_WINDOW_MIN || v > TDP_CLI_WINDOW_MAX)))
+        return tdp_cli_usage_error(cmd,
+                                   "--window wants 0 (off) or a size from 4 KiB to 1 GiB, not '%s'%s%s",
+                                   s, !parsed && bad != NULL ? ": " : "",
+                                   !parsed && bad != NULL ? bad : "");
+    *out = v;
+    return -1;
+}
+
 void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o)
 {
+    if (given->recv_window_bytes != 0)
+        o->recv_window_bytes = given->recv_window_bytes;
     if (given->secret != NULL) {
         o->secret = given->secret;
         o->secret_len = given->secret_len;

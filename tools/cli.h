@@ -105,6 +105,13 @@ void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o);
  */
 bool tdp_cli_parse_size(const char *s, uint64_t *out, const char **why);
 
+/* --window SIZE: 0 (off) or 4 KiB .. 1 GiB (tdp_pipe_opts.recv_window_bytes) */
+#define TDP_CLI_WINDOW_MIN 4096u
+#define TDP_CLI_WINDOW_MAX (1ull << 30)
+/* Parses --window's value into *out; on failure prints cmd's usage error and
+ * returns the exit status, else -1. */
+int tdp_cli_parse_window(const char *cmd, const char *s, uint64_t *out);
+
 /*
  * Format a byte count for people, SI units, three significant digits:
  * "512 B", "64.0 KB", "1.00 MB", "12.3 GB". Writes into buf and returns it.

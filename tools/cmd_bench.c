@@ -61,8 +61,6 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define SETUP_NO_LOAN 1 /* SETUP word 1: the producer sends plain buffers */
 /* --window: each side's receive window (tdp_pipe_opts.recv_window_bytes) */
 #define TDP_BENCH_WINDOW     (256u << 10)
-#define TDP_BENCH_WINDOW_MIN 4096u
-#define TDP_BENCH_WINDOW_MAX (1ull << 30)
 
 typedef struct bench_cfg {
     uint64_t sizes[MAX_SIZES];
@@ -1514,13 +1512,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             cfg->depth = (uint32_t)v;
             break;
         case 'w': {
-            const char *bad = NULL;
-            if (!tdp_cli_parse_size(optarg, &v, &bad) ||
-                (v != 0 && (v < TDP_BENCH_WINDOW_MIN || v > TDP_BENCH_WINDOW_MAX)))
-                return tdp_cli_usage_error("bench",
-                                           "--window wants 0 (off) or a size from 4 KiB to "
-                                           "1 GiB, not '%s'%s%s",
-                                           optarg, bad != NULL ? ": " : "", bad != NULL ? bad : "");
+            int ec = tdp_cli_parse_window("bench", optarg, &v);
+            if (ec >= 0)
+                return ec;
             cfg->window = v;
             break;
         }

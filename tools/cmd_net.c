@@ -188,6 +188,10 @@ static const char recv_help[] =
     "                      have left; rate lines and the summary give each\n"
     "                      producer's figures (\"producers\" in --json); each\n"
     "                      message is verified with its producer's own numbering\n"
+    "      --window SIZE   receive window for small messages (default 0: off): a\n"
+    "                      layout of N bytes may have SIZE / N messages in flight\n"
+    "                      (N in whole 4 KiB pages; at least --depth, at most 64),\n"
+    "                      e.g. 256KiB: 64 of 1 KB; see docs/pipe.md\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -233,6 +237,7 @@ enum {
     OPT_INTERVAL,
     OPT_JSON,
     OPT_CHECKSUM,
+    OPT_WINDOW,
 };
 enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES, OPT_TO, OPT_DISTRIBUTE };
 
@@ -254,6 +259,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         {"secret-file", required_argument, NULL, OPT_SECRET},
         {"checksum", no_argument, NULL, OPT_CHECKSUM},
         {"producers", required_argument, NULL, 'P'},
+        {"window", required_argument, NULL, OPT_WINDOW},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -297,6 +303,12 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_WINDOW: {
+            int ec = tdp_cli_parse_window("recv", optarg, &a->listen.ka.recv_window_bytes);
+            if (ec >= 0)
+                return ec;
+            break;
+        }
         case OPT_INTERVAL:
             if (!tdp_cli_parse_interval(optarg, &a->interval))
                 return tdp_cli_usage_error(
@@ -454,6 +466,7 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         json_object_set_new(o, "end", json_string(how));
         json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
         json_object_set_new(o, "depth", json_integer(a->listen.depth));
+        json_object_set_new(o, "window", json_integer((json_int_t)a->listen.ka.recv_window_bytes));
         json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
         json_object_set_new(o, "resumed_from", json_integer((json_int_t)r->resumed));
         if (a->dump_dir != NULL) {
@@ -464,9 +477,13 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
             json_object_set_new(o, "recv_wait_ns", tdp_cli_hist_json(&wait));
         tdp_cli_json_line(o, stdout);
     } else {
-        printf("%s; verify %s; end: %s; plane %s, depth %u\n",
+        char win[48] = "";
+        if (a->listen.ka.recv_window_bytes != 0)
+            snprintf(win, sizeof(win), ", window %" PRIu64 " B",
+                     (uint64_t)a->listen.ka.recv_window_bytes);
+        printf("%s; verify %s; end: %s; plane %s, depth %u%s\n",
                tdp_cli_meter_summary(m, "received", now, line, sizeof(line)), verify, how,
-               tdp_cli_plane_of(pipe), a->listen.depth);
+               tdp_cli_plane_of(pipe), a->listen.depth, win);
     }
     if (r->resumed != 0 && !a->json)
         printf("the producer resumed at message %" PRIu64 " (it reconnected: earlier ones went "

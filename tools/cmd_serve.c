@@ -69,6 +69,10 @@ static const char serve_help[] =
     "  -n, --count N         stop after N messages in total (default 0: no limit)\n"
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
     "  -d, --depth D         receive buffers per client, 1..64 (default 4)\n"
+    "      --window SIZE     receive window per client for small messages (default\n"
+    "                        0: off): a layout of N bytes may have SIZE / N in\n"
+    "                        flight (N in whole 4 KiB pages; at least --depth, at\n"
+    "                        most 64); see docs/pipe.md\n"
     "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
     "                        'tdpipe version' lists the names\n"
     "      --no-verify       sink mode: do not check the pattern\n"
@@ -133,6 +137,7 @@ enum {
     OPT_JSON,
     OPT_CHECKSUM,
     OPT_MAX_MEMORY,
+    OPT_WINDOW,
 };
 
 static int serve_parse(int argc, char **argv, serve_args *a)
@@ -152,6 +157,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         {"count", required_argument, NULL, 'n'},
         {"duration", required_argument, NULL, 'T'},
         {"depth", required_argument, NULL, 'd'},
+        {"window", required_argument, NULL, OPT_WINDOW},
         {"no-verify", no_argument, NULL, OPT_NO_VERIFY},
         {"interval", required_argument, NULL, OPT_INTERVAL},
         {"json", no_argument, NULL, OPT_JSON},
@@ -246,6 +252,12 @@ static int serve_parse(int argc, char **argv, serve_args *a)
         case OPT_NO_VERIFY:
             a->verify = false;
             break;
+        case OPT_WINDOW: {
+            int ec = tdp_cli_parse_window("serve", optarg, &a->ka.recv_window_bytes);
+            if (ec >= 0)
+                return ec;
+            break;
+        }
         case OPT_INTERVAL:
             if (!tdp_cli_parse_interval(optarg, &a->interval))
                 return tdp_cli_usage_error(
