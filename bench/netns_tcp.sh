@@ -51,4 +51,4 @@ for r in $(seq "$RUNS"); do
         echo "$r tdpipe $v: $(grep -o 'received.*msgs/s' "$WORK/tr.out")"
     done
 done
-echo "$(uptime | sed 's/.*load/load/')"
+uptime | sed 's/.*load/load/'
