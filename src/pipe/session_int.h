@@ -245,7 +245,7 @@ void tdp__pipe_ctl_bye(void *owner, const tdp_bye *bye);
 void tdp__pipe_ctl_bye_flushed(void *owner);
 
 /*
- * ---- session_prepare.c, for session.c (loop thread) ----
+ * ---- session_prepare.c, for the data path and negotiation (loop thread) ----
  * It never calls the session back: what the session must do (fail the
  * pipe, look at the queue again later) comes back as results.
  */
