@@ -1,13 +1,13 @@
 /*
- * session.c: the pipe's state machine — its life from creation (candidate
- * links, control channel, timers) through dialing or accepting to freeing.
+ * session.c: the pipe's state machine — a pipe's creation (candidate
+ * links, control channel, timers), then dialing or accepting.
  * The states' work lives beside it, one concern a file: session_hello.c
  * (negotiation and plane choice), session_data.c (the data path),
- * session_reconnect.c (outages), session_end.c (failure, BYE, close),
- * session_prepare.c, session_opts.c and session_query.c. It calls the
- * control channel (ctl.h) and the chosen data plane (plane.h, through its
- * ops table) and hears from them through callbacks; it makes no transport
- * call itself.
+ * session_reconnect.c (outages), session_end.c (failure, BYE, close,
+ * teardown), session_prepare.c, session_opts.c and session_query.c.
+ * They call the control channel (ctl.h) and the chosen data plane
+ * (plane.h, through its ops table) and hear from them through callbacks;
+ * they make no transport call themselves.
  *
  * Everything runs on the loop thread except the public entry points, which
  * hop to it (ops through op.c, the rest through tdp__call_on_loop).
@@ -20,7 +20,6 @@
 #include "budget.h"
 #include "op.h"
 #include "../core/alloc.h"
-#include "../core/reap.h"
 
 tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts, const tdp_schema_limits *lim,
                            tdp_err *err)
@@ -125,78 +124,8 @@ const char *tdp__session_peer(const tdp_pipe *p)
     return p->ctl.peer_name;
 }
 
-static void destroy_now(void *arg)
-{
-    tdp_pipe *p = arg;
-    tdp__ctl_close(&p->ctl);
-    tdp__pipe_close_link(p);
-    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
-        tdp__pipe_slot_free(&p->slots[i]); /* views still lent: the application is done with them */
-    tdp_schema_unref(p->rx_schema);
-    tdp_schema_unref(p->sent_schema);
-    tdp_td_unref(p->gather_td);
-    tdp__free(p->tickets);
-    if (p->timer != NULL)
-        event_free(p->timer);
-    if (p->credit_ev != NULL)
-        event_free(p->credit_ev);
-    if (p->prep_ev != NULL)
-        event_free(p->prep_ev);
-    if (p->retry_ev != NULL)
-        event_free(p->retry_ev);
-    tdp__free(p->sync_send);
-    tdp__free(p->sync_recv);
-    tdp__free(p->lat);
-    if (p->budget != NULL) {
-        tdp__budget_give(p->budget, p->budget_held);
-        tdp__budget_unref(p->budget);
-    }
-    tdp__waiter_fini(&p->w);
-    tdp__free(p);
-}
-
 void tdp__session_set_budget(tdp_pipe *p, struct tdp__budget *b)
 {
     tdp__budget_unref(p->budget);
     p->budget = b != NULL ? tdp__budget_ref(b) : NULL;
-}
-
-void tdp__session_destroy(tdp_pipe *p)
-{
-    /* inert from now on: no callback reaches it; memory goes on a later turn
-     * (we may be inside one of its own callbacks) */
-    p->freed = true;
-    p->ready_cb = NULL;
-    p->end_cb = NULL;
-    tdp__ctl_close(&p->ctl);
-    tdp__pipe_close_link(p);
-    if (p->timer != NULL)
-        evtimer_del(p->timer);
-    if (p->credit_ev != NULL)
-        event_del(p->credit_ev);
-    if (p->retry_ev != NULL)
-        event_del(p->retry_ev);
-    tdp__reap_later(p->loop, &p->reap, destroy_now, p);
-}
-
-static void free_task(void *arg)
-{
-    tdp_pipe *p = arg;
-    if (p->state != PIPE_DEAD)
-        tdp__pipe_fail(p, TDP_ECANCELED, "freed");
-    if (p->status == TDP_OK)
-        p->status = TDP_ECANCELED;
-    /* complete every op the user still has pending */
-    p->end_cb = NULL;
-    tdp__pipe_drain_ops(p);
-    tdp_op *op;
-    while ((op = tdp__opq_pop(&p->recvq)) != NULL)
-        tdp__op_complete(op, TDP_ECANCELED);
-    tdp__session_destroy(p);
-}
-
-void tdp_pipe_free(tdp_pipe *pipe)
-{
-    if (pipe != NULL)
-        tdp__call_on_loop(pipe->loop, free_task, pipe);
 }

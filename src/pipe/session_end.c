@@ -2,8 +2,8 @@
  * session_end.c: how a pipe ends — failure (tdp__pipe_fail: reconnect or
  * die), the peer's BYE and the control socket's close, the linger and close
  * deadlines, the application's close and abort, and completing what is
- * left once it has ended. Loop thread, except the public entry points,
- * which hop to it.
+ * left once it has ended; teardown (tdp__session_destroy, tdp_pipe_free).
+ * Loop thread, except the public entry points, which hop to it.
  */
 #include <inttypes.h>
 #include <string.h>
@@ -11,9 +11,11 @@
 
 #include "session.h"
 #include "session_int.h"
+#include "budget.h"
 #include "op.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
+#include "../core/reap.h"
 
 /* ---- ops ------------------------------------------------------------------- */
 
@@ -32,7 +34,7 @@ void tdp__pipe_fail_sent(tdp_pipe *p, tdp_err rc)
 }
 
 /* Complete what can be completed after the pipe ended. */
-void tdp__pipe_drain_ops(tdp_pipe *p)
+static void drain_ops(tdp_pipe *p)
 {
     tdp_op *op;
     tdp_err rc = p->status == TDP_OK || p->status == TDP_ECLOSED ? TDP_ECANCELED : p->status;
@@ -57,7 +59,7 @@ void tdp__pipe_close_links(tdp_pipe *p, bool gone)
     p->link = NULL;
 }
 
-void tdp__pipe_close_link(tdp_pipe *p)
+static void close_link(tdp_pipe *p)
 {
     /* a reset or a timeout: the peer is gone, or as good as */
     tdp__pipe_close_links(p, p->status == TDP_ECONNRESET || p->status == TDP_ETIMEDOUT);
@@ -111,7 +113,7 @@ void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
         tdp_bye b = {.last_seq = p->send_seq, .reason = err == TDP_ECLOSED ? TDP_ECANCELED : err};
         tdp__ctl_send_bye(&p->ctl, &b);
     }
-    tdp__pipe_close_link(p);
+    close_link(p);
     tdp__pipe_timer_del(p);
     if (was_connecting) {
         tdp__ctl_close(&p->ctl);
@@ -124,7 +126,7 @@ void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
         }
         return;
     }
-    tdp__pipe_drain_ops(p);
+    drain_ops(p);
     maybe_tell_end(p);
 }
 
@@ -380,4 +382,76 @@ void tdp_pipe_set_end_cb(tdp_pipe *pipe, tdp_pipe_end_cb cb, void *arg)
         return;
     void *a[3] = {pipe, (void *)(uintptr_t)cb, arg};
     tdp__call_on_loop(pipe->loop, set_end_task, a);
+}
+
+/* ---- teardown -------------------------------------------------------------- */
+
+static void destroy_now(void *arg)
+{
+    tdp_pipe *p = arg;
+    tdp__ctl_close(&p->ctl);
+    close_link(p);
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        tdp__pipe_slot_free(&p->slots[i]); /* views still lent: the application is done with them */
+    tdp_schema_unref(p->rx_schema);
+    tdp_schema_unref(p->sent_schema);
+    tdp_td_unref(p->gather_td);
+    tdp__free(p->tickets);
+    if (p->timer != NULL)
+        event_free(p->timer);
+    if (p->credit_ev != NULL)
+        event_free(p->credit_ev);
+    if (p->prep_ev != NULL)
+        event_free(p->prep_ev);
+    if (p->retry_ev != NULL)
+        event_free(p->retry_ev);
+    tdp__free(p->sync_send);
+    tdp__free(p->sync_recv);
+    tdp__free(p->lat);
+    if (p->budget != NULL) {
+        tdp__budget_give(p->budget, p->budget_held);
+        tdp__budget_unref(p->budget);
+    }
+    tdp__waiter_fini(&p->w);
+    tdp__free(p);
+}
+
+void tdp__session_destroy(tdp_pipe *p)
+{
+    /* inert from now on: no callback reaches it; memory goes on a later turn
+     * (we may be inside one of its own callbacks) */
+    p->freed = true;
+    p->ready_cb = NULL;
+    p->end_cb = NULL;
+    tdp__ctl_close(&p->ctl);
+    close_link(p);
+    if (p->timer != NULL)
+        evtimer_del(p->timer);
+    if (p->credit_ev != NULL)
+        event_del(p->credit_ev);
+    if (p->retry_ev != NULL)
+        event_del(p->retry_ev);
+    tdp__reap_later(p->loop, &p->reap, destroy_now, p);
+}
+
+static void free_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    if (p->state != PIPE_DEAD)
+        tdp__pipe_fail(p, TDP_ECANCELED, "freed");
+    if (p->status == TDP_OK)
+        p->status = TDP_ECANCELED;
+    /* complete every op the user still has pending */
+    p->end_cb = NULL;
+    drain_ops(p);
+    tdp_op *op;
+    while ((op = tdp__opq_pop(&p->recvq)) != NULL)
+        tdp__op_complete(op, TDP_ECANCELED);
+    tdp__session_destroy(p);
+}
+
+void tdp_pipe_free(tdp_pipe *pipe)
+{
+    if (pipe != NULL)
+        tdp__call_on_loop(pipe->loop, free_task, pipe);
 }

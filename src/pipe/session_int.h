@@ -1,8 +1,9 @@
 /*
  * session_int.h (internal): the pipe object, shared by the files of the
- * pipe's state machine (session.c: creation and freeing; session_hello.c:
- * negotiation; session_data.c: the data path; session_reconnect.c:
- * outages; session_end.c: failure, BYE and close; session_prepare.c;
+ * pipe's state machine (session.c: creation, dialing, accepting;
+ * session_hello.c: negotiation; session_data.c: the data path;
+ * session_reconnect.c: outages; session_end.c: failure, BYE, close and
+ * teardown; session_prepare.c;
  * session_query.c: what the application may ask of a pipe), and what
  * each of them calls in another (loop thread). Nothing outside them
  * includes it; it stands below session.h (which the dialer and the
@@ -227,12 +228,8 @@ void tdp__pipe_timer_del(tdp_pipe *p);
 void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg);
 /* Close every candidate link; gone: the peer is gone. */
 void tdp__pipe_close_links(tdp_pipe *p, bool gone);
-/* Close the links as the pipe's status says (reset or timeout: gone). */
-void tdp__pipe_close_link(tdp_pipe *p);
 /* Sends the plane still holds, and a prepare waiting for READY, end with rc. */
 void tdp__pipe_fail_sent(tdp_pipe *p, tdp_err rc);
-/* Complete what can be completed after the pipe ended. */
-void tdp__pipe_drain_ops(tdp_pipe *p);
 /* Has everything the peer announced been delivered or lent? */
 bool tdp__pipe_peer_done(const tdp_pipe *p);
 /* A clean end, once the peer is done and the control socket has spoken. */
