@@ -3,9 +3,9 @@
  * pipe's state machine (session.c: creation, dialing, accepting;
  * session_hello.c: negotiation; session_data.c: the data path;
  * session_reconnect.c: outages; session_end.c: failure, BYE, close and
- * teardown; session_prepare.c;
- * session_query.c: what the application may ask of a pipe), and what
- * each of them calls in another (loop thread). Nothing outside them
+ * teardown; session_prepare.c; session_query.c: what the application may
+ * ask of a pipe), and what each of them calls in another (loop thread).
+ * Nothing outside them
  * includes it; it stands below session.h (which the dialer and the
  * listener use) and includes nothing of it.
  */
@@ -218,7 +218,7 @@ void tdp__pipe_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
 /* The backoff's event (retry_ev). */
 void tdp__pipe_retry_cb(evutil_socket_t fd, short what, void *arg);
 
-/* ---- session_end.c: failure, BYE, close ---- */
+/* ---- session_end.c: failure, BYE, close, teardown ---- */
 
 /* The pipe fails with err (or reconnects, when it may); why is logged. */
 void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
@@ -242,7 +242,7 @@ void tdp__pipe_ctl_bye(void *owner, const tdp_bye *bye);
 void tdp__pipe_ctl_bye_flushed(void *owner);
 
 /*
- * ---- session_prepare.c, for the data path and negotiation (loop thread) ----
+ * ---- session_prepare.c, for the other session files (loop thread) ----
  * It never calls the session back: what the session must do (fail the
  * pipe, look at the queue again later) comes back as results.
  */
