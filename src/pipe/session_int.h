@@ -5,9 +5,8 @@
  * session_reconnect.c: outages; session_end.c: failure, BYE, close and
  * teardown; session_prepare.c; session_query.c: what the application may
  * ask of a pipe), and what each of them calls in another (loop thread).
- * Nothing outside them
- * includes it; it stands below session.h (which the dialer and the
- * listener use) and includes nothing of it.
+ * Nothing outside them includes it; it stands below session.h (which the
+ * dialer and the listener use) and includes nothing of it.
  */
 #ifndef TDP_PIPE_SESSION_INT_H
 #define TDP_PIPE_SESSION_INT_H
