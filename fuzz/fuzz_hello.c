@@ -3,7 +3,7 @@
  * listener makes one (tdp__session_new + tdp__session_accept) on one end
  * of a socketpair; the input, turned into a HELLO, arrives on the other
  * end; the loop runs it through everything a received HELLO goes through:
- * ctl.c's framing and decoder, session_hello.c's plane choice and same-host
+ * ctl.c's framing and decoder, session.c's plane choice and same-host
  * test, and the ucx plane's link_start — the UCX address guard
  * (ucx_addr.c) and ucp_ep_create on what it let through. Nothing may
  * crash, hang, leak or be reported as anything but a clean outcome.

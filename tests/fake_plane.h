@@ -1,6 +1,6 @@
 /*
  * fake_plane.h: an in-memory data plane for tests of the pipe's state
- * machine (src/pipe/session*.c) — no UCX, no shared memory, no sockets.
+ * machine (session.c) — no UCX, no shared memory, no sockets.
  *
  * Links pair up in-process: a link's HELLO carries its token, and
  * link_start finds the peer's link by the token in the peer's HELLO.

@@ -1,5 +1,5 @@
 /*
- * test_session: the pipe's state machine (src/pipe/session*.c) over an in-memory
+ * test_session: the pipe's state machine (session.c) over an in-memory
  * data plane (fake_plane.c) — no UCX worker is ever made, which every
  * test checks at the end. The control channel is real TCP over
  * 127.0.0.1; both pipes live on one loop that only this thread runs.

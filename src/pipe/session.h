@@ -1,7 +1,7 @@
 /*
  * session.h (internal): how the dialer and the listener make pipes. The
- * pipe itself (struct tdp_pipe, the state machine) is private to the
- * session*.c files (session_int.h).
+ * pipe itself (struct tdp_pipe, the state machine) is private to
+ * session.c.
  */
 #ifndef TDP_PIPE_SESSION_H
 #define TDP_PIPE_SESSION_H

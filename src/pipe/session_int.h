@@ -1,10 +1,7 @@
 /*
  * session_int.h (internal): the pipe object, shared by the files of the
- * pipe's state machine (session.c: creation, dialing, accepting;
- * session_hello.c: negotiation; session_data.c: the data path;
- * session_reconnect.c: outages; session_end.c: failure, BYE, close and
- * teardown; session_prepare.c; session_query.c: what the application may
- * ask of a pipe), and what each of them calls in another (loop thread).
+ * pipe's state machine (session.c: negotiation, the data path, reconnect
+ * and teardown; session_query.c: what the application may ask of a pipe).
  * Nothing outside them includes it; it stands below session.h (which the
  * dialer and the listener use) and includes nothing of it.
  */
@@ -174,74 +171,8 @@ struct tdp_pipe {
     struct event *prep_ev; /* the plane was not up yet: try again */
 };
 
-/* A blocking call inside a loop callback would wait for itself. */
-static inline bool tdp__pipe_blocking_ok(tdp_pipe *p)
-{
-    return !(tdp__loop_running(p->loop) && tdp_loop_on_thread(p->loop));
-}
-
-/* ---- session_hello.c: negotiation ---- */
-
-/* Our HELLO: the planes still in the running, depth, caps, window, ... */
-void tdp__pipe_send_hello(tdp_pipe *p);
-/* A fresh control channel (at creation, and for each reconnect). */
-void tdp__pipe_ctl_setup(tdp_pipe *p);
-/* A link per candidate plane, in the registry's order of preference. */
-tdp_err tdp__pipe_make_links(tdp_pipe *p);
-
-/* ---- session_data.c: the data path ---- */
-
-/* The plane's events (make_links hands it to every link). */
-extern const tdp__plane_up tdp__pipe_plane_up;
-/* Send what the queue allows; never re-entered. */
-void tdp__pipe_send_kick(tdp_pipe *p);
-/* Send the credit owed to the peer, if its plane takes credit frames. */
-void tdp__pipe_send_credit(tdp_pipe *p);
-/* Hand ready messages (or the pipe's end) to waiting receives. */
-void tdp__pipe_deliver(tdp_pipe *p);
-/* A receive slot free again; drops its reference on the view. */
-void tdp__pipe_slot_free(rx_slot *s);
-/* The deferred credit's event (credit_ev). */
-void tdp__pipe_credit_ev_cb(evutil_socket_t fd, short what, void *arg);
-/* Releases made on other threads (rel_task). */
-void tdp__pipe_release_task(void *arg);
-/* A timed-out op: taken back from wherever it is (op->take_back). */
-void tdp__pipe_take_back(tdp_op *op);
-
-/* ---- session_reconnect.c: outages ---- */
-
-/* Whether failing with err starts (or goes on with) an outage instead of the end. */
-bool tdp__pipe_want_reconnect(const tdp_pipe *p, tdp_err err);
-/* The link is gone: back to connecting, dial again after a backoff. */
-void tdp__pipe_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
-/* The backoff's event (retry_ev). */
-void tdp__pipe_retry_cb(evutil_socket_t fd, short what, void *arg);
-
-/* ---- session_end.c: failure, BYE, close, teardown ---- */
-
-/* The pipe fails with err (or reconnects, when it may); why is logged. */
-void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
-/* The deadline timer (connect, linger, close). */
-void tdp__pipe_arm_timer(tdp_pipe *p, int64_t ms);
-void tdp__pipe_timer_del(tdp_pipe *p);
-void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg);
-/* Close every candidate link; gone: the peer is gone. */
-void tdp__pipe_close_links(tdp_pipe *p, bool gone);
-/* Sends the plane still holds, and a prepare waiting for READY, end with rc. */
-void tdp__pipe_fail_sent(tdp_pipe *p, tdp_err rc);
-/* Has everything the peer announced been delivered or lent? */
-bool tdp__pipe_peer_done(const tdp_pipe *p);
-/* A clean end, once the peer is done and the control socket has spoken. */
-void tdp__pipe_end_if_peer_done(tdp_pipe *p);
-/* A close requested: BYE once everything before it is gone, then the end. */
-void tdp__pipe_check_close(tdp_pipe *p);
-/* The control channel's end events (ctl_up). */
-void tdp__pipe_ctl_closed(void *owner, tdp_err why);
-void tdp__pipe_ctl_bye(void *owner, const tdp_bye *bye);
-void tdp__pipe_ctl_bye_flushed(void *owner);
-
 /*
- * ---- session_prepare.c, for the other session files (loop thread) ----
+ * ---- session_prepare.c, for session.c (loop thread) ----
  * It never calls the session back: what the session must do (fail the
  * pipe, look at the queue again later) comes back as results.
  */
