@@ -1214,8 +1214,8 @@ static void close_in_process(enum end_order order)
     tdp_loop_free(e.pl);
     tdp_td_unref(td);
     tdp_schema_unref(s);
-    print_message("order %d: tdp_fanout_close %s in %" PRId64 " ms\n", (int)order,
-                  tdp_strerror(rc), took);
+    print_message("order %d: tdp_fanout_close %s in %" PRId64 " ms\n", (int)order, tdp_strerror(rc),
+                  took);
     assert_int_equal(rc, TDP_OK);
     assert_true(took < CLOSE_MS / 2);
     assert_int_equal(st.consumers, 0);
