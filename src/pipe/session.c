@@ -162,6 +162,8 @@ static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
  */
 static void hang_up(tdp_pipe *p)
 {
+    if (p->state != PIPE_DEAD)
+        return; /* a pipe that reconnects has a new socket by now */
     tdp__ctl_close(&p->ctl);
     maybe_tell_end(p);
 }
