@@ -1121,6 +1121,205 @@ static void test_shm_wait_woken(void **state)
     tdp_schema_unref(s);
 }
 
+/* ---- closing with consumers in this process ----------------------------------- */
+
+#define CLOSE_MS 3000 /* the fan-out's close timeout here: reached only when a close hangs */
+
+/* What the consumers of this process do around the fan-out's close. */
+enum end_order {
+    END_CLOSE_AFTER, /* receive until TDP_ECLOSED, then close their pipe (freed later) */
+    END_CLOSE_FIRST, /* close their pipe before the fan-out closes */
+    END_FREE_FIRST,  /* free their pipe before the fan-out closes */
+};
+
+typedef struct closer {
+    pthread_t th;
+    tdp_pipe *pipe;
+    uint64_t want; /* receive this many, then stop; 0: until the end */
+    uint64_t n;
+    tdp_err end;      /* how its receives ended (TDP_OK: it stopped at want) */
+    tdp_err close_rc; /* its tdp_pipe_close (TDP_EAGAIN: not called) */
+    bool bad;
+} closer;
+
+static void *closer_main(void *arg)
+{
+    closer *c = arg;
+    c->end = TDP_OK;
+    c->close_rc = TDP_EAGAIN;
+    while (c->want == 0 || c->n < c->want) {
+        tdp_td *td;
+        tdp_err rc = tdp_pipe_recv(c->pipe, TMO, &td);
+        if (rc != TDP_OK) {
+            /* the user's clean end: close (not free) after TDP_ECLOSED */
+            c->end = rc;
+            c->close_rc = tdp_pipe_close(c->pipe, CLOSE_MS);
+            return NULL;
+        }
+        c->bad |= check(td) != c->n + 1;
+        c->n++;
+    }
+    return NULL;
+}
+
+/*
+ * Two consumers in this process, on their own loop, each drained by a
+ * thread of its own; the fan-out closes in one of the orders a user
+ * picks. Every order ends cleanly and at once: the close returns TDP_OK
+ * well within its timeout and every consumer is gone.
+ */
+static void close_in_process(enum end_order order)
+{
+    enum { NC = 2, NM = 10 };
+    env e;
+    env_up(&e, NULL);
+    closer c[NC];
+    memset(c, 0, sizeof(c));
+    for (int i = 0; i < NC; i++) {
+        tdp_pipe_opts o = popts();
+        assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", e.port, &o, &c[i].pipe), TDP_OK);
+        wait_consumers(&e, (uint32_t)i + 1);
+        c[i].want = order == END_CLOSE_AFTER ? 0 : NM;
+        assert_int_equal(pthread_create(&c[i].th, NULL, closer_main, &c[i]), 0);
+    }
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    for (uint64_t i = 1; i <= NM; i++) {
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, TMO), TDP_OK);
+    }
+    tdp_err first_rc[NC];
+    for (int i = 0; i < NC && order != END_CLOSE_AFTER; i++) {
+        pthread_join(c[i].th, NULL);
+        first_rc[i] = TDP_OK;
+        if (order == END_CLOSE_FIRST) {
+            first_rc[i] = tdp_pipe_close(c[i].pipe, CLOSE_MS);
+        } else {
+            tdp_pipe_free(c[i].pipe);
+            c[i].pipe = NULL;
+        }
+    }
+    int64_t t0 = mono_ms();
+    tdp_err rc = tdp_fanout_close(e.fo, CLOSE_MS);
+    int64_t took = mono_ms() - t0;
+    for (int i = 0; i < NC && order == END_CLOSE_AFTER; i++)
+        pthread_join(c[i].th, NULL);
+    tdp_fanout_stats st;
+    tdp_fanout_stats_get(e.fo, &st, NULL, 0);
+    for (int i = 0; i < NC; i++)
+        tdp_pipe_free(c[i].pipe);
+    tdp_fanout_free(e.fo);
+    tdp_loop_free(e.cl);
+    tdp_loop_free(e.pl);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    print_message("order %d: tdp_fanout_close %s in %" PRId64 " ms\n", (int)order, tdp_strerror(rc),
+                  took);
+    assert_int_equal(rc, TDP_OK);
+    assert_true(took < CLOSE_MS / 2);
+    assert_int_equal(st.consumers, 0);
+    assert_int_equal(st.left, NC);
+    /* freeing an open pipe is an abort: whether the fan-out counts it a
+     * failure depends on what its link saw first (BYE or the data plane) */
+    if (order != END_FREE_FIRST)
+        assert_int_equal(st.failed, 0);
+    for (int i = 0; i < NC; i++) {
+        assert_int_equal(c[i].n, NM);
+        assert_false(c[i].bad);
+        if (order == END_CLOSE_AFTER) {
+            assert_int_equal(c[i].end, TDP_ECLOSED);
+            assert_int_equal(c[i].close_rc, TDP_OK);
+        } else {
+            assert_int_equal(first_rc[i], TDP_OK);
+        }
+    }
+}
+
+static void test_close_consumers_receiving(void **state)
+{
+    (void)state;
+    close_in_process(END_CLOSE_AFTER);
+}
+
+static void test_close_consumers_closed_first(void **state)
+{
+    (void)state;
+    close_in_process(END_CLOSE_FIRST);
+}
+
+static void test_close_consumers_freed_first(void **state)
+{
+    (void)state;
+    close_in_process(END_FREE_FIRST);
+}
+
+/*
+ * A consumer of this process that is alive but stopped receiving, with
+ * sends waiting for its credit, cannot hold the close past its timeout:
+ * TDP_ETIMEDOUT on time, then its pipe is aborted and it is gone (its side
+ * sees the message it had and then the reset), and the sends it held
+ * complete.
+ */
+static void test_close_stuck_consumer(void **state)
+{
+    (void)state;
+    enum { NM = 3, STUCK_MS = 300 };
+    env e;
+    env_up(&e, NULL);
+    tdp_pipe_opts o = popts();
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", e.port, &o, &p), TDP_OK);
+    wait_consumers(&e, 1);
+    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_td *td[NM];
+    tdp_op *op[NM];
+    for (int i = 0; i < NM; i++) {
+        assert_int_equal(tdp_td_new(s, &td[i]), TDP_OK);
+        assert_int_equal(tdp_op_new(NULL, NULL, &op[i]), TDP_OK);
+        fill(td[i], (uint64_t)i + 1);
+        tdp_fanout_send_async(e.fo, td[i], op[i]);
+    }
+    /* the first lands in its one receive slot; the others wait for credit */
+    for (int64_t end = mono_ms() + TMO; tdp_op_result(op[0]) == TDP_EAGAIN && mono_ms() < end;)
+        usleep(1000);
+    int64_t t0 = mono_ms();
+    tdp_err rc = tdp_fanout_close(e.fo, STUCK_MS);
+    int64_t took = mono_ms() - t0;
+    int64_t end = mono_ms() + CLOSE_MS;
+    while (consumers_now(&e) != 0 && mono_ms() < end)
+        usleep(2000);
+    uint32_t left = consumers_now(&e);
+    bool held = false;
+    for (int i = 0; i < NM; i++) {
+        while (tdp_op_result(op[i]) == TDP_EAGAIN && mono_ms() < end)
+            usleep(1000);
+        held |= tdp_op_result(op[i]) == TDP_EAGAIN;
+    }
+    tdp_td *got;
+    tdp_err first = tdp_pipe_recv(p, CLOSE_MS, &got);
+    uint64_t seq = first == TDP_OK ? check(got) : 0;
+    tdp_err then = tdp_pipe_recv(p, CLOSE_MS, &got);
+    tdp_pipe_free(p);
+    tdp_fanout_free(e.fo);
+    tdp_loop_free(e.cl);
+    tdp_loop_free(e.pl);
+    for (int i = 0; i < NM; i++) {
+        tdp_op_free(op[i]);
+        tdp_td_unref(td[i]);
+    }
+    tdp_schema_unref(s);
+    print_message("stuck consumer: tdp_fanout_close %s in %" PRId64 " ms; consumer %s, then %s\n",
+                  tdp_strerror(rc), took, tdp_strerror(first), tdp_strerror(then));
+    assert_int_equal(rc, TDP_ETIMEDOUT);
+    assert_true(took >= STUCK_MS - 50 && took < STUCK_MS + 1000);
+    assert_int_equal(left, 0);
+    assert_false(held);
+    assert_int_equal(first, TDP_OK);
+    assert_int_equal(seq, 1);
+    assert_int_equal(then, TDP_ECONNRESET);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -1141,6 +1340,10 @@ int main(void)
         cmocka_unit_test(test_shm_release_refused),
         cmocka_unit_test(test_shm_gpu_slots_held),
         cmocka_unit_test(test_shm_wait_woken),
+        cmocka_unit_test(test_close_consumers_receiving),
+        cmocka_unit_test(test_close_consumers_closed_first),
+        cmocka_unit_test(test_close_consumers_freed_first),
+        cmocka_unit_test(test_close_stuck_consumer),
     };
     if (getenv("TDP_TEST_FILTER") != NULL)
         cmocka_set_test_filter(getenv("TDP_TEST_FILTER"));

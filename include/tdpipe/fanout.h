@@ -143,8 +143,12 @@ TDP_API tdp_err tdp_fanout_send(tdp_fanout *fo, tdp_td *td, int64_t timeout_ms);
 /*
  * Clean close: no new sends (they complete with TDP_ECLOSED), every
  * consumer finishes what it holds and closes, the listener stops. Waits
- * up to timeout_ms for the consumers to be gone; TDP_ETIMEDOUT if they
- * are not (their pipes are then aborted).
+ * up to timeout_ms (-1: no limit) for the consumers to be gone; whatever
+ * the consumers do — still receiving, closed or freed their pipe before —
+ * it returns: TDP_OK once every one is gone cleanly; TDP_ETIMEDOUT if some
+ * are not gone by then (their pipes are then aborted and leave soon after)
+ * or one had to be ended by close_timeout_ms (its peer neither closed nor
+ * hung up).
  */
 TDP_API tdp_err tdp_fanout_close(tdp_fanout *fo, int64_t timeout_ms);
 

@@ -459,13 +459,18 @@ TDP_API tdp_err tdp_pipe_close(tdp_pipe *pipe, int64_t timeout_ms);
  * Start a clean close without waiting (any thread, also inside a callback
  * of the pipe): as tdp_pipe_close, but the outcome comes through the end
  * callback (tdp_pipe_set_end_cb) and tdp_pipe_status. After timeout_ms
- * (-1: none) a close that has not finished ends with TDP_ETIMEDOUT.
+ * (-1: none) a close that has not finished ends with TDP_ETIMEDOUT: the
+ * sends and the BYE had not gone, or the BYE went and the peer neither
+ * answered with its own BYE nor closed its socket; the socket is then
+ * closed (the end callback runs).
  */
 TDP_API void tdp_pipe_close_async(tdp_pipe *pipe, int64_t timeout_ms);
 
 /*
  * End the pipe now with why (an error: the peer is told in BYE), without
- * waiting. Pending operations complete with why. Any thread.
+ * waiting. Pending operations complete with why. Any thread. A pipe that
+ * has ended already (a close whose BYE went) stops waiting for the peer's
+ * side: its socket closes and the end callback runs.
  */
 TDP_API void tdp_pipe_abort(tdp_pipe *pipe, tdp_err why);
 

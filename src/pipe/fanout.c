@@ -86,6 +86,7 @@ struct tdp_fanout {
      * group: a consumer's credit (each release on shm) activates it */
     struct event *wake_ev;
     bool closing, freeing, pumping, again, want_wake;
+    bool close_timed_out; /* a consumer's pipe ended at its close deadline while closing */
     tdp_fanout_stats st;
     tdp_op *sync;
     tdp__waiter w;
@@ -198,7 +199,8 @@ static void reap_later(tdp_fanout *fo)
 static void c_free(fo_consumer *c)
 {
     tdp_fanout *fo = c->fo;
-    tdp__session_set_credit_cb(c->pipe, NULL, NULL);
+    if (c->pipe != NULL) /* free_task has freed it already */
+        tdp__session_set_credit_cb(c->pipe, NULL, NULL);
     tdp_pipe_free(c->pipe);
     for (uint32_t k = 0; k < c->nops; k++)
         tdp_op_free(c->ops[k]);
@@ -284,6 +286,8 @@ static void c_end_cb(tdp_pipe *pipe, tdp_err status, void *arg)
     (void)pipe;
     fo_consumer *c = arg;
     c->ended = true;
+    if (c->fo->closing && status == TDP_ETIMEDOUT)
+        c->fo->close_timed_out = true; /* set before the reap that may end the close's wait */
     c_fail(c, status);
     if (c->ninflight == 0)
         reap_later(c->fo);
@@ -895,6 +899,7 @@ static void close_task(void *arg)
 {
     tdp_fanout *fo = arg;
     fo->closing = true;
+    fo->close_timed_out = false;
     for (uint32_t i = 0; i < fo->o.max_consumers; i++)
         if (fo->cons[i].state == C_LIVE)
             fo->cons[i].state = C_LEAVING;
@@ -929,9 +934,10 @@ tdp_err tdp_fanout_close(tdp_fanout *fo, int64_t timeout_ms)
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
     pthread_mutex_lock(&fo->w.mtx);
     bool ok = tdp__loop_wait(fo->loop, &fo->w.mtx, &fo->w.cond, &fo->gone, deadline);
+    bool late = ok && fo->close_timed_out; /* written before gone was */
     pthread_mutex_unlock(&fo->w.mtx);
     if (ok)
-        return TDP_OK;
+        return late ? TDP_ETIMEDOUT : TDP_OK;
     tdp__call_on_loop(fo->loop, abort_task, fo);
     return TDP_ETIMEDOUT;
 }
@@ -946,6 +952,7 @@ static void free_task(void *arg)
         if (c->state == C_FREE)
             continue;
         tdp_pipe_set_end_cb(c->pipe, NULL, NULL);
+        tdp__session_set_credit_cb(c->pipe, NULL, NULL);
         c_fail(c, TDP_ECANCELED);
         tdp_pipe_free(c->pipe); /* a send in flight completes (c_send_cb) in here */
         c->pipe = NULL;

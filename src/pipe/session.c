@@ -147,12 +147,55 @@ static void pipe_fail(tdp_pipe *p, tdp_err err, const char *why)
         return;
     }
     drain_ops(p);
+    if (p->peer_bye)
+        tdp__ctl_close(&p->ctl); /* both sides have said all: hang up (see hang_up) */
     maybe_tell_end(p);
+}
+
+/*
+ * Both sides have said BYE (or this one ended and then heard the peer's):
+ * nothing more can come either way, so this side hangs up instead of
+ * waiting for the peer to. Each side waiting for the other's hang-up was
+ * how two pipes that both closed stayed open forever. The peer's BYE has
+ * been read and it sends nothing after it, so no unread byte turns the
+ * close into a reset; a BYE of ours still queued goes out first.
+ */
+static void hang_up(tdp_pipe *p)
+{
+    if (p->state != PIPE_DEAD)
+        return; /* a pipe that reconnects has a new socket by now */
+    tdp__ctl_close(&p->ctl);
+    maybe_tell_end(p);
+}
+
+static void arm_timer(tdp_pipe *p, int64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    if (p->timer != NULL)
+        evtimer_add(p->timer, &tv);
+}
+
+/* Our BYE is out: the pipe has ended; the peer's hang-up is waited for until the close deadline. */
+static void closed_cleanly(tdp_pipe *p)
+{
+    pipe_fail(p, TDP_ECLOSED, "closed"); /* hangs up if the peer said BYE */
+    if (tdp__ctl_open(&p->ctl) && p->close_deadline >= 0) {
+        int64_t left = p->close_deadline - tdp__now_ms();
+        arm_timer(p, left > 0 ? left : 0);
+    }
 }
 
 static void linger_cb(evutil_socket_t fd, short what, void *arg)
 {
     tdp_pipe *p = arg;
+    if (p->state == PIPE_DEAD && p->close_requested && tdp__ctl_open(&p->ctl)) {
+        /* our BYE went, the peer neither answered nor hung up in time */
+        tdp_log_info("pipe %s: the peer did not end its side within the close deadline",
+                     p->ctl.peer_name);
+        p->status = TDP_ETIMEDOUT;
+        hang_up(p);
+        return;
+    }
     if (p->state == PIPE_CONNECTING) {
         pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
     } else if (p->state == PIPE_OPEN && p->peer_bye && p->rx_seq < p->peer_last_seq) {
@@ -161,14 +204,8 @@ static void linger_cb(evutil_socket_t fd, short what, void *arg)
         pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
     } else if (p->state == PIPE_OPEN && p->close_requested) {
         pipe_fail(p, TDP_ETIMEDOUT, "close deadline passed");
+        hang_up(p); /* the close gave up: nothing is waited for any more */
     }
-}
-
-static void arm_timer(tdp_pipe *p, int64_t ms)
-{
-    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
-    if (p->timer != NULL)
-        evtimer_add(p->timer, &tv);
 }
 
 /* Has everything the peer announced been delivered or lent? */
@@ -215,8 +252,10 @@ static void on_ctl_closed(void *owner, tdp_err why)
 static void on_ctl_bye(void *owner, const tdp_bye *bye)
 {
     tdp_pipe *p = owner;
-    if (p->state == PIPE_DEAD)
+    if (p->state == PIPE_DEAD) {
+        hang_up(p); /* ours went (or we failed): the peer's answers it */
         return;
+    }
     if (bye->reason != TDP_OK) {
         tdp_err e = bye->reason == TDP_ELIMIT || bye->reason == TDP_EVERSION ||
                             bye->reason == TDP_ENOTSUP || bye->reason == TDP_EAUTH ||
@@ -224,10 +263,12 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
                         ? bye->reason
                         : TDP_ECONNRESET;
         pipe_fail(p, e, "peer ended the pipe with an error");
+        hang_up(p); /* it said all it will */
         return;
     }
     if (p->state == PIPE_CONNECTING || p->peer_bye || bye->last_seq < p->rx_seq) {
         pipe_fail(p, TDP_EPROTO, "inconsistent BYE");
+        hang_up(p);
         return;
     }
     if (want_reconnect(p, TDP_ECLOSED)) {
@@ -1448,7 +1489,7 @@ static void check_close(tdp_pipe *p)
         return;
     }
     if (p->bye_flushed)
-        pipe_fail(p, TDP_ECLOSED, "closed");
+        closed_cleanly(p);
 }
 
 typedef struct close_req {
@@ -1461,6 +1502,7 @@ static void close_start(tdp_pipe *p, int64_t timeout_ms)
     if (p->state == PIPE_DEAD || p->close_requested)
         return;
     p->close_requested = true;
+    p->close_deadline = timeout_ms >= 0 ? tdp__now_ms() + timeout_ms : -1;
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl)) {
         pipe_fail(p, TDP_ECLOSED, "closed");
         return;
@@ -1535,7 +1577,15 @@ static void close_async_task(void *arg)
 static void abort_task(void *arg)
 {
     async_req *r = arg;
-    pipe_fail(r->p, (tdp_err)r->arg, "aborted");
+    tdp_pipe *p = r->p;
+    tdp_err why = (tdp_err)r->arg;
+    bool dead = p->state == PIPE_DEAD;
+    pipe_fail(p, why, "aborted");
+    /* ended and waiting for the peer to hang up, or ended without a BYE to
+     * deliver: nothing is left to wait for (a BYE with a reason is left to
+     * reach the peer before its socket closes) */
+    if (dead || why == TDP_ECONNRESET || why == TDP_ETIMEDOUT)
+        hang_up(p);
     tdp__free(r);
 }
 

@@ -75,6 +75,7 @@ struct tdp_pipe {
 
     /* ending */
     bool close_requested, bye_flushed, told_end;
+    int64_t close_deadline; /* tdp__now_ms() at which a close gives up; -1: never */
     tdp_pipe_end_cb end_cb;
     void *end_arg;
     bool freed;
