@@ -2867,8 +2867,8 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
     if (l == NULL || with == NULL || l == with || l->x != with->x || l->ipc || with->ipc ||
         l->bit == 0 || with->bit == 0)
         return TDP_EINVAL;
-    if (l->peer_window != 0 || with->peer_window != 0)
-        return TDP_ENOTSUP; /* a group's pools are sized by depth: a window's sends need more */
+    if (l->peer_window < with->peer_window)
+        return TDP_ENOTSUP; /* the group's pools have more slots than l's peer maps */
     tx_group *g = with->grp;
     if (l->grp == g)
         return TDP_OK;
@@ -2882,9 +2882,15 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
     tx_group_unref(l);
     l->grp = g;
     l->bit = bit;
+    l->peer_window = with->peer_window; /* the group's pools hold so many in flight */
     g->bits |= bit;
     g->refs++;
     return TDP_OK;
+}
+
+uint64_t tdp__shm_link_peer_window(const tdp__link *l)
+{
+    return l != NULL ? l->peer_window : 0;
 }
 
 uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools)
