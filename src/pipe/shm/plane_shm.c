@@ -1529,7 +1529,7 @@ static tdp_err sock_read_one(struct tdp__link *l)
     /* POOL and SCHEMA wait for their DATA, in order, and only so many */
     bool pool = m.type == MSG_POOL || m.type == MSG_DPOOL;
     if ((pool ? l->npend_pools >= PEND_POOLS(l->depth)
-              : l->npend_schemas >= PEND_SCHEMAS(l->depth)) ||
+              : l->npend_schemas >= PEND_SCHEMAS(rx_win(l, 1))) ||
         (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % l->pend_cap].m.seq)) {
         close_fds(fds, nfds);
         return TDP_EPROTO;
@@ -2511,7 +2511,8 @@ static tdp_err link_start_sock(struct tdp__link *l, const tdp__link_peer *peer,
     l->sum_on = peer->checksum;
     l->capearly = 2 * tx_win(l, 1) + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
-    l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);
+    /* each message in flight may bring a schema of its own: the window's most of them */
+    l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(rx_win(l, 1));
     l->pend = tdp__alloc_array(l->pend_cap, sizeof(*l->pend));
     l->capstx = l->capearly;
     l->stx = tdp__alloc_array(l->capstx, sizeof(*l->stx));
