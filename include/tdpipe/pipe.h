@@ -93,7 +93,10 @@ typedef struct tdp_pipe_opts {
      * Receive buffers this side holds (1..64, default 1). 1 is the reference
      * behaviour: each receive overwrites the last, the buffer is lent until
      * the next receive. N > 1: a ring; each receive lends one buffer until
-     * tdp_pipe_release. The sender never has more in flight than this.
+     * tdp_pipe_release. The sender never has more in flight than this, or
+     * than recv_window_bytes lets a small layout have (on by default: a
+     * small layout then gets a ring even at depth 1; window 0 for the
+     * reference behaviour with every layout).
      */
     uint32_t recv_depth;
     /* Where received buffers live; default: the sender's device. */
