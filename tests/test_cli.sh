@@ -1387,7 +1387,8 @@ test_defaults() {
     expect_in d_sink_echo_send err "drop --echo, or start the server with '--mode auto'"
     expect_in d_sink_echo out "client 1 closed: refused"
 
-    pair d_echo_sink serve --mode echo --quiet -- --count 50 --size 1KB
+    # more than the default window lets the sender have in flight: it waits for the refusal
+    pair d_echo_sink serve --mode echo --quiet -- --count 500 --size 1KB
     expect_rc d_echo_sink_send 2
     expect_in d_echo_sink_send err "add --echo"
     expect_in d_echo_sink out "client 1 closed: refused"

@@ -183,6 +183,8 @@ static void env_up(env *e, const tdp_fanin_opts *fo)
     else
         tdp_fanin_opts_default(&o);
     o.listener.pipe.plane = test_plane();
+    /* credit and the memory cap counted by depth (test_window: the window) */
+    o.listener.pipe.recv_window_bytes = 0;
     memset(e, 0, sizeof(*e));
     assert_int_equal(tdp_loop_new(NULL, &e->fl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &e->pl), TDP_OK);
@@ -919,6 +921,7 @@ static void test_producer_reconnects(void **state)
     tdp_fanin_opts fo;
     tdp_fanin_opts_default(&fo);
     fo.listener.pipe.plane = test_plane();
+    fo.listener.pipe.recv_window_bytes = 0; /* as env_up's */
     tdp_err rc = TDP_EADDR;
     for (int64_t end = mono_ms() + TMO; mono_ms() < end; usleep(20 * 1000))
         if ((rc = tdp_fanin_new(e.fl, "127.0.0.1", port, &fo, &e.f)) == TDP_OK)

@@ -238,8 +238,8 @@ static void test_broadcast_order(void **state)
 }
 
 /*
- * Consumers that grant a receive window: more in flight per consumer, and
- * on the shm plane pools of their own (a shared group is sized by depth).
+ * Consumers that grant a receive window: more in flight per consumer (on
+ * the shm plane, one group's pools sized for the window).
  */
 static void test_broadcast_order_window(void **state)
 {
@@ -840,6 +840,61 @@ static void test_shm_loan_zero_copy(void **state)
     tdp_schema_unref(s);
 }
 
+/*
+ * Broadcast to consumers that grant receive windows: those whose window is
+ * the group's, or larger (it keeps to the group's), take every loan from
+ * one pool without a copy; one whose window is smaller cannot map the
+ * group's pools and gets a copy in a pool of its own. Every message
+ * arrives, in order, and no consumer fails.
+ */
+static void test_shm_window_group(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    enum { NC = 3, N = 40 };
+    static const uint64_t win[NC] = {256u << 10, 1u << 20, 64u << 10};
+    const int64_t size = 16 * 1024; /* 16 in flight in 256 KiB, 64 in 1 MiB, 4 in 64 KiB */
+    env e;
+    env_up(&e, NULL);
+    for (int i = 0; i < NC; i++) {
+        tdp_pipe_opts o = popts();
+        o.recv_window_bytes = win[i];
+        assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", e.port, &o, &e.c[i].pipe), TDP_OK);
+        e.nc++;
+        wait_consumers(&e, (uint32_t)e.nc);
+    }
+    tdp_schema *s = bytes_schema(size);
+    tdp_op *op;
+    assert_int_equal(tdp_op_new(NULL, NULL, &op), TDP_OK);
+    for (uint64_t i = 1; i <= N; i++) {
+        tdp_td *td;
+        unsigned long ino0, off0;
+        assert_int_equal(loan_retry(e.fo, s, &td), TDP_OK);
+        assert_true(memfd_at(tdp_td_data(td), &ino0, &off0));
+        fill(td, i);
+        tdp_fanout_send_async(e.fo, td, op);
+        for (int c = 0; c < NC; c++) {
+            tdp_td *got;
+            assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got), TDP_OK);
+            assert_int_equal(check(got), i);
+            unsigned long ino, off;
+            assert_true(memfd_at(tdp_td_data(got), &ino, &off));
+            assert_true(c < 2 ? ino == ino0 && off == off0 : ino != ino0);
+        }
+        for (int64_t end = mono_ms() + TMO; tdp_op_result(op) == TDP_EAGAIN && mono_ms() < end;)
+            usleep(1000);
+        assert_int_equal(tdp_op_result(op), TDP_OK);
+        tdp_td_unref(td);
+    }
+    tdp_fanout_stats st;
+    tdp_fanout_stats_get(e.fo, &st, NULL, 0);
+    assert_int_equal(st.failed, 0);
+    bare_down(&e);
+    tdp_op_free(op);
+    tdp_schema_unref(s);
+}
+
 typedef struct rogue_rel {
     tdp__link *l;
     tdp__shm_desc d;
@@ -1324,21 +1379,14 @@ int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_broadcast_order),
-        cmocka_unit_test(test_broadcast_order_window),
-        cmocka_unit_test(test_broadcast_async),
-        cmocka_unit_test(test_late_joiner),
-        cmocka_unit_test(test_broadcast_nobody),
-        cmocka_unit_test(test_distribute_credit),
-        cmocka_unit_test(test_drop_oldest),
-        cmocka_unit_test(test_remove),
-        cmocka_unit_test(test_zero_alloc),
-        cmocka_unit_test(test_dial_and_add),
-        cmocka_unit_test(test_kill_one_of_four),
-        cmocka_unit_test(test_shm_one_pool),
-        cmocka_unit_test(test_shm_loan_zero_copy),
-        cmocka_unit_test(test_shm_release_refused),
-        cmocka_unit_test(test_shm_gpu_slots_held),
+        cmocka_unit_test(test_broadcast_order),     cmocka_unit_test(test_broadcast_order_window),
+        cmocka_unit_test(test_broadcast_async),     cmocka_unit_test(test_late_joiner),
+        cmocka_unit_test(test_broadcast_nobody),    cmocka_unit_test(test_distribute_credit),
+        cmocka_unit_test(test_drop_oldest),         cmocka_unit_test(test_remove),
+        cmocka_unit_test(test_zero_alloc),          cmocka_unit_test(test_dial_and_add),
+        cmocka_unit_test(test_kill_one_of_four),    cmocka_unit_test(test_shm_one_pool),
+        cmocka_unit_test(test_shm_loan_zero_copy),  cmocka_unit_test(test_shm_window_group),
+        cmocka_unit_test(test_shm_release_refused), cmocka_unit_test(test_shm_gpu_slots_held),
         cmocka_unit_test(test_shm_wait_woken),
         cmocka_unit_test(test_close_consumers_receiving),
         cmocka_unit_test(test_close_consumers_closed_first),

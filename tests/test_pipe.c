@@ -186,6 +186,9 @@ static const tdp_pipe_opts *mode_opts(const tdp_pipe_opts *o, tdp_pipe_opts *buf
         *buf = *o;
     else
         tdp_pipe_opts_default(buf);
+    /* the conformance suite holds each side to recv_depth (in place at
+     * depth 1, credit per buffer); test_window covers the receive window */
+    buf->recv_window_bytes = 0;
     if (m != NULL && strcmp(m, "ucx") == 0)
         buf->peer_mode = TDP_PEER_UCX;
     if (buf->plane == TDP_PLANE_AUTO)
@@ -1691,7 +1694,9 @@ static void *late_listen(void *arg)
 {
     late_listener *ll = arg;
     usleep((useconds_t)ll->delay_ms * 1000);
-    ll->rc = tdp_listener_new(ll->loop, "127.0.0.1", ll->port, NULL, NULL, NULL, &ll->l);
+    tdp_pipe_opts ob; /* the suite's plane, peer mode and depth-only credit */
+    ll->rc = tdp_listener_new(ll->loop, "127.0.0.1", ll->port, mode_opts(NULL, &ob), NULL, NULL,
+                              &ll->l);
     return NULL;
 }
 

@@ -44,6 +44,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/op.h"
+#include "pipe/plane.h"
 #include "pipe/shm/plane_shm.h"
 #include "pipe/session.h"
 #include "pipe/shm/shm.h"
@@ -746,9 +747,11 @@ static void flood_case(bool pool)
                   ((int64_t)top.mbytes - (int64_t)base.mbytes) >> 20,
                   ((int64_t)top.rss - (int64_t)base.rss) / 1024, (int64_t)(top.live - base.live));
     assert_int_equal(rc, TDP_EPROTO);
-    /* at most 2 x depth + 1 POOLs (3 fds each) or depth + 1 SCHEMAs (1 fd) */
-    assert_true(sent <= (pool ? 2 * DEPTH + 1 : DEPTH + 1) + 1);
-    assert_true(top.fds <= base.fds + (pool ? 3 * (2 * DEPTH + 1) : DEPTH + 1) + 4);
+    /* at most 2 x depth + 1 POOLs (3 fds each), or a SCHEMA for each message
+     * the window lets be in flight, and one (1 fd each) */
+    const int inflight = (int)tdp__window(DEPTH, o.recv_window_bytes, 1);
+    assert_true(sent <= (pool ? 2 * DEPTH + 1 : inflight + 1) + 1);
+    assert_true(top.fds <= base.fds + (pool ? 3 * (2 * DEPTH + 1) : inflight + 1) + 4);
     /* nothing mapped for them (the sender's own segment is mapped while it is made) */
     assert_true(top.mbytes <= base.mbytes + ((uint64_t)4 << 30));
     assert_true(top.live <= base.live + (256u << 10));
@@ -787,6 +790,7 @@ static void test_growing_loans(void **state)
     tdp_pipe_opts o;
     tdp_pipe_opts_default(&o);
     o.plane = TDP_PLANE_SHM;
+    o.recv_window_bytes = 0; /* the bound at depth 1 itself */
     assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
     assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);

@@ -139,6 +139,7 @@ static tdp_pipe_opts fake_opts(uint32_t depth)
     tdp_pipe_opts_default(&o);
     o.plane = (tdp_plane)TDP__PLANE_TEST;
     o.recv_depth = depth;
+    o.recv_window_bytes = 0; /* the credit tests count depth itself (test_window: the window) */
     o.linger_ms = LINGER;
     o.connect_timeout_ms = TMO;
     return o;

@@ -152,6 +152,36 @@ static uint32_t in_flight_case(uint32_t depth, uint64_t rx_win, uint64_t tx_win,
     return sent;
 }
 
+/*
+ * A new layout with every message, as many in flight as the window lets
+ * go at depth 1: the receiver takes a schema announcement for each (the
+ * shm plane holds them until their DATA) and every message lands intact.
+ */
+static void test_schema_per_message(void **state)
+{
+    (void)state;
+    enum { N = 40 };
+    pair pr;
+    pair_open(&pr, 1, WINDOW, 0);
+    tdp_td *td[N];
+    for (uint32_t i = 0; i < N; i++) {
+        td[i] = new_td(1000 + i); /* a layout of its own, one page */
+        fill(td[i], i);
+        assert_int_equal(tdp_pipe_send(pr.cli, td[i], TMO), TDP_OK); /* credit: the window */
+    }
+    for (uint32_t i = 0; i < N; i++) {
+        tdp_td *got;
+        assert_int_equal(tdp_pipe_recv(pr.srv, TMO, &got), TDP_OK);
+        assert_int_equal(tdp_td_nbytes(got), tdp_td_nbytes(td[i]));
+        assert_true(tdp_schema_equal(tdp_td_schema(got), tdp_td_schema(td[i])));
+        assert_true(check(got, i));
+        tdp_pipe_release(pr.srv, got);
+        tdp_td_unref(td[i]);
+    }
+    assert_int_equal(tdp_pipe_status(pr.srv), TDP_OK);
+    pair_close(&pr);
+}
+
 static void test_small_window(void **state)
 {
     (void)state;
@@ -260,6 +290,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_window),
+        cmocka_unit_test(test_schema_per_message),
         cmocka_unit_test(test_large_layout_keeps_depth),
         cmocka_unit_test(test_no_window_keeps_depth),
         cmocka_unit_test(test_bursts_small),

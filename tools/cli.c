@@ -172,8 +172,7 @@ int tdp_cli_parse_window(const char *cmd, const char *s, uint64_t *out)
 
 void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o)
 {
-    if (given->recv_window_bytes != 0)
-        o->recv_window_bytes = given->recv_window_bytes;
+    o->recv_window_bytes = given->recv_window_bytes; /* 0 is --window 0: off */
     if (given->secret != NULL) {
         o->secret = given->secret;
         o->secret_len = given->secret_len;

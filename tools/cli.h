@@ -88,7 +88,8 @@ bool tdp_cli_read_secret(const char *cmd, const char *path, tdp_pipe_opts *o);
 
 /*
  * Onto o, what --keepalive, --secret-file and --checksum put in given (the fields they
- * set; left as they are where the flag was not given).
+ * set; left as they are where the flag was not given), and given's receive window as it
+ * is (--window, 0 for off: start given from tdp_pipe_opts_default).
  */
 void tdp_cli_apply_net_opts(const tdp_pipe_opts *given, tdp_pipe_opts *o);
 

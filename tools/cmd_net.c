@@ -188,10 +188,10 @@ static const char recv_help[] =
     "                      have left; rate lines and the summary give each\n"
     "                      producer's figures (\"producers\" in --json); each\n"
     "                      message is verified with its producer's own numbering\n"
-    "      --window SIZE   receive window for small messages (default 0: off): a\n"
-    "                      layout of N bytes may have SIZE / N messages in flight\n"
-    "                      (N in whole 4 KiB pages; at least --depth, at most 64),\n"
-    "                      e.g. 256KiB: 64 of 1 KB; see docs/pipe.md\n"
+    "      --window SIZE   receive window for small messages (default 256KiB: 64\n"
+    "                      of 1 KB; 0: off): a layout of N bytes may have SIZE / N\n"
+    "                      messages in flight (N in whole 4 KiB pages; at least\n"
+    "                      --depth, at most 64); see docs/pipe.md\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
@@ -272,6 +272,7 @@ static int recv_parse(int argc, char **argv, recv_args *a)
         .listen = {.depth = TDP_CLI_DEFAULT_DEPTH, .timeout_ms = 60000, .latency = true},
         .verify = true,
         .interval = TDP_CLI_INTERVAL_UNSET};
+    tdp_pipe_opts_default(&a->listen.ka); /* the receive window is on unless --window 0 */
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:d:t:P:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -690,6 +691,7 @@ static int send_parse(int argc, char **argv, send_args *a)
                      .timeout_ms = 10000,
                      .interval = TDP_CLI_INTERVAL_UNSET,
                      .fan = &fan};
+    tdp_pipe_opts_default(&a->ka); /* tdp_cli_apply_net_opts takes its window as it is */
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":s:n:r:et:qvh", opts, NULL)) != -1) {
         switch (c) {
@@ -1238,6 +1240,7 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
     int c;
 
     *a = (inspect_args){.listen = {.depth = 1, .timeout_ms = 60000}};
+    tdp_pipe_opts_default(&a->listen.ka); /* tdp_cli_apply_net_opts takes its window as it is */
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:n:t:vh", opts, NULL)) != -1) {
         switch (c) {

@@ -70,7 +70,7 @@ static const char serve_help[] =
     "  -T, --duration S      stop after S seconds (default 0: no limit)\n"
     "  -d, --depth D         receive buffers per client, 1..64 (default 4)\n"
     "      --window SIZE     receive window per client for small messages (default\n"
-    "                        0: off): a layout of N bytes may have SIZE / N in\n"
+    "                        256KiB; 0: off): a layout of N bytes may have SIZE / N in\n"
     "                        flight (N in whole 4 KiB pages; at least --depth, at\n"
     "                        most 64); see docs/pipe.md\n"
     "      --plane NAME      data plane (default auto: each HELLO picks one);\n"
@@ -174,6 +174,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
                       .verify = true,
                       .depth = TDP_CLI_DEFAULT_DEPTH,
                       .interval = TDP_CLI_INTERVAL_UNSET};
+    tdp_pipe_opts_default(&a->ka); /* the receive window is on unless --window 0 */
     tdp_cli_getopt_reset();
     while ((c = getopt_long(argc, argv, ":b:p:m:c:n:T:d:qvh", opts, NULL)) != -1) {
         switch (c) {

@@ -93,7 +93,10 @@ typedef struct tdp_pipe_opts {
      * Receive buffers this side holds (1..64, default 1). 1 is the reference
      * behaviour: each receive overwrites the last, the buffer is lent until
      * the next receive. N > 1: a ring; each receive lends one buffer until
-     * tdp_pipe_release. The sender never has more in flight than this.
+     * tdp_pipe_release. The sender never has more in flight than this, or
+     * than recv_window_bytes lets a small layout have (on by default: a
+     * small layout then gets a ring even at depth 1; window 0 for the
+     * reference behaviour with every layout).
      */
     uint32_t recv_depth;
     /* Where received buffers live; default: the sender's device. */
@@ -208,18 +211,24 @@ typedef struct tdp_pipe_opts {
      */
     bool checksum;
     /*
-     * Receive window for small messages, bytes (default 0: off; 4096 ..
-     * 2^30). recv_depth bounds the messages in flight to this side; with a
-     * window, a layout of N bytes may have up to window / N messages in
-     * flight instead (N counted in whole 4 KiB pages; never fewer than
-     * recv_depth nor more than 64), so small messages stream without a
-     * round trip per recv_depth of them. The storage this side keeps for
-     * a layout is then at most max(recv_depth x N, window) bytes. Told to
-     * the peer in the HELLO (a record older peers skip: they keep to
-     * recv_depth). docs/pipe.md#receive-window.
+     * Receive window for small messages, bytes (default
+     * TDP_RECV_WINDOW_DEFAULT, 256 KiB; 0: off; else 4096 .. 2^30). Unlike
+     * the other fields, 0 is taken as given (off): start from
+     * tdp_pipe_opts_default for the default. recv_depth bounds the
+     * messages in flight to this side; with a window, a layout of N bytes
+     * may have up to window / N messages in flight instead (N counted in
+     * whole 4 KiB pages; never fewer than recv_depth nor more than 64), so
+     * small messages stream without a round trip per recv_depth of them.
+     * The storage this side keeps for a layout is then at most
+     * max(recv_depth x N, window) bytes. Told to the peer in the HELLO (a
+     * record older peers skip: they keep to recv_depth).
+     * docs/pipe.md#receive-window.
      */
     uint64_t recv_window_bytes;
 } tdp_pipe_opts;
+
+/* tdp_pipe_opts.recv_window_bytes of tdp_pipe_opts_default */
+#define TDP_RECV_WINDOW_DEFAULT (256u << 10)
 
 #define TDP_SECRET_MIN 16
 #define TDP_SECRET_MAX 256

@@ -617,6 +617,9 @@ typedef struct PipeObject {
     /* The Schema object of the last message received, reused while it holds. */
     SchemaObject *recv_schema;
     int busy; /* a blocking call is under way (the C API allows one at a time) */
+    /* seq of the last message recv() handed out, and the last resume it saw:
+     * stats' msgs_recv also counts messages that landed and wait (a window) */
+    uint64_t recv_seq, resumed_seen;
 } PipeObject;
 
 static TdObject *td_new_obj(tdp_td *td) /* takes a new reference on td */
@@ -1024,6 +1027,8 @@ static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth, int on_thread)
     o->last_lent = NULL;
     o->recv_schema = NULL;
     o->busy = 0;
+    o->recv_seq = 0;
+    o->resumed_seen = 0;
     return o;
 }
 
@@ -1182,9 +1187,15 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
      * they are made without the GIL too: the loop thread may need it.
      */
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_recv(p, ms, &t);
-    if (rc == TDP_OK)
+    if (rc == TDP_OK || rc == TDP_ECHECKSUM)
         tdp_pipe_stats_get(p, &st);
     Py_END_ALLOW_THREADS self->busy = 0;
+    if (st.resumed_from != 0 && st.resumed_from != self->resumed_seen) {
+        self->resumed_seen = st.resumed_from; /* a new link's stream goes on from there */
+        self->recv_seq = st.resumed_from - 1;
+    }
+    if (rc == TDP_OK || rc == TDP_ECHECKSUM) /* a dropped message had its number too */
+        self->recv_seq++;
     /* depth 1: the receive released the previous message first, whatever its outcome */
     if (self->depth == 1 && self->last_lent != NULL) {
         self->last_lent->released = 1;
@@ -1192,7 +1203,7 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     }
     if (rc != TDP_OK)
         return raise_tdp(rc, "recv");
-    return pipe_lent_td(self, t, st.msgs_recv);
+    return pipe_lent_td(self, t, self->recv_seq);
 }
 
 /* prepare(schema, timeout): tdp_pipe_prepare. */
@@ -1682,9 +1693,10 @@ static PyObject *op_result(OpObject *self, PyObject *unused)
     PyObject *res;
     if (rc != TDP_OK)
         res = raise_tdp(rc, self->is_recv ? "recv" : "send");
-    else if (self->is_recv)
-        res = pipe_lent_td(p, tdp_op_td(self->op), tdp_op_seq(self->op));
-    else
+    else if (self->is_recv) {
+        p->recv_seq = tdp_op_seq(self->op); /* a later recv() goes on from it */
+        res = pipe_lent_td(p, tdp_op_td(self->op), p->recv_seq);
+    } else
         res = Py_NewRef(Py_True);
     Py_DECREF(p);
     return res;

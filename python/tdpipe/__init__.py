@@ -612,7 +612,7 @@ class Pipe:
 def connect(host, port, *, as_="torch", loop="caller", **opts):
     """Connect to a listener and handshake. Options (keyword): depth (alias
     recv_depth, 1..64), window (bytes: the receive window for small messages,
-    0 or 4096..2**30, docs/pipe.md#receive-window), connect_timeout and
+    0 (off) or 4096..2**30, default 256 KiB, docs/pipe.md#receive-window), connect_timeout and
     linger (seconds), plane ("auto",
     "ucx", "shm", "cuda-ipc": the last for pipes that name cuda_device), peer_mode ("auto", "ucx", "socket"), keepalive
     ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves.

@@ -463,8 +463,11 @@ static void c_share(tdp_fanout *fo, fo_consumer *c)
     tdp_err rc = d == NULL
                      ? TDP_OK
                      : tdp__shm_link_share(tdp__session_link(c->pipe), tdp__session_link(d->pipe));
-    /* else it holds slots of its own (tried again when idle), or the group is full: copies */
+    /* else it holds slots of its own (tried again when idle), the group is full, or its
+     * peer granted a smaller window than the group's pools are sized for: copies */
     c->shared = rc == TDP_OK;
+    if (c->shared) /* its sends keep to the group's window */
+        tdp__session_keep_window(c->pipe, tdp__shm_link_peer_window(tdp__session_link(c->pipe)));
 }
 
 /* Consumers whose plane was not known when they joined, or whose link was busy then. */

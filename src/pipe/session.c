@@ -1078,6 +1078,12 @@ static uint32_t tx_window(const tdp_pipe *p, const tdp_op *op)
     return tdp__window(p->peer_depth, p->peer_window, tdp_schema_total_bytes(op->td->schema));
 }
 
+void tdp__session_keep_window(tdp_pipe *p, uint64_t window)
+{
+    if (p != NULL && window < p->peer_window)
+        p->peer_window = window;
+}
+
 /* Send what the queue's head may: credit, a ticket and the link allow. */
 static void kick_once(tdp_pipe *p)
 {

@@ -73,6 +73,14 @@ bool tdp__session_send_credit(const tdp_pipe *p);
  */
 void tdp__session_set_credit_cb(tdp_pipe *p, void (*cb)(void *arg), void *arg);
 
+/*
+ * From now on, send to p's peer no more than a receive window of `window`
+ * bytes allows (0: the peer's depth), when the peer granted more: a link
+ * that joined a shm pool group keeps to the group's window. A larger one
+ * is ignored: the peer's grant is the most.
+ */
+void tdp__session_keep_window(tdp_pipe *p, uint64_t window);
+
 /* For tests: the chosen plane's link and its loop (NULL before the HELLO). */
 struct tdp__link *tdp__session_link(const tdp_pipe *p);
 tdp_loop *tdp__session_loop(const tdp_pipe *p);

@@ -23,6 +23,7 @@ void tdp_pipe_opts_default(tdp_pipe_opts *o)
         .keepalive_cnt = 15,
         .plane = TDP_PLANE_AUTO,
         .cuda_device = -1,
+        .recv_window_bytes = TDP_RECV_WINDOW_DEFAULT,
     };
 }
 
@@ -54,8 +55,10 @@ void tdp__opts_resolve(const tdp_pipe_opts *in, tdp_pipe_opts *out, tdp_schema_l
     TAKE(connect_wait_ms)
     TAKE(cuda_device_set)
     TAKE(checksum)
-    TAKE(recv_window_bytes)
 #undef TAKE
+    /* 0 is an answer here, not "the default": it turns the window off */
+    if (offsetof(tdp_pipe_opts, recv_window_bytes) + sizeof(in->recv_window_bytes) <= n)
+        out->recv_window_bytes = in->recv_window_bytes;
     if (out->cuda_device_set)
         out->cuda_device = in->cuda_device;
     if (out->recv_device_set)

@@ -199,7 +199,8 @@ def test_window_lets_small_messages_past_depth(plane):
 
 @pytest.mark.parametrize("loop", ["caller", "thread"])
 def test_depth1_next_recv_releases_previous(loop):
-    with listen(loop=loop) as lst:
+    # depth 1 in place: one buffer (the default window would ring small messages)
+    with listen(loop=loop, window=0) as lst:
         tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
         rx = lst.accept(timeout=10)
 

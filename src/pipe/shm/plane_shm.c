@@ -1529,7 +1529,7 @@ static tdp_err sock_read_one(struct tdp__link *l)
     /* POOL and SCHEMA wait for their DATA, in order, and only so many */
     bool pool = m.type == MSG_POOL || m.type == MSG_DPOOL;
     if ((pool ? l->npend_pools >= PEND_POOLS(l->depth)
-              : l->npend_schemas >= PEND_SCHEMAS(l->depth)) ||
+              : l->npend_schemas >= PEND_SCHEMAS(rx_win(l, 1))) ||
         (l->npend > 0 && m.seq < l->pend[(l->pend_head + l->npend - 1) % l->pend_cap].m.seq)) {
         close_fds(fds, nfds);
         return TDP_EPROTO;
@@ -2511,7 +2511,8 @@ static tdp_err link_start_sock(struct tdp__link *l, const tdp__link_peer *peer,
     l->sum_on = peer->checksum;
     l->capearly = 2 * tx_win(l, 1) + 1;
     l->early = tdp__alloc_array(l->capearly, sizeof(*l->early));
-    l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(l->depth);
+    /* each message in flight may bring a schema of its own: the window's most of them */
+    l->pend_cap = PEND_POOLS(l->depth) + PEND_SCHEMAS(rx_win(l, 1));
     l->pend = tdp__alloc_array(l->pend_cap, sizeof(*l->pend));
     l->capstx = l->capearly;
     l->stx = tdp__alloc_array(l->capstx, sizeof(*l->stx));
@@ -2867,8 +2868,8 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
     if (l == NULL || with == NULL || l == with || l->x != with->x || l->ipc || with->ipc ||
         l->bit == 0 || with->bit == 0)
         return TDP_EINVAL;
-    if (l->peer_window != 0 || with->peer_window != 0)
-        return TDP_ENOTSUP; /* a group's pools are sized by depth: a window's sends need more */
+    if (l->peer_window < with->peer_window)
+        return TDP_ENOTSUP; /* the group's pools have more slots than l's peer maps */
     tx_group *g = with->grp;
     if (l->grp == g)
         return TDP_OK;
@@ -2882,9 +2883,15 @@ tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with)
     tx_group_unref(l);
     l->grp = g;
     l->bit = bit;
+    l->peer_window = with->peer_window; /* the group's pools hold so many in flight */
     g->bits |= bit;
     g->refs++;
     return TDP_OK;
+}
+
+uint64_t tdp__shm_link_peer_window(const tdp__link *l)
+{
+    return l != NULL ? l->peer_window : 0;
 }
 
 uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools)

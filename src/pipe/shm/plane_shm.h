@@ -62,10 +62,16 @@ bool tdp__shm_view_in_pool(tdp__link *l, const void *p);
  * Make link l send from the pools of link `with` (both of one loop, on the
  * shm plane): a loan of that group goes to each of their peers without a
  * copy. l must hold no slot in flight (TDP_EAGAIN). At most 64 links share
- * a group (TDP_ELIMIT). Not for a link whose peer granted a receive window
- * (TDP_ENOTSUP): a group's pools are sized by depth.
+ * a group (TDP_ELIMIT). A group's pools are sized for one receive window
+ * (the peers' depths, or the window they granted): l keeps to the group's
+ * from then on when its peer granted more (a sender may always send less
+ * than its peer grants: tdp__session_keep_window tells the session), and
+ * cannot join when its peer granted less (TDP_ENOTSUP).
  */
 tdp_err tdp__shm_link_share(tdp__link *l, tdp__link *with);
+
+/* The receive window l's sends keep to (its peer's grant, or its group's). */
+uint64_t tdp__shm_link_peer_window(const tdp__link *l);
 
 /*
  * Lend a slot of l's group as a tensordict of host layout sc, with no slot
