@@ -183,8 +183,6 @@ static void env_up(env *e, const tdp_fanin_opts *fo)
     else
         tdp_fanin_opts_default(&o);
     o.listener.pipe.plane = test_plane();
-    /* credit and the memory cap counted by depth (test_window: the window) */
-    o.listener.pipe.recv_window_bytes = 0;
     memset(e, 0, sizeof(*e));
     assert_int_equal(tdp_loop_new(NULL, &e->fl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &e->pl), TDP_OK);
@@ -561,6 +559,7 @@ static void test_memory_cap(void **state)
     tdp_fanin_opts o;
     tdp_fanin_opts_default(&o);
     o.max_memory = 200 * 1000; /* depth 4: 4 x 64 KB is over, 4 x 4 KB is not */
+    o.listener.pipe.recv_window_bytes = 0; /* the cap counted by depth (test_window: the window) */
     env_up(&e, &o);
     producer big = {
         .loop = e.pl, .port = tdp_fanin_port(e.f), .tag = 50, .count = 10, .bytes = 64000};
@@ -757,6 +756,7 @@ static void test_credit(void **state)
     tdp_fanin_opts o;
     tdp_fanin_opts_default(&o);
     o.listener.pipe.recv_depth = 3;
+    o.listener.pipe.recv_window_bytes = 0; /* credit counted by depth (test_window: the window) */
     env_up(&e, &o);
     producer p = {.loop = e.pl, .port = tdp_fanin_port(e.f), .tag = 40, .count = 50, .bytes = 512};
     producer_start(&p);
@@ -921,7 +921,6 @@ static void test_producer_reconnects(void **state)
     tdp_fanin_opts fo;
     tdp_fanin_opts_default(&fo);
     fo.listener.pipe.plane = test_plane();
-    fo.listener.pipe.recv_window_bytes = 0; /* as env_up's */
     tdp_err rc = TDP_EADDR;
     for (int64_t end = mono_ms() + TMO; mono_ms() < end; usleep(20 * 1000))
         if ((rc = tdp_fanin_new(e.fl, "127.0.0.1", port, &fo, &e.f)) == TDP_OK)
