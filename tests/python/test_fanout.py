@@ -174,7 +174,9 @@ def test_fanout_drop_oldest(consumers):
     """slow='drop_oldest': a stalled consumer loses messages (counted), the
     fast one gets all of them in order, and the stalled one what it got
     is still in order."""
-    fan = tdpipe.FanOut("broadcast", slow="drop_oldest", depth=2)
+    # the stalled consumer's receive window lets up to 64 small messages be
+    # in flight to it, 200 ms each: its close may take 13 s
+    fan = tdpipe.FanOut("broadcast", slow="drop_oldest", depth=2, close_timeout=60)
     try:
         port = fan.listen("127.0.0.1")
         fast = consumers("dial", port)
