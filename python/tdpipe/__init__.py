@@ -20,6 +20,7 @@ import threading
 import time
 
 from . import _tdpipe
+from ._watch import loan_retry
 from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
                      ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
 from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
@@ -279,19 +280,7 @@ class Pipe:
             # before a slot is taken: unpacking it would fail with a receive's advice
             raise RuntimeError("loan: the layout is on %s but this PyTorch has no CUDA: loan "
                                "with as_='dlpack'" % schema.device)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 20e-6
-        while True:
-            try:
-                td = self._raw.loan(schema)
-                break
-            except Error as e:
-                if e.errname != "EAGAIN":
-                    raise
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("loan: every slot is in use (ETIMEDOUT)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        td = loan_retry(self._raw, schema, timeout, "in use")
         return self._loan_unpack(td, as_, Consolidated)
 
     # -- receiving

@@ -7,10 +7,10 @@ library's tdp_fanin; docs/python.md, "Fan-in").
 
 Producers are ordinary pipes: tdpipe.connect(host, fan.port).send(...).
 """
-import asyncio
 
 from . import _tdpipe
 from ._convert import Unpacker
+from ._watch import EfdWatch
 from .errors import ClosedError
 
 KINDS = ("msg", "join", "leave")
@@ -57,7 +57,7 @@ class Item:
             ", status=%d" % self.status if self.kind == "leave" else "")
 
 
-class FanIn:
+class FanIn(EfdWatch):
     """Accepts producers and delivers their messages as one stream, round
     robin over the producers with a message ready, each producer's in
     order. `producers=N`: stop accepting once N have left, so that
@@ -133,48 +133,12 @@ class FanIn:
             self._pending = False
             raise
         if r is None:
-            loop = asyncio.get_running_loop()
-            if self._watch is None or self._watch[0] is not loop:
-                self._unwatch()
-                self._watch = (loop, [None])
-                loop.add_reader(self._raw.fileno(), self._ready)
-            fut = loop.create_future()
-            self._watch[1][0] = fut
-            try:
-                r = await fut
-            except BaseException:
-                if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    self._pending = False
-                raise
-            finally:
-                self._watch[1][0] = None
+            r = await self._wait_efd()
         self._pending = False
         return self._item(r)
 
-    def _ready(self):
-        fut = self._watch[1][0] if self._watch is not None else None
-        if fut is None or fut.done():
-            self._raw.drain()
-            return
-        try:
-            r = self._raw.result()
-        except BaseException as e:  # the receive's error, raised in the coroutine
-            fut.set_exception(e)
-            return
-        if r is not None:
-            fut.set_result(r)
-
-    def _unwatch(self):
-        if self._watch is None:
-            return
-        loop, _ = self._watch
-        self._watch = None
-        if loop.is_closed():
-            return
-        if asyncio._get_running_loop() is loop or not loop.is_running():
-            loop.remove_reader(self._raw.fileno())
-        else:
-            loop.call_soon_threadsafe(loop.remove_reader, self._raw.fileno())
+    def _efd_failed(self):
+        self._pending = False  # the receive ended with the error arecv raises
 
     def __aiter__(self):
         return self

@@ -16,7 +16,8 @@ import time
 from . import _tdpipe
 from ._convert import Consolidated, SchemaCache, Unpacker, consolidated_check, \
     producer_done as _producer_done
-from .errors import Error, TimeoutError
+from ._watch import EfdWatch, loan_retry
+from .errors import TimeoutError
 
 MODES = {"broadcast": 0, "distribute": 1}
 SLOW = {"block": 0, "drop_oldest": 1}
@@ -38,7 +39,7 @@ def _bounded(what, value, lo, hi):
     return value
 
 
-class FanOut:
+class FanOut(EfdWatch):
     """Sends each message to the consumers it holds: every one of them
     (mode="broadcast"; a consumer that joins late starts at the next
     message) or one that is free (mode="distribute"). Consumers are dialed
@@ -171,19 +172,7 @@ class FanOut:
         When every slot is held by a consumer this waits, polling, up to
         `timeout` seconds (None: forever), then raises TimeoutError."""
         schema = like if isinstance(like, _tdpipe.Schema) else self._cache.get(like)[0]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 20e-6
-        while True:
-            try:
-                td = self._raw.loan(schema)
-                break
-            except Error as e:
-                if e.errname != "EAGAIN":
-                    raise
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("loan: every slot is held by a consumer (ETIMEDOUT)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        td = loan_retry(self._raw, schema, timeout, "held by a consumer")
         return self._loan_unpack(td, as_, Consolidated)
 
     async def asend(self, td):
@@ -215,44 +204,7 @@ class FanOut:
 
     async def _wait(self):
         r = self._raw.result()
-        if r is not None:
-            return r
-        loop = asyncio.get_running_loop()
-        if self._watch is None or self._watch[0] is not loop:
-            self._unwatch()
-            self._watch = (loop, [None])
-            loop.add_reader(self._raw.fileno(), self._ready)
-        fut = loop.create_future()
-        self._watch[1][0] = fut
-        try:
-            return await fut
-        finally:
-            self._watch[1][0] = None
-
-    def _ready(self):
-        fut = self._watch[1][0] if self._watch is not None else None
-        if fut is None or fut.done():
-            self._raw.drain()
-            return
-        try:
-            r = self._raw.result()
-        except BaseException as e:  # the send's error, raised in the coroutine
-            fut.set_exception(e)
-            return
-        if r is not None:
-            fut.set_result(r)
-
-    def _unwatch(self):
-        if self._watch is None:
-            return
-        loop, _ = self._watch
-        self._watch = None
-        if loop.is_closed():
-            return
-        if asyncio._get_running_loop() is loop or not loop.is_running():
-            loop.remove_reader(self._raw.fileno())
-        else:
-            loop.call_soon_threadsafe(loop.remove_reader, self._raw.fileno())
+        return r if r is not None else await self._wait_efd()
 
     # -- queries
 
