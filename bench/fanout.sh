@@ -5,7 +5,9 @@
 #
 # 1. A broadcast of 100 MB messages to 1, 2 and 4 consumer processes
 #    (build/bench/tdp_fanout_bench), loaned slots (tdp_fanout_loan: the
-#    hand-off) and plain buffers (one copy into the pool): the one-way p50
+#    hand-off), loaned slots to consumers that run no loop thread (their
+#    receiving thread drives the loop: --drive) and plain buffers (one
+#    copy into the pool): the one-way p50
 #    to the last consumer, its ratio to one consumer's, the producer's RSS
 #    and the shared memory it maps (pool bytes and mappings).
 # 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight),
@@ -30,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     --plane) PLANE=$2; shift 2 ;;
     --count) COUNT=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/fanout.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -65,9 +67,10 @@ print(json.dumps(rows[len(rows) // 2]))' "$key"
 echo "== bench/fanout.sh: plane $PLANE, $RUNS run(s) each, $(nproc) CPUs; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "== CPU idle before: $(cpu_idle)%"
 declare -A P50
-for kind in loan plain; do
+for kind in loan loan-driven plain; do
     flag=
     [[ $kind == loan ]] && flag=--loan
+    [[ $kind == loan-driven ]] && flag="--loan --drive"
     echo "100 MB broadcast, $kind:"
     printf '%-10s %14s %10s %12s %14s %9s\n' consumers "p50 last (ms)" "x one" "RSS (MB)" "shm (MB)" mappings
     for n in 1 2 4; do

@@ -3,7 +3,7 @@
  * this host through a tdp_fanout (docs/benchmarks.md, "Fan-out").
  *
  *   tdp_fanout_bench [--consumers N] [--size BYTES] [--count K] [--plane NAME]
- *                    [--inflight W] [--loan]
+ *                    [--inflight W] [--loan] [--drive]
  *
  * The consumers are forked before the producer touches UCX, dial the
  * fan-out's listener and receive K messages (4 receive buffers each, as
@@ -17,10 +17,12 @@
  * queue). With --loan each message is a slot lent by the fan-out
  * (tdp_fanout_loan: on the shm plane, of the pool every consumer maps), so
  * nothing is copied on the way and the one-way time is the hand-off
- * itself; without it each send copies the buffer into the pool once. Printed as one JSON object: the one-way p50 to the last consumer
- * (per message, the latest consumer), the p50 over all consumers, the
- * throughput, and the producer's memory: VmRSS and the bytes of shared
- * memory (memfd) it maps.
+ * itself; without it each send copies the buffer into the pool once. With
+ * --drive the consumers start no loop thread: each blocking receive drives
+ * the loop on the receiving thread, one wake-up per message instead of two
+ * (the loop thread's, then the receiver's). Printed as one JSON object: the one-way p50 to the last
+ * consumer (per message, the latest consumer), the p50 over all consumers, the throughput, and the
+ * producer's memory: VmRSS and the bytes of shared memory (memfd) it maps.
  */
 #include <inttypes.h>
 #include <stdbool.h>
@@ -57,7 +59,7 @@ static tdp_schema *bytes_schema(int64_t nbytes)
 }
 
 /* A consumer: receive count messages, write back the one-way time of each. */
-static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane)
+static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane, bool drive)
 {
     uint16_t port;
     if (read(rfd, &port, sizeof(port)) != sizeof(port))
@@ -68,7 +70,8 @@ static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane)
     tdp_pipe_opts_default(&o);
     o.plane = plane;
     o.recv_depth = 4; /* as tdpipe bench: the producer may run ahead by 4 */
-    if (tdp_loop_new(NULL, &l) != TDP_OK || tdp_loop_start_thread(l) != TDP_OK ||
+    /* --drive: no loop thread; each blocking call runs the loop on this one */
+    if (tdp_loop_new(NULL, &l) != TDP_OK || (!drive && tdp_loop_start_thread(l) != TDP_OK) ||
         tdp_pipe_connect(l, "127.0.0.1", port, &o, &p) != TDP_OK)
         return 3;
     uint64_t *lat = calloc(count, sizeof(*lat));
@@ -150,13 +153,18 @@ static tdp_err loan_td(tdp_fanout *fo, tdp_schema *s, tdp_td **out)
 int main(int argc, char **argv)
 {
     int nc = 4, inflight = 1;
-    bool loan = false;
+    bool loan = false, drive = false;
     uint64_t size = 100000000, count = 20;
     tdp_plane plane = TDP_PLANE_SHM;
     for (int i = 1; i < argc; i += 2) {
         if (strcmp(argv[i], "--loan") == 0) {
             loan = true;
             i--; /* no value */
+            continue;
+        }
+        if (strcmp(argv[i], "--drive") == 0) {
+            drive = true;
+            i--;
             continue;
         }
         if (i + 1 >= argc)
@@ -174,7 +182,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr,
                     "usage: %s [--consumers N] [--size BYTES] [--count K] [--plane NAME]"
-                    " [--inflight W] [--loan]\n",
+                    " [--inflight W] [--loan] [--drive]\n",
                     argv[0]);
             return 2;
         }
@@ -193,7 +201,7 @@ int main(int argc, char **argv)
         if (pid[i] == 0) {
             close(a[1]);
             close(b[0]);
-            _exit(consumer(a[0], b[1], count, plane));
+            _exit(consumer(a[0], b[1], count, plane, drive));
         }
         close(a[0]);
         close(b[1]);
@@ -293,10 +301,10 @@ int main(int argc, char **argv)
            ",\"p50_last_ns\":%" PRIu64 ",\"p50_all_ns\":%" PRIu64
            ",\"msgs_per_s\":%.1f,\"bytes_per_s\":%.0f,\"producer_rss_bytes\":%" PRIu64
            ",\"producer_shm_bytes\":%" PRIu64
-           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d,\"loan\":%s}\n",
+           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d,\"loan\":%s,\"drive\":%s}\n",
            nc, tdp_plane_name(plane), size, count, p50(last, count), p50(lat, (uint64_t)nc * count),
            (double)count / secs, (double)(count * size) / secs, rss_kb * 1024, shm, maps, bad,
-           loan ? "true" : "false");
+           loan ? "true" : "false", drive ? "true" : "false");
     tdp_fanout_free(fo);
     tdp_loop_free(loop);
     for (int k = 0; k < inflight; k++) {
