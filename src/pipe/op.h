@@ -39,7 +39,7 @@ struct tdp_op {
     uint64_t seq;
     _Atomic int state; /* enum op_state */
     bool waited;       /* counted once in credit_waits */
-    uint64_t t_call_ns; /* latency_stats: when the send was called (session.c) */
+    uint64_t t_call_ns; /* latency_stats: when the send was called (session.c, tdp__pipe_lat_now_ns) */
     struct tdp_op *next;
     /* blocking wrappers: completion wakes the waiter instead of calling cb */
     tdp__waiter *waiter;

@@ -3,7 +3,7 @@
  * DATA, CREDIT) and payloads once the control channel has done the HELLO.
  *
  * A plane is a const table of operations (struct tdp__plane_ops) and a
- * per-pipe object, its link. The pipe's state machine (session.c) owns the
+ * per-pipe object, its link. The pipe's state machine (session*.c) owns the
  * rules — schema once then data, sequence numbers, credits, lending, clean
  * end vs failure — and calls the plane only through the table; the plane
  * reports back only through the tdp__plane_up callbacks it was given, and

@@ -1,9 +1,16 @@
 /*
  * session_int.h (internal): the pipe object, shared by the files of the
- * pipe's state machine (session.c: negotiation, the data path, reconnect
- * and teardown; session_query.c: what the application may ask of a pipe).
- * Nothing outside them includes it; it stands below session.h (which the
- * dialer and the listener use) and includes nothing of it.
+ * pipe's state machine, and what they call of each other. From the top:
+ * session.c (the public entry points, creating and freeing),
+ * session_reconnect.c, session_hello.c (control channel events and the
+ * negotiation), session_rx.c and session_tx.c (the data path, each way),
+ * session_base.c (ending and teardown, and what all of them share), and
+ * session_prepare.c below them; session_query.c answers what the
+ * application may ask of a pipe, session_opts.c its options. Each calls
+ * only the files below it; session_base.c reaches the two things it needs
+ * from above through tdp__pipe_hooks. Nothing outside them includes this
+ * header; it stands below session.h (which the dialer and the listener
+ * use) and includes nothing of it.
  */
 #ifndef TDP_PIPE_SESSION_INT_H
 #define TDP_PIPE_SESSION_INT_H
@@ -11,6 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <event2/util.h>
 #include <tdpipe/pipe.h>
 
 #include "budget.h"
@@ -42,6 +50,18 @@ typedef struct tx_ticket {
     bool busy;
 } tx_ticket;
 
+/*
+ * What session_base.c needs from the files above it, set by session.c when
+ * the pipe is made (a function pointer, so that the floor of the state
+ * machine calls nothing above it by name).
+ */
+typedef struct tdp__pipe_hooks {
+    /* session_reconnect.c: the link went and tdp__pipe_want_reconnect said to dial again */
+    void (*reconnect)(tdp_pipe *p, tdp_err err, const char *why);
+    /* session_rx.c: complete the receives that can complete now */
+    void (*deliver)(tdp_pipe *p);
+} tdp__pipe_hooks;
+
 enum pipe_state {
     PIPE_CONNECTING, /* socket connecting or HELLO not yet exchanged */
     PIPE_OPEN,
@@ -50,6 +70,7 @@ enum pipe_state {
 
 struct tdp_pipe {
     tdp_loop *loop;
+    const tdp__pipe_hooks *hooks;
     tdp_pipe_opts opts;
     tdp_schema_limits limits;
     enum pipe_state state;
@@ -84,7 +105,7 @@ struct tdp_pipe {
     /* send side */
     tdp__opq sendq; /* waiting for credit, a ticket or the HELLO */
     uint64_t send_seq;
-    uint64_t peer_credit; /* cumulative buffers the peer released */
+    uint64_t peer_credit;         /* cumulative buffers the peer released */
     void (*credit_cb)(void *arg); /* tdp__session_set_credit_cb */
     void *credit_arg;
     uint32_t peer_depth;
@@ -108,7 +129,7 @@ struct tdp_pipe {
     rx_slot slots[TDP_MAX_DEPTH];
     uint32_t ready[TDP_MAX_DEPTH]; /* FIFO of READY slot indices */
     uint32_t ready_head, ready_count;
-    int32_t lent1; /* depth 1: the slot lent until the next receive, or -1 */
+    int32_t lent1;    /* depth 1: the slot lent until the next receive, or -1 */
     bool window_sent; /* the last HELLO granted a window (recv_window_bytes) */
     tdp__opq recvq;
     tdp_schema *rx_schema;
@@ -172,8 +193,84 @@ struct tdp_pipe {
     struct event *prep_ev; /* the plane was not up yet: try again */
 };
 
+/* ---- session_base.c (loop thread) ---- */
+
+/* The pipe ends with err (or, dialed with reconnect_ms, reconnects): ops complete, the end is told.
+ */
+void tdp__pipe_fail(tdp_pipe *p, tdp_err err, const char *why);
+/* The same, logged as the peer's fault. */
+void tdp__pipe_proto_fail(tdp_pipe *p, tdp_err err, const char *why);
+/* Would a failure with err dial again rather than end the pipe? */
+bool tdp__pipe_want_reconnect(const tdp_pipe *p, tdp_err err);
+/* Both sides have said all: close the control socket, tell the end. */
+void tdp__pipe_hang_up(tdp_pipe *p);
+void tdp__pipe_maybe_tell_end(tdp_pipe *p);
+/* The pipe's one timer: the connect deadline, then the linger or close deadline. */
+void tdp__pipe_arm_timer(tdp_pipe *p, int64_t ms);
+void tdp__pipe_timer_del(tdp_pipe *p);
+void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg);
+/* Has everything the peer announced in its BYE been delivered or lent? */
+bool tdp__pipe_peer_done(const tdp_pipe *p);
+void tdp__pipe_end_if_peer_done(tdp_pipe *p);
+/* A close in progress: BYE once everything sent is gone, then the clean end. */
+void tdp__pipe_check_close(tdp_pipe *p);
+/* Close every candidate link (gone: the peer is, or as good as). */
+void tdp__pipe_close_links(tdp_pipe *p, bool gone);
+/* Sends the plane still holds complete with rc (it keeps their buffers). */
+void tdp__pipe_fail_ops_sent(tdp_pipe *p, tdp_err rc);
+/* After the end: every queued op completes. */
+void tdp__pipe_drain_ops(tdp_pipe *p);
+/* The plane a frame came by, or NULL: the pipe ended, or the frame is not to be taken. */
+const tdp__plane_ops *tdp__pipe_frame_plane(tdp_pipe *p, tdp__link *l);
+/* tdp__plane_up.failed */
+void tdp__pipe_up_failed(void *owner, tdp__link *l, tdp_err st, const char *why);
+void tdp__pipe_slot_free(rx_slot *s);
+uint64_t tdp__pipe_lat_now_ns(void);
+/* Also in session.h, for the dialer and the listener (session.c includes both: they must agree). */
+void tdp__session_destroy(tdp_pipe *p);
+void tdp__pipe_lat_record(tdp_pipe *p, tdp_latency which, uint64_t since_ns);
+
+/* ---- session_rx.c (loop thread) ---- */
+
+/* tdp__plane_up.schema, .data and .landed */
+void tdp__pipe_up_schema(void *owner, tdp__link *l, const tdp__frame *f, const void *json,
+                         size_t length);
+void tdp__pipe_up_data(void *owner, tdp__link *l, const tdp__frame *f, void *desc);
+void tdp__pipe_up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st);
+/* Give the peer the credit this side owes. */
+void tdp__pipe_send_credit(tdp_pipe *p);
+void tdp__pipe_credit_ev_cb(evutil_socket_t fd, short what, void *arg);
+void tdp__pipe_deliver(tdp_pipe *p);
+/* A receive op (tdp__op_submit / tdp__op_run). */
+void tdp__pipe_recv_start(void *arg);
+/* Releases made on other threads (p->rel_task). */
+void tdp__pipe_release_task(void *arg);
+
+/* ---- session_tx.c (loop thread) ---- */
+
+/* tdp__plane_up.credit and .sent */
+void tdp__pipe_up_credit(void *owner, tdp__link *l, uint64_t total);
+void tdp__pipe_up_sent(void *owner, tdp__link *l, void *cookie, tdp_err st);
+/* Post what the send queue may post now. */
+void tdp__pipe_send_kick(tdp_pipe *p);
+/* A send op (tdp__op_submit / tdp__op_run). */
+void tdp__pipe_send_start(void *arg);
+
+/* ---- session_hello.c (loop thread) ---- */
+
+void tdp__pipe_send_hello(tdp_pipe *p);
+/* A fresh control channel (at creation, and for each reconnect). */
+void tdp__pipe_ctl_setup(tdp_pipe *p);
+/* A link per candidate plane. */
+tdp_err tdp__pipe_make_links(tdp_pipe *p);
+
+/* ---- session_reconnect.c (loop thread) ---- */
+
+void tdp__pipe_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why);
+void tdp__pipe_retry_cb(evutil_socket_t fd, short what, void *arg);
+
 /*
- * ---- session_prepare.c, for session.c (loop thread) ----
+ * ---- session_prepare.c, for the files above it (loop thread) ----
  * It never calls the session back: what the session must do (fail the
  * pipe, look at the queue again later) comes back as results.
  */

@@ -143,3 +143,9 @@ bool tdp__session_send_credit(const tdp_pipe *p)
     return p->state == PIPE_OPEN && !p->peer_bye && !p->link_failed && p->sendq.head == NULL &&
            p->free_tickets != NULL && p->send_seq - p->credit_base - p->peer_credit < p->peer_depth;
 }
+
+void tdp__session_keep_window(tdp_pipe *p, uint64_t window)
+{
+    if (p != NULL && window < p->peer_window)
+        p->peer_window = window;
+}
