@@ -1573,6 +1573,43 @@ PY
     expect_rc bfo_mem 2
 }
 
+# --fanin N: producers as pipes of the bench's process, and with
+# --fanin-procs as processes of their own; the JSON says which, and the
+# figures are real (a consumer that timed what it received).
+test_bench_fanin() {
+    local mode
+    for mode in pipes procs; do
+        local extra=()
+        [[ $mode == procs ]] && extra=(--fanin-procs)
+        run "bfi_$mode" 120 "$TDPIPE" bench --fanin 2 --sizes 4KB --rounds 400 --quiet \
+            "${extra[@]}" --json "$WORK/bfi_$mode.json"
+        expect_rc "bfi_$mode" 0
+        if [[ $mode == procs ]]; then
+            expect_in "bfi_$mode" out "producers in processes of their own"
+        else
+            expect_in "bfi_$mode" out "producers on one loop of one process"
+        fi
+        CHECKS=$((CHECKS + 1))
+        if ! python3 - "$WORK/bfi_$mode.json" "$mode" <<'PY'; then
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["mode"] == "fanin" and r["producers"] == 2 and r["messages"] == 400, r
+assert r["producer_processes"] == (sys.argv[2] == "procs"), r
+assert r["size"] == 4000 and r["one_producer_bytes_per_s"] > 0 and r["fanin_bytes_per_s"] > 0, r
+one, many = r["one_producer_bytes_per_s"], r["fanin_bytes_per_s"]
+assert abs(r["ratio_to_one"] - many / one) <= 1e-6 * r["ratio_to_one"], r
+PY
+            fail "bfi_$mode: the JSON figures are not what --fanin 2 should write"
+            dump "$WORK/bfi_$mode.json"
+        fi
+    done
+    run bfi_alone 10 "$TDPIPE" bench --fanin-procs
+    expect_rc bfi_alone 2
+    expect_in bfi_alone err "goes with --fanin N"
+    run bfi_fanout 10 "$TDPIPE" bench --fanout 2 --fanin-procs
+    expect_rc bfi_fanout 2
+}
+
 test_usage
 test_signals
 test_peer_killed
@@ -1605,6 +1642,7 @@ test_live
 test_fanout_send
 test_fanout_distribute
 test_bench_fanout
+test_bench_fanin
 
 if [[ $FAILS -ne 0 ]]; then
     echo "test_cli: $FAILS of $CHECKS checks failed"

@@ -121,6 +121,79 @@ static bool read_line(int fd, char *buf, size_t len, int timeout_ms)
     return true;
 }
 
+/*
+ * A producer in a process of its own (tdp_bench_producers with procs): its
+ * loop, one pipe, its share sent back to back with blocking sends (no loop
+ * thread: each send drives the loop on this one), then a clean close. It
+ * writes the plane its pipe took to plane_fd once connected.
+ */
+static int producer_proc(unsigned port, uint64_t size, int count, tdp_plane plane, int plane_fd)
+{
+    tdp_loop *loop;
+    tdp_schema *s;
+    tdp_td *td;
+    tdp_pipe *p;
+    tdp_pipe_opts po;
+    tdp_pipe_opts_default(&po);
+    po.plane = plane;
+    if (tdp_loop_new(NULL, &loop) != TDP_OK ||
+        tdp_cli_synth_schema(size, TDP_DEVICE_CPU_INIT, &s) != TDP_OK ||
+        tdp_td_new(s, &td) != TDP_OK)
+        return TDP_EXIT_FAIL;
+    tdp_cli_fill(td, 1);
+    if (tdp_pipe_connect(loop, "127.0.0.1", (uint16_t)port, &po, &p) != TDP_OK)
+        return TDP_EXIT_CONNECT;
+    uint8_t used = (uint8_t)tdp_pipe_plane(p);
+    if (write(plane_fd, &used, 1) != 1)
+        return TDP_EXIT_FAIL;
+    for (int i = 0; i < count; i++)
+        if (tdp_pipe_send(p, td, 60000) != TDP_OK)
+            return TDP_EXIT_PEER;
+    int ec = tdp_pipe_close(p, 10000) == TDP_OK ? TDP_EXIT_OK : TDP_EXIT_PEER;
+    tdp_pipe_free(p);
+    tdp_loop_free(loop);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    return ec;
+}
+
+/* n producer processes against the consumer at port; TDP_OK once all have sent and closed. */
+static tdp_err run_producer_procs(int n, uint64_t size, int total, tdp_plane plane, unsigned port,
+                                  const char **plane_used)
+{
+    int pl[2];
+    pid_t pids[1024];
+    int started = 0;
+    tdp_err rc = TDP_OK;
+    if (n > 1024 || pipe(pl) != 0)
+        return TDP_ENOMEM;
+    fflush(NULL);
+    for (int i = 0; i < n; i++, started++) {
+        pids[i] = fork();
+        if (pids[i] < 0) {
+            rc = TDP_ENOMEM;
+            break;
+        }
+        if (pids[i] == 0) {
+            close(pl[0]);
+            _exit(producer_proc(port, size, total / n + (i < total % n), plane, pl[1]));
+        }
+    }
+    close(pl[1]);
+    /* every producer says its plane once connected (all read: a closed pipe would fail them) */
+    uint8_t used;
+    for (int i = 0; i < started && read(pl[0], &used, 1) == 1; i++)
+        if (tdp_plane_name((tdp_plane)used) != NULL)
+            *plane_used = tdp_plane_name((tdp_plane)used);
+    close(pl[0]);
+    for (int i = 0; i < started; i++) {
+        int st;
+        if (waitpid(pids[i], &st, 0) != pids[i] || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+            rc = rc != TDP_OK ? rc : TDP_ECONNRESET;
+    }
+    return rc;
+}
+
 /* One run: n producers, `total` messages of `size` bytes; bytes/s at the server. */
 static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
                            double *bps, const char **plane_used)
@@ -131,10 +204,10 @@ static tdp_err run_clients(int n, uint64_t size, int total, uint32_t depth, tdp_
     const char *argv[] = {
         "/proc/self/exe",      "bench", "--role=server", "--rounds", tot, "--depth", dep, "--plane",
         tdp_plane_name(plane), NULL};
-    return tdp_bench_producers(n, size, total, plane, argv, bps, plane_used);
+    return tdp_bench_producers(n, size, total, plane, false, argv, bps, plane_used);
 }
 
-tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
+tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane, bool procs,
                             const char *const *child_argv, double *bps, const char **plane_used)
 {
     int to_child[2], from_child[2];
@@ -162,6 +235,19 @@ tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
         goto out_child;
     }
 
+    if (procs) {
+        /* the producers first: their results decide, then the consumer's figure */
+        rc = run_producer_procs(n, size, total, plane, port, plane_used);
+        unsigned long long bytes = 0, ns = 0;
+        if (rc == TDP_OK && (!read_line(from_child[0], line, sizeof(line), 600000) ||
+                             sscanf(line, "result %llu %llu", &bytes, &ns) != 2 || ns == 0)) {
+            tdp_cli_error("bench", "no result from the consumer process");
+            rc = TDP_ETIMEDOUT;
+        } else if (rc == TDP_OK) {
+            *bps = (double)bytes / ((double)ns / 1e9);
+        }
+        goto out_child;
+    }
     tdp_loop *loop;
     tdp_schema *s = NULL;
     tdp_td *td = NULL;

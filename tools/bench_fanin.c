@@ -8,7 +8,8 @@
  * PROG) and times what it receives, as `--clients` does: from the moment
  * the first tenth of all messages has arrived to the last one, bytes
  * counted exactly. The producers are N pipes on one loop in this process
- * (tdp_bench_producers), sending back to back.
+ * (tdp_bench_producers), sending back to back; with --fanin-procs each is
+ * a process of its own, as a data loader's workers are.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -61,7 +62,7 @@ out:;
     return ec;
 }
 
-static tdp_err run(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+static tdp_err run(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool procs,
                    const char *prog, double *bps, const char **used)
 {
     char tot[24], dep[16], np[16];
@@ -73,10 +74,10 @@ static tdp_err run(int n, uint64_t size, int total, uint32_t depth, tdp_plane pl
         tdp_plane_name(plane), NULL};
     const char *base[] = {prog,      "--producers",         np,  "--rounds", tot, "--depth", dep,
                           "--plane", tdp_plane_name(plane), NULL};
-    return tdp_bench_producers(n, size, total, plane, prog != NULL ? base : fan, bps, used);
+    return tdp_bench_producers(n, size, total, plane, procs, prog != NULL ? base : fan, bps, used);
 }
 
-int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool procs,
                     const char *baseline, const char *json, bool quiet)
 {
     double one = 0, many = 0, polled = 0;
@@ -92,16 +93,17 @@ int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane p
                 total, sz, n,
                 baseline != NULL ? ", then the same on pipes drained by a poll loop" : "");
     const char *used = "?";
-    tdp_err rc = run(1, size, total, depth, plane, NULL, &one, &used);
+    tdp_err rc = run(1, size, total, depth, plane, procs, NULL, &one, &used);
     if (rc == TDP_OK)
-        rc = run(n, size, total, depth, plane, NULL, &many, &used);
+        rc = run(n, size, total, depth, plane, procs, NULL, &many, &used);
     if (rc == TDP_OK && baseline != NULL)
-        rc = run(n, size, total, depth, plane, baseline, &polled, &used);
+        rc = run(n, size, total, depth, plane, procs, baseline, &polled, &used);
     if (rc != TDP_OK) {
         tdp_cli_error("bench", "fan-in run failed: %s", tdp_strerror(rc));
         return tdp_cli_exit_for(rc);
     }
-    printf("fan-in, plane %s, depth %u per producer\n", used, depth);
+    printf("fan-in, plane %s, depth %u per producer, producers %s\n", used, depth,
+           procs ? "in processes of their own" : "on one loop of one process");
     printf("%-10s %9s %14s %14s %8s %14s %8s\n", "size", "producers", "1 producer", "fan-in",
            "ratio", "poll loop", "ratio");
     printf("%-10s %9d %14s %14s %8.2f %14s %8s\n", sz, n, tdp_cli_format_rate(one, a, sizeof(a)),
@@ -114,6 +116,7 @@ int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane p
         json_object_set_new(o, "mode", json_string("fanin"));
         json_object_set_new(o, "plane", json_string(used));
         json_object_set_new(o, "depth", json_integer(depth));
+        json_object_set_new(o, "producer_processes", json_boolean(procs));
         json_object_set_new(o, "size", json_integer((json_int_t)size));
         json_object_set_new(o, "messages", json_integer(total));
         json_object_set_new(o, "producers", json_integer(n));

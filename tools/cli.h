@@ -388,12 +388,14 @@ int tdp_cmd_version(int argc, char **argv);
 int tdp_bench_clients(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool quiet);
 int tdp_bench_clients_server(uint64_t expect, uint32_t depth, tdp_plane plane);
 /*
- * n producer pipes in this process send `total` messages of `size` bytes,
- * back to back, to a consumer process started from child_argv (argv[0] the
- * path): it prints "port P", then "result BYTES NS" (what it timed), and
- * stops when its stdin closes. *bps is its figure.
+ * n producer pipes send `total` messages of `size` bytes, back to back, to
+ * a consumer process started from child_argv (argv[0] the path): it prints
+ * "port P", then "result BYTES NS" (what it timed), and stops when its
+ * stdin closes. *bps is its figure. The producers are pipes on one loop of
+ * this process, or with procs each a process of its own (as data-loader
+ * workers are), forked before this process makes any loop.
  */
-tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
+tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane, bool procs,
                             const char *const *child_argv, double *bps, const char **plane_used);
 
 /*
@@ -401,7 +403,7 @@ tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane,
  * against one alone, and against a baseline consumer program) and its
  * consumer process.
  */
-int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane,
+int tdp_bench_fanin(int n, uint64_t size, int total, uint32_t depth, tdp_plane plane, bool procs,
                     const char *baseline, const char *json, bool quiet);
 int tdp_bench_fanin_consumer(uint64_t expect, uint32_t depth, tdp_plane plane);
 

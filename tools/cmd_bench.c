@@ -60,7 +60,7 @@ enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define BENCH_MAGIC   INT64_C(0x7464702d62656e63)
 #define SETUP_NO_LOAN 1 /* SETUP word 1: the producer sends plain buffers */
 /* --window: each side's receive window (tdp_pipe_opts.recv_window_bytes) */
-#define TDP_BENCH_WINDOW     (256u << 10)
+#define TDP_BENCH_WINDOW (256u << 10)
 
 typedef struct bench_cfg {
     uint64_t sizes[MAX_SIZES];
@@ -79,6 +79,7 @@ typedef struct bench_cfg {
     int clients;                /* --clients N: many producers to one server */
     int fanin;                  /* --fanin N: many producers into one tdp_fanin (bench_fanin.c) */
     const char *fanin_baseline; /* --fanin-baseline PROG: the poll-loop consumer */
+    bool fanin_procs;           /* --fanin-procs: each producer a process of its own */
     bool fanin_role;            /* --role=fanin: its consumer process */
     int fanout;                 /* --fanout N: a broadcast to N consumers (bench_fanout.c) */
     bool no_loan;               /* --no-loan: plain sends on the shm plane too */
@@ -1298,6 +1299,8 @@ static void usage(FILE *f)
             "                     with --fanin: also the same N producers each on its own\n"
             "                     pipe, drained by PROG (bench/fanin_poll.c: a hand-written\n"
             "                     poll loop)\n"
+            "  --fanin-procs      with --fanin: each producer a process of its own (as a\n"
+            "                     data loader's workers), not a pipe of this process\n"
             "  --fanout N         instead: one producer broadcasting to N consumers (pipes\n"
             "                     of this process) through a fan-out (tdp_fanout), loaned\n"
             "                     slots and plain buffers (--no-loan: plain only), for\n"
@@ -1358,10 +1361,14 @@ static int check_modes(const bench_cfg *cfg)
                                    "--clients starts its own server and clients on loopback; "
                                    "it does not go with --%s",
                                    cfg->serve ? "server" : "client");
+    if ((cfg->fanin_baseline != NULL || cfg->fanin_procs) && cfg->fanin == 0 && cfg->fanout == 0)
+        return tdp_cli_usage_error("bench", "--%s goes with --fanin N",
+                                   cfg->fanin_procs ? "fanin-procs" : "fanin-baseline");
     if (cfg->fanout > 0) {
         const char *other = cfg->clients > 0         ? "--clients"
                             : cfg->fanin > 0         ? "--fanin"
                             : cfg->fanin_baseline    ? "--fanin-baseline"
+                            : cfg->fanin_procs       ? "--fanin-procs"
                             : cfg->serve             ? "--server"
                             : cfg->client_of != NULL ? "--client"
                             : cfg->mem_given         ? "--mem"
@@ -1413,6 +1420,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"clients", required_argument, NULL, 'C'},
         {"fanin", required_argument, NULL, 'F'},
         {"fanin-baseline", required_argument, NULL, 'G'},
+        {"fanin-procs", no_argument, NULL, 'N'},
         {"fanout", required_argument, NULL, 'T'},
         {"plane", required_argument, NULL, 'P'},
         {"verbose", no_argument, NULL, 'v'},
@@ -1491,6 +1499,9 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'G':
             cfg->fanin_baseline = optarg;
+            break;
+        case 'N':
+            cfg->fanin_procs = true;
             break;
         case 's':
             cfg->sizes_given = true;
@@ -1660,7 +1671,8 @@ int tdp_cmd_bench(int argc, char **argv)
                                 cfg.no_loan, cfg.json_path, cfg.quiet);
     if (cfg.fanin > 0)
         return tdp_bench_fanin(cfg.fanin, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
-                               cfg.depth, cfg.plane, cfg.fanin_baseline, cfg.json_path, cfg.quiet);
+                               cfg.depth, cfg.plane, cfg.fanin_procs, cfg.fanin_baseline,
+                               cfg.json_path, cfg.quiet);
     if (cfg.clients > 0)
         return tdp_bench_clients(cfg.clients, cfg.sizes_given ? cfg.sizes[0] : 1000000, cfg.rounds,
                                  cfg.depth, cfg.plane, cfg.quiet);
