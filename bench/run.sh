@@ -10,7 +10,8 @@
 # ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep), ZeroMQ,
 # raw TCP, memcpy (all through build/bench/tdp_peers); then
 # `tdp_peers table` prints the table and writes the combined JSON; last the
-# fan-in (`tdpipe bench --fanin 4`, its own table and OUT/fanin.json). With
+# fan-in (`tdpipe bench --fanin 4`, its own table and OUT/fanin.json; then
+# with --fanin-procs, OUT/fanin_procs.json). With
 # --runs K the whole sequence is made K times, one after the other, and the
 # table shows the median of the K runs and their spread.
 # It builds nothing. Method and results: docs/benchmarks.md.
@@ -292,7 +293,8 @@ echo "combined JSON: $JSON"
 
 # Fan-in: 4 producers into one consumer, 1 MB, against one producer alone
 # and against the same four on their own pipes drained by a hand-written
-# poll loop (bench/fanin_poll.c). Its own table: the figures are aggregate
+# poll loop (bench/fanin_poll.c); the producers as pipes of one process,
+# then as processes of their own. Its own table: the figures are aggregate
 # throughput at the consumer, with the load they were taken under.
 echo
 echo "== fan-in: 4 producers -> 1 consumer, 1 MB, plane $PLANE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -304,6 +306,11 @@ if [[ -x $BUILD/bench/tdp_fanin_poll ]]; then
         --fanin-baseline "$BUILD/bench/tdp_fanin_poll" --json "$OUT/fanin.json" ||
         FAILED+=(fanin)
     echo "fan-in JSON: $OUT/fanin.json"
+    # the same with each producer a process of its own, as a data loader's workers
+    "$TDPIPE" bench --fanin 4 --fanin-procs --sizes 1MB --plane "$PLANE" --quiet \
+        "${FANIN_ROUNDS[@]}" --fanin-baseline "$BUILD/bench/tdp_fanin_poll" \
+        --json "$OUT/fanin_procs.json" || FAILED+=(fanin-procs)
+    echo "fan-in (producer processes) JSON: $OUT/fanin_procs.json"
 else
     echo "(no $BUILD/bench/tdp_fanin_poll: fan-in not measured)"
     FAILED+=(fanin)
