@@ -5,7 +5,9 @@
  * hand-written poll loop (bench/fanin_poll.c).
  *
  * The consumer runs in a child process (`tdpipe bench --role=fanin`, or
- * PROG) and times what it receives, as `--clients` does: from the moment
+ * PROG); the fan-in's runs no loop thread, its receiving thread drives the
+ * loop (PROG, a poll loop over the pipes' receive ops, needs one). It
+ * times what it receives, as `--clients` does: from the moment
  * the first tenth of all messages has arrived to the last one, bytes
  * counted exactly. The producers are N pipes on one loop in this process
  * (tdp_bench_producers), sending back to back; with --fanin-procs each is
@@ -31,7 +33,9 @@ int tdp_bench_fanin_consumer(uint64_t expect, uint32_t depth, tdp_plane plane)
     o.listener.pipe.recv_depth = depth;
     o.listener.pipe.plane = plane;
     o.max_producers = 4096;
-    if (tdp_loop_new(NULL, &loop) != TDP_OK || tdp_loop_start_thread(loop) != TDP_OK ||
+    /* no loop thread: each blocking receive drives the loop on this one (one
+     * wake-up per message, not two; producers are accepted meanwhile) */
+    if (tdp_loop_new(NULL, &loop) != TDP_OK ||
         tdp_fanin_new(loop, "127.0.0.1", 0, &o, &f) != TDP_OK)
         return TDP_EXIT_CONNECT;
     printf("port %u\n", tdp_fanin_port(f));
