@@ -259,7 +259,8 @@ void tdp__pipe_up_failed(void *owner, tdp__link *l, tdp_err st, const char *why)
      * (sends still waiting for credit were never handed over: they wait too) */
     if (p->state == PIPE_CONNECTING || !tdp__ctl_open(&p->ctl) || p->rx_inflight > 0 ||
         p->tx_inflight > 0) {
-        tdp__pipe_fail(p, p->peer_bye ? TDP_ECLOSED : st, why);
+        /* a clean end only if everything the peer announced has come */
+        tdp__pipe_fail(p, p->peer_bye && p->rx_seq >= p->peer_last_seq ? TDP_ECLOSED : st, why);
         return;
     }
     /*

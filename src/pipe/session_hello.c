@@ -38,18 +38,21 @@ static void on_ctl_closed(void *owner, tdp_err why)
         tdp__pipe_maybe_tell_end(p);
         return;
     }
-    if (p->peer_bye && p->rx_seq >= p->peer_last_seq) {
-        /* the peer said goodbye and every frame it sent has arrived; the
-         * last payloads may still be landing: the end comes after them */
+    if (p->peer_bye && why != TDP_EPROTO && why != TDP_EVERSION) {
+        /*
+         * The peer said goodbye, then hung up. What it sent before its BYE
+         * comes by the data plane, another channel than this socket, and
+         * may not all be read yet (a shm ring's descriptors, frames UCX
+         * still holds): the end comes after them, and if they never come,
+         * at the linger deadline its BYE armed (linger_cb).
+         */
         tdp__pipe_end_if_peer_done(p);
         return;
     }
     if (why == TDP_EPROTO || why == TDP_EVERSION)
         tdp__pipe_fail(p, why, "garbage on the control socket");
     else
-        tdp__pipe_fail(p, TDP_ECONNRESET,
-                       p->peer_bye ? "peer left before its last message arrived"
-                                   : "peer vanished (control socket closed)");
+        tdp__pipe_fail(p, TDP_ECONNRESET, "peer vanished (control socket closed)");
 }
 
 static void on_ctl_bye(void *owner, const tdp_bye *bye)
