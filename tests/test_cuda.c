@@ -24,13 +24,7 @@
 
 #include "core/cuda.h"
 
-#if defined(__SANITIZE_THREAD__)
-#define UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define UNDER_TSAN 1
-#endif
-#endif
+#include "test_skip.h" /* UNDER_TSAN */
 
 #define OK(x) assert_int_equal((x), TDP_OK)
 #define N     65536u

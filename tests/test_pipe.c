@@ -42,15 +42,7 @@
  * copy tenfold; a 256 MiB message there takes tens of seconds on two busy
  * cores.  The largest sizes shrink under it (still far above the 4 MiB
  * chunk size, so the same paths run) and the wait for one message grows. */
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define UNDER_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__) && !defined(UNDER_TSAN)
-#define UNDER_TSAN 1
-#endif
-#ifdef UNDER_TSAN
+#ifdef UNDER_TSAN /* test_skip.h */
 #define LARGE_BYTES (64ll << 20)
 #define LARGE_TMO 180000
 #else

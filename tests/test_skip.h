@@ -1,6 +1,7 @@
 /*
  * test_skip.h: TDP_TEST_SKIP, a ':'-separated list of exact test names to
- * leave out, for the suites that take it (the TSan stage uses it). Include
+ * leave out, for the suites that take it (the TSan stage uses it), and
+ * UNDER_TSAN for suites that size their work to ThreadSanitizer. Include
  * after <cmocka.h>.
  */
 #ifndef TDP_TEST_SKIP_H
@@ -8,6 +9,15 @@
 
 #include <stdbool.h>
 #include <string.h>
+
+/* UNDER_TSAN: this build runs under ThreadSanitizer (GCC or Clang). */
+#if defined(__SANITIZE_THREAD__)
+#define UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define UNDER_TSAN 1
+#endif
+#endif
 
 /* Drop the tests named in list from t[0..n); returns how many are left. */
 static inline size_t skip_named(struct CMUnitTest *t, size_t n, const char *list)
