@@ -280,7 +280,7 @@ static int zmq_run(const peer_cfg *cfg, size_result *res)
 {
     fprintf(stderr, "tdp_peers zmq: built without ZeroMQ (libzmq was not found when "
                     "configuring); install libzmq3-dev and rebuild\n");
-    return 3;
+    return 77; /* "not built here": bench/run.sh skips the step */
 }
 #define zmq_describe NULL
 
