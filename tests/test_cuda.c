@@ -23,6 +23,7 @@
 #include <tdpipe/mem.h>
 
 #include "core/cuda.h"
+#include "core/cuda_int.h" /* tdp__cuda_fake_ops: the fake's calls without the layer's wait */
 
 #include "test_skip.h" /* UNDER_TSAN */
 
@@ -131,6 +132,75 @@ static void test_copy_is_late_until_sync(void **state)
     tdp__cuda_stream_destroy(s);
     free(src);
     free(out);
+}
+
+/*
+ * The synchronous calls are done when they return. A GPU's are not all:
+ * cuMemcpy from pageable host memory to the device returns once the bytes
+ * are in the driver's staging buffer, a device to device copy and cuMemset
+ * at once, and the rest runs on the default stream. On an H100 a loaned
+ * slot whose header was written so and sent at once was read stale by the
+ * peer. The fake leaves the same work on its default stream (shown first,
+ * through its own calls); the layer waits for it.
+ */
+static void test_sync_calls_done_on_return(void **state)
+{
+    (void)state;
+    enum { M = 4096 };
+    unsigned char host[M], got[M], *d = NULL, *d2 = NULL;
+    OK(tdp__cuda_malloc(0, M, (void **)&d));
+    OK(tdp__cuda_malloc(0, M, (void **)&d2));
+    OK(tdp__cuda_memset(d, 0, M));
+    OK(tdp__cuda_memset(d2, 0, M));
+    tdp__cuda_fake_set_delay_us(DELAY_US);
+
+    /* the fake's own call returns before the bytes land, as the driver's */
+    memset(host, 0x3a, M);
+    OK(tdp__cuda_fake_ops.memcpy(d, host, M));
+    memset(host, 0, M); /* the source is the caller's again: staged */
+#ifndef UNDER_TSAN
+    OK(tdp__cuda_fake_peek(d, got, M)); /* (TSan calls this read a race) */
+    assert_int_equal(got[0], 0);
+    assert_int_equal(got[M - 1], 0);
+#endif
+    OK(tdp__cuda_fake_ops.sync_default());
+    OK(tdp__cuda_fake_peek(d, got, M));
+    assert_int_equal(got[0], 0x3a);
+    assert_int_equal(got[M - 1], 0x3a);
+
+    /* through the layer: landed when the call returns */
+    memset(host, 0x5c, M);
+    OK(tdp__cuda_memcpy(d, host, M));
+    memset(host, 0, M);
+    OK(tdp__cuda_fake_peek(d, got, M));
+    assert_int_equal(got[0], 0x5c);
+    assert_int_equal(got[M - 1], 0x5c);
+    OK(tdp__cuda_memset(d, 0x6d, M));
+    OK(tdp__cuda_fake_peek(d, got, M));
+    assert_int_equal(got[0], 0x6d);
+    assert_int_equal(got[M - 1], 0x6d);
+    OK(tdp__cuda_memcpy(d2, d, M)); /* device to device */
+    OK(tdp__cuda_fake_peek(d2, got, M));
+    assert_int_equal(got[0], 0x6d);
+    assert_int_equal(got[M - 1], 0x6d);
+    /* the public calls too */
+    memset(host, 0x21, M);
+    OK(tdp_mem_copy(d, host, M));
+    OK(tdp__cuda_fake_peek(d, got, M));
+    assert_int_equal(got[M - 1], 0x21);
+    OK(tdp_mem_set(d, 0x43, M));
+    OK(tdp__cuda_fake_peek(d, got, M));
+    assert_int_equal(got[M - 1], 0x43);
+    /* and a copy back to the host is in order after them */
+    OK(tdp__cuda_fake_ops.memset(d2, 0x19, M));
+    OK(tdp__cuda_memcpy(host, d2, M));
+    assert_int_equal(host[0], 0x19);
+    assert_int_equal(host[M - 1], 0x19);
+
+    tdp__cuda_fake_set_delay_us(0);
+    assert_int_equal(tdp__cuda_fake_peek(host, got, 1), TDP_ECUDA); /* not device memory */
+    tdp__cuda_free(d2);
+    tdp__cuda_free(d);
 }
 
 typedef struct hostfn_probe {
@@ -458,6 +528,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup(test_host_touch_faults, fake_setup),
         cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
+        cmocka_unit_test_setup(test_sync_calls_done_on_return, fake_setup),
         cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
         cmocka_unit_test_setup(test_events, fake_setup),
         cmocka_unit_test_setup(test_oom_injected, fake_setup),

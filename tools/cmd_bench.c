@@ -571,10 +571,17 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
         if (rc == TDP_OK)
             rc = tdp_pipe_recv(p, BENCH_TMO, &got);
         if (rc == TDP_OK) {
-            int64_t *h = hdr_of(got);
+            /* the consumer's ack (host memory: read as any reply, wherever it landed) */
+            int64_t h[4] = {0};
+            rc = hdr_get(got, on_gpu(got), h);
+            if (rc == TDP_OK && h[0] != PH_STREAM) {
+                fprintf(stderr, "tdpipe bench: the consumer answered phase %lld where the "
+                                "stream's ack was due\n", (long long)h[0]);
+                rc = TDP_EPROTO;
+            }
             double secs = (double)h[1] / 1e9;
             *msgs = (uint64_t)h[2];
-            bps[r] = secs > 0 ? (double)h[2] * (double)bytes / secs : 0;
+            bps[r] = rc == TDP_OK && secs > 0 ? (double)h[2] * (double)bytes / secs : 0;
             tdp_pipe_release(p, got);
         }
     }
@@ -1038,9 +1045,9 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
         if (rc == TDP_OK)
             rc = tdp_pipe_recv(p, SETUP_TMO, &got);
         if (rc == TDP_OK) {
-            int64_t *a = hdr_of(got);
-            bool bench_peer =
-                tdp_td_nbytes(got) >= HDR_BYTES && a[0] == PH_SETUP && a[1] == BENCH_MAGIC;
+            int64_t a[4] = {0}; /* wherever it landed */
+            bool bench_peer = hdr_get(got, on_gpu(got), a) == TDP_OK && a[0] == PH_SETUP &&
+                              a[1] == BENCH_MAGIC;
             if (bench_peer) {
                 srv->depth = a[2];
                 srv->busy_poll_us = a[3];

@@ -250,13 +250,30 @@ tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_s
     CALL(memcpy_async, dst, src, n, s);
 }
 
+/*
+ * The synchronous calls are done when they return, which the driver's are
+ * not: cuMemcpy from pageable host memory to the device returns once the
+ * bytes are in its staging buffer, a device to device copy and cuMemset at
+ * once; the rest runs on the default stream, which the library's streams
+ * (non-blocking) are not ordered after, nor is a peer process. A loaned
+ * slot filled this way and sent at once was read stale on an H100.
+ */
+static tdp_err sync_default(const tdp__cuda_ops *o)
+{
+    return o->sync_default != NULL ? o->sync_default() : TDP_OK;
+}
+
 tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
 {
     if ((dst == NULL || src == NULL) && n > 0)
         return TDP_EINVAL;
     if (n == 0)
         return TDP_OK;
-    CALL(memcpy, dst, src, n);
+    const tdp__cuda_ops *o = be();
+    if (o->memcpy == NULL)
+        return TDP_ENOTSUP;
+    tdp_err rc = o->memcpy(dst, src, n);
+    return rc == TDP_OK ? sync_default(o) : rc;
 }
 
 tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
@@ -265,7 +282,11 @@ tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
         return TDP_EINVAL;
     if (n == 0)
         return TDP_OK;
-    CALL(memset, p, byte, n);
+    const tdp__cuda_ops *o = be();
+    if (o->memset == NULL)
+        return TDP_ENOTSUP;
+    tdp_err rc = o->memset(p, byte, n);
+    return rc == TDP_OK ? sync_default(o) : rc;
 }
 
 tdp_err tdp__cuda_launch_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg)

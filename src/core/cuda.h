@@ -159,4 +159,8 @@ void tdp__cuda_fake_inject(tdp__cuda_fault f, unsigned n);
 /* Delay of each fake copy, in microseconds (TDPIPE_FAKE_CUDA_DELAY_US). */
 void tdp__cuda_fake_set_delay_us(unsigned us);
 
+/* Tests: n bytes at fake device address p as they are now, without waiting
+ * for any stream (TDP_ECUDA when p is not the fake's device memory). */
+tdp_err tdp__cuda_fake_peek(const void *p, void *out, size_t n);
+
 #endif /* TDP_CORE_CUDA_H */

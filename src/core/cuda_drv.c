@@ -550,14 +550,20 @@ static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
                    "cuMemcpy");
 }
 
+/* The default (NULL) stream of the current context, where cuMemcpy and cuMemset run. */
+static tdp_err drv_sync_default(void)
+{
+    tdp_err rc = ctx_any();
+    return rc != TDP_OK ? rc : drv_err(drv.cuStreamSynchronize(NULL), "cuStreamSynchronize");
+}
+
 static tdp_err drv_memset(void *p, int byte, size_t n)
 {
     tdp_err rc = ctx_any();
     if (rc != TDP_OK)
         return rc;
-    rc = drv_err(drv.cuMemsetD8((CUdeviceptr)(uintptr_t)p, (unsigned char)byte, n), "cuMemsetD8");
-    /* cuMemsetD8 may return before it finished: the interface promises done */
-    return rc != TDP_OK ? rc : drv_err(drv.cuStreamSynchronize(NULL), "cuStreamSynchronize");
+    /* may return before it finished: the layer waits (sync_default) */
+    return drv_err(drv.cuMemsetD8((CUdeviceptr)(uintptr_t)p, (unsigned char)byte, n), "cuMemsetD8");
 }
 
 static tdp_err drv_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg)
@@ -635,6 +641,7 @@ const tdp__cuda_ops tdp__cuda_driver_ops = {
     .memcpy_async = drv_memcpy_async,
     .memcpy = drv_memcpy,
     .memset = drv_memset,
+    .sync_default = drv_sync_default,
     .host_func = drv_host_func,
     .event_create = drv_event_create,
     .event_destroy = drv_event_destroy,

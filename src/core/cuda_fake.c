@@ -7,7 +7,8 @@
  * looking the address up. Each stream has an engine thread that runs its
  * work in order, after an optional delay, so a missing wait reads stale
  * bytes. Host functions run on that thread, as CUDA's run on a driver
- * thread. Faults are injected by count (docs/gpu.md).
+ * thread. The synchronous calls leave work on a default stream where a
+ * GPU's do (see fake_memcpy). Faults are injected by count (docs/gpu.md).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -86,8 +87,12 @@ static unsigned env_uint(const char *name)
     return (unsigned)v;
 }
 
+static void dflt_forget(void);
+
 static void env_once(void)
 {
+    /* a forked child has no engine thread behind the default stream */
+    pthread_atfork(NULL, NULL, dflt_forget);
     atomic_store(&delay_us, env_uint("TDPIPE_FAKE_CUDA_DELAY_US"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_OOM_AT, env_uint("TDPIPE_FAKE_CUDA_OOM_AT"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, env_uint("TDPIPE_FAKE_CUDA_COPY_FAIL_AT"));
@@ -408,26 +413,6 @@ static void copy_delay(void)
     }
 }
 
-static tdp_err fake_memcpy(void *dst, const void *src, size_t n)
-{
-    char *d, *s;
-    tdp_err rc = copy_prepare(dst, src, n, &d, &s);
-    if (rc != TDP_OK)
-        return rc;
-    copy_delay();
-    memmove(d, s, n);
-    copy_done();
-    return TDP_OK;
-}
-
-static tdp_err fake_memset(void *p, int byte, size_t n)
-{
-    char *d;
-    tdp_err rc = engine_addr(p, n, &d);
-    if (rc == TDP_OK)
-        memset(d, byte, n);
-    return rc;
-}
 
 /* ---- streams, the copy engine, events ------------------------------------ */
 
@@ -438,7 +423,7 @@ struct tdp__cuda_event {
     uint64_t passed;   /* records the stream has passed */
 };
 
-typedef enum op_kind { OP_COPY, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
+typedef enum op_kind { OP_COPY, OP_SET, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
 
 typedef struct fake_op {
     op_kind kind;
@@ -449,6 +434,7 @@ typedef struct fake_op {
     void *arg;
     tdp__cuda_event *ev;
     uint64_t gen;
+    int byte; /* OP_SET */
 } fake_op;
 
 /*
@@ -493,6 +479,10 @@ static void op_run(fake_op *op)
         copy_delay();
         memmove(op->dst, op->src, op->n);
         copy_done();
+        break;
+    case OP_SET:
+        copy_delay();
+        memset(op->dst, op->byte, op->n);
         break;
     case OP_HOST_FN:
         op->fn(op->arg);
@@ -593,6 +583,124 @@ static tdp_err fake_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda
     return enqueue(s, &op);
 }
 
+/*
+ * ---- the default stream: what the synchronous calls leave unfinished ----
+ *
+ * A GPU's "synchronous" calls are not all synchronous: cuMemcpy from
+ * pageable host memory to the device returns once the bytes are in the
+ * driver's staging buffer, before they reach the device; a device to
+ * device copy and cuMemset return at once. The rest runs on the default
+ * stream, which the library's streams (non-blocking) are not ordered
+ * after, nor is another process. The fake does the same: those calls
+ * queue their work on a default stream (a host source of up to
+ * FAKE_STAGE_BYTES through one staging buffer, as the driver's; a larger
+ * one is copied at once) and return; a copy to the host or from pinned
+ * memory waits for the default stream first and is done when it returns.
+ * sync_default waits for it, as cuStreamSynchronize(NULL) does.
+ */
+#define FAKE_STAGE_BYTES 65536u
+
+static pthread_mutex_t dflt_lock = PTHREAD_MUTEX_INITIALIZER;
+static tdp__cuda_stream *dflt; /* made at first use, kept for the process (as the driver's) */
+static char dflt_stage[FAKE_STAGE_BYTES];
+
+/* In a forked child: the parent's default stream has no engine here (its
+ * memory is left; the lock may have been held by a thread that is gone). */
+static void dflt_forget(void)
+{
+    pthread_mutex_init(&dflt_lock, NULL);
+    dflt = NULL;
+}
+
+/* The default stream (dflt_lock held); NULL when it cannot be made. */
+static tdp__cuda_stream *dflt_get(void)
+{
+    if (dflt == NULL && fake_stream_create(0, &dflt) != TDP_OK)
+        dflt = NULL;
+    return dflt;
+}
+
+static bool host_pinned(const void *p)
+{
+    bool pinned = false;
+    pthread_mutex_lock(&tab_lock);
+    for (fake_host_mem *h = host_mems; h != NULL && !pinned; h = h->next)
+        pinned = (const char *)p >= h->p && (const char *)p < h->p + h->size;
+    pthread_mutex_unlock(&tab_lock);
+    return pinned;
+}
+
+static tdp_err fake_memcpy(void *dst, const void *src, size_t n)
+{
+    char *d, *s;
+    tdp_err rc = copy_prepare(dst, src, n, &d, &s);
+    if (rc != TDP_OK)
+        return rc;
+    bool to_dev = d != (char *)dst, from_dev = s != (const char *)src;
+    pthread_mutex_lock(&dflt_lock);
+    tdp__cuda_stream *q = dflt_get();
+    if (q != NULL)
+        (void)fake_stream_sync(q); /* in order after earlier calls; the staging buffer free */
+    if (q != NULL && to_dev && (from_dev || (n <= FAKE_STAGE_BYTES && !host_pinned(src)))) {
+        fake_op op = {.kind = OP_COPY, .dst = d, .src = s, .n = n};
+        if (!from_dev) {
+            memcpy(dflt_stage, s, n); /* the source is free again when this returns */
+            op.src = dflt_stage;
+        }
+        rc = enqueue(q, &op);
+        pthread_mutex_unlock(&dflt_lock);
+        return rc;
+    }
+    pthread_mutex_unlock(&dflt_lock);
+    copy_delay();
+    memmove(d, s, n);
+    copy_done();
+    return TDP_OK;
+}
+
+static tdp_err fake_memset(void *p, int byte, size_t n)
+{
+    char *d;
+    tdp_err rc = engine_addr(p, n, &d);
+    if (rc != TDP_OK)
+        return rc;
+    pthread_mutex_lock(&dflt_lock);
+    tdp__cuda_stream *q = dflt_get();
+    if (q == NULL) {
+        pthread_mutex_unlock(&dflt_lock);
+        memset(d, byte, n);
+        return TDP_OK;
+    }
+    fake_op op = {.kind = OP_SET, .dst = d, .n = n, .byte = byte};
+    rc = enqueue(q, &op);
+    pthread_mutex_unlock(&dflt_lock);
+    return rc;
+}
+
+static tdp_err fake_sync_default(void)
+{
+    pthread_mutex_lock(&dflt_lock);
+    if (dflt != NULL)
+        (void)fake_stream_sync(dflt);
+    pthread_mutex_unlock(&dflt_lock);
+    return TDP_OK;
+}
+
+/* Tests: n bytes at device address p as the device holds them now, without waiting. */
+tdp_err tdp__cuda_fake_peek(const void *p, void *out, size_t n)
+{
+    pthread_mutex_lock(&tab_lock);
+    bool dev = dev_find(p) != NULL;
+    pthread_mutex_unlock(&tab_lock);
+    if (!dev)
+        return TDP_ECUDA;
+    char *e;
+    tdp_err rc = engine_addr(p, n, &e);
+    if (rc == TDP_OK)
+        memcpy(out, e, n);
+    return rc;
+}
+
 static tdp_err fake_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg)
 {
     fake_op op = {.kind = OP_HOST_FN, .fn = fn, .arg = arg};
@@ -673,6 +781,7 @@ const tdp__cuda_ops tdp__cuda_fake_ops = {
     .memcpy_async = fake_memcpy_async,
     .memcpy = fake_memcpy,
     .memset = fake_memset,
+    .sync_default = fake_sync_default,
     .host_func = fake_host_func,
     .event_create = fake_event_create,
     .event_destroy = fake_event_destroy,

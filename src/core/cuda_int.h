@@ -22,6 +22,9 @@ typedef struct tdp__cuda_ops {
     tdp_err (*memcpy_async)(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
     tdp_err (*memcpy)(void *dst, const void *src, size_t n);
     tdp_err (*memset)(void *p, int byte, size_t n);
+    /* wait for what memcpy and memset left on the default stream (the
+     * driver's cuMemcpy and cuMemset may return before their bytes land) */
+    tdp_err (*sync_default)(void);
     tdp_err (*host_func)(tdp__cuda_stream *s, void (*fn)(void *), void *arg);
     tdp_err (*event_create)(int dev, tdp__cuda_event **out);
     void (*event_destroy)(tdp__cuda_event *e);
