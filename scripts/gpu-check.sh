@@ -10,7 +10,8 @@
 #      (tests/python/test_gpu.py, examples/python/gpu_dataloader.py: torch
 #      CUDA tensors on every plane, loans on cuda-ipc) with the interpreter
 #      the package was built for; their torch cases need that Python's
-#      torch to have CUDA (pick it with TDP_PYTHON=/path/to/python3);
+#      torch to have CUDA (TDP_PYTHON=/path/to/python3 picks it; else the
+#      first python3 on PATH with torch, NumPy and pytest);
 #   4. runs `tdpipe bench --mem cuda` on each plane from 1 KB to 1 GB, the
 #      same plane with host memory, and UCX over TCP both ways;
 #   5. measures the copy limits in the same run (tdp_gpu_copy) and the
@@ -63,6 +64,17 @@ say() { printf '\n== %s (%ds)\n' "$*" $((SECONDS - T0)); }
 say "build"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
+# the Python package is built for TDP_PYTHON, else for the first python3
+# on PATH that has torch, NumPy and pytest (a GPU machine's torch often
+# lives in a virtual environment, not in /usr/bin/python3)
+if [[ -z ${TDP_PYTHON:-} ]]; then
+    for c in $(type -ap python3) /usr/bin/python3; do
+        if "$c" -c 'import torch, numpy, pytest' >/dev/null 2>&1; then
+            TDP_PYTHON=$c
+            break
+        fi
+    done
+fi
 pyexe=()
 [[ -n ${TDP_PYTHON:-} ]] && pyexe=(-DPython3_EXECUTABLE="$TDP_PYTHON")
 if ! cmake -S . -B "$B" "${gen[@]}" -DTDP_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${pyexe[@]}" \
@@ -108,7 +120,9 @@ else
         -p no:cacheprovider tests/python/test_gpu.py \
         tests/python/test_examples.py::test_gpu_dataloader_example \
         >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
-    grep -E "passed|failed|error|SKIPPED" "$OUT/python_gpu.log" | sed 's/^/  /'
+    echo "  $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
+    grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/  /'
+    [[ ${FAILED[-1]:-} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
 fi
 
 say "copy limits"

@@ -96,7 +96,10 @@ TDP_API uint64_t tdp_mem_total_allocs(void);
 /*
  * Copy n bytes between any two buffers: host, pinned host or device memory,
  * either way (as cudaMemcpyDefault). Synchronous: the bytes are in place when
- * it returns. TDP_ECUDA when the driver fails, TDP_EINVAL for NULL.
+ * it returns, for every stream and process (the driver's own copy may return
+ * before they reach the device; this waits for them), so a loaned slot or a
+ * device buffer filled with it may be sent at once. TDP_ECUDA when the
+ * driver fails, TDP_EINVAL for NULL.
  */
 TDP_API tdp_err tdp_mem_copy(void *dst, const void *src, size_t n);
 

@@ -210,8 +210,12 @@ static tdp_err fake_malloc(int dev, size_t size, bool shared, void **out)
     return rc;
 }
 
+static tdp_err fake_sync_default(void);
+
 static void fake_free(void *p)
 {
+    /* as cuMemFree, after the default stream's work (which may write p) */
+    (void)fake_sync_default();
     fake_dev_mem **pp, *m = NULL;
     pthread_mutex_lock(&tab_lock);
     for (pp = &dev_mems; *pp != NULL; pp = &(*pp)->next) {
@@ -591,33 +595,34 @@ static tdp_err fake_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda
  * driver's staging buffer, before they reach the device; a device to
  * device copy and cuMemset return at once. The rest runs on the default
  * stream, which the library's streams (non-blocking) are not ordered
- * after, nor is another process. The fake does the same: those calls
- * queue their work on a default stream (a host source of up to
- * FAKE_STAGE_BYTES through one staging buffer, as the driver's; a larger
- * one is copied at once) and return; a copy to the host or from pinned
- * memory waits for the default stream first and is done when it returns.
- * sync_default waits for it, as cuStreamSynchronize(NULL) does.
+ * after, nor is a peer process. The fake leaves that work pending, at its
+ * latest (a GPU finishes it within microseconds, the fake only when made
+ * to): a host source of up to FAKE_STAGE_BYTES goes through one staging
+ * buffer, as the driver's (a larger one is copied at once), and the work
+ * lands when sync_default waits for it (cuStreamSynchronize(NULL)), or
+ * before the next call that the default stream orders after it: another
+ * synchronous copy or fill. A copy on another stream does not wait for it.
+ * No thread: forked children and the no-allocation checks see nothing new.
  */
 #define FAKE_STAGE_BYTES 65536u
 
 static pthread_mutex_t dflt_lock = PTHREAD_MUTEX_INITIALIZER;
-static tdp__cuda_stream *dflt; /* made at first use, kept for the process (as the driver's) */
+static fake_op dflt_pending; /* .n == 0: nothing pending */
 static char dflt_stage[FAKE_STAGE_BYTES];
 
-/* In a forked child: the parent's default stream has no engine here (its
- * memory is left; the lock may have been held by a thread that is gone). */
+/* In a forked child: the lock may have been held by a thread that is gone. */
 static void dflt_forget(void)
 {
     pthread_mutex_init(&dflt_lock, NULL);
-    dflt = NULL;
 }
 
-/* The default stream (dflt_lock held); NULL when it cannot be made. */
-static tdp__cuda_stream *dflt_get(void)
+/* Land the pending work (dflt_lock held). */
+static void dflt_land(void)
 {
-    if (dflt == NULL && fake_stream_create(0, &dflt) != TDP_OK)
-        dflt = NULL;
-    return dflt;
+    if (dflt_pending.n > 0) {
+        op_run(&dflt_pending);
+        dflt_pending.n = 0;
+    }
 }
 
 static bool host_pinned(const void *p)
@@ -638,18 +643,15 @@ static tdp_err fake_memcpy(void *dst, const void *src, size_t n)
         return rc;
     bool to_dev = d != (char *)dst, from_dev = s != (const char *)src;
     pthread_mutex_lock(&dflt_lock);
-    tdp__cuda_stream *q = dflt_get();
-    if (q != NULL)
-        (void)fake_stream_sync(q); /* in order after earlier calls; the staging buffer free */
-    if (q != NULL && to_dev && (from_dev || (n <= FAKE_STAGE_BYTES && !host_pinned(src)))) {
-        fake_op op = {.kind = OP_COPY, .dst = d, .src = s, .n = n};
+    dflt_land(); /* in order after the earlier calls; the staging buffer free */
+    if (to_dev && (from_dev || (n <= FAKE_STAGE_BYTES && !host_pinned(src)))) {
+        dflt_pending = (fake_op){.kind = OP_COPY, .dst = d, .src = s, .n = n};
         if (!from_dev) {
-            memcpy(dflt_stage, s, n); /* the source is free again when this returns */
-            op.src = dflt_stage;
+            memcpy(dflt_stage, s, n); /* the source is the caller's again at return */
+            dflt_pending.src = dflt_stage;
         }
-        rc = enqueue(q, &op);
         pthread_mutex_unlock(&dflt_lock);
-        return rc;
+        return TDP_OK;
     }
     pthread_mutex_unlock(&dflt_lock);
     copy_delay();
@@ -665,23 +667,16 @@ static tdp_err fake_memset(void *p, int byte, size_t n)
     if (rc != TDP_OK)
         return rc;
     pthread_mutex_lock(&dflt_lock);
-    tdp__cuda_stream *q = dflt_get();
-    if (q == NULL) {
-        pthread_mutex_unlock(&dflt_lock);
-        memset(d, byte, n);
-        return TDP_OK;
-    }
-    fake_op op = {.kind = OP_SET, .dst = d, .n = n, .byte = byte};
-    rc = enqueue(q, &op);
+    dflt_land();
+    dflt_pending = (fake_op){.kind = OP_SET, .dst = d, .n = n, .byte = byte};
     pthread_mutex_unlock(&dflt_lock);
-    return rc;
+    return TDP_OK;
 }
 
 static tdp_err fake_sync_default(void)
 {
     pthread_mutex_lock(&dflt_lock);
-    if (dflt != NULL)
-        (void)fake_stream_sync(dflt);
+    dflt_land();
     pthread_mutex_unlock(&dflt_lock);
     return TDP_OK;
 }

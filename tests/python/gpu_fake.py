@@ -8,6 +8,7 @@ through copies to the host made by the library (DLPackArray.tobytes,
 Td.read, recv(device="cpu")).
 """
 import asyncio
+import faulthandler
 import subprocess
 import sys
 import threading
@@ -359,6 +360,9 @@ def case_async(plane):
 
 
 if __name__ == "__main__":
+    # a case that hangs prints where every thread is, and ends (a hang of
+    # async-ucx on a 16-core GPU machine left nothing to read)
+    faulthandler.dump_traceback_later(60, exit=True)
     assert tdpipe.cuda_device_count() >= 1, "run with TDPIPE_CUDA=fake"
     if sys.argv[1] == "produce_loans":
         produce_loans(*sys.argv[2:])
