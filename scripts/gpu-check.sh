@@ -6,7 +6,8 @@
 #   2. runs the GPU test suites on the real device (the pipe conformance
 #      suite in device mode on every plane, the CUDA layer, staging, the
 #      CLI), or the whole suite with --full;
-#   3. runs the Python package's GPU tests and GPU example
+#   3. (after 4 and 5, so that the figures come first) runs the Python
+#      package's GPU tests and GPU example
 #      (tests/python/test_gpu.py, examples/python/gpu_dataloader.py: torch
 #      CUDA tensors on every plane, loans on cuda-ipc) with the interpreter
 #      the package was built for; their torch cases need that Python's
@@ -107,24 +108,6 @@ fi
 grep -E "tests passed|Failed|\*\*\*" "$OUT/ctest.log" | sed 's/^/  /'
 gzip -c "$B/Testing/Temporary/LastTest.log" >"$OUT/LastTest.log.gz" 2>/dev/null
 
-say "Python: GPU tests and the GPU example"
-# the interpreter CMake built the package for (FindPython's cache entry)
-PY=$(grep -m1 -E '^_?Python3_EXECUTABLE:' "$B/CMakeCache.txt" | cut -d= -f2-)
-if [[ ! -d $B/python/tdpipe || -z $PY ]]; then
-    echo "  the Python package was not built here (no Python development files): skipped"
-else
-    # the fake-device cases pick their backend themselves; the torch CUDA
-    # cases and the example skip (saying why) without torch's CUDA, or on
-    # the fake (torch's device pointers are not the fake's memory)
-    PYTHONPATH=$B/python PYTHONDONTWRITEBYTECODE=1 timeout 200 "$PY" -m pytest -q -rs \
-        -p no:cacheprovider tests/python/test_gpu.py \
-        tests/python/test_examples.py::test_gpu_dataloader_example \
-        >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
-    echo "  $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
-    grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/  /'
-    [[ ${FAILED[-1]:-} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
-fi
-
 say "copy limits"
 $B/bench/tdp_gpu_copy --size 100000000 --json >"$OUT/copy.json" 2>"$OUT/copy.err" ||
     FAILED+=(copy_limits)
@@ -137,7 +120,7 @@ cat "$OUT/ipc_floor.json"
 if [[ $FAKE -eq 1 ]]; then
     echo "  torch CUDA IPC: skipped on the fake device"
 else
-    timeout 150 python3 bench/torch_cuda_ipc.py --rounds 300 --json "$OUT/torch_ipc.json" \
+    timeout 150 "${TDP_PYTHON:-python3}" bench/torch_cuda_ipc.py --rounds 300 --json "$OUT/torch_ipc.json" \
         >"$OUT/torch_ipc.log" 2>&1
     case $? in
     0) cat "$OUT/torch_ipc.log" ;;
@@ -225,6 +208,24 @@ if ipc:
         print('100 MB / 1 KB p50: %.2f' % (ipc[100000000]['latency_us']['p50'] /
                                           ipc[1000]['latency_us']['p50']))
 EOF
+
+say "Python: GPU tests and the GPU example"
+# the interpreter CMake built the package for (FindPython's cache entry)
+PY=$(grep -m1 -E '^_?Python3_EXECUTABLE:' "$B/CMakeCache.txt" | cut -d= -f2-)
+if [[ ! -d $B/python/tdpipe || -z $PY ]]; then
+    echo "  the Python package was not built here (no Python development files): skipped"
+else
+    # the fake-device cases pick their backend themselves; the torch CUDA
+    # cases and the example skip (saying why) without torch's CUDA, or on
+    # the fake (torch's device pointers are not the fake's memory)
+    PYTHONPATH=$B/python PYTHONDONTWRITEBYTECODE=1 timeout 200 "$PY" -m pytest -q -rs \
+        -p no:cacheprovider tests/python/test_gpu.py \
+        tests/python/test_examples.py::test_gpu_dataloader_example \
+        >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
+    echo "  $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
+    grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/  /'
+    [[ ${FAILED[-1]:-} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
+fi
 
 say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm and ucx, 1 MB"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
