@@ -576,6 +576,91 @@ static void test_producer_dies(void **state)
     tdp_loop_free(loop);
 }
 
+/*
+ * The child: connect, prepare a 2 MiB GPU layout (its pool made and
+ * announced), wait for the parent's byte on fd, then send message 7 and
+ * wait for the parent to close fd.
+ */
+static void child_preparer(uint16_t port, int fd)
+{
+    tdp_loop *loop;
+    tdp_pipe *p;
+    tdp_pipe_opts o;
+    gpu_opts(&o, 2);
+    o.plane = TDP_PLANE_CUDA_IPC;
+    if (tdp_loop_new(NULL, &loop) != TDP_OK || tdp_loop_start_thread(loop) != TDP_OK ||
+        tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p) != TDP_OK)
+        _exit(3);
+    tdp_schema *s = bytes_schema(2 << 20, true);
+    tdp_td *td;
+    if (tdp_td_new(s, &td) != TDP_OK || tdp_pipe_prepare(p, s, TMO) != TDP_OK)
+        _exit(4);
+    char c;
+    if (read(fd, &c, 1) != 1)
+        _exit(5);
+    fill(td, 7);
+    if (tdp_pipe_send(p, td, TMO) != TDP_OK)
+        _exit(6);
+    while (read(fd, &c, 1) > 0) /* until the parent closes it */
+        ;
+    tdp_pipe_close(p, TMO);
+    _exit(0);
+}
+
+/*
+ * A pool announced ahead (tdp_pipe_prepare in another process) is imported
+ * when its announcement comes, before any message: a GPU's first import
+ * (126 ms on an H100) stays out of the first message's time.
+ */
+static void test_prepared_pool_imported_ahead(void **state)
+{
+    (void)state;
+    tdp_loop *loop;
+    tdp_listener *l;
+    tdp_pipe *p;
+    tdp_pipe_opts o;
+    gpu_opts(&o, 2);
+    o.plane = TDP_PLANE_CUDA_IPC;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    int go[2];
+    assert_int_equal(pipe(go), 0);
+    uint64_t imports = tdp__dpool_imports();
+    fflush(NULL);
+    pid_t pid = fork(); /* then exec, as test_producer_dies */
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(go[1]);
+        char ps[16], fs[16];
+        snprintf(ps, sizeof(ps), "%u", tdp_listener_port(l));
+        snprintf(fs, sizeof(fs), "%d", go[0]);
+        execl("/proc/self/exe", "test_cuda_ipc", "--preparer", ps, fs, (char *)NULL);
+        _exit(127);
+    }
+    close(go[0]);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    /* no message has been sent: the child waits for our byte */
+    for (int i = 0; i < 1000 && tdp__dpool_imports() == imports; i++)
+        usleep(10 * 1000);
+    assert_int_equal(tdp__dpool_imports(), imports + 1);
+    assert_int_equal(write(go[1], "g", 1), 1);
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+    assert_true(verify(got, 7));
+    assert_true(view_in_pool(loop, p, tdp_td_data(got)));
+    assert_int_equal(tdp__dpool_imports(), imports + 1); /* nothing more at the message */
+    tdp_pipe_release(p, got);
+    close(go[1]);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(loop);
+}
+
 int main(int argc, char **argv)
 {
     /* the fake device, with two GPUs, where the machine has no GPU (children inherit it) */
@@ -586,6 +671,8 @@ int main(int argc, char **argv)
     }
     if (argc == 3 && strcmp(argv[1], "--producer") == 0)
         child_producer((uint16_t)atoi(argv[2]));
+    if (argc == 4 && strcmp(argv[1], "--preparer") == 0)
+        child_preparer((uint16_t)atoi(argv[2]), atoi(argv[3]));
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_choice),
@@ -597,6 +684,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_two_gpus),
         cmocka_unit_test(test_hostile_pools),
         cmocka_unit_test(test_producer_dies),
+        cmocka_unit_test(test_prepared_pool_imported_ahead),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -197,6 +197,7 @@ typedef struct pend_msg {
     uint8_t legacy[LEGACY_LEN]; /* DPOOL without an fd: its legacy handle */
     int fds[3]; /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
     uint32_t nfds;
+    tdp__dpool *dp; /* DPOOL: imported as it came, in force at its DATA */
 } pend_msg;
 
 /* A send that came before the socket was up. */
@@ -1403,20 +1404,33 @@ static tdp_err rx_check_dpool(struct tdp__link *l, const shm_msg *m)
     return TDP_OK;
 }
 
-/* A device pool in force: import it (or share the pointer: same process). Its fd is closed. */
-static tdp_err rx_open_dpool(struct tdp__link *l, pend_msg *pm, rx_pool *p)
+/*
+ * A device pool, as its DPOOL comes (checked): import it (or share the
+ * pointer: same process) at once, not when it comes into force with its
+ * first DATA, so that a pool announced ahead (tdp_pipe_prepare) is mapped
+ * before that message (a GPU's first import in a process took 126 ms on
+ * an H100). Its fd is closed.
+ */
+static tdp_err rx_import_dpool(pend_msg *pm)
 {
     tdp__cuda_ipc h = {.fd = pm->nfds == 1 ? pm->fds[0] : -1, .size = pm->m.hash};
     memcpy(h.legacy, pm->legacy, LEGACY_LEN);
     int dev = tdp__cudaipc_local_dev(pm->m.peer_key);
     tdp_err rc = dev < 0
                      ? TDP_EPROTO
-                     : tdp__dpool_open(dev, pm->m.key, &h, pm->m.json_len * pm->m.total, &p->dp);
+                     : tdp__dpool_open(dev, pm->m.key, &h, pm->m.json_len * pm->m.total, &pm->dp);
     close_fds(pm->fds, pm->nfds);
     pm->nfds = 0;
-    (void)l;
-    if (rc != TDP_OK)
-        return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
+    return rc == TDP_OK || rc == TDP_ENOMEM ? rc : TDP_EPROTO;
+}
+
+/* A device pool in force: the one imported when its DPOOL came. */
+static tdp_err rx_open_dpool(pend_msg *pm, rx_pool *p)
+{
+    if (pm->dp == NULL)
+        return TDP_EPROTO;
+    p->dp = pm->dp;
+    pm->dp = NULL;
     p->nslots = (uint32_t)pm->m.json_len;
     p->stride = pm->m.total;
     memcpy(p->uuid, pm->m.peer_key, TDP_CUDAIPC_UUID);
@@ -1544,6 +1558,8 @@ static tdp_err sock_read_one(struct tdp__link *l)
         }
         if (legacy)
             memcpy(pm.legacy, buf + MSG_HDR_BYTES, LEGACY_LEN);
+        if ((rc = rx_import_dpool(&pm)) != TDP_OK)
+            return rc;
     } else if (pool) {
         if (tail != 0 || rx_check_pool(l, &m, fds) != TDP_OK) {
             close_fds(fds, nfds);
@@ -1599,6 +1615,7 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
         pend_msg cur = *pm;
         pm->json = NULL;
         pm->nfds = 0;
+        pm->dp = NULL;
         l->pend_head = (l->pend_head + 1) % l->pend_cap;
         l->npend--;
         if (cur.m.type == MSG_POOL || cur.m.type == MSG_DPOOL) {
@@ -1606,17 +1623,19 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             rx_pool *p = tdp__calloc(1, sizeof(*p));
             if (p == NULL) {
                 close_fds(cur.fds, cur.nfds);
+                tdp__dpool_unref(cur.dp);
                 return TDP_ENOMEM;
             }
             tdp_err rc;
             if (cur.m.type == MSG_DPOOL) {
-                rc = rx_open_dpool(l, &cur, p);
+                rc = rx_open_dpool(&cur, p);
             } else if ((rc = rx_map_pool(l, &cur, &p->seg)) == TDP_OK) {
                 p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
                 p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
             }
             rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
             if (slots == NULL) {
+                tdp__dpool_unref(cur.dp); /* not taken */
                 tdp__shm_seg_close(p->seg);
                 tdp__dpool_unref(p->dp);
                 tdp__free(p);
@@ -2347,6 +2366,8 @@ static void link_teardown(struct tdp__link *l)
         pend_msg *pm = &l->pend[(l->pend_head + i) % l->pend_cap];
         tdp__free(pm->json);
         close_fds(pm->fds, pm->nfds);
+        tdp__dpool_unref(pm->dp);
+        pm->dp = NULL;
     }
     l->npend = l->npend_pools = l->npend_schemas = 0;
     /* views the application holds keep their pool mapped */
