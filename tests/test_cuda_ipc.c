@@ -26,6 +26,7 @@
 
 #include "core/cuda.h"
 #include "pipe/cudaipc/cudaipc.h"
+#include "pipe/shm/shm_hello.h"
 #include "pipe/op.h"
 #include "pipe/session.h"
 #include "pipe/shm/plane_shm.h"
@@ -189,32 +190,32 @@ static void test_reach_rule(void **state)
     (void)state;
     static const uint8_t key[16] = {1};
     tdp__shm_hello sock = {key, "tdpipe.x", 8};
-    uint8_t buf[TDP_CUDAIPC_REC_MAX];
+    uint8_t buf[TDP_SHM_IPC_REC_MAX];
     size_t len;
-    assert_int_equal(tdp__cudaipc_hello_encode(buf, &sock, 0, &len), TDP_OK);
-    tdp__cudaipc_hello a, b;
-    assert_int_equal(tdp__cudaipc_hello_parse(buf, len, &a), TDP_OK);
-    assert_int_equal(a.ndev, (uint8_t)tdp__cuda_device_count());
-    assert_int_equal(a.dev, 0);
-    assert_true(tdp__cudaipc_reach(&a, &a));
+    assert_int_equal(tdp__shm_ipc_hello_encode(buf, &sock, 0, &len), TDP_OK);
+    tdp__shm_ipc_hello a, b;
+    assert_int_equal(tdp__shm_ipc_hello_parse(buf, len, &a), TDP_OK);
+    assert_int_equal(a.gpus.ndev, (uint8_t)tdp__cuda_device_count());
+    assert_int_equal(a.gpus.dev, 0);
+    assert_true(tdp__cudaipc_reach(&a.gpus, &a.gpus));
     /* no device: the plane is not offered */
-    assert_int_equal(tdp__cudaipc_hello_encode(buf, &sock, 99, &len), TDP_ENOTSUP);
+    assert_int_equal(tdp__shm_ipc_hello_encode(buf, &sock, 99, &len), TDP_ENOTSUP);
     /* a peer that sees another GPU only (its own index 0 too): not reachable, both ways */
     uint8_t other[TDP_SHM_REC_MAX + 2 + 16];
     size_t off = tdp__shm_hello_encode(other, &sock);
     other[off] = 1;
     other[off + 1] = 0;
     memset(other + off + 2, 0xee, 16);
-    assert_int_equal(tdp__cudaipc_hello_parse(other, off + 18, &b), TDP_OK);
-    assert_false(tdp__cudaipc_reach(&a, &b));
-    assert_false(tdp__cudaipc_reach(&b, &a));
+    assert_int_equal(tdp__shm_ipc_hello_parse(other, off + 18, &b), TDP_OK);
+    assert_false(tdp__cudaipc_reach(&a.gpus, &b.gpus));
+    assert_false(tdp__cudaipc_reach(&b.gpus, &a.gpus));
     /* malformed: device index past the list, wrong length, no device */
     other[off + 1] = 1;
-    assert_int_equal(tdp__cudaipc_hello_parse(other, off + 18, &b), TDP_EPROTO);
+    assert_int_equal(tdp__shm_ipc_hello_parse(other, off + 18, &b), TDP_EPROTO);
     other[off + 1] = 0;
-    assert_int_equal(tdp__cudaipc_hello_parse(other, off + 17, &b), TDP_EPROTO);
+    assert_int_equal(tdp__shm_ipc_hello_parse(other, off + 17, &b), TDP_EPROTO);
     other[off] = 0;
-    assert_int_equal(tdp__cudaipc_hello_parse(other, off + 2, &b), TDP_EPROTO);
+    assert_int_equal(tdp__shm_ipc_hello_parse(other, off + 2, &b), TDP_EPROTO);
 }
 
 /* ---- zero copy -------------------------------------------------------------------- */

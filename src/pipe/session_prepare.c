@@ -15,7 +15,6 @@
 #include <inttypes.h>
 #include <stddef.h>
 
-#include "session.h"
 #include "session_int.h"
 #include "../core/log.h"
 #include "../schema/schema_int.h"

@@ -4,12 +4,13 @@
  * (its Unix socket, control segment, rings, loans and release ring:
  * plane_shm.c) with pools of device memory for GPU payloads; this is where
  * those pools are made, exported, imported and shared within one process,
- * and where the plane's HELLO record is read and written.
+ * and where the GPUs part of the plane's HELLO record is read and written
+ * (the record is put together in shm/shm_hello.h).
  *
  * Device pools (tdp__dpool). A sender's pool of device slots is one
  * exportable allocation (tdp__cuda_malloc_shared), exported once when it is
- * made and announced; the receiver imports it once when it comes into
- * force. Each pool has a random 16-byte id. A process cannot import a
+ * made and announced; the receiver imports it once when the announcement
+ * comes. Each pool has a random 16-byte id. A process cannot import a
  * handle it exported itself, so the ids of the pools this process made are
  * kept in a table: a receiver that finds the announced id there (both ends
  * in one process, as in the test suites) shares the sender's pointer
@@ -26,13 +27,11 @@
 #include <stdint.h>
 
 #include "../../core/cuda.h"
-#include "../shm/shm_hello.h"
-#include "../wire.h"
 
-#define TDP_DPOOL_ID_LEN    16u
-#define TDP_CUDAIPC_DEVS    16u /* device UUIDs a record lists, at most */
-#define TDP_CUDAIPC_UUID    16u
-#define TDP_CUDAIPC_REC_MAX (TDP_SHM_REC_MAX + 2u + TDP_CUDAIPC_DEVS * TDP_CUDAIPC_UUID)
+#define TDP_DPOOL_ID_LEN     16u
+#define TDP_CUDAIPC_DEVS     16u /* device UUIDs a record lists, at most */
+#define TDP_CUDAIPC_UUID     16u
+#define TDP_CUDAIPC_GPUS_MAX (2u + TDP_CUDAIPC_DEVS * TDP_CUDAIPC_UUID)
 
 /* ---- device pools ------------------------------------------------------------ */
 
@@ -84,38 +83,35 @@ bool tdp__dpool_is_shared(const tdp__dpool *p); /* opened by sharing this proces
 uint64_t tdp__dpool_exports(void);
 uint64_t tdp__dpool_imports(void);
 
-/* ---- the HELLO record, TDP_HX_CUDA_IPC ------------------------------------------
- * key[16] | name_len u16 | name   (as the shm record: the socket and proof)
+/* ---- the GPUs a process sees, in the cuda-ipc HELLO record ---------------------
  * ndev u8 | dev u8 | uuid[ndev][16]
  * uuids: every device this process sees, by its own index; dev: the index
- * of the pipe's device (tdp_pipe_opts.cuda_device) among them.
+ * of the pipe's device (tdp_pipe_opts.cuda_device) among them. The record
+ * (TDP_HX_CUDA_IPC) is the shm plane's socket record followed by this part:
+ * it is put together in shm/shm_hello.h.
  */
-typedef struct tdp__cudaipc_hello {
-    tdp__shm_hello sock;
+typedef struct tdp__cudaipc_gpus {
     uint8_t ndev, dev;
     const uint8_t *uuids; /* ndev x 16 bytes */
-} tdp__cudaipc_hello;
+} tdp__cudaipc_gpus;
 
 /*
- * This side's record for a pipe on device dev, written into buf (*len
+ * This side's part for a pipe on device dev, written into buf (*len
  * bytes): TDP_ENOTSUP when the device or a UUID is not there (the plane is
  * then not offered).
  */
-tdp_err tdp__cudaipc_hello_encode(uint8_t buf[TDP_CUDAIPC_REC_MAX], const tdp__shm_hello *sock,
-                                  int dev, size_t *len);
-/* The peer's: TDP_OK, TDP_ENOENT (none), TDP_EPROTO (malformed). */
-tdp_err tdp__cudaipc_hello_get(const tdp_hello *h, tdp__cudaipc_hello *out);
-/* Decode a record value this side wrote (its own, kept in the link). */
-tdp_err tdp__cudaipc_hello_parse(const uint8_t *val, size_t len, tdp__cudaipc_hello *out);
+tdp_err tdp__cudaipc_gpus_encode(uint8_t buf[TDP_CUDAIPC_GPUS_MAX], int dev, size_t *len);
+/* Decode a part of exactly len bytes: TDP_OK, or TDP_EPROTO when malformed. */
+tdp_err tdp__cudaipc_gpus_parse(const uint8_t *val, size_t len, tdp__cudaipc_gpus *out);
 
 /*
  * Whether each side's pipe device is one the other side sees: the same
  * answer on both sides (the plane's usable rule).
  */
-bool tdp__cudaipc_reach(const tdp__cudaipc_hello *a, const tdp__cudaipc_hello *b);
+bool tdp__cudaipc_reach(const tdp__cudaipc_gpus *a, const tdp__cudaipc_gpus *b);
 
 /* Whether the peer sees the device with this UUID (a pool there can go to it). */
-bool tdp__cudaipc_sees(const tdp__cudaipc_hello *peer, const uint8_t uuid[TDP_CUDAIPC_UUID]);
+bool tdp__cudaipc_sees(const tdp__cudaipc_gpus *peer, const uint8_t uuid[TDP_CUDAIPC_UUID]);
 
 /* This process's index of the device with that UUID, or -1. */
 int tdp__cudaipc_local_dev(const uint8_t uuid[TDP_CUDAIPC_UUID]);

@@ -313,10 +313,10 @@ struct tdp__link {
     /* cuda-ipc (tdp__plane_cuda_ipc): GPU payloads in device pools */
     bool ipc;
     int ipc_dev;                          /* the pipe's GPU (link_device) */
-    uint8_t ipc_rec[TDP_CUDAIPC_REC_MAX]; /* this side's HELLO record */
+    uint8_t ipc_rec[TDP_SHM_IPC_REC_MAX]; /* this side's HELLO record */
     size_t ipc_rec_len;
-    uint8_t peer_rec[TDP_CUDAIPC_REC_MAX]; /* the peer's, copied at start */
-    tdp__cudaipc_hello peer_ipc;           /* read from peer_rec */
+    uint8_t peer_rec[TDP_SHM_IPC_REC_MAX]; /* the peer's, copied at start */
+    tdp__shm_ipc_hello peer_ipc;           /* read from peer_rec */
     int8_t ipc_reach[TDP_CUDAIPC_DEVS];    /* by device: 1 the peer sees it, -1 not, 0 unknown */
 };
 
@@ -1032,7 +1032,7 @@ static bool ipc_dev_ok(struct tdp__link *l, int dev)
         return false;
     if (l->ipc_reach[dev] == 0) {
         uint8_t u[TDP_CUDAIPC_UUID];
-        bool ok = tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc, u);
+        bool ok = tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc.gpus, u);
         l->ipc_reach[dev] = ok ? 1 : -1;
         if (!ok)
             tdp_log_info("cuda-ipc: the peer does not see cuda:%d: its payloads go staged", dev);
@@ -1874,8 +1874,8 @@ static bool rx_in_place(const struct tdp__link *l, const rx_pool *p, const tdp_s
         return false;
     if (dev.index == tdp__dpool_device(p->dp))
         return true;
-    return dev.index >= 0 && dev.index < l->peer_ipc.ndev &&
-           memcmp(l->peer_ipc.uuids + (size_t)dev.index * TDP_CUDAIPC_UUID, p->uuid,
+    return dev.index >= 0 && dev.index < l->peer_ipc.gpus.ndev &&
+           memcmp(l->peer_ipc.gpus.uuids + (size_t)dev.index * TDP_CUDAIPC_UUID, p->uuid,
                   TDP_CUDAIPC_UUID) == 0;
 }
 
@@ -2696,7 +2696,7 @@ static tdp_err c_link_device(tdp__link *l, int dev)
     l->ipc_dev = dev;
     /* the record now: the peer's HELLO may be read before this side's is sent */
     tdp__shm_hello mine = {l->key, l->x->name, TDP__SHM_NAME_LEN};
-    return tdp__cudaipc_hello_encode(l->ipc_rec, &mine, dev, &l->ipc_rec_len);
+    return tdp__shm_ipc_hello_encode(l->ipc_rec, &mine, dev, &l->ipc_rec_len);
 }
 
 static tdp_err c_hello_fill(tdp__link *l, tdp_hello *h)
@@ -2706,8 +2706,8 @@ static tdp_err c_hello_fill(tdp__link *l, tdp_hello *h)
 
 static tdp_err c_hello_check(const tdp_hello *peer)
 {
-    tdp__cudaipc_hello ch;
-    tdp_err rc = tdp__cudaipc_hello_get(peer, &ch);
+    tdp__shm_ipc_hello ch;
+    tdp_err rc = tdp__shm_ipc_hello_get(peer, &ch);
     return rc == TDP_ENOENT ? TDP_OK : rc;
 }
 
@@ -2718,10 +2718,10 @@ static tdp_err c_hello_check(const tdp_hello *peer)
  */
 static bool c_usable_link(const tdp__link *mine, const tdp_hello *peer, bool same_host)
 {
-    tdp__cudaipc_hello a, b;
+    tdp__shm_ipc_hello a, b;
     return mine != NULL && same_host && mine->ipc_rec_len > 0 &&
-           tdp__cudaipc_hello_parse(mine->ipc_rec, mine->ipc_rec_len, &a) == TDP_OK &&
-           tdp__cudaipc_hello_get(peer, &b) == TDP_OK && tdp__cudaipc_reach(&a, &b);
+           tdp__shm_ipc_hello_parse(mine->ipc_rec, mine->ipc_rec_len, &a) == TDP_OK &&
+           tdp__shm_ipc_hello_get(peer, &b) == TDP_OK && tdp__cudaipc_reach(&a.gpus, &b.gpus);
 }
 
 static tdp_err c_link_start(tdp__link *l, const tdp__link_peer *peer)
@@ -2731,7 +2731,7 @@ static tdp_err c_link_start(tdp__link *l, const tdp__link_peer *peer)
         return TDP_EPROTO;
     /* the peer's record outlives the HELLO: which GPUs it sees decides each pool */
     memcpy(l->peer_rec, r->val, r->len);
-    if (tdp__cudaipc_hello_parse(l->peer_rec, r->len, &l->peer_ipc) != TDP_OK)
+    if (tdp__shm_ipc_hello_parse(l->peer_rec, r->len, &l->peer_ipc) != TDP_OK)
         return TDP_EPROTO;
     return link_start_sock(l, peer, &l->peer_ipc.sock);
 }

@@ -43,3 +43,31 @@ tdp_err tdp__shm_hello_get(const tdp_hello *h, tdp__shm_hello *out)
     tdp_err rc = tdp__shm_hello_decode(r->val, r->len, out, &used);
     return rc == TDP_OK && used != r->len ? TDP_EPROTO : rc;
 }
+
+tdp_err tdp__shm_ipc_hello_encode(uint8_t buf[TDP_SHM_IPC_REC_MAX], const tdp__shm_hello *sock,
+                                  int dev, size_t *len)
+{
+    size_t off = tdp__shm_hello_encode(buf, sock), glen = 0;
+    if (off == 0)
+        return TDP_EINVAL;
+    tdp_err rc = tdp__cudaipc_gpus_encode(buf + off, dev, &glen);
+    if (rc == TDP_OK)
+        *len = off + glen;
+    return rc;
+}
+
+tdp_err tdp__shm_ipc_hello_parse(const uint8_t *val, size_t len, tdp__shm_ipc_hello *out)
+{
+    size_t used;
+    if (tdp__shm_hello_decode(val, len, &out->sock, &used) != TDP_OK)
+        return TDP_EPROTO;
+    return tdp__cudaipc_gpus_parse(val + used, len - used, &out->gpus);
+}
+
+tdp_err tdp__shm_ipc_hello_get(const tdp_hello *h, tdp__shm_ipc_hello *out)
+{
+    const tdp_hx_rec *r = tdp_hello_rec(h, TDP_HX_CUDA_IPC);
+    if (r == NULL)
+        return TDP_ENOENT;
+    return tdp__shm_ipc_hello_parse(r->val, r->len, out);
+}

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "../wire.h"
+#include "../cudaipc/cudaipc.h"
 
 #define TDP_SHM_KEY_LEN  16u
 #define TDP_SHM_NAME_MAX 107u /* sun_path less the abstract namespace's leading NUL */
@@ -39,5 +40,25 @@ tdp_err tdp__shm_hello_decode(const uint8_t *val, size_t len, tdp__shm_hello *ou
  * h has none, TDP_EPROTO when it is malformed.
  */
 tdp_err tdp__shm_hello_get(const tdp_hello *h, tdp__shm_hello *out);
+
+/* ---- the cuda-ipc plane's record, TDP_HX_CUDA_IPC ------------------------------
+ * this plane's record (the socket and proof), then the GPUs the process
+ * sees (cudaipc.h: ndev u8 | dev u8 | uuid[ndev][16]).
+ */
+#define TDP_SHM_IPC_REC_MAX (TDP_SHM_REC_MAX + TDP_CUDAIPC_GPUS_MAX)
+
+typedef struct tdp__shm_ipc_hello {
+    tdp__shm_hello sock;
+    tdp__cudaipc_gpus gpus;
+} tdp__shm_ipc_hello;
+
+/* This side's record for a pipe on device dev (*len bytes): TDP_ENOTSUP
+ * when the device or a UUID is not there (the plane is then not offered). */
+tdp_err tdp__shm_ipc_hello_encode(uint8_t buf[TDP_SHM_IPC_REC_MAX], const tdp__shm_hello *sock,
+                                  int dev, size_t *len);
+/* Decode a record value (this side's own, kept in the link, or the peer's). */
+tdp_err tdp__shm_ipc_hello_parse(const uint8_t *val, size_t len, tdp__shm_ipc_hello *out);
+/* The peer's: TDP_OK, TDP_ENOENT (none), TDP_EPROTO (malformed). */
+tdp_err tdp__shm_ipc_hello_get(const tdp_hello *h, tdp__shm_ipc_hello *out);
 
 #endif
