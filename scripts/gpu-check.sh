@@ -153,9 +153,9 @@ if [[ $QUICK -eq 0 ]]; then
 fi
 
 say "table"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "$QUICK" <<'EOF'
 import glob, json, os, sys
-out = sys.argv[1]
+out, quick = sys.argv[1], sys.argv[2] == "1"
 def load(name):
     try:
         return json.load(open(os.path.join(out, name + '.json')))
@@ -207,6 +207,61 @@ if ipc:
     if 1000 in ipc and 100000000 in ipc:
         print('100 MB / 1 KB p50: %.2f' % (ipc[100000000]['latency_us']['p50'] /
                                           ipc[1000]['latency_us']['p50']))
+
+# the issues' targets, each met, missed or not measured in this run
+print()
+print('targets (this run):')
+def verdict(what, value, limit, at_least):
+    if value is None:
+        print('  %-56s not measured' % what)
+        return
+    ok = value >= limit if at_least else value <= limit
+    print('  %-56s %8.2f %s %-5g %s' % (what, value, '>=' if at_least else '<=', limit,
+                                       'met' if ok else 'MISSED'))
+def get(d, b, *keys):
+    r = d.get(b)
+    for k in keys:
+        if r is None:
+            return None
+        r = r.get(k)
+    return r
+def ratio(a, b):
+    return a / b if a is not None and b else None
+def steady_us(r):
+    return r['bytes'] / r['throughput_Bps']['median'] * 1e6 if r else None
+sizes = (1000, 1000000) if quick else (1000, 1000000, 100000000, 1000000000)
+for path in sorted(glob.glob(os.path.join(out, 'cuda_*.json'))):
+    name = os.path.basename(path)[:-5]
+    have = rows(load(name))
+    print('  %-56s %s' % ('%s completes at %s' % (name, ', '.join(str(b) for b in sizes)),
+          'met' if all(b in have for b in sizes) else 'MISSED (%s)' %
+          ', '.join(str(b) for b in sizes if b not in have)))
+shm, shm_h = rows(load('cuda_shm')), rows(load('cpu_shm'))
+verdict('staged shm, 100 MB: x pinned H2D', ratio(get(shm, 100000000, 'throughput_Bps',
+        'median'), h2d * 1e9 if h2d else None), 0.7, True)
+verdict('staged shm, 1 KB p50: x host memory', ratio(get(shm, 1000, 'latency_us', 'p50'),
+        get(shm_h, 1000, 'latency_us', 'p50')), 2.0, False)
+tcp, tcp_h = rows(load('cuda_ucx_tcp')), rows(load('cpu_ucx_tcp'))
+verdict('ucx plane over TCP, 100 MB: x host memory', ratio(get(tcp, 100000000, 'throughput_Bps',
+        'median'), get(tcp_h, 100000000, 'throughput_Bps', 'median')), 0.8, True)
+for plane in ('shm', 'ucx'):
+    d = rows(load('cuda_' + plane))
+    verdict('%s, first send of 100 MB: x a steady send' % plane,
+            ratio(get(d, 100000000, 'first_send_us'), steady_us(d.get(100000000))), 3.0, False)
+def ipc_p50(b):
+    return get(ipc, b, 'latency_us', 'p50')
+for b, label in ((1000, '1 KB'), (100000000, '100 MB')):
+    verdict('cuda-ipc %s p50: x tdp_gpu_ipc floor' % label,
+            ratio(ipc_p50(b), floor.get(b, {}).get('p50_us')), 1.5, False)
+verdict('cuda-ipc 100 MB p50: x its 1 KB p50', ratio(ipc_p50(100000000), ipc_p50(1000)), 1.5,
+        False)
+for b, label in ((1000, '1 KB'), (1000000, '1 MB'), (100000000, '100 MB')):
+    verdict('cuda-ipc %s: PyTorch CUDA IPC p50 / ours' % label,
+            ratio(torch_ipc.get(b, {}).get('p50_us'), ipc_p50(b)), 10.0, True)
+r = ipc.get(100000000)
+verdict('cuda-ipc, first send of 100 MB: x a steady one',
+        ratio(get(ipc, 100000000, 'first_send_us'),
+              max(r['latency_us']['p50'], steady_us(r)) if r else None), 2.0, False)
 EOF
 
 say "Python: GPU tests and the GPU example"
