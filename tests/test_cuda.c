@@ -240,6 +240,44 @@ static void test_host_func_after_copies(void **state)
     free(out);
 }
 
+/* Host function that breaks the rule: CUDA calls from inside it. */
+typedef struct hostfn_calls {
+    void *d;
+    tdp__cuda_stream *s;
+    tdp_err copy, async, event;
+} hostfn_calls;
+
+static void hostfn_calls_cuda(void *arg)
+{
+    hostfn_calls *c = arg;
+    unsigned char b[16] = {0};
+    tdp__cuda_event *e = NULL;
+    c->copy = tdp__cuda_memcpy(b, c->d, sizeof(b));
+    c->async = tdp__cuda_memcpy_async(c->d, b, sizeof(b), c->s);
+    c->event = tdp__cuda_event_create(0, &e);
+    if (e != NULL)
+        tdp__cuda_event_destroy(e);
+}
+
+/* A GPU refuses any CUDA call from a host function (or deadlocks): so does the fake. */
+static void test_host_func_makes_no_cuda_call(void **state)
+{
+    (void)state;
+    hostfn_calls c = {.copy = TDP_OK, .async = TDP_OK, .event = TDP_OK};
+    OK(tdp__cuda_stream_create(0, &c.s));
+    OK(tdp__cuda_malloc(0, 4096, &c.d));
+    OK(tdp__cuda_launch_host_func(c.s, hostfn_calls_cuda, &c));
+    OK(tdp__cuda_stream_sync(c.s));
+    assert_int_equal(c.copy, TDP_ECUDA);
+    assert_int_equal(c.async, TDP_ECUDA);
+    assert_int_equal(c.event, TDP_ECUDA);
+    /* the same calls from an ordinary thread go through */
+    unsigned char b[16];
+    OK(tdp__cuda_memcpy(b, c.d, sizeof(b)));
+    tdp__cuda_free(c.d);
+    tdp__cuda_stream_destroy(c.s);
+}
+
 /* Host function: hold the stream until *arg is set (at most 10 s). */
 static void gate_wait(void *arg)
 {
@@ -525,6 +563,7 @@ int main(void)
         cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
         cmocka_unit_test_setup(test_sync_calls_done_on_return, fake_setup),
         cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
+        cmocka_unit_test_setup(test_host_func_makes_no_cuda_call, fake_setup),
         cmocka_unit_test_setup(test_events, fake_setup),
         cmocka_unit_test_setup(test_oom_injected, fake_setup),
         cmocka_unit_test_setup(test_copy_fail_injected, fake_setup),

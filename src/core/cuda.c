@@ -136,19 +136,35 @@ static bool dev_ok(int dev)
     return dev >= 0 && dev < atomic_load(&ndevices);
 }
 
+/*
+ * A host function may make no CUDA call (the driver answers
+ * CUDA_ERROR_NOT_PERMITTED, or deadlocks): on the fake, whose host
+ * functions run on its engine threads, such a call is refused and logged,
+ * so that it fails in CI as it would on a GPU.
+ */
+static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
+{
+    if (o != &tdp__cuda_fake_ops || !tdp__cuda_fake_in_host_fn())
+        return false;
+    tdp_log_error("CUDA call %s from inside a host function: not permitted", what);
+    return true;
+}
+
 /* Forward to the backend, or TDP_ENOTSUP where it has no such call. */
 #define CALL(fn, ...)                                                                              \
     do {                                                                                           \
         const tdp__cuda_ops *ops_ = be();                                                          \
         if (ops_->fn == NULL)                                                                      \
             return TDP_ENOTSUP;                                                                    \
+        if (refused_in_host_fn(ops_, #fn))                                                         \
+            return TDP_ECUDA;                                                                      \
         return ops_->fn(__VA_ARGS__);                                                              \
     } while (0)
 
 #define CALL_VOID(fn, ...)                                                                         \
     do {                                                                                           \
         const tdp__cuda_ops *ops_ = be();                                                          \
-        if (ops_->fn != NULL)                                                                      \
+        if (ops_->fn != NULL && !refused_in_host_fn(ops_, #fn))                                    \
             ops_->fn(__VA_ARGS__);                                                                 \
     } while (0)
 
@@ -272,6 +288,8 @@ tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
     const tdp__cuda_ops *o = be();
     if (o->memcpy == NULL)
         return TDP_ENOTSUP;
+    if (refused_in_host_fn(o, "memcpy"))
+        return TDP_ECUDA;
     tdp_err rc = o->memcpy(dst, src, n);
     return rc == TDP_OK ? sync_default(o) : rc;
 }
@@ -285,6 +303,8 @@ tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
     const tdp__cuda_ops *o = be();
     if (o->memset == NULL)
         return TDP_ENOTSUP;
+    if (refused_in_host_fn(o, "memset"))
+        return TDP_ECUDA;
     tdp_err rc = o->memset(p, byte, n);
     return rc == TDP_OK ? sync_default(o) : rc;
 }

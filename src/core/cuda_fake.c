@@ -476,6 +476,13 @@ static void event_wait_gen(tdp__cuda_event *e, uint64_t gen)
     pthread_mutex_unlock(&e->mu);
 }
 
+static _Thread_local bool in_host_fn;
+
+bool tdp__cuda_fake_in_host_fn(void)
+{
+    return in_host_fn;
+}
+
 static void op_run(fake_op *op)
 {
     switch (op->kind) {
@@ -489,7 +496,9 @@ static void op_run(fake_op *op)
         memset(op->dst, op->byte, op->n);
         break;
     case OP_HOST_FN:
+        in_host_fn = true; /* no CUDA call from here (cuda.c refuses it) */
         op->fn(op->arg);
+        in_host_fn = false;
         break;
     case OP_RECORD:
         event_pass(op->ev, op->gen);

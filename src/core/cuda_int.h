@@ -39,6 +39,8 @@ typedef struct tdp__cuda_ops {
 } tdp__cuda_ops;
 
 extern const tdp__cuda_ops tdp__cuda_fake_ops;
+/* Whether this thread is running one of the fake's host functions. */
+bool tdp__cuda_fake_in_host_fn(void);
 #ifdef TDP_HAVE_CUDA_H
 extern const tdp__cuda_ops tdp__cuda_driver_ops;
 #endif
