@@ -279,7 +279,7 @@ else
         >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
     echo "  $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
     grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/  /'
-    [[ ${FAILED[-1]:-} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
+    [[ ${#FAILED[@]} -gt 0 && ${FAILED[-1]} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
 fi
 
 say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm and ucx, 1 MB"
