@@ -531,6 +531,37 @@ static void child_producer(uint16_t port)
 }
 
 /*
+ * A cuda-ipc listener on a loop thread of its own, and a child process
+ * running this test as `ROLE PORT [FD]`: fork, then exec (UCX's state does
+ * not survive a bare fork). fd: passed on (-1: none); fd_close: closed in
+ * the child (this process's end of a pipe; -1: none).
+ */
+static pid_t listen_and_spawn(tdp_loop **loop, tdp_listener **l, const char *role, int fd,
+                              int fd_close)
+{
+    tdp_pipe_opts o;
+    gpu_opts(&o, 2);
+    o.plane = TDP_PLANE_CUDA_IPC;
+    assert_int_equal(tdp_loop_new(NULL, loop), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(*loop), TDP_OK);
+    assert_int_equal(tdp_listener_new(*loop, "127.0.0.1", 0, &o, NULL, NULL, l), TDP_OK);
+    char ps[16], fs[16];
+    snprintf(ps, sizeof(ps), "%u", tdp_listener_port(*l));
+    snprintf(fs, sizeof(fs), "%d", fd);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (fd_close >= 0)
+            close(fd_close);
+        execl("/proc/self/exe", "test_cuda_ipc", role, ps, fd >= 0 ? fs : (char *)NULL,
+              (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+/*
  * Two processes through the fake's memfd export: the receiver imports the
  * producer's pool once, and the view it holds stays readable after the
  * producer is killed; the next receive ends, it does not hang.
@@ -541,22 +572,7 @@ static void test_producer_dies(void **state)
     tdp_loop *loop;
     tdp_listener *l;
     tdp_pipe *p;
-    tdp_pipe_opts o;
-    gpu_opts(&o, 2);
-    o.plane = TDP_PLANE_CUDA_IPC;
-    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
-    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
-    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
-    uint16_t port = tdp_listener_port(l);
-    fflush(NULL);
-    pid_t pid = fork(); /* then exec: UCX's state does not survive a bare fork */
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        char ps[16];
-        snprintf(ps, sizeof(ps), "%u", port);
-        execl("/proc/self/exe", "test_cuda_ipc", "--producer", ps, (char *)NULL);
-        _exit(127);
-    }
+    pid_t pid = listen_and_spawn(&loop, &l, "--producer", -1, -1);
     uint64_t imports = tdp__dpool_imports();
     assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
     tdp_td *got, *next;
@@ -619,26 +635,10 @@ static void test_prepared_pool_imported_ahead(void **state)
     tdp_loop *loop;
     tdp_listener *l;
     tdp_pipe *p;
-    tdp_pipe_opts o;
-    gpu_opts(&o, 2);
-    o.plane = TDP_PLANE_CUDA_IPC;
-    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
-    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
-    assert_int_equal(tdp_listener_new(loop, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
     int go[2];
     assert_int_equal(pipe(go), 0);
     uint64_t imports = tdp__dpool_imports();
-    fflush(NULL);
-    pid_t pid = fork(); /* then exec, as test_producer_dies */
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        close(go[1]);
-        char ps[16], fs[16];
-        snprintf(ps, sizeof(ps), "%u", tdp_listener_port(l));
-        snprintf(fs, sizeof(fs), "%d", go[0]);
-        execl("/proc/self/exe", "test_cuda_ipc", "--preparer", ps, fs, (char *)NULL);
-        _exit(127);
-    }
+    pid_t pid = listen_and_spawn(&loop, &l, "--preparer", go[0], go[1]);
     close(go[0]);
     assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
     /* no message has been sent: the child waits for our byte */

@@ -150,14 +150,20 @@ static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
     return true;
 }
 
-/* Forward to the backend, or TDP_ENOTSUP where it has no such call. */
+/* ops_, the backend for a call of fn; or return TDP_ENOTSUP where it has no
+ * such call, TDP_ECUDA from inside a host function. */
+#define BACKEND_FOR(fn)                                                                            \
+    const tdp__cuda_ops *ops_ = be();                                                              \
+    if (ops_->fn == NULL)                                                                          \
+        return TDP_ENOTSUP;                                                                        \
+    if (refused_in_host_fn(ops_, #fn))                                                             \
+        return TDP_ECUDA;                                                                          \
+    (void)0
+
+/* Forward to the backend. */
 #define CALL(fn, ...)                                                                              \
     do {                                                                                           \
-        const tdp__cuda_ops *ops_ = be();                                                          \
-        if (ops_->fn == NULL)                                                                      \
-            return TDP_ENOTSUP;                                                                    \
-        if (refused_in_host_fn(ops_, #fn))                                                         \
-            return TDP_ECUDA;                                                                      \
+        BACKEND_FOR(fn);                                                                           \
         return ops_->fn(__VA_ARGS__);                                                              \
     } while (0)
 
@@ -272,12 +278,15 @@ tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_s
  * bytes are in its staging buffer, a device to device copy and cuMemset at
  * once; the rest runs on the default stream, which the library's streams
  * (non-blocking) are not ordered after, nor is a peer process. A loaned
- * slot filled this way and sent at once was read stale on an H100.
+ * slot filled this way and sent at once was read stale on an H100. So
+ * they go as CALL, then wait for the default stream.
  */
-static tdp_err sync_default(const tdp__cuda_ops *o)
-{
-    return o->sync_default != NULL ? o->sync_default() : TDP_OK;
-}
+#define CALL_SYNC(fn, ...)                                                                         \
+    do {                                                                                           \
+        BACKEND_FOR(fn);                                                                           \
+        tdp_err rc_ = ops_->fn(__VA_ARGS__);                                                       \
+        return rc_ == TDP_OK && ops_->sync_default != NULL ? ops_->sync_default() : rc_;           \
+    } while (0)
 
 tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
 {
@@ -285,13 +294,7 @@ tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
         return TDP_EINVAL;
     if (n == 0)
         return TDP_OK;
-    const tdp__cuda_ops *o = be();
-    if (o->memcpy == NULL)
-        return TDP_ENOTSUP;
-    if (refused_in_host_fn(o, "memcpy"))
-        return TDP_ECUDA;
-    tdp_err rc = o->memcpy(dst, src, n);
-    return rc == TDP_OK ? sync_default(o) : rc;
+    CALL_SYNC(memcpy, dst, src, n);
 }
 
 tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
@@ -300,13 +303,7 @@ tdp_err tdp__cuda_memset(void *p, int byte, size_t n)
         return TDP_EINVAL;
     if (n == 0)
         return TDP_OK;
-    const tdp__cuda_ops *o = be();
-    if (o->memset == NULL)
-        return TDP_ENOTSUP;
-    if (refused_in_host_fn(o, "memset"))
-        return TDP_ECUDA;
-    tdp_err rc = o->memset(p, byte, n);
-    return rc == TDP_OK ? sync_default(o) : rc;
+    CALL_SYNC(memset, p, byte, n);
 }
 
 tdp_err tdp__cuda_launch_host_func(tdp__cuda_stream *s, void (*fn)(void *), void *arg)

@@ -91,7 +91,7 @@ static void dflt_forget(void);
 
 static void env_once(void)
 {
-    /* a forked child has no engine thread behind the default stream */
+    /* a forked child may find the default stream's lock taken by a thread it lacks */
     pthread_atfork(NULL, NULL, dflt_forget);
     atomic_store(&delay_us, env_uint("TDPIPE_FAKE_CUDA_DELAY_US"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_OOM_AT, env_uint("TDPIPE_FAKE_CUDA_OOM_AT"));
@@ -417,7 +417,6 @@ static void copy_delay(void)
     }
 }
 
-
 /* ---- streams, the copy engine, events ------------------------------------ */
 
 struct tdp__cuda_event {
@@ -634,16 +633,6 @@ static void dflt_land(void)
     }
 }
 
-static bool host_pinned(const void *p)
-{
-    bool pinned = false;
-    pthread_mutex_lock(&tab_lock);
-    for (fake_host_mem *h = host_mems; h != NULL && !pinned; h = h->next)
-        pinned = (const char *)p >= h->p && (const char *)p < h->p + h->size;
-    pthread_mutex_unlock(&tab_lock);
-    return pinned;
-}
-
 static tdp_err fake_memcpy(void *dst, const void *src, size_t n)
 {
     char *d, *s;
@@ -651,9 +640,11 @@ static tdp_err fake_memcpy(void *dst, const void *src, size_t n)
     if (rc != TDP_OK)
         return rc;
     bool to_dev = d != (char *)dst, from_dev = s != (const char *)src;
+    tdp__cuda_ptr_info src_kind;
+    (void)fake_ptr_info(src, &src_kind);
     pthread_mutex_lock(&dflt_lock);
     dflt_land(); /* in order after the earlier calls; the staging buffer free */
-    if (to_dev && (from_dev || (n <= FAKE_STAGE_BYTES && !host_pinned(src)))) {
+    if (to_dev && (from_dev || (n <= FAKE_STAGE_BYTES && src_kind.kind != TDP__CUDA_PTR_PINNED))) {
         dflt_pending = (fake_op){.kind = OP_COPY, .dst = d, .src = s, .n = n};
         if (!from_dev) {
             memcpy(dflt_stage, s, n); /* the source is the caller's again at return */
@@ -693,13 +684,10 @@ static tdp_err fake_sync_default(void)
 /* Tests: n bytes at device address p as the device holds them now, without waiting. */
 tdp_err tdp__cuda_fake_peek(const void *p, void *out, size_t n)
 {
-    pthread_mutex_lock(&tab_lock);
-    bool dev = dev_find(p) != NULL;
-    pthread_mutex_unlock(&tab_lock);
-    if (!dev)
-        return TDP_ECUDA;
     char *e;
     tdp_err rc = engine_addr(p, n, &e);
+    if (rc == TDP_OK && e == (const char *)p)
+        return TDP_ECUDA; /* host memory: the engine's view is the pointer itself */
     if (rc == TDP_OK)
         memcpy(out, e, n);
     return rc;
