@@ -85,6 +85,7 @@ typedef struct bench_cfg {
     bool no_loan;               /* --no-loan: plain sends on the shm plane too */
     bool prepare;               /* --prepare: tdp_pipe_prepare each size's layout, untimed */
     bool checksum;              /* --checksum: both sides offer the payload checksum */
+    uint32_t inflight;          /* --inflight N: plain streams as N async sends in flight */
     bool sizes_given;
     tdp_device mem; /* --mem: where the producer's buffers live (the consumer's follow) */
     bool mem_given;
@@ -554,14 +555,95 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
  * the consumer from the first counted message to the last: bytes per
  * second into bps[], messages timed per repeat into *msgs.
  */
+/*
+ * --inflight N: a plain stream as a producer of small messages should send
+ * it (docs/pipe.md, "Streams of small messages"): N messages of their own
+ * buffers in flight as async sends, the sending thread waiting for the
+ * oldest (tdp_op_wait, which drives the loop meanwhile) only when it needs
+ * its buffer again. Sends made while the loop is not driven may go out
+ * together (the ucx plane's BATCH frames).
+ */
+typedef struct inflight {
+    uint32_t n;
+    tdp_op **op;
+    tdp_td **td;
+} inflight;
+
+static void inflight_free(inflight *f)
+{
+    for (uint32_t k = 0; k < f->n; k++) {
+        if (f->op != NULL)
+            tdp_op_free(f->op[k]);
+        if (f->td != NULL)
+            tdp_td_unref(f->td[k]);
+    }
+    free(f->op);
+    free(f->td);
+}
+
+static tdp_err inflight_init(inflight *f, uint32_t n, tdp_td *proto)
+{
+    memset(f, 0, sizeof(*f));
+    f->op = calloc(n, sizeof(*f->op));
+    f->td = calloc(n, sizeof(*f->td));
+    if (f->op == NULL || f->td == NULL) {
+        inflight_free(f);
+        return TDP_ENOMEM;
+    }
+    for (; f->n < n; f->n++) {
+        if (tdp_op_new(NULL, NULL, &f->op[f->n]) != TDP_OK ||
+            tdp_td_new(tdp_td_schema(proto), &f->td[f->n]) != TDP_OK) {
+            f->n++;
+            inflight_free(f);
+            return TDP_ENOMEM;
+        }
+        memcpy(tdp_td_data(f->td[f->n]), tdp_td_data(proto), tdp_td_nbytes(proto));
+    }
+    return TDP_OK;
+}
+
+/* Wait for op k if it is out; its result (TDP_OK for one never started). */
+static tdp_err inflight_wait(inflight *f, uint32_t k)
+{
+    tdp_err rc = tdp_op_result(f->op[k]);
+    return rc == TDP_EAGAIN ? tdp_op_wait(f->op[k], BENCH_TMO) : TDP_OK;
+}
+
+/* One repeat's count messages as async sends, then the wait for all of them. */
+static tdp_err stream_async(tdp_pipe *p, inflight *f, int count, int twarm)
+{
+    tdp_err rc = TDP_OK;
+    for (int i = 0; i < count && rc == TDP_OK; i++) {
+        uint32_t k = (uint32_t)i % f->n;
+        if ((rc = inflight_wait(f, k)) != TDP_OK)
+            break;
+        int64_t h[4] = {PH_STREAM, i, count, twarm};
+        memcpy(hdr_of(f->td[k]), h, HDR_BYTES);
+        tdp_pipe_send_async(p, f->td[k], f->op[k]);
+    }
+    for (uint32_t k = 0; k < f->n; k++) { /* every op back, even after a failure */
+        tdp_err r = inflight_wait(f, k);
+        if (rc == TDP_OK)
+            rc = r;
+    }
+    return rc;
+}
+
 static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uint64_t bytes,
                               const char *label, const char *what, double *bps, uint64_t *msgs)
 {
     tdp_err rc = TDP_OK;
     tdp_td *got;
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
+    inflight fl;
+    bool async = cfg->inflight > 1 && !on_gpu(td) &&
+                 (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
+    if (async && (rc = inflight_init(&fl, cfg->inflight, td)) != TDP_OK)
+        return rc;
     for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
-        for (int i = 0; i < count && rc == TDP_OK; i++) {
+        if (async)
+            rc = stream_async(p, &fl, count, twarm);
+        for (int i = 0; !async && i < count && rc == TDP_OK; i++) {
             int64_t h[4] = {PH_STREAM, i, count, twarm};
             rc = bench_send(cfg, p, td, h);
             if (cfg->progress && (i % 512 == 0 || i == count - 1))
@@ -585,6 +667,8 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
             tdp_pipe_release(p, got);
         }
     }
+    if (async)
+        inflight_free(&fl);
     return rc;
 }
 
@@ -739,7 +823,7 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             "  \"config\": {\"depth\": %u, \"window\": %llu, \"busy_poll_us\": %u, "
             "\"peer_mode\": \"%s\", "
             "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"checksum\": %s, "
-            "\"cpus\": %ld},\n",
+            "\"inflight\": %u, \"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
             ucp_get_version_string(), tls ? tls : "default", cfg->depth,
             (unsigned long long)cfg->window, cfg->busy_poll_us,
@@ -747,7 +831,7 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
             plane, loaned ? "true" : "false", tdp_device_format(cfg->mem, mem),
-            cfg->checksum ? "true" : "false", sysconf(_SC_NPROCESSORS_ONLN));
+            cfg->checksum ? "true" : "false", cfg->inflight, sysconf(_SC_NPROCESSORS_ONLN));
     if (cfg->client_of != NULL) {
         /* the peer as given on the command line: a host name or literal, ':' and a port;
          * null when it is not UTF-8 (jansson takes nothing else) */
@@ -1291,6 +1375,10 @@ static void usage(FILE *f)
             "                     prepared first send\n"
             "  --checksum         both sides offer the payload checksum (XXH3-64 of every\n"
             "                     message, computed by the sender, checked by the receiver)\n"
+            "  --inflight N       throughput of plain sends as N async sends in flight\n"
+            "                     (own buffers each; tdp_op_wait for the oldest), as a\n"
+            "                     stream of small messages is best sent (default 1:\n"
+            "                     blocking sends; loaned sends stay blocking)\n"
             "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
             "                     receives into GPU memory (the receiver follows); needs a\n"
             "                     build with CUDA and a device, else exit 2\n"
@@ -1440,6 +1528,7 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
         {"once", no_argument, NULL, 'o'},
         {"mem", required_argument, NULL, 'M'},
         {"checksum", no_argument, NULL, 'X'},
+        {"inflight", required_argument, NULL, 'I'},
         {NULL, 0, NULL, 0},
     };
     char why[160];
@@ -1457,6 +1546,11 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg)
             break;
         case 'X':
             cfg->checksum = true;
+            break;
+        case 'I':
+            if (!parse_num("--inflight", optarg, 1, 64, &v))
+                return TDP_EXIT_USAGE;
+            cfg->inflight = (uint32_t)v;
             break;
         case 'S':
             cfg->serve = true;
@@ -1639,6 +1733,7 @@ int tdp_cmd_bench(int argc, char **argv)
         .nsizes = 3,
         .depth = TDP_CLI_DEFAULT_DEPTH,
         .window = TDP_BENCH_WINDOW,
+        .inflight = 1,
         .peer_mode = TDP_PEER_AUTO,
     };
     int rc = parse_args(argc, argv, &cfg);

@@ -382,6 +382,20 @@ TDP_API tdp_err tdp_op_result(const tdp_op *op);
 TDP_API tdp_td *tdp_op_td(const tdp_op *op);
 /* Sequence number of the completed message (1 for the first). */
 TDP_API uint64_t tdp_op_seq(const tdp_op *op);
+/*
+ * Wait until op's operation completes, up to timeout_ms (-1: no limit),
+ * and return its result. While nobody runs the op's loop, this call
+ * drives it on the calling thread (as a blocking call does), so one
+ * thread with no loop thread can keep several async sends in flight and
+ * wait for the oldest: the fastest way to stream small messages
+ * (docs/pipe.md, "Streams of small messages"). The callback, if any,
+ * still runs, on whichever thread runs the loop. TDP_ETIMEDOUT leaves
+ * the operation pending. TDP_EINVAL for NULL, an op never started, or on
+ * the loop thread while the loop runs (it would wait for itself).
+ * TDP_EAGAIN when the callback already started the op again. One thread
+ * at a time may wait on an op.
+ */
+TDP_API tdp_err tdp_op_wait(tdp_op *op, int64_t timeout_ms);
 
 /*
  * Send td (referenced until the op completes; do not write its buffer

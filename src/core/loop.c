@@ -76,6 +76,7 @@ struct tdp_loop {
     bool again_pending;
     bool deadline_hit;
     volatile bool *until_done; /* run_until's flag while it runs, else NULL */
+    tdp__idle *idle_head;      /* tdp__loop_idle_add: run before the loop sleeps */
 
     /* lock guards everything below; holder is also read without it. */
     pthread_mutex_t lock;
@@ -219,6 +220,43 @@ static int arm_all(tdp_loop *loop)
     return rc;
 }
 
+void tdp__loop_idle_add(tdp_loop *loop, tdp__idle *h)
+{
+    if (h->queued)
+        return;
+    h->queued = true;
+    h->next = loop->idle_head;
+    loop->idle_head = h;
+}
+
+void tdp__loop_idle_cancel(tdp_loop *loop, tdp__idle *h)
+{
+    if (!h->queued)
+        return;
+    for (tdp__idle **pp = &loop->idle_head; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == h) {
+            *pp = h->next;
+            break;
+        }
+    }
+    h->queued = false;
+    h->next = NULL;
+}
+
+/* The loop is about to sleep: what waited for that runs now (and may queue more). */
+static void run_idle(tdp_loop *loop)
+{
+    tdp__idle *h = loop->idle_head;
+    loop->idle_head = NULL;
+    while (h != NULL) {
+        tdp__idle *next = h->next;
+        h->queued = false;
+        h->next = NULL;
+        h->fn(h->arg);
+        h = next;
+    }
+}
+
 /*
  * Progress the sources, then arm them so their fds wake us. The whole drain
  * costs at most max_progress rounds of progress calls; past that the rest
@@ -251,6 +289,11 @@ static void drain(tdp_loop *loop)
                 schedule_again(loop);
                 break;
             }
+        }
+        /* about to sleep, unless a blocking call's work is done and it returns */
+        if (loop->idle_head != NULL && !(loop->until_done != NULL && *loop->until_done)) {
+            run_idle(loop);
+            continue; /* what it did may need progress before the loop sleeps */
         }
         if (arm_all(loop) == 0)
             break;

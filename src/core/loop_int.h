@@ -73,6 +73,26 @@ void tdp__loop_source_watch(tdp__source *s, bool on);
 void tdp__loop_kick(tdp_loop *loop);
 
 /*
+ * Work for when the loop is about to wait: fn(arg) runs once, as the
+ * loop's holder, the next time a drain finds nothing more to do and the
+ * loop would sleep. Not when a blocking call's own work is done and it
+ * returns instead, and not while a busy-poll window keeps the loop
+ * spinning. For what may wait until then but no longer (credit a receiver
+ * gives back while it drains a burst). Intrusive: adding allocates
+ * nothing; adding one already queued is a no-op. Loop thread (or the
+ * loop's holder).
+ */
+typedef struct tdp__idle {
+    void (*fn)(void *arg);
+    void *arg;
+    struct tdp__idle *next;
+    bool queued;
+} tdp__idle;
+void tdp__loop_idle_add(tdp_loop *loop, tdp__idle *h);
+/* Take h off the queue, if it is on it (its fn does not run). */
+void tdp__loop_idle_cancel(tdp_loop *loop, tdp__idle *h);
+
+/*
  * Drive the loop on the calling thread until *done becomes true or
  * timeout_ms passes (-1: no timeout). Returns TDP_OK when done,
  * TDP_ETIMEDOUT otherwise, TDP_EINVAL at once when another thread holds the

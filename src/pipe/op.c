@@ -20,6 +20,8 @@ tdp_err tdp_op_new(tdp_op_cb cb, void *arg, tdp_op **out)
     op->arg = arg;
     op->result = TDP_OK;
     atomic_init(&op->state, OP_IDLE);
+    atomic_init(&op->watched, false);
+    tdp__waiter_init(&op->own);
     *out = op;
     return TDP_OK;
 }
@@ -37,6 +39,7 @@ void tdp_op_free(tdp_op *op)
         tdp_log_error("tdp_op_free: op %p is still pending; not freed", (void *)op);
         return;
     }
+    tdp__waiter_fini(&op->own);
     tdp__free(op);
 }
 
@@ -99,7 +102,14 @@ void tdp__op_complete(tdp_op *op, tdp_err rc)
         pthread_mutex_unlock(&w->mtx);
         return;
     }
-    atomic_store_explicit(&op->state, OP_DONE, memory_order_release);
+    /* seq_cst, against tdp_op_wait's store of watched and load of state */
+    atomic_store(&op->state, OP_DONE);
+    if (atomic_load(&op->watched)) {
+        pthread_mutex_lock(&op->own.mtx);
+        op->wdone = true;
+        pthread_cond_broadcast(&op->own.cond);
+        pthread_mutex_unlock(&op->own.mtx);
+    }
     if (op->cb != NULL)
         op->cb(op, op->arg);
 }
@@ -113,7 +123,9 @@ static void post_start(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
 
 void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
 {
+    op->loop = loop;
     op->done = false;
+    op->wdone = false;
     atomic_store_explicit(&op->state, OP_PENDING, memory_order_release);
     /* inline only while holding the loop: "nobody runs it" can change under us */
     if (!tdp__loop_run_inline(loop, start, op))
@@ -316,4 +328,31 @@ void tdp__call_on_loop(tdp_loop *loop, tdp_loop_fn fn, void *arg)
     pthread_mutex_unlock(&c.mtx);
     pthread_mutex_destroy(&c.mtx);
     pthread_cond_destroy(&c.cond);
+}
+
+tdp_err tdp_op_wait(tdp_op *op, int64_t timeout_ms)
+{
+    if (op == NULL || op->waiter != NULL)
+        return TDP_EINVAL; /* a blocking call's own op waits inside that call */
+    int st = atomic_load(&op->state);
+    if (st == OP_DONE)
+        return op->result;
+    tdp_loop *loop = op->loop;
+    if (st == OP_IDLE || loop == NULL)
+        return TDP_EINVAL; /* never started */
+    if (tdp__loop_running(loop) && tdp_loop_on_thread(loop))
+        return TDP_EINVAL; /* it would wait for itself */
+    int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
+    pthread_mutex_lock(&op->own.mtx);
+    atomic_store(&op->watched, true);
+    /* done before watched was seen: nobody sets wdone, and nothing is left to wait for */
+    if (atomic_load(&op->state) == OP_DONE)
+        op->wdone = true;
+    bool ok = tdp__loop_wait(loop, &op->own.mtx, &op->own.cond, &op->wdone, deadline);
+    atomic_store(&op->watched, false);
+    pthread_mutex_unlock(&op->own.mtx);
+    if (!ok)
+        return TDP_ETIMEDOUT;
+    bool done = atomic_load_explicit(&op->state, memory_order_acquire) == OP_DONE;
+    return done ? op->result : TDP_EAGAIN;
 }

@@ -49,6 +49,11 @@ struct tdp_op {
     void (*take_back)(tdp_op *op); /* session: remove from its queues (loop thread) */
     void *out;                     /* fan-in: the tdp_fanin_msg a receive writes */
     tdp_schema *prep; /* a send op with no td: tdp_pipe_prepare of this layout (caller's ref) */
+    /* tdp_op_wait: the loop the op was last started on, and its own waiter */
+    tdp_loop *loop;
+    tdp__waiter own;
+    _Atomic bool watched; /* a tdp_op_wait is on: completion wakes it */
+    volatile bool wdone;  /* set under own.mtx by the loop's holder */
 };
 
 void tdp__waiter_init(tdp__waiter *w);

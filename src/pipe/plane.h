@@ -128,6 +128,7 @@ typedef struct tdp__tx {
     const tdp_schema *schema; /* non-NULL: send this schema first */
     uint64_t credit;          /* this side's released count, ridden along if the plane can */
     void *cookie;             /* given back in up->sent */
+    bool urgent; /* a blocking call waits for it: send it now, never held to join others */
 } tdp__tx;
 
 typedef struct tdp__plane_ops {

@@ -385,10 +385,10 @@ tdp_pipe *tdp__session_new(tdp_loop *loop, const tdp_pipe_opts *opts, const tdp_
     tdp__waiter_init(&p->w);
     tdp__pipe_ctl_setup(p);
     p->timer = evtimer_new(tdp__loop_base(loop), tdp__pipe_linger_cb, p);
-    p->credit_ev = evtimer_new(tdp__loop_base(loop), tdp__pipe_credit_ev_cb, p);
+    p->credit_idle = (tdp__idle){.fn = tdp__pipe_credit_idle, .arg = p};
     if (p->opts.latency_stats)
         p->lat = tdp__alloc_array(TDP_LAT_RECV_WAIT + 1, sizeof(*p->lat));
-    if (p->timer == NULL || p->credit_ev == NULL || (p->opts.latency_stats && p->lat == NULL) ||
+    if (p->timer == NULL || (p->opts.latency_stats && p->lat == NULL) ||
         tdp_op_new(NULL, NULL, &p->sync_send) != TDP_OK ||
         tdp_op_new(NULL, NULL, &p->sync_recv) != TDP_OK)
         goto err_free;

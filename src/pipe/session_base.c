@@ -359,8 +359,7 @@ static void destroy_now(void *arg)
     tdp__free(p->tickets);
     if (p->timer != NULL)
         event_free(p->timer);
-    if (p->credit_ev != NULL)
-        event_free(p->credit_ev);
+    tdp__loop_idle_cancel(p->loop, &p->credit_idle);
     if (p->prep_ev != NULL)
         event_free(p->prep_ev);
     if (p->retry_ev != NULL)
@@ -387,8 +386,7 @@ void tdp__session_destroy(tdp_pipe *p)
     close_link(p);
     if (p->timer != NULL)
         evtimer_del(p->timer);
-    if (p->credit_ev != NULL)
-        event_del(p->credit_ev);
+    tdp__loop_idle_cancel(p->loop, &p->credit_idle);
     if (p->retry_ev != NULL)
         event_del(p->retry_ev);
     tdp__reap_later(p->loop, &p->reap, destroy_now, p);

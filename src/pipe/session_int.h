@@ -135,7 +135,7 @@ struct tdp_pipe {
     tdp_schema *rx_schema;
     uint64_t rx_hash, rx_seq;
     uint64_t released, credit_sent;
-    struct event *credit_ev;        /* deferred credit: end of the loop turn */
+    tdp__idle credit_idle;          /* deferred credit: when the loop is about to sleep */
     uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
     size_t secret_len;
     uint32_t rx_inflight;
@@ -239,7 +239,7 @@ void tdp__pipe_up_data(void *owner, tdp__link *l, const tdp__frame *f, void *des
 void tdp__pipe_up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st);
 /* Give the peer the credit this side owes. */
 void tdp__pipe_send_credit(tdp_pipe *p);
-void tdp__pipe_credit_ev_cb(evutil_socket_t fd, short what, void *arg);
+void tdp__pipe_credit_idle(void *arg);
 void tdp__pipe_deliver(tdp_pipe *p);
 /* A receive op (tdp__op_submit / tdp__op_run). */
 void tdp__pipe_recv_start(void *arg);

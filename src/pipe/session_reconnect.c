@@ -78,8 +78,7 @@ void tdp__pipe_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     tdp__pipe_timer_del(p);
     tdp__pipe_close_links(p, true);
     tdp__ctl_close(&p->ctl);
-    if (p->credit_ev != NULL)
-        event_del(p->credit_ev);
+    tdp__loop_idle_cancel(p->loop, &p->credit_idle);
 
     /* sending: what the old link held is lost to us; the rest waits */
     tdp__pipe_fail_ops_sent(p, TDP_ECONNRESET);

@@ -250,15 +250,16 @@ void tdp__pipe_send_credit(tdp_pipe *p)
         tdp__pipe_up_failed(p, p->link, TDP_ECONNRESET, "cannot send credit");
 }
 
-void tdp__pipe_credit_ev_cb(evutil_socket_t fd, short what, void *arg)
+void tdp__pipe_credit_idle(void *arg)
 {
     tdp__pipe_send_credit(arg);
 }
 
 /*
  * A released buffer is a credit for the peer. defer_credit: the caller is
- * about to run the loop (a receive is starting), so let the credit wait for
- * the end of this turn — a DATA frame sent meanwhile carries it for free.
+ * about to run the loop (a receive is starting), so let the credit wait
+ * until the loop is about to sleep — a DATA frame sent meanwhile carries
+ * it for free.
  */
 static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
 {
@@ -276,16 +277,17 @@ static void slot_release(tdp_pipe *p, rx_slot *s, bool defer_credit)
     if (p->plane->credit == NULL)
         return; /* the plane's own release is the credit (shm): nothing to send */
     /*
-     * With a window in force, fewer than depth credits wait for the end of
-     * this loop turn too: a receiver draining a batch then returns it in one
-     * frame, not one per message. The sender is never held back by them
-     * alone: depth is no more than any layout's window.
+     * With a window in force, fewer than half the window's credits (and at
+     * least depth) wait too, until the loop is about to sleep: a receiver
+     * draining a burst returns it in a few frames, not one per message, and
+     * one that keeps up without ever sleeping returns it in halves. Half the
+     * window at least stays the sender's to fill meanwhile.
      */
-    bool batch = p->window_sent && p->rx_schema != NULL && rx_window(p, p->rx_schema) > p->depth &&
-                 p->released - p->credit_sent < p->depth;
-    if ((defer_credit || batch) && p->credit_ev != NULL) {
-        static const struct timeval zero = {0, 0};
-        event_add(p->credit_ev, &zero);
+    uint32_t win = p->window_sent && p->rx_schema != NULL ? rx_window(p, p->rx_schema) : 0;
+    uint32_t hold = win / 2 > p->depth ? win / 2 : p->depth;
+    bool batch = win > p->depth && p->released - p->credit_sent < hold;
+    if (defer_credit || batch) {
+        tdp__loop_idle_add(p->loop, &p->credit_idle);
         return;
     }
     tdp__pipe_send_credit(p);

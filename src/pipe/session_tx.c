@@ -101,6 +101,7 @@ static void post_send(tdp_pipe *p, tdp_op *op, tx_ticket *t)
         .schema = new_schema ? sc : NULL,
         .credit = p->released, /* the credit this side owes rides along for free */
         .cookie = t,
+        .urgent = op->waiter != NULL,
     };
     p->send_seq = op->seq;
     p->tx_inflight++;

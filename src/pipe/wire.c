@@ -109,7 +109,7 @@ static bool planes_ok(const uint8_t *ids, size_t n)
 bool tdp_wire_hx_is_plane(uint16_t type)
 {
     return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM ||
-           type == TDP_HX_CUDA_IPC || type == TDP_HX_UCX_CHUNKS;
+           type == TDP_HX_CUDA_IPC || type == TDP_HX_UCX_CHUNKS || type == TDP_HX_UCX_BATCH;
 }
 
 static bool rec_ok(uint16_t type, uint32_t len)
@@ -271,6 +271,9 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
         memcpy(hx_put(&p, TDP_HX_UCX_CHUNKS, chk->len), chk->val, chk->len);
     if (h->window != 0)
         put64(hx_put(&p, TDP_HX_WINDOW, 8), h->window);
+    const tdp_hx_rec *bat = tdp_hello_rec(h, TDP_HX_UCX_BATCH);
+    if (bat != NULL)
+        memcpy(hx_put(&p, TDP_HX_UCX_BATCH, bat->len), bat->val, bat->len);
     return TDP_OK;
 }
 
@@ -290,6 +293,7 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
     case TDP_HX_SHM:
     case TDP_HX_CUDA_IPC:
     case TDP_HX_UCX_CHUNKS:
+    case TDP_HX_UCX_BATCH:
         /* a plane's: framed here, read and checked by the plane */
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
     case TDP_HX_AUTH:
@@ -599,7 +603,28 @@ tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h)
         return h->flags == 0 && h->length > 0 ? TDP_OK : TDP_EPROTO;
     case TDP_AM_CREDIT:
         return h->flags == 0 && h->length == 0 ? TDP_OK : TDP_EPROTO;
+    case TDP_AM_BATCH:
+        return h->flags == 0 && h->arg >= 2 && h->arg <= TDP_AM_BATCH_MAX &&
+                       h->length >= h->arg * TDP_AM_HDR_LEN
+                   ? TDP_OK
+                   : TDP_EPROTO;
     default:
         return TDP_EPROTO;
     }
+}
+
+tdp_err tdp_wire_batch_entry(const uint8_t *in, size_t left, uint64_t token, uint64_t seq,
+                             tdp_am_hdr *h, const uint8_t **data, size_t *used)
+{
+    if (left < TDP_AM_HDR_LEN)
+        return TDP_EPROTO;
+    /* the flags say how long the header is: 56 bytes with the checksum */
+    size_t hl = (get16(in + 6) & TDP_AM_F_SUM) != 0 ? TDP_AM_HDR_SUM_LEN : TDP_AM_HDR_LEN;
+    if (left < hl || tdp_wire_am_decode(in, hl, h) != TDP_OK || h->type != TDP_AM_DATA ||
+        (h->flags & TDP_AM_F_CHUNKED) != 0 || h->token != token || h->seq != seq ||
+        h->length > left - hl)
+        return TDP_EPROTO;
+    *data = in + hl;
+    *used = hl + (size_t)h->length;
+    return TDP_OK;
 }

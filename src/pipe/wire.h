@@ -92,6 +92,7 @@ enum tdp_hx_type {
     /* u64 TDP_HX_WINDOW_MIN..MAX: the sender's receive window in bytes: small
      * layouts may have more than recv_depth messages in flight (tdp__window) */
     TDP_HX_WINDOW = 13,
+    TDP_HX_UCX_BATCH = 14, /* u8 version: the ucx plane reads BATCH frames */
 };
 
 /* TDP_HX_READY's value: the one version of READY and prepared SCHEMAs. */
@@ -280,12 +281,18 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 #define TDP_AM_F_CHUNKED (1u << 2)
 /* TDP_HX_UCX_CHUNKS's value: the one version of chunked DATA. */
 #define TDP_UCX_CHUNKS_V1 1u
+/* TDP_HX_UCX_BATCH's value: the one version of BATCH frames. */
+#define TDP_UCX_BATCH_V1 1u
+/* A BATCH's entries: at least 2, at most this many (a batch fits one eager AM) */
+#define TDP_AM_BATCH_MAX 64u
 
 enum tdp_am_type {
     TDP_AM_SCHEMA = 1, /* payload: canonical schema JSON; arg = total bytes */
     TDP_AM_DATA = 2,   /* payload: the consolidated buffer; arg = as CREDIT's, riding along */
     TDP_AM_CREDIT = 3, /* no payload; arg = buffers released, cumulative */
     TDP_AM_CHUNK = 4,  /* payload: bytes of a CHUNKED DATA; seq, hash as its; arg = offset */
+    /* payload: arg DATA frames (header, then its bytes) back to back; seq = the first one's */
+    TDP_AM_BATCH = 5,
 };
 
 typedef struct tdp_am_hdr {
@@ -308,5 +315,14 @@ size_t tdp_wire_am_encode(uint8_t *out, const tdp_am_hdr *h);
  * len is TDP_AM_HDR_LEN, or TDP_AM_HDR_SUM_LEN for a DATA with TDP_AM_F_SUM.
  */
 tdp_err tdp_wire_am_decode(const void *in, size_t len, tdp_am_hdr *h);
+
+/*
+ * The DATA frame at the start of a BATCH payload's remaining `left` bytes:
+ * its header in *h, its bytes at *data, and the bytes it takes in all in
+ * *used. TDP_EPROTO unless it is a DATA (no CHUNKED flag) for token with
+ * sequence number seq whose bytes lie within left.
+ */
+tdp_err tdp_wire_batch_entry(const uint8_t *in, size_t left, uint64_t token, uint64_t seq,
+                             tdp_am_hdr *h, const uint8_t **data, size_t *used);
 
 #endif

@@ -84,6 +84,37 @@ typedef struct bounce {
 #define CHUNK_MIN_LEN (1u << 20)       /* the chunk sizes a receiver takes */
 #define CHUNK_MAX_LEN (64u << 20)
 
+/*
+ * Batches (TDP_AM_BATCH, to a peer whose HELLO has TDP_HX_UCX_BATCH): the
+ * first send of a loop turn is posted at once, as ever, and so is any send
+ * a blocking call waits for; small host messages sent after it in the same
+ * turn (async sends, or several threads' sends the loop thread takes at
+ * once) are copied into a batch, posted as one AM when the loop ends its
+ * turn (the flush source), when the batch is full, or before a send that
+ * cannot join it. A stream of small messages then costs one UCX send (over
+ * TCP one system call, and one wake-up of the receiver) per batch, not per
+ * message. A batch fits UCX's eager short protocol (8185 bytes with the
+ * AM's header in UCX 1.13, over TCP and shared memory): a larger AM goes
+ * by zero-copy or rendezvous, each a round trip.
+ */
+#define BATCH_BYTES    8064u /* a batch's payload: entries back to back */
+#define BATCH_ITEM_MAX (BATCH_BYTES / 2)
+#define BATCH_BUFS     4u /* batches in UCX at once, besides the open one */
+
+struct ticket;
+
+typedef struct batch {
+    struct tdp__link *l;
+    void *req;                  /* UCX holds it (and its buffer) */
+    struct ticket *head, *tail; /* its sends, in order (ticket.next_b) */
+    uint32_t n;
+    size_t len;
+    uint64_t seq0; /* the first entry's */
+    bool busy;     /* open, or in UCX */
+    uint8_t hdr[TDP_AM_HDR_LEN];
+    uint8_t *buf; /* BATCH_BYTES of the link's batch_mem */
+} batch;
+
 /* A send UCX may hold: the headers live here until its requests finish. */
 typedef struct ticket {
     tdp__stage_copy copy; /* a staged send's device->bounce copy (copy.arg: the ticket) */
@@ -95,6 +126,7 @@ typedef struct ticket {
     void *req[TX_REQS]; /* [0] SCHEMA, [1] DATA, [2 + i] the CHUNK in chunk_hdr[i] */
     struct ticket *next_free;
     struct ticket *next_q; /* in l->txq: sends waiting behind a staged one */
+    struct ticket *next_b; /* in a batch */
     bounce *bn;            /* a staged send's bounce, while it holds one */
     bool send_schema;      /* the SCHEMA frame goes first */
     bool staged;           /* a GPU payload copied through a bounce */
@@ -209,6 +241,16 @@ struct tdp__link {
     /* tdp_pipe_prepare ("prepare" below) */
     bool peer_ready;  /* the peer answers a prepared SCHEMA with READY */
     bool rx_populate; /* the SCHEMA being taken was prepared: fault its storage in now */
+
+    /* batches of small messages (see BATCH_BYTES) */
+    bool peer_batch; /* the peer's HELLO has TDP_HX_UCX_BATCH version 1 */
+    bool turn_sent;  /* a send went out this loop turn: the next small one may wait */
+    bool dirty;      /* in x->dirty: the flush source looks at it */
+    struct tdp__link *next_dirty;
+    batch bt[BATCH_BUFS];
+    batch *bopen;       /* the batch sends join now */
+    uint8_t *batch_mem; /* BATCH_BUFS * BATCH_BYTES, made at the first batch */
+    uint64_t batched_tx, batched_rx; /* messages sent / taken inside BATCH frames */
 };
 
 /* A link's own worker whose endpoint close did not finish: freed last. */
@@ -237,6 +279,9 @@ struct ucx_ext {
     ucp_address_t *addr[TDP_LOOP_WORKERS];
     size_t addr_len[TDP_LOOP_WORKERS];
     tdp__ucxa_profile *profile[TDP_LOOP_WORKERS];
+    /* links that sent this turn: the flush source posts their batches */
+    struct tdp__link *dirty;
+    tdp__source *flush_src;
 };
 
 static void link_maybe_free(struct tdp__link *l);
@@ -285,6 +330,8 @@ static void ext_pre_fini(void *ext)
 {
     ucx_ext *x = ext;
     int64_t end = tdp__now_ms() + 1000;
+    tdp__loop_source_remove(x->loop, x->flush_src);
+    x->flush_src = NULL;
     for (;;) {
         purge_closing(x);
         if (x->nclosing == 0 || tdp__now_ms() > end)
@@ -320,6 +367,11 @@ static void ext_pre_fini(void *ext)
         if (l->credit_req != NULL)
             ucp_request_free(l->credit_req);
         l->credit_req = NULL;
+        for (uint32_t i = 0; i < BATCH_BUFS; i++) {
+            if (l->bt[i].req != NULL)
+                ucp_request_free(l->bt[i].req);
+            l->bt[i].req = NULL;
+        }
         l->reqs = 0;
         if (l->own != NULL) {
             if (l->sep != NULL && l->sep->solo == l) {
@@ -388,6 +440,7 @@ static void ext_fini(void *ext)
 static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
                           size_t length, const ucp_am_recv_param_t *param);
 static tdp_err worker_address(ucx_ext *x, int wi, const void **addr, size_t *len);
+static const tdp__source_ops flush_ops;
 
 /* What each worker's address looks like: the shapes a peer's may take. */
 static tdp_err learn_profiles(ucx_ext *x)
@@ -448,6 +501,11 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
         ext_free_unregistered(x);
         return rc;
     }
+    /* after the workers' sources: a turn's batches go once UCX has progressed */
+    if ((rc = tdp__loop_source_add(loop, -1, &flush_ops, x, &x->flush_src)) != TDP_OK) {
+        ext_free_unregistered(x);
+        return rc;
+    }
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -462,6 +520,7 @@ static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
         ucs_status_t st = ucp_worker_set_am_recv_handler(ucx->worker[i], &hp);
         if (st != UCS_OK) {
             tdp_log_error("ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
+            tdp__loop_source_remove(loop, x->flush_src);
             ext_free_unregistered(x);
             return TDP_EUCX;
         }
@@ -1230,6 +1289,58 @@ static void rx_chunk_in(struct tdp__link *l, const tdp_am_hdr *h, void *data, si
 
 /* ---- incoming frames ------------------------------------------------------------ */
 
+/*
+ * A BATCH frame: every entry is checked (a DATA for this link, numbered
+ * on from the batch's seq, within the payload, which they fill exactly)
+ * before the first is handed on; then each goes as the DATA frame it
+ * would have been, its bytes copied out in the callback as eager DATA's.
+ */
+static void rx_batch_in(struct tdp__link *l, const tdp_am_hdr *bh, const void *data, size_t length,
+                        const ucp_am_recv_param_t *param)
+{
+    static const ucp_am_recv_param_t eager = {.recv_attr = 0};
+    if (l->rx_open != NULL) {
+        l->up->failed(l->owner, l, TDP_EPROTO, "batch frame inside a chunked message");
+        return;
+    }
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || length != bh->length) {
+        l->up->failed(l->owner, l, TDP_EPROTO, "batch frame by rendezvous or cut short");
+        return;
+    }
+    const uint8_t *p = data;
+    size_t left = length, used;
+    tdp_am_hdr h;
+    const uint8_t *bytes;
+    for (uint64_t i = 0; i < bh->arg; i++, p += used, left -= used) {
+        if (tdp_wire_batch_entry(p, left, l->token, bh->seq + i, &h, &bytes, &used) != TDP_OK) {
+            l->up->failed(l->owner, l, TDP_EPROTO, "malformed batch entry");
+            return;
+        }
+    }
+    if (left != 0) {
+        l->up->failed(l->owner, l, TDP_EPROTO, "batch longer than its entries");
+        return;
+    }
+    p = data;
+    left = length;
+    for (uint64_t i = 0; i < bh->arg && !l->closed; i++, p += used, left -= used) {
+        (void)tdp_wire_batch_entry(p, left, l->token, bh->seq + i, &h, &bytes, &used);
+        l->up->credit(l->owner, l, h.arg);
+        if (l->closed)
+            break;
+        tdp__frame f = {.type = TDP_AM_DATA,
+                        .seq = h.seq,
+                        .hash = h.hash,
+                        .length = h.length,
+                        .arg = h.arg,
+                        .has_sum = (h.flags & TDP_AM_F_SUM) != 0,
+                        .sum = h.sum};
+        am_desc d = {(void *)bytes, (size_t)h.length, &eager, &h};
+        l->up->data(l->owner, l, &f, &d);
+        l->batched_rx++;
+    }
+}
+
 static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, void *data,
                           size_t length, const ucp_am_recv_param_t *param)
 {
@@ -1308,6 +1419,9 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
     }
     case TDP_AM_CHUNK:
         rx_chunk_in(l, &h, data, length, param);
+        break;
+    case TDP_AM_BATCH:
+        rx_batch_in(l, &h, data, length, param);
         break;
     }
     return UCS_OK;
@@ -1688,6 +1802,200 @@ static tdp_err tx_stage_ready(struct tdp__link *l, const ticket *t)
     return rc;
 }
 
+/* ---- batches (BATCH_BYTES says when) --------------------------------------------- */
+
+/* A batch UCX is done with: each of its sends completes, in order. */
+static void batch_done(batch *b, ucs_status_t st)
+{
+    ticket *t = b->head;
+    b->head = b->tail = NULL;
+    b->n = 0;
+    b->len = 0;
+    b->busy = false; /* free for the next batch before anyone hears of these */
+    while (t != NULL) {
+        ticket *next = t->next_b;
+        t->next_b = NULL;
+        ticket_done(t, st);
+        t = next;
+    }
+}
+
+static void batch_cb(void *req, ucs_status_t st, void *user)
+{
+    batch *b = user;
+    struct tdp__link *l = b->l;
+    ucp_request_free(req);
+    b->req = NULL;
+    l->reqs--;
+    batch_done(b, st); /* a closed link goes later (reaped), not inside this */
+    link_maybe_free(l);
+}
+
+/*
+ * Post the open batch: a BATCH frame, or a lone message as the DATA frame
+ * it would have been. Its sends complete when UCX lets go of it.
+ */
+static void batch_flush(struct tdp__link *l)
+{
+    batch *b = l->bopen;
+    if (b == NULL)
+        return;
+    l->bopen = NULL;
+    const uint8_t *hdr = b->hdr, *payload = b->buf;
+    size_t hl = TDP_AM_HDR_LEN, plen = b->len;
+    if (b->n == 1) {
+        hdr = b->buf;
+        hl = b->head->data_hdr_len;
+        payload = b->buf + hl;
+        plen = b->len - hl;
+    } else {
+        tdp_am_hdr h = {.type = TDP_AM_BATCH,
+                        .token = l->peer_token,
+                        .seq = b->seq0,
+                        .length = b->len,
+                        .arg = b->n};
+        tdp_wire_am_encode(b->hdr, &h);
+        l->batched_tx += b->n;
+    }
+    if (l->sep == NULL) { /* the endpoint failed: as UCX would say */
+        batch_done(b, UCS_ERR_CONNECTION_RESET);
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = batch_cb,
+        .user_data = b,
+        .flags = UCP_AM_SEND_FLAG_EAGER,
+    };
+    void *r = ucp_am_send_nbx(l->sep->ep, TDP_AM_ID, hdr, hl, payload, plen, &prm);
+    tdp__loop_kick(l->x->loop);
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        if (r != NULL)
+            tdp_log_debug("ucp_am_send_nbx (batch): %s", ucs_status_string(UCS_PTR_STATUS(r)));
+        batch_done(b, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
+        return;
+    }
+    b->req = r;
+    l->reqs++;
+}
+
+/* Whether t may wait in a batch: small host bytes, its schema sent, nobody blocked on it. */
+static bool batchable(const struct tdp__link *l, const ticket *t, const tdp__tx *tx)
+{
+    return l->peer_batch && l->turn_sent && !tx->urgent && !t->send_schema && !t->staged &&
+           t->td->device.type == TDP_DEVICE_CPU &&
+           t->data_hdr_len + t->td->nbytes <= BATCH_ITEM_MAX;
+}
+
+/* Copy t into the open batch (a new one if need be); false: no batch free, send it alone. */
+static bool batch_add(struct tdp__link *l, ticket *t)
+{
+    size_t need = t->data_hdr_len + t->td->nbytes;
+    if (l->bopen != NULL && (l->bopen->len + need > BATCH_BYTES || l->bopen->n == TDP_AM_BATCH_MAX))
+        batch_flush(l);
+    if (l->bopen == NULL) {
+        if (l->batch_mem == NULL) { /* once per link, at its first batch */
+            l->batch_mem = tdp__malloc((size_t)BATCH_BUFS * BATCH_BYTES);
+            if (l->batch_mem == NULL)
+                return false;
+            for (uint32_t i = 0; i < BATCH_BUFS; i++) {
+                l->bt[i].l = l;
+                l->bt[i].buf = l->batch_mem + (size_t)i * BATCH_BYTES;
+            }
+        }
+        for (uint32_t i = 0; i < BATCH_BUFS && l->bopen == NULL; i++)
+            if (!l->bt[i].busy)
+                l->bopen = &l->bt[i];
+        if (l->bopen == NULL)
+            return false;
+        l->bopen->busy = true;
+        l->bopen->seq0 = t->data_seq;
+    }
+    batch *b = l->bopen;
+    memcpy(b->buf + b->len, t->data_hdr, t->data_hdr_len);
+    if (t->td->nbytes > 0)
+        memcpy(b->buf + b->len + t->data_hdr_len, t->td->data, t->td->nbytes);
+    b->len += need;
+    b->n++;
+    t->inflight = 1;
+    t->next_b = NULL;
+    if (b->tail != NULL)
+        b->tail->next_b = t;
+    else
+        b->head = t;
+    b->tail = t;
+    return true;
+}
+
+/* A send went out this turn: the flush source ends the turn. */
+static void turn_mark(struct tdp__link *l)
+{
+    l->turn_sent = true;
+    if (!l->dirty) {
+        l->dirty = true;
+        l->next_dirty = l->x->dirty;
+        l->x->dirty = l;
+    }
+}
+
+static void turn_unmark(struct tdp__link *l)
+{
+    if (!l->dirty)
+        return;
+    for (struct tdp__link **pp = &l->x->dirty; *pp != NULL; pp = &(*pp)->next_dirty) {
+        if (*pp == l) {
+            *pp = l->next_dirty;
+            break;
+        }
+    }
+    l->dirty = false;
+    l->next_dirty = NULL;
+    l->turn_sent = false;
+}
+
+/* The cancel of the open batch (closing: no up-call). */
+static void batch_drop(struct tdp__link *l)
+{
+    batch *b = l->bopen;
+    if (b == NULL)
+        return;
+    l->bopen = NULL;
+    ticket *t = b->head;
+    b->head = b->tail = NULL;
+    b->n = 0;
+    b->len = 0;
+    b->busy = false;
+    while (t != NULL) {
+        ticket *next = t->next_b;
+        t->next_b = NULL;
+        t->inflight = 0;
+        ticket_return(l, t);
+        t = next;
+    }
+}
+
+/* The loop ends a turn: post every open batch; the next turn starts afresh. */
+static unsigned flush_progress(void *arg)
+{
+    ucx_ext *x = arg;
+    unsigned n = 0;
+    while (x->dirty != NULL) {
+        struct tdp__link *l = x->dirty;
+        x->dirty = l->next_dirty;
+        l->next_dirty = NULL;
+        l->dirty = false;
+        l->turn_sent = false;
+        if (l->bopen != NULL && !l->closed) {
+            batch_flush(l);
+            n++;
+        }
+    }
+    return n;
+}
+
+static const tdp__source_ops flush_ops = {.progress = flush_progress, .arm = NULL};
+
 static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
 {
     ticket *t = l->free_tickets;
@@ -1747,11 +2055,18 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
     }
     t->data_hdr_len = tdp_wire_am_encode(t->data_hdr, &h);
     if (!t->staged && l->txq == NULL) {
+        if (batchable(l, t, tx) && batch_add(l, t))
+            return TDP_OK; /* turn_sent already */
+        /* what waits in a batch goes first */
+        batch_flush(l);
         tdp_err rc = tx_post(l, t);
         if (rc != TDP_OK)
             ticket_return(l, t);
+        else
+            turn_mark(l);
         return rc;
     }
+    batch_flush(l);
     /* a GPU payload through a bounce, or a send behind one: in order */
     tdp_err rc = t->staged ? tx_stage_ready(l, t) : TDP_OK;
     if (rc != TDP_OK) {
@@ -1950,6 +2265,14 @@ void tdp__ucx_hello_no_chunks(bool on)
     atomic_store(&hello_no_chunks, on);
 }
 
+/* Tests: HELLOs without TDP_HX_UCX_BATCH, as an older peer sends them. */
+static atomic_bool hello_no_batch;
+
+void tdp__ucx_hello_no_batch(bool on)
+{
+    atomic_store(&hello_no_batch, on);
+}
+
 static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
 {
     const void *addr, *laddr = NULL;
@@ -1987,6 +2310,11 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
         /* this side reads chunked DATA: a peer that knows it may send it */
         static const uint8_t chunks_v = TDP_UCX_CHUNKS_V1;
         rc = tdp_hello_add_rec(h, TDP_HX_UCX_CHUNKS, &chunks_v, 1);
+    }
+    if (rc == TDP_OK && addr != NULL && alen > 0 && !atomic_load(&hello_no_batch)) {
+        /* this side reads BATCH frames */
+        static const uint8_t batch_v = TDP_UCX_BATCH_V1;
+        rc = tdp_hello_add_rec(h, TDP_HX_UCX_BATCH, &batch_v, 1);
     }
     return rc == TDP_OK ? TDP_OK : TDP_EINTERNAL;
 }
@@ -2059,6 +2387,11 @@ static tdp_err u_link_start(tdp__link *l, const tdp__link_peer *peer)
     if (ck != NULL && ck->len != 1)
         return TDP_EPROTO;
     l->peer_chunks = ck != NULL && ck->val[0] == TDP_UCX_CHUNKS_V1;
+    /* BATCH frames likewise: another version gets every message alone */
+    const tdp_hx_rec *bt = tdp_hello_rec(h, TDP_HX_UCX_BATCH);
+    if (bt != NULL && bt->len != 1)
+        return TDP_EPROTO;
+    l->peer_batch = bt != NULL && bt->val[0] == TDP_UCX_BATCH_V1;
     /*
      * Which worker, and whether UCX watches for peer failure. Both sides
      * compute the same answer from both HELLOs: a peer on this host, when
@@ -2138,6 +2471,7 @@ static void link_destroy(struct tdp__link *l)
 {
     ucx_ext *x = l->x;
     tab_remove(l);
+    turn_unmark(l);
     if (l->prev != NULL)
         l->prev->next = l->next;
     else
@@ -2161,6 +2495,7 @@ static void link_destroy(struct tdp__link *l)
     for (uint32_t i = 0; i < l->nticket; i++)
         tdp_td_unref(l->tickets[i].td); /* only sends UCX never gave back */
     tdp__free(l->tickets);
+    tdp__free(l->batch_mem);
     tdp_schema_unref(l->rx_schema);
     tdp__free(l);
 }
@@ -2183,11 +2518,16 @@ static void u_link_close(tdp__link *l, bool peer_gone)
     if (l->closed)
         return;
     l->closed = true;
+    if (l->batched_tx + l->batched_rx > 0)
+        tdp_log_debug("ucx link: %llu messages sent and %llu received inside batches",
+                      (unsigned long long)l->batched_tx, (unsigned long long)l->batched_rx);
     if (peer_gone && l->sep != NULL)
         l->sep->peer_gone = true;
     tab_remove(l); /* no frame finds it any more */
     /* staged copies stop here (the stream is waited for): nothing is told */
     tx_queue_drop(l);
+    batch_drop(l);
+    turn_unmark(l);
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         if (l->rx[i].copying) {
             tdp__stage_copy_cancel(l->rx_stage, &l->rx[i].copy);
@@ -2287,6 +2627,7 @@ static tdp_err u_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
     }
     if (!send_schema || !l->peer_ready)
         return TDP_OK;
+    batch_flush(l); /* the SCHEMA after every message before it */
     prep_send *ps = tdp__calloc(1, sizeof(*ps));
     if (ps == NULL)
         return TDP_ENOMEM;
@@ -2370,4 +2711,9 @@ uint64_t tdp__ucx_link_peer_token(const tdp__link *l)
 uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx)
 {
     return l == NULL ? 0 : rx ? l->chunked_rx : l->chunked_tx;
+}
+
+uint64_t tdp__ucx_link_batched(const tdp__link *l, bool rx)
+{
+    return l == NULL ? 0 : rx ? l->batched_rx : l->batched_tx;
 }

@@ -14,5 +14,9 @@ uint64_t tdp__ucx_link_peer_token(const tdp__link *l);
 uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx);
 /* Leave TDP_HX_UCX_CHUNKS out of this process's HELLOs (an older peer's). */
 void tdp__ucx_hello_no_chunks(bool on);
+/* Messages this link sent (rx false) or received (rx true) inside BATCH frames. */
+uint64_t tdp__ucx_link_batched(const tdp__link *l, bool rx);
+/* Leave TDP_HX_UCX_BATCH out of this process's HELLOs (an older peer's). */
+void tdp__ucx_hello_no_batch(bool on);
 
 #endif
