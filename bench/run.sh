@@ -3,7 +3,7 @@
 # payloads, over loopback — then one table with tdpipe's ratio to each.
 #
 #   bench/run.sh [--tls tcp|shm|default] [--plane NAME] [--sizes LIST] [--busy-poll US]
-#                [--runs K] [--rounds N] [--pin CPUS] [--json FILE] [--out DIR] [--build DIR]
+#                [--runs K] [--rounds N] [--inflight N] [--pin CPUS] [--json FILE] [--out DIR] [--build DIR]
 #   bench/run.sh --fanout [bench/fanout.sh's options]   (the fan-out figures instead)
 #
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
@@ -24,6 +24,7 @@ SIZES=1KB,1MB,100MB
 BUSY_POLL=0
 PLANE=auto
 ROUNDS=
+INFLIGHT=32
 RUNS=1
 PIN=
 JSON=
@@ -46,6 +47,9 @@ tdpipe's ratio to each (docs/benchmarks.md).
   --sizes LIST     payload sizes (default 1KB,1MB,100MB; KB = 1000 B)
   --busy-poll US   also run tdpipe with this busy-poll window, the progress
                    mode of ucx_perftest (the event-driven run is always made)
+  --inflight N     tdpipe's throughput streams as N async sends in flight
+                   (tdpipe bench --inflight; default 32; 1: blocking sends),
+                   as ZeroMQ's PUSH and ucp_am_bw keep several in flight
   --runs K         make the whole sequence K times (interleaved: tdpipe, peers,
                    tdpipe, peers, ...); the table shows medians over the runs
   --rounds N       ping-pongs and messages per repeat for every tool
@@ -80,6 +84,7 @@ while [[ $# -gt 0 ]]; do
     --plane) PLANE=$2; shift 2 ;;
     --busy-poll) BUSY_POLL=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
+    --inflight) INFLIGHT=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     --pin) PIN=$2; shift 2 ;;
     --idle-min) IDLE_MIN=$2; shift 2 ;;
@@ -123,6 +128,11 @@ fi
 
 if ! [[ $IDLE_MIN =~ ^[0-9]+$ && $IDLE_MIN -le 100 && $IDLE_WAIT =~ ^[0-9]+$ ]]; then
     echo "bench/run.sh: --idle-min is 0..100 and --idle-wait a number of seconds" >&2
+    exit 2
+fi
+
+if ! [[ $INFLIGHT =~ ^[1-9][0-9]*$ && $INFLIGHT -le 64 ]]; then
+    echo "bench/run.sh: --inflight is 1..64" >&2
     exit 2
 fi
 
@@ -218,7 +228,7 @@ for ((run = 1; run <= RUNS; run++)); do
         echo "== run $run of $RUNS"
     fi
     step "tdpipe bench (event-driven)" "$D/tdpipe.json" \
-        "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --quiet
+        "${EV[@]}" "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --inflight "$INFLIGHT" --quiet
     # the same with each layout prepared first (its own JSON: first sends only)
     echo "== tdpipe bench --prepare (event-driven)"
     rm -f "$D/tdpipe-prepare.json"
@@ -228,7 +238,8 @@ for ((run = 1; run <= RUNS; run++)); do
     if [[ $BUSY_POLL != 0 ]]; then
         want_idle "tdpipe bench --busy-poll $BUSY_POLL"
         step "tdpipe bench --busy-poll $BUSY_POLL" "$D/tdpipe-busy-poll.json" \
-            "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --busy-poll "$BUSY_POLL" --quiet
+            "$TDPIPE" bench "${COMMON[@]}" --plane "$PLANE" --busy-poll "$BUSY_POLL" \
+            --inflight "$INFLIGHT" --quiet
     fi
     if [[ $HAVE_PERFTEST -eq 1 ]]; then
         want_idle "ucx_perftest (poll)"

@@ -876,6 +876,23 @@ test_bench_outputs() {
     CHECKS=$((CHECKS + 1))
     [[ -e $WORK/f.png ]] && fail "plot_fail: left $WORK/f.png"
 
+    # --inflight: async sends in flight for the plain streams, on both planes; the header
+    # line and the JSON say so; out of range is a usage error
+    for plane in ucx shm; do
+        run "infl_$plane" 60 "$TDPIPE" bench --sizes 1KB,2MB --rounds 200 --plane "$plane" \
+            --no-loan --inflight 8 --json "$WORK/infl_$plane.json" --quiet
+        expect_rc "infl_$plane" 0
+        expect_in "infl_$plane" out "plain streams 8 in flight"
+        expect_in "infl_$plane" out "2.00 MB         2000000"
+        CHECKS=$((CHECKS + 1))
+        grep -q '"inflight": 8' "$WORK/infl_$plane.json" || fail "infl_$plane: JSON config lacks inflight 8"
+    done
+    run infl_zero 10 "$TDPIPE" bench --inflight 0
+    expect_rc infl_zero 2
+    expect_in infl_zero err "--inflight must be 1..64"
+    run infl_big 10 "$TDPIPE" bench --inflight 65
+    expect_rc infl_big 2
+
     if ! command -v gnuplot >/dev/null; then
         echo "skip: no gnuplot"
         return

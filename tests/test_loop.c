@@ -721,6 +721,81 @@ static void kick_task(void *arg)
     tdp__loop_kick(arg);
 }
 
+#define HOUR_MS (3600 * 1000)
+
+/* ---- idle work (tdp__loop_idle_add) ----------------------------------------- */
+
+typedef struct idler {
+    tdp_loop *loop;
+    tdp__idle h;
+    atomic_int runs;
+    volatile bool *done; /* set by the queuing task, when given */
+} idler;
+
+static void idle_fn(void *arg)
+{
+    atomic_fetch_add(&((idler *)arg)->runs, 1);
+}
+
+/* Queue the idle work twice (the second is a no-op) and, if asked, end a run_until. */
+static void queue_idle(void *arg)
+{
+    idler *d = arg;
+    tdp__loop_idle_add(d->loop, &d->h);
+    tdp__loop_idle_add(d->loop, &d->h);
+    if (d->done != NULL)
+        *d->done = true;
+}
+
+static void cancel_idle(void *arg)
+{
+    idler *d = arg;
+    tdp__loop_idle_add(d->loop, &d->h);
+    tdp__loop_idle_cancel(d->loop, &d->h);
+}
+
+/*
+ * Idle work runs once, when the loop is about to sleep: on a loop thread
+ * after the turn that queued it; in a blocking call's drive only if that
+ * call goes on waiting, never when its own work is done and it returns.
+ */
+static void test_idle(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS);
+    idler d = {.loop = loop};
+    d.h = (tdp__idle){.fn = idle_fn, .arg = &d};
+    atomic_init(&d.runs, 0);
+
+    /* a blocking call whose work is done returns: the idle work waits */
+    volatile bool done = false;
+    d.done = &done;
+    assert_int_equal(tdp_loop_post(loop, queue_idle, &d), TDP_OK);
+    assert_int_equal(tdp__loop_run_until(loop, &done, 5000), TDP_OK);
+    assert_int_equal(atomic_load(&d.runs), 0);
+    assert_true(d.h.queued);
+    /* one that goes on waiting runs it, once */
+    done = false;
+    assert_int_equal(tdp__loop_run_until(loop, &done, 50), TDP_ETIMEDOUT);
+    assert_int_equal(atomic_load(&d.runs), 1);
+    assert_false(d.h.queued);
+
+    /* a loop thread runs it once after the turn that queued it */
+    d.done = NULL;
+    assert_int_equal(tdp_loop_start_thread(loop), TDP_OK);
+    call_on_loop(loop, queue_idle, &d);
+    assert_true(wait_for(&d.runs, 2, 5000));
+    sleep_ms(50);
+    assert_int_equal(atomic_load(&d.runs), 2);
+    /* cancelled: never runs */
+    call_on_loop(loop, cancel_idle, &d);
+    call_on_loop(loop, kick_task, loop);
+    sleep_ms(50);
+    assert_int_equal(atomic_load(&d.runs), 2);
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
 static tdp_loop *new_loop_opts(uint32_t safety_ms, uint32_t busy_poll_us)
 {
     tdp_loop_opts o = {
@@ -730,7 +805,6 @@ static tdp_loop *new_loop_opts(uint32_t safety_ms, uint32_t busy_poll_us)
     return loop;
 }
 
-#define HOUR_MS (3600 * 1000)
 
 /* A readable fd wakes a sleeping loop; an idle source is not polled. */
 static void test_source_fd(void **state)
@@ -1264,6 +1338,7 @@ int main(void)
         cmocka_unit_test(test_source_busy_poll),
         cmocka_unit_test(test_source_remove_in_progress),
         cmocka_unit_test(test_ext_order),
+        cmocka_unit_test(test_idle),
         cmocka_unit_test(test_ucx_self),
         cmocka_unit_test(test_ucx_two_loops),
     };

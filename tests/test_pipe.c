@@ -1424,6 +1424,17 @@ static void a_recv_cb(tdp_op *op, void *arg)
     atomic_fetch_add_explicit(&c->recvs_done, 1, memory_order_release);
 }
 
+typedef struct wait_on_loop {
+    tdp_op *op;
+    tdp_err rc;
+} wait_on_loop;
+
+static void wait_on_loop_task(void *arg)
+{
+    wait_on_loop *w = arg;
+    w->rc = tdp_op_wait(w->op, 10);
+}
+
 static void test_async_ops(void **state)
 {
     env e;
@@ -1445,20 +1456,35 @@ static void test_async_ops(void **state)
     }
     actx rc_ = {.loop = e.sl};
     assert_int_equal(tdp_op_new(a_recv_cb, &rc_, &rop), TDP_OK);
+    /* never started: nothing to wait for */
+    assert_int_equal(tdp_op_wait(rop, 0), TDP_EINVAL);
+    assert_int_equal(tdp_op_wait(NULL, 0), TDP_EINVAL);
     for (uint64_t i = 1; i <= 8; i++) {
         tdp_pipe_recv_async(e.srv, rop);
-        for (int k = 0; k < 5000 && tdp_op_result(rop) == TDP_EAGAIN; k++)
-            usleep(1000);
+        /* the loop threads complete it: tdp_op_wait sleeps until they do */
+        assert_int_equal(tdp_op_wait(rop, TMO), TDP_OK);
         assert_int_equal(tdp_op_result(rop), TDP_OK);
         assert_int_equal(tdp_op_seq(rop), i);
         assert_true(verify(tdp_op_td(rop), i));
         tdp_pipe_release(e.srv, tdp_op_td(rop));
     }
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(tdp_op_wait(sops[i], TMO), TDP_OK);
     for (int k = 0; k < 5000 && atomic_load_explicit(&c.sends_done, memory_order_acquire) < 8; k++)
         usleep(1000);
     assert_int_equal(atomic_load_explicit(&c.sends_done, memory_order_acquire), 8);
     assert_int_equal(c.last, TDP_OK);
     assert_true(c.on_thread);
+    /* a done op answers at once, with its result */
+    assert_int_equal(tdp_op_wait(sops[0], 0), TDP_OK);
+    /* a receive nobody sends to: the deadline, and the op still pending */
+    tdp_pipe_recv_async(e.srv, rop);
+    assert_int_equal(tdp_op_wait(rop, 50), TDP_ETIMEDOUT);
+    assert_int_equal(tdp_op_result(rop), TDP_EAGAIN);
+    /* on the loop thread it would wait for itself: refused */
+    wait_on_loop w = {.op = rop, .rc = TDP_OK};
+    tdp__call_on_loop(e.sl, wait_on_loop_task, &w);
+    assert_int_equal(w.rc, TDP_EINVAL);
     tdp_hist *h = malloc(sizeof(*h));
     assert_non_null(h);
     assert_int_equal(tdp_pipe_latency_get(e.cli, TDP_LAT_SEND, h), TDP_OK);
@@ -1467,7 +1493,6 @@ static void test_async_ops(void **state)
     assert_int_equal(tdp_pipe_latency_get(e.srv, TDP_LAT_RECV_WAIT, h), TDP_ENOTSUP);
     free(h);
     /* a receive pending when the pipe is freed completes with ECANCELED */
-    tdp_pipe_recv_async(e.srv, rop);
     tdp_pipe_free(e.srv);
     e.srv = NULL;
     assert_int_equal(tdp_op_result(rop), TDP_ECANCELED);
@@ -1502,16 +1527,47 @@ static void test_single_thread(void **state)
         tdp_pipe_send_async(c, td, sop);
         assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
         assert_true(verify(got, i));
-        if (tdp_op_result(sop) == TDP_EAGAIN) { /* drive the loop until the send is done */
-            tdp_td *dummy;
-            (void)dummy;
-            for (int k = 0; k < 1000 && tdp_op_result(sop) == TDP_EAGAIN; k++) {
-                volatile bool never = false;
-                tdp__loop_run_until(loop, &never, 5);
-            }
-        }
+        tdp_pipe_release(p, got);
+        /* nobody runs the loop: the wait drives it until the send is done */
+        assert_int_equal(tdp_op_wait(sop, TMO), TDP_OK);
         assert_int_equal(tdp_op_result(sop), TDP_OK);
     }
+    /* several sends in flight from this one thread, each waited for when its buffer is
+     * needed again (the way to stream small messages: docs/pipe.md) */
+    tdp_schema *small = bytes_schema(1000);
+    enum { RING = 8, MSGS = 400 };
+    tdp_op *ring[RING];
+    tdp_td *rtd[RING];
+    for (int k = 0; k < RING; k++) {
+        assert_int_equal(tdp_op_new(NULL, NULL, &ring[k]), TDP_OK);
+        assert_int_equal(tdp_td_new(small, &rtd[k]), TDP_OK);
+    }
+    uint64_t next = 21;
+    for (int i = 0; i < MSGS; i++) {
+        int k = i % RING;
+        if (tdp_op_result(ring[k]) == TDP_EAGAIN)
+            assert_int_equal(tdp_op_wait(ring[k], TMO), TDP_OK);
+        fill(rtd[k], 21 + (uint64_t)i);
+        tdp_pipe_send_async(c, rtd[k], ring[k]);
+        /* the receiver keeps up now and then: a window's worth at most in flight */
+        while (i % 16 == 15 && next <= 21 + (uint64_t)i) {
+            assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+            assert_true(verify(got, next));
+            tdp_pipe_release(p, got);
+            next++;
+        }
+    }
+    for (; next < 21 + (uint64_t)MSGS; next++) {
+        assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_OK);
+        assert_true(verify(got, next));
+        tdp_pipe_release(p, got);
+    }
+    for (int k = 0; k < RING; k++) {
+        assert_int_equal(tdp_op_wait(ring[k], TMO), TDP_OK);
+        tdp_op_free(ring[k]);
+        tdp_td_unref(rtd[k]);
+    }
+    tdp_schema_unref(small);
     assert_int_equal(tdp_pipe_close(c, TMO), TDP_OK);
     assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED);
     tdp_op_free(sop);

@@ -636,9 +636,11 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
     tdp_td *got;
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     inflight fl;
-    bool async = cfg->inflight > 1 && !on_gpu(td) &&
-                 (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
-    if (async && (rc = inflight_init(&fl, cfg->inflight, td)) != TDP_OK)
+    /* buffers of their own: 64 MiB of them at most (100 MB messages go one at a time) */
+    uint64_t n = bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes
+                                                                   : cfg->inflight;
+    bool async = n > 1 && !on_gpu(td) && (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
+    if (async && (rc = inflight_init(&fl, (uint32_t)n, td)) != TDP_OK)
         return rc;
     for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
         if (async)
@@ -1187,10 +1189,13 @@ static int report(const bench_cfg *cfg, const char *plane, bool loaned, const si
         printf("client of %s: server depth %" PRId64 ", %s\n", cfg->client_of, srv->depth,
                srv->busy_poll_us ? "busy-poll" : "event-driven");
     char mem[TDP_DEVICE_STRLEN];
-    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s%s\n", plane,
+    char infl[48] = "";
+    if (cfg->inflight > 1)
+        snprintf(infl, sizeof(infl), ", plain streams %u in flight", cfg->inflight);
+    printf("plane %s%s, depth %u, %s, UCX_TLS=%s, mem %s%s%s\n", plane,
            loaned ? " (loaned slots: no copy)" : "", cfg->depth,
            cfg->busy_poll_us ? "busy-poll" : "event-driven", tls ? tls : "default",
-           tdp_device_format(cfg->mem, mem), cfg->checksum ? ", checksum" : "");
+           tdp_device_format(cfg->mem, mem), cfg->checksum ? ", checksum" : "", infl);
     print_table(cfg, res, done, stdout);
     if (cfg->json_path != NULL && !write_json(cfg, plane, res, done, srv, cfg->json_path) &&
         rc_exit == TDP_EXIT_OK)
@@ -1376,9 +1381,10 @@ static void usage(FILE *f)
             "  --checksum         both sides offer the payload checksum (XXH3-64 of every\n"
             "                     message, computed by the sender, checked by the receiver)\n"
             "  --inflight N       throughput of plain sends as N async sends in flight\n"
-            "                     (own buffers each; tdp_op_wait for the oldest), as a\n"
-            "                     stream of small messages is best sent (default 1:\n"
-            "                     blocking sends; loaned sends stay blocking)\n"
+            "                     (own buffers each, 64 MiB of them at most;\n"
+            "                     tdp_op_wait for the oldest), as a stream of small\n"
+            "                     messages is best sent (default 1: blocking sends;\n"
+            "                     loaned sends stay blocking)\n"
             "  --mem cpu|cuda[:N] where the buffers live (default cpu): cuda sends from and\n"
             "                     receives into GPU memory (the receiver follows); needs a\n"
             "                     build with CUDA and a device, else exit 2\n"
