@@ -19,7 +19,6 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -266,7 +265,7 @@ static void run_idle(tdp_loop *loop)
 static void drain(tdp_loop *loop)
 {
     uint32_t budget = loop->max_progress;
-    bool active = false;
+    bool active = false, idled = false;
 
     for (;;) {
         while (budget > 0) {
@@ -279,6 +278,10 @@ static void drain(tdp_loop *loop)
             schedule_again(loop);
             break;
         }
+        /* a blocking call's work is done: it returns, and whoever drives the
+         * loop next progresses and arms the sources before sleeping (a kick) */
+        if (loop->until_done != NULL && *loop->until_done)
+            break;
         if (loop->busy_poll_us > 0) {
             /* busy-poll window: keep progressing instead of sleeping for a
              * while after the last activity, trading CPU for wakeup latency */
@@ -290,8 +293,9 @@ static void drain(tdp_loop *loop)
                 break;
             }
         }
-        /* about to sleep, unless a blocking call's work is done and it returns */
-        if (loop->idle_head != NULL && !(loop->until_done != NULL && *loop->until_done)) {
+        /* about to sleep; once per drain: what it queues again waits for the next sleep */
+        if (!idled && loop->idle_head != NULL) {
+            idled = true;
             run_idle(loop);
             continue; /* what it did may need progress before the loop sleeps */
         }
@@ -760,6 +764,18 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
         goto out_release;
     loop->until_done = done;
     loop->deadline_hit = false;
+    /*
+     * Progress first, without a libevent turn: work already waiting in a
+     * source (a message UCX holds) completes here with no poll of the fds
+     * before it; otherwise the sources are armed and the loop can sleep.
+     */
+    if (loop->again_pending) { /* this is that turn */
+        event_del(loop->ev_again);
+        loop->again_pending = false;
+    }
+    drain(loop);
+    if (*done)
+        goto out_release;
     if (loop->busy_poll_us > 0) {
         /* the fast path first: no timer, no libevent turn per iteration */
         uint64_t t0 = mono_ns();
@@ -784,8 +800,8 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
             goto out_release;
         }
     }
-    tdp__loop_kick(loop);
     /*
+     * The drain above armed the sources (or scheduled another turn).
      * EVLOOP_ONCE sleeps until something happens and returns after running
      * what did; callbacks of ours that see *done break out early, the
      * deadline timer bounds the sleep.

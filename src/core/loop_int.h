@@ -79,8 +79,9 @@ void tdp__loop_kick(tdp_loop *loop);
  * returns instead, and not while a busy-poll window keeps the loop
  * spinning. For what may wait until then but no longer (credit a receiver
  * gives back while it drains a burst). Intrusive: adding allocates
- * nothing; adding one already queued is a no-op. Loop thread (or the
- * loop's holder).
+ * nothing; adding one already queued is a no-op; one fn adds again from
+ * inside itself runs at the next sleep, not this one. Loop thread (or
+ * the loop's holder).
  */
 typedef struct tdp__idle {
     void (*fn)(void *arg);

@@ -135,6 +135,7 @@ struct tdp_pipe {
     tdp_schema *rx_schema;
     uint64_t rx_hash, rx_seq;
     uint64_t released, credit_sent;
+    uint64_t rx_link; /* DATA taken on this link: with credit_sent, what the peer counts in flight */
     tdp__idle credit_idle;          /* deferred credit: when the loop is about to sleep */
     uint8_t secret[TDP_SECRET_MAX]; /* opts.secret points here */
     size_t secret_len;

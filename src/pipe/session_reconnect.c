@@ -113,7 +113,7 @@ void tdp__pipe_begin_reconnect(tdp_pipe *p, tdp_err err, const char *why)
     p->rx_inflight = 0;
     p->rx_seq = 0;
     p->rx_hash = 0; /* a DATA before the new peer's SCHEMA is refused */
-    p->released = p->credit_sent = 0;
+    p->released = p->credit_sent = p->rx_link = 0;
     p->peer_bye = false;
     p->peer_last_seq = 0;
     p->stats.resumed_from = 0; /* the next link's peer says for itself */

@@ -192,6 +192,7 @@ void tdp__pipe_up_data(void *owner, tdp__link *l, const tdp__frame *f, void *des
         return;
     }
     p->rx_seq = f->seq;
+    p->rx_link++;
     s->seq = f->seq;
     s->epoch = p->epoch;
     s->state = SLOT_FILLING;
@@ -250,9 +251,23 @@ void tdp__pipe_send_credit(tdp_pipe *p)
         tdp__pipe_up_failed(p, p->link, TDP_ECONNRESET, "cannot send credit");
 }
 
+/*
+ * The loop is about to sleep with credit still owed. With a window in
+ * force it goes only once the peer may be stopped for want of it: when it
+ * counts depth messages in flight, the least any layout's window allows.
+ * Until then the peer sends on, its next DATA wakes this side, and a reply
+ * carries the credit for free; this looks again at every sleep meanwhile.
+ */
 void tdp__pipe_credit_idle(void *arg)
 {
-    tdp__pipe_send_credit(arg);
+    tdp_pipe *p = arg;
+    if (p->state != PIPE_OPEN || p->released == p->credit_sent)
+        return;
+    if (!p->window_sent || p->rx_link - p->credit_sent >= p->depth) {
+        tdp__pipe_send_credit(p);
+        return;
+    }
+    tdp__loop_idle_add(p->loop, &p->credit_idle);
 }
 
 /*
