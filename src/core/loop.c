@@ -289,6 +289,10 @@ static void drain(tdp_loop *loop)
             if (active)
                 loop->last_activity_ns = now;
             if (now - loop->last_activity_ns < (uint64_t)loop->busy_poll_us * 1000u) {
+                /* awake but with nothing to do this turn: what waits for a
+                 * sleep runs now (credit a stopped peer needs) */
+                if (!active && loop->idle_head != NULL)
+                    run_idle(loop);
                 schedule_again(loop);
                 break;
             }
@@ -725,6 +729,10 @@ static void spin(tdp_loop *loop, volatile bool *done, uint64_t t0, uint64_t dead
         }
         if (++n % 256 != 0)
             continue;
+        /* nothing to do for a while, though the window keeps the loop awake:
+         * what waits for a sleep runs now (credit a stopped peer needs) */
+        if (loop->idle_head != NULL)
+            run_idle(loop);
         if (event_base_loop(loop->base, EVLOOP_NONBLOCK) != 0)
             return;
         uint64_t now = mono_ns();

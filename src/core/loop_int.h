@@ -75,9 +75,9 @@ void tdp__loop_kick(tdp_loop *loop);
 /*
  * Work for when the loop is about to wait: fn(arg) runs once, as the
  * loop's holder, the next time a drain finds nothing more to do and the
- * loop would sleep. Not when a blocking call's own work is done and it
- * returns instead, and not while a busy-poll window keeps the loop
- * spinning. For what may wait until then but no longer (credit a receiver
+ * loop would sleep, or, while a busy-poll window keeps the loop awake, a
+ * turn finds nothing to do. Not when a blocking call's own work is done
+ * and it returns instead. For what may wait until then but no longer (credit a receiver
  * gives back while it drains a burst). Intrusive: adding allocates
  * nothing; adding one already queued is a no-op; one fn adds again from
  * inside itself runs at the next sleep, not this one. Loop thread (or
