@@ -8,6 +8,7 @@
  */
 #include <stdbool.h>
 #include <stdlib.h>
+#include <endian.h>
 #include <string.h>
 
 #include "pipe/wire.h"
@@ -204,14 +205,50 @@ static void fuzz_ctl(const uint8_t *data, size_t size)
     }
 }
 
+/*
+ * The input as a BATCH payload: its entries, for the token and seq the
+ * first one names (so that well-formed runs are reached). Every entry
+ * taken lies within the input and is a DATA without CHUNKED.
+ */
+static void fuzz_batch(const uint8_t *data, size_t size)
+{
+    if (size < TDP_AM_HDR_LEN)
+        return;
+    uint64_t token, seq;
+    memcpy(&token, data + 8, 8);
+    memcpy(&seq, data + 16, 8);
+    token = le64toh(token);
+    seq = le64toh(seq);
+    const uint8_t *p = data;
+    size_t left = size;
+    for (uint32_t i = 0; i < TDP_AM_BATCH_MAX && left > 0; i++) {
+        tdp_am_hdr h;
+        const uint8_t *bytes;
+        size_t used;
+        if (tdp_wire_batch_entry(p, left, token, seq + i, &h, &bytes, &used) != TDP_OK)
+            return;
+        if (h.type != TDP_AM_DATA || (h.flags & TDP_AM_F_CHUNKED) != 0 || used > left ||
+            used < TDP_AM_HDR_LEN || bytes < p || bytes + h.length != p + used || h.token != token ||
+            h.seq != seq + i)
+            abort();
+        p += used;
+        left -= used;
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    fuzz_batch(data, size);
     if (size >= TDP_CTL_HDR_LEN)
         fuzz_ctl(data, size);
     tdp_am_hdr am;
     if (tdp_wire_am_decode(data, size, &am) == TDP_OK) {
         uint8_t re[TDP_AM_HDR_MAX_LEN];
-        if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_CHUNK)
+        if (am.type < TDP_AM_SCHEMA || am.type > TDP_AM_BATCH)
+            abort();
+        /* a BATCH: 2..64 entries, each at least a header, no flags */
+        if (am.type == TDP_AM_BATCH && (am.flags != 0 || am.arg < 2 || am.arg > TDP_AM_BATCH_MAX ||
+                                        am.length < am.arg * TDP_AM_HDR_LEN))
             abort();
         /* CHUNKED only on DATA; a CHUNK carries no flag and is never empty */
         if ((am.flags & TDP_AM_F_CHUNKED) != 0 && am.type != TDP_AM_DATA)

@@ -606,7 +606,7 @@ static tdp_err inflight_init(inflight *f, uint32_t n, tdp_td *proto)
 static tdp_err inflight_wait(inflight *f, uint32_t k)
 {
     tdp_err rc = tdp_op_result(f->op[k]);
-    return rc == TDP_EAGAIN ? tdp_op_wait(f->op[k], BENCH_TMO) : TDP_OK;
+    return rc == TDP_EAGAIN ? tdp_op_wait(f->op[k], BENCH_TMO) : rc;
 }
 
 /* One repeat's count messages as async sends, then the wait for all of them. */

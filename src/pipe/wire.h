@@ -273,6 +273,7 @@ tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h);
 /* A DATA header with TDP_AM_F_SUM: the payload's checksum follows, u64. */
 #define TDP_AM_HDR_SUM_LEN 56u
 #define TDP_AM_HDR_MAX_LEN TDP_AM_HDR_SUM_LEN
+#define TDP_AM_HDR_ARG_OFF 40u /* where arg lies in the header, u64 little-endian */
 #define TDP_AM_F_SUM       (1u << 0) /* DATA only, when both HELLOs offered TDP_HX_CHECKSUM */
 /* SCHEMA only, to a peer whose HELLO carried TDP_HX_READY: sent by
  * tdp_pipe_prepare ahead of any DATA; the receiver answers TDP_CTL_READY */

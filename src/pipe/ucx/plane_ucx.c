@@ -18,6 +18,7 @@
  * completes; in peer-failure mode closing the endpoint completes them at
  * once. What UCX never gives back is freed after the workers are gone.
  */
+#include <endian.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/random.h>
@@ -109,8 +110,9 @@ typedef struct batch {
     struct ticket *head, *tail; /* its sends, in order (ticket.next_b) */
     uint32_t n;
     size_t len;
-    uint64_t seq0; /* the first entry's */
-    bool busy;     /* open, or in UCX */
+    uint64_t seq0;      /* the first entry's */
+    uint64_t credit_lo; /* the least credit an entry carries */
+    bool busy;          /* open, or in UCX */
     uint8_t hdr[TDP_AM_HDR_LEN];
     uint8_t *buf; /* BATCH_BYTES of the link's batch_mem */
 } batch;
@@ -139,6 +141,7 @@ typedef struct ticket {
     bool chunked;
     bool head_sent; /* SCHEMA and DATA are posted; CHUNKs follow */
     uint64_t data_seq;
+    uint64_t credit; /* the credit its DATA header carries (arg) */
     size_t landed; /* bytes of the bounce that hold their final value */
     size_t posted; /* bytes posted as CHUNK frames */
     uint8_t chunk_hdr[TX_CHUNKS][TDP_AM_HDR_LEN];
@@ -1841,6 +1844,25 @@ static void batch_flush(struct tdp__link *l)
     if (b == NULL)
         return;
     l->bopen = NULL;
+    /*
+     * Each entry carries the credit this side owed when it was sent. A
+     * CREDIT frame posted since then (a release in the same turn) said
+     * more, and goes before this batch: raise the entries to it, since a
+     * peer refuses credit that goes backwards.
+     */
+    if (l->credit_want > b->credit_lo) {
+        size_t off = 0;
+        for (ticket *t = b->head; t != NULL; t = t->next_b) {
+            uint8_t *arg = b->buf + off + TDP_AM_HDR_ARG_OFF;
+            uint64_t v;
+            memcpy(&v, arg, sizeof(v));
+            if (le64toh(v) < l->credit_want) {
+                v = htole64(l->credit_want);
+                memcpy(arg, &v, sizeof(v));
+            }
+            off += t->data_hdr_len + t->td->nbytes;
+        }
+    }
     const uint8_t *hdr = b->hdr, *payload = b->buf;
     size_t hl = TDP_AM_HDR_LEN, plen = b->len;
     if (b->n == 1) {
@@ -1911,6 +1933,7 @@ static bool batch_add(struct tdp__link *l, ticket *t)
             return false;
         l->bopen->busy = true;
         l->bopen->seq0 = t->data_seq;
+        l->bopen->credit_lo = UINT64_MAX;
     }
     batch *b = l->bopen;
     memcpy(b->buf + b->len, t->data_hdr, t->data_hdr_len);
@@ -1918,6 +1941,8 @@ static bool batch_add(struct tdp__link *l, ticket *t)
         memcpy(b->buf + b->len + t->data_hdr_len, t->td->data, t->td->nbytes);
     b->len += need;
     b->n++;
+    if (t->credit < b->credit_lo)
+        b->credit_lo = t->credit;
     t->inflight = 1;
     t->next_b = NULL;
     if (b->tail != NULL)
@@ -2019,6 +2044,7 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
     t->copy_rc = TDP_OK;
     /* the CHUNK frames carry the DATA's seq (tx->seq lives only in this call) */
     t->data_seq = tx->seq;
+    t->credit = tx->credit;
     t->chunked = t->staged && l->peer_chunks && td->nbytes > CHUNK_MIN;
     t->head_sent = false;
     t->landed = t->posted = 0;
