@@ -228,8 +228,8 @@ static void fuzz_batch(const uint8_t *data, size_t size)
         if (tdp_wire_batch_entry(p, left, token, seq + i, &h, &bytes, &used) != TDP_OK)
             return;
         if (h.type != TDP_AM_DATA || (h.flags & TDP_AM_F_CHUNKED) != 0 || used > left ||
-            used < TDP_AM_HDR_LEN || bytes < p || bytes + h.length != p + used || h.token != token ||
-            h.seq != seq + i)
+            used < TDP_AM_HDR_LEN || bytes < p || bytes + h.length != p + used ||
+            h.token != token || h.seq != seq + i)
             abort();
         p += used;
         left -= used;
