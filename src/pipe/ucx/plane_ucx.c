@@ -142,8 +142,8 @@ typedef struct ticket {
     bool head_sent; /* SCHEMA and DATA are posted; CHUNKs follow */
     uint64_t data_seq;
     uint64_t credit; /* the credit its DATA header carries (arg) */
-    size_t landed; /* bytes of the bounce that hold their final value */
-    size_t posted; /* bytes posted as CHUNK frames */
+    size_t landed;   /* bytes of the bounce that hold their final value */
+    size_t posted;   /* bytes posted as CHUNK frames */
     uint8_t chunk_hdr[TX_CHUNKS][TDP_AM_HDR_LEN];
     uint8_t chunk_desc[CHUNK_DESC]; /* the DATA's payload: the chunk size */
 } ticket;
