@@ -24,7 +24,7 @@ SIZES=1KB,1MB,100MB
 BUSY_POLL=0
 PLANE=auto
 ROUNDS=
-INFLIGHT=32
+INFLIGHT=64
 RUNS=1
 PIN=
 JSON=
@@ -48,7 +48,7 @@ tdpipe's ratio to each (docs/benchmarks.md).
   --busy-poll US   also run tdpipe with this busy-poll window, the progress
                    mode of ucx_perftest (the event-driven run is always made)
   --inflight N     tdpipe's throughput streams as N async sends in flight
-                   (tdpipe bench --inflight; default 32; 1: blocking sends),
+                   (tdpipe bench --inflight; default 64; 1: blocking sends),
                    as ZeroMQ's PUSH and ucp_am_bw keep several in flight
   --runs K         make the whole sequence K times (interleaved: tdpipe, peers,
                    tdpipe, peers, ...); the table shows medians over the runs
