@@ -1505,6 +1505,22 @@ static void test_async_ops(void **state)
     tdp_schema_unref(s);
 }
 
+/* A receive callback that starts its op again once. */
+typedef struct restart_ctx {
+    tdp_pipe *p;
+    int calls;
+} restart_ctx;
+
+static void restart_cb(tdp_op *op, void *arg)
+{
+    restart_ctx *r = arg;
+    r->calls++;
+    if (tdp_op_result(op) == TDP_OK)
+        tdp_pipe_release(r->p, tdp_op_td(op));
+    if (r->calls == 1)
+        tdp_pipe_recv_async(r->p, op);
+}
+
 /* Both ends on one loop driven by the caller (no loop threads at all). */
 static void test_single_thread(void **state)
 {
@@ -1568,6 +1584,24 @@ static void test_single_thread(void **state)
         tdp_td_unref(rtd[k]);
     }
     tdp_schema_unref(small);
+    /* a callback that starts its op again: the wait ends at the first completion, and
+     * says the op is pending again (not a deadline later) */
+    restart_ctx rx = {.p = p};
+    tdp_op *rop2;
+    assert_int_equal(tdp_op_new(restart_cb, &rx, &rop2), TDP_OK);
+    tdp_pipe_recv_async(p, rop2);
+    /* async: it arrives while the wait drives the loop (a blocking send's own drive
+     * could complete the receive before the wait begins: then the wait is for the next) */
+    tdp_pipe_send_async(c, td, sop);
+    int64_t w0 = mono_ms();
+    assert_int_equal(tdp_op_wait(rop2, TMO), TDP_EAGAIN);
+    assert_int_equal(tdp_op_wait(sop, TMO), TDP_OK);
+    assert_true(mono_ms() - w0 < TMO / 2);
+    assert_int_equal(rx.calls, 1);
+    assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
+    assert_int_equal(tdp_op_wait(rop2, TMO), TDP_OK);
+    assert_int_equal(rx.calls, 2);
+    tdp_op_free(rop2);
     assert_int_equal(tdp_pipe_close(c, TMO), TDP_OK);
     assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECLOSED);
     tdp_op_free(sop);

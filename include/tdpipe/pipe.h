@@ -393,7 +393,8 @@ TDP_API uint64_t tdp_op_seq(const tdp_op *op);
  * the operation pending. TDP_EINVAL for NULL, an op never started, or on
  * the loop thread while the loop runs (it would wait for itself).
  * TDP_EAGAIN when the callback already started the op again. One thread
- * at a time may wait on an op.
+ * at a time may wait on an op. An op with a callback may be freed only
+ * once its callback has returned, which can be after this returns.
  */
 TDP_API tdp_err tdp_op_wait(tdp_op *op, int64_t timeout_ms);
 

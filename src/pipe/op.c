@@ -20,7 +20,6 @@ tdp_err tdp_op_new(tdp_op_cb cb, void *arg, tdp_op **out)
     op->arg = arg;
     op->result = TDP_OK;
     atomic_init(&op->state, OP_IDLE);
-    atomic_init(&op->watched, false);
     tdp__waiter_init(&op->own);
     *out = op;
     return TDP_OK;
@@ -39,6 +38,9 @@ void tdp_op_free(tdp_op *op)
         tdp_log_error("tdp_op_free: op %p is still pending; not freed", (void *)op);
         return;
     }
+    /* a completion on another thread may still be letting go of the mutex */
+    pthread_mutex_lock(&op->own.mtx);
+    pthread_mutex_unlock(&op->own.mtx);
     tdp__waiter_fini(&op->own);
     tdp__free(op);
 }
@@ -102,16 +104,21 @@ void tdp__op_complete(tdp_op *op, tdp_err rc)
         pthread_mutex_unlock(&w->mtx);
         return;
     }
-    /* seq_cst, against tdp_op_wait's store of watched and load of state */
-    atomic_store(&op->state, OP_DONE);
-    if (atomic_load(&op->watched)) {
-        pthread_mutex_lock(&op->own.mtx);
-        op->wdone = true;
+    /*
+     * Under own.mtx: a waiter sees the state and wdone change together, and
+     * once it (or tdp_op_free) has taken the mutex after this, nothing here
+     * touches op again but the callback, read before.
+     */
+    tdp_op_cb cb = op->cb;
+    void *arg = op->arg;
+    pthread_mutex_lock(&op->own.mtx);
+    atomic_store_explicit(&op->state, OP_DONE, memory_order_release);
+    op->wdone = true;
+    if (op->watched)
         pthread_cond_broadcast(&op->own.cond);
-        pthread_mutex_unlock(&op->own.mtx);
-    }
-    if (op->cb != NULL)
-        op->cb(op, op->arg);
+    pthread_mutex_unlock(&op->own.mtx);
+    if (cb != NULL)
+        cb(op, arg);
 }
 
 /* Another thread holds the loop: it starts the op from a posted task. */
@@ -125,7 +132,6 @@ void tdp__op_submit(tdp_loop *loop, tdp_op *op, tdp_loop_fn start)
 {
     op->loop = loop;
     op->done = false;
-    op->wdone = false;
     atomic_store_explicit(&op->state, OP_PENDING, memory_order_release);
     /* inline only while holding the loop: "nobody runs it" can change under us */
     if (!tdp__loop_run_inline(loop, start, op))
@@ -344,15 +350,19 @@ tdp_err tdp_op_wait(tdp_op *op, int64_t timeout_ms)
         return TDP_EINVAL; /* it would wait for itself */
     int64_t deadline = timeout_ms < 0 ? -1 : tdp__now_ms() + timeout_ms;
     pthread_mutex_lock(&op->own.mtx);
-    atomic_store(&op->watched, true);
-    /* done before watched was seen: nobody sets wdone, and nothing is left to wait for */
-    if (atomic_load(&op->state) == OP_DONE)
-        op->wdone = true;
-    bool ok = tdp__loop_wait(loop, &op->own.mtx, &op->own.cond, &op->wdone, deadline);
-    atomic_store(&op->watched, false);
-    pthread_mutex_unlock(&op->own.mtx);
-    if (!ok)
-        return TDP_ETIMEDOUT;
+    tdp_err rc = TDP_OK;
+    if (atomic_load_explicit(&op->state, memory_order_acquire) != OP_DONE) {
+        /* the next completion sets it (under the mutex), whenever it comes */
+        op->wdone = false;
+        op->watched = true;
+        bool ok = tdp__loop_wait(loop, &op->own.mtx, &op->own.cond, &op->wdone, deadline);
+        op->watched = false;
+        rc = ok ? TDP_OK : TDP_ETIMEDOUT;
+    }
+    /* done, or started again by its callback meanwhile */
     bool done = atomic_load_explicit(&op->state, memory_order_acquire) == OP_DONE;
-    return done ? op->result : TDP_EAGAIN;
+    if (rc == TDP_OK)
+        rc = done ? op->result : TDP_EAGAIN;
+    pthread_mutex_unlock(&op->own.mtx);
+    return rc;
 }

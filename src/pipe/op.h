@@ -52,8 +52,8 @@ struct tdp_op {
     /* tdp_op_wait: the loop the op was last started on, and its own waiter */
     tdp_loop *loop;
     tdp__waiter own;
-    _Atomic bool watched; /* a tdp_op_wait is on: completion wakes it */
-    volatile bool wdone;  /* set under own.mtx by the loop's holder */
+    bool watched;        /* under own.mtx: a tdp_op_wait sleeps on own.cond */
+    volatile bool wdone; /* under own.mtx: set by each completion, cleared by tdp_op_wait */
 };
 
 void tdp__waiter_init(tdp__waiter *w);

@@ -110,9 +110,8 @@ typedef struct batch {
     struct ticket *head, *tail; /* its sends, in order (ticket.next_b) */
     uint32_t n;
     size_t len;
-    uint64_t seq0;      /* the first entry's */
-    uint64_t credit_lo; /* the least credit an entry carries */
-    bool busy;          /* open, or in UCX */
+    uint64_t seq0; /* the first entry's */
+    bool busy;     /* open, or in UCX */
     uint8_t hdr[TDP_AM_HDR_LEN];
     uint8_t *buf; /* BATCH_BYTES of the link's batch_mem */
 } batch;
@@ -141,9 +140,8 @@ typedef struct ticket {
     bool chunked;
     bool head_sent; /* SCHEMA and DATA are posted; CHUNKs follow */
     uint64_t data_seq;
-    uint64_t credit; /* the credit its DATA header carries (arg) */
-    size_t landed;   /* bytes of the bounce that hold their final value */
-    size_t posted;   /* bytes posted as CHUNK frames */
+    size_t landed; /* bytes of the bounce that hold their final value */
+    size_t posted; /* bytes posted as CHUNK frames */
     uint8_t chunk_hdr[TX_CHUNKS][TDP_AM_HDR_LEN];
     uint8_t chunk_desc[CHUNK_DESC]; /* the DATA's payload: the chunk size */
 } ticket;
@@ -223,7 +221,12 @@ struct tdp__link {
     uint32_t reqs; /* UCX requests in flight (sends, credit, receives) */
 
     void *credit_req;
-    uint64_t credit_want, credit_flying;
+    uint64_t credit_want;
+    /* the most credit any frame of this link was posted with: a DATA's
+     * header, encoded when it was sent, may be posted later (a batch, the
+     * queue behind a staged send) and is raised to it, since a peer refuses
+     * credit that goes backwards */
+    uint64_t credit_hi;
     uint8_t credit_hdr[TDP_AM_HDR_LEN];
 
     tdp_schema *rx_schema;
@@ -1483,6 +1486,23 @@ static void send_cb(void *req, ucs_status_t st, void *user)
 }
 
 /*
+ * A DATA header about to be posted: its credit (arg) raised to the most
+ * any frame before it said, and that most raised to its own.
+ */
+static void hdr_credit(struct tdp__link *l, uint8_t *hdr)
+{
+    uint64_t v;
+    memcpy(&v, hdr + TDP_AM_HDR_ARG_OFF, sizeof(v));
+    v = le64toh(v);
+    if (v < l->credit_hi) {
+        uint64_t w = htole64(l->credit_hi);
+        memcpy(hdr + TDP_AM_HDR_ARG_OFF, &w, sizeof(w));
+    } else {
+        l->credit_hi = v;
+    }
+}
+
+/*
  * Post one AM for a ticket, its request kept in t->req[slot]; counts it in
  * flight unless it finished at once.
  */
@@ -1551,6 +1571,7 @@ static tdp_err tx_post(struct tdp__link *l, ticket *t)
         ucs_memory_type_t mt = td->device.type == TDP_DEVICE_CUDA && t->bn == NULL
                                    ? UCS_MEMORY_TYPE_CUDA
                                    : UCS_MEMORY_TYPE_HOST;
+        hdr_credit(l, t->data_hdr);
         if (t->chunked) /* the chunk size only: the CHUNKs carry the bytes */
             rc = am_post(l, t, 1, t->data_hdr, t->data_hdr_len, t->chunk_desc, CHUNK_DESC,
                          UCP_AM_SEND_FLAG_EAGER, UCS_MEMORY_TYPE_HOST, NULL);
@@ -1844,24 +1865,10 @@ static void batch_flush(struct tdp__link *l)
     if (b == NULL)
         return;
     l->bopen = NULL;
-    /*
-     * Each entry carries the credit this side owed when it was sent. A
-     * CREDIT frame posted since then (a release in the same turn) said
-     * more, and goes before this batch: raise the entries to it, since a
-     * peer refuses credit that goes backwards.
-     */
-    if (l->credit_want > b->credit_lo) {
-        size_t off = 0;
-        for (ticket *t = b->head; t != NULL; t = t->next_b) {
-            uint8_t *arg = b->buf + off + TDP_AM_HDR_ARG_OFF;
-            uint64_t v;
-            memcpy(&v, arg, sizeof(v));
-            if (le64toh(v) < l->credit_want) {
-                v = htole64(l->credit_want);
-                memcpy(arg, &v, sizeof(v));
-            }
-            off += t->data_hdr_len + t->td->nbytes;
-        }
+    size_t off = 0;
+    for (ticket *t = b->head; t != NULL; t = t->next_b) {
+        hdr_credit(l, b->buf + off);
+        off += t->data_hdr_len + t->td->nbytes;
     }
     const uint8_t *hdr = b->hdr, *payload = b->buf;
     size_t hl = TDP_AM_HDR_LEN, plen = b->len;
@@ -1933,7 +1940,6 @@ static bool batch_add(struct tdp__link *l, ticket *t)
             return false;
         l->bopen->busy = true;
         l->bopen->seq0 = t->data_seq;
-        l->bopen->credit_lo = UINT64_MAX;
     }
     batch *b = l->bopen;
     memcpy(b->buf + b->len, t->data_hdr, t->data_hdr_len);
@@ -1941,8 +1947,6 @@ static bool batch_add(struct tdp__link *l, ticket *t)
         memcpy(b->buf + b->len + t->data_hdr_len, t->td->data, t->td->nbytes);
     b->len += need;
     b->n++;
-    if (t->credit < b->credit_lo)
-        b->credit_lo = t->credit;
     t->inflight = 1;
     t->next_b = NULL;
     if (b->tail != NULL)
@@ -2044,7 +2048,6 @@ static tdp_err u_send(tdp__link *l, const tdp__tx *tx)
     t->copy_rc = TDP_OK;
     /* the CHUNK frames carry the DATA's seq (tx->seq lives only in this call) */
     t->data_seq = tx->seq;
-    t->credit = tx->credit;
     t->chunked = t->staged && l->peer_chunks && td->nbytes > CHUNK_MIN;
     t->head_sent = false;
     t->landed = t->posted = 0;
@@ -2122,8 +2125,9 @@ static void credit_cb(void *req, ucs_status_t st, void *user);
 
 static void credit_post(struct tdp__link *l)
 {
-    if (l->credit_req != NULL || l->sep == NULL || l->closed)
-        return;
+    if (l->credit_req != NULL || l->sep == NULL || l->closed || l->credit_want <= l->credit_hi)
+        return; /* one in flight, or a DATA already said as much */
+    l->credit_hi = l->credit_want;
     /* cumulative count: one frame in flight at a time says everything */
     tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = l->peer_token, .arg = l->credit_want};
     tdp_wire_am_encode(l->credit_hdr, &h);
@@ -2142,7 +2146,6 @@ static void credit_post(struct tdp__link *l)
             l->up->failed(l->owner, l, TDP_ECONNRESET, "cannot send credit");
         return;
     }
-    l->credit_flying = h.arg;
     l->credit_req = r;
     l->reqs++;
 }
@@ -2153,8 +2156,7 @@ static void credit_cb(void *req, ucs_status_t st, void *user)
     ucp_request_free(req);
     l->credit_req = NULL;
     l->reqs--;
-    if (l->credit_want != l->credit_flying)
-        credit_post(l); /* released more while this one flew */
+    credit_post(l); /* released more while this one flew, unless a DATA said so */
     link_maybe_free(l);
 }
 
