@@ -53,7 +53,6 @@ struct tdp_loop {
     struct event *ev_tasks;    /* drain the task queue */
     struct event *ev_stop;     /* turns a stop request into a loopbreak on the loop thread */
     struct event *ev_deadline; /* run_until's deadline */
-    struct event *ev_turn;     /* ends turn_if_due's one libevent turn */
 
     /*
      * Loop thread only. walking counts the walks over the list in progress:
@@ -78,7 +77,6 @@ struct tdp_loop {
     volatile bool *until_done; /* run_until's flag while it runs, else NULL */
     tdp__idle *idle_head;      /* tdp__loop_idle_add: run before the loop sleeps */
     tdp__idle *idle_run;       /* the ones run_idle is running now */
-    uint64_t last_turn_ns;     /* when a blocking call last gave libevent a turn */
 
     /* lock guards everything below; holder is also read without it. */
     pthread_mutex_t lock;
@@ -87,7 +85,7 @@ struct tdp_loop {
     bool stop_requested; /* consumed by the run it ends, or by the next run */
     bool has_thread;     /* thread must be joined */
     pthread_t thread;
-    _Atomic int holder; /* enum hold: who owns the loop now (acquire / release) */
+    _Atomic int holder;       /* enum hold: who owns the loop now (acquire / release) */
     _Atomic int idle_waiters; /* threads waiting on idle for holder to change */
 };
 
@@ -716,11 +714,6 @@ tdp_err tdp_loop_start_thread(tdp_loop *loop)
     return rc;
 }
 
-static void turn_cb(evutil_socket_t fd, short what, void *arg)
-{
-    event_base_loopbreak(((tdp_loop *)arg)->base);
-}
-
 static void deadline_cb(evutil_socket_t fd, short what, void *arg)
 {
     tdp_loop *loop = arg;
@@ -769,35 +762,6 @@ static void spin(tdp_loop *loop, volatile bool *done, uint64_t t0, uint64_t dead
     }
 }
 
-/*
- * A blocking call done without sleeping gives libevent no turn: posted
- * tasks, timers and control sockets would wait while a stream keeps such
- * calls busy. One non-blocking turn when tasks are queued, or when the
- * last was more than TURN_GAP_NS ago.
- */
-#define TURN_GAP_NS 1000000u
-
-static void turn_if_due(tdp_loop *loop)
-{
-    uint64_t now = mono_ns();
-    pthread_mutex_lock(&loop->lock);
-    bool tasks = loop->head != NULL;
-    pthread_mutex_unlock(&loop->lock);
-    if (!tasks && now - loop->last_turn_ns < TURN_GAP_NS)
-        return;
-    loop->last_turn_ns = now;
-    /*
-     * One turn: EVLOOP_NONBLOCK alone goes on while callbacks keep making
-     * events active (a send's kick does); a zero timer that breaks the loop
-     * fires in the first turn, after what was ready when it began.
-     */
-    static const struct timeval zero = {0, 0};
-    if (event_add(loop->ev_turn, &zero) != 0)
-        return;
-    (void)event_base_loop(loop->base, EVLOOP_NONBLOCK);
-    event_del(loop->ev_turn);
-}
-
 tdp_err tdp__loop_run_until(tdp_loop *loop, volatile bool *done, int64_t timeout_ms)
 {
     return tdp__loop_run_after(loop, NULL, NULL, done, timeout_ms);
@@ -817,10 +781,8 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
     if (fn != NULL)
         fn(arg);
     /* read only now: the flag is set by whoever held the loop before us */
-    if (*done) {
-        turn_if_due(loop);
+    if (*done)
         goto out_release;
-    }
     loop->until_done = done;
     loop->deadline_hit = false;
     /*
@@ -833,10 +795,8 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
         loop->again_pending = false;
     }
     drain(loop);
-    if (*done) {
-        turn_if_due(loop);
+    if (*done)
         goto out_release;
-    }
     if (loop->busy_poll_us > 0) {
         /* the fast path first: no timer, no libevent turn per iteration */
         uint64_t t0 = mono_ns();
@@ -868,7 +828,6 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
      * deadline timer bounds the sleep.
      */
     while (!*done && !loop->deadline_hit) {
-        loop->last_turn_ns = mono_ns();
         if (event_base_loop(loop->base, EVLOOP_ONCE) != 0) {
             tdp_log_error("event_base_loop failed");
             rc = TDP_EINTERNAL;
@@ -938,7 +897,7 @@ static void opts_resolve(const tdp_loop_opts *in, tdp_loop *loop)
 static void events_free(tdp_loop *loop)
 {
     struct event **evs[] = {&loop->ev_again, &loop->ev_safety, &loop->ev_tasks, &loop->ev_stop,
-                            &loop->ev_deadline, &loop->ev_turn};
+                            &loop->ev_deadline};
 
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++) {
         if (*evs[i] != NULL)
@@ -956,9 +915,8 @@ static tdp_err events_init(tdp_loop *loop)
     loop->ev_tasks = event_new(b, -1, 0, tasks_cb, loop);
     loop->ev_stop = event_new(b, -1, 0, stop_cb, loop);
     loop->ev_deadline = evtimer_new(b, deadline_cb, loop);
-    loop->ev_turn = evtimer_new(b, turn_cb, loop);
     if (loop->ev_again == NULL || loop->ev_safety == NULL || loop->ev_tasks == NULL ||
-        loop->ev_stop == NULL || loop->ev_deadline == NULL || loop->ev_turn == NULL)
+        loop->ev_stop == NULL || loop->ev_deadline == NULL)
         return TDP_ENOMEM;
 
     struct timeval safety = {.tv_sec = loop->safety_timer_ms / 1000,
