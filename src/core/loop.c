@@ -77,6 +77,7 @@ struct tdp_loop {
     volatile bool *until_done; /* run_until's flag while it runs, else NULL */
     tdp__idle *idle_head;      /* tdp__loop_idle_add: run before the loop sleeps */
     tdp__idle *idle_run;       /* the ones run_idle is running now */
+    bool idle_running;         /* inside run_idle */
 
     /* lock guards everything below; holder is also read without it. */
     pthread_mutex_t lock;
@@ -227,6 +228,11 @@ void tdp__loop_idle_add(tdp_loop *loop, tdp__idle *h)
     h->queued = true;
     h->next = loop->idle_head;
     loop->idle_head = h;
+    /* queued from a task or a socket callback, no drain may follow before the
+     * loop sleeps: one turn of it, which runs h before sleeping. Not from
+     * run_idle itself: a fn that queues itself again waits for the next sleep */
+    if (!loop->idle_running)
+        schedule_again(loop);
 }
 
 static bool idle_unlink(tdp__idle **list, tdp__idle *h)
@@ -260,6 +266,7 @@ static void run_idle(tdp_loop *loop)
 {
     loop->idle_run = loop->idle_head;
     loop->idle_head = NULL;
+    loop->idle_running = true;
     while (loop->idle_run != NULL) {
         tdp__idle *h = loop->idle_run;
         loop->idle_run = h->next;
@@ -267,6 +274,7 @@ static void run_idle(tdp_loop *loop)
         h->next = NULL;
         h->fn(h->arg);
     }
+    loop->idle_running = false;
 }
 
 /*
