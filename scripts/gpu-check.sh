@@ -152,6 +152,13 @@ if [[ $QUICK -eq 0 ]]; then
     UCX_TLS=tcp bench cpu_ucx_tcp --mem cpu --plane ucx --sizes 100MB
 fi
 
+say "first sends, prepared (tdp_pipe_prepare before the first send), 100 MB"
+if [[ $QUICK -eq 0 ]]; then
+    for plane in shm ucx cuda-ipc; do
+        bench "prep_cuda_$plane" --mem cuda --plane "$plane" --sizes 100MB --rounds 20 --prepare
+    done
+fi
+
 say "table"
 python3 - "$OUT" "$QUICK" <<'EOF'
 import glob, json, os, sys
@@ -248,6 +255,12 @@ for plane in ('shm', 'ucx'):
     d = rows(load('cuda_' + plane))
     verdict('%s, first send of 100 MB: x a steady send' % plane,
             ratio(get(d, 100000000, 'first_send_us'), steady_us(d.get(100000000))), 3.0, False)
+for plane in ('shm', 'ucx', 'cuda-ipc'):
+    d = rows(load('prep_cuda_' + plane))
+    r = d.get(100000000)
+    verdict('%s, prepared first send of 100 MB: x a steady send' % plane,
+            ratio(get(d, 100000000, 'first_send_us'),
+                  max(r['latency_us']['p50'], steady_us(r)) if r else None), 3.0, False)
 def ipc_p50(b):
     return get(ipc, b, 'latency_us', 'p50')
 for b, label in ((1000, '1 KB'), (100000000, '100 MB')):
