@@ -143,6 +143,48 @@ static tdp_schema *bench_schema(uint64_t bytes)
     return bench_schema_on(bytes, TDP_DEVICE_CPU_INIT);
 }
 
+/*
+ * TDPIPE_BENCH_PHASES=1: where each side's ping-pong time goes, the mean of
+ * each step per ping on stderr (the producer's after each size's pings,
+ * the consumer's when the stream after them starts). For finding a cost,
+ * not a figure: the marks themselves read the clock.
+ */
+enum { S_WAIT, S_GET, S_REL, S_LOAN, S_PUT, S_SEND, S_STEPS };
+static const char *const step_name[S_STEPS] = {"wait", "get", "release", "loan", "put", "send"};
+static struct {
+    bool on;
+    uint64_t last;
+    double sum[S_STEPS];
+    uint64_t pings;
+} steps;
+
+static void step_start(void)
+{
+    if (steps.on)
+        steps.last = tdp_cli_now_ns();
+}
+
+static void step_mark(int k)
+{
+    if (!steps.on)
+        return;
+    uint64_t now = tdp_cli_now_ns();
+    steps.sum[k] += (double)(now - steps.last) / 1e3;
+    steps.last = now;
+}
+
+static void steps_report(const char *side)
+{
+    if (steps.on && steps.pings > 0) {
+        fprintf(stderr, "tdpipe bench: %s, per ping (mean us):", side);
+        for (int k = 0; k < S_STEPS; k++)
+            fprintf(stderr, " %s %.2f", step_name[k], steps.sum[k] / (double)steps.pings);
+        fprintf(stderr, "\n");
+    }
+    memset(steps.sum, 0, sizeof(steps.sum));
+    steps.pings = 0;
+}
+
 /* The control words ride in the first HDR_BYTES of the buffer (host memory). */
 static int64_t *hdr_of(tdp_td *td)
 {
@@ -224,7 +266,11 @@ static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, cons
 {
     if (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), on_gpu(proto))) {
         tdp_err rc = hdr_put(proto, hdr);
-        return rc == TDP_OK ? tdp_pipe_send(p, proto, BENCH_TMO) : rc;
+        step_mark(S_PUT);
+        if (rc == TDP_OK)
+            rc = tdp_pipe_send(p, proto, BENCH_TMO);
+        step_mark(S_SEND);
+        return rc;
     }
     tdp_td *slot = NULL;
     tdp_err rc;
@@ -232,11 +278,14 @@ static tdp_err bench_send(const bench_cfg *cfg, tdp_pipe *p, tdp_td *proto, cons
     for (int i = 0;
          i < 100000 && (rc = tdp_pipe_loan(p, tdp_td_schema(proto), &slot)) == TDP_EAGAIN; i++)
         sched_yield();
+    step_mark(S_LOAN);
     if (rc != TDP_OK)
         return rc;
     rc = hdr_put(slot, hdr); /* a device slot's through a copy */
+    step_mark(S_PUT);
     if (rc == TDP_OK)
         rc = tdp_pipe_send(p, slot, BENCH_TMO);
+    step_mark(S_SEND);
     tdp_td_unref(slot);
     return rc;
 }
@@ -288,23 +337,33 @@ static tdp_err consume(const bench_cfg *cfg_in, tdp_pipe *pipe, bool watch)
     uint64_t t_start = 0;
     tdp_err rc;
     const tdp_plane plane = tdp_pipe_plane(pipe); /* fixed by the HELLO */
+    step_start();
     while ((rc = bench_recv(pipe, watch, &td)) == TDP_OK) {
         int64_t h[4];
         const bool gpu = on_gpu(td);
+        step_mark(S_WAIT);
         if ((rc = hdr_get(td, gpu, h)) != TDP_OK) {
             tdp_pipe_release(pipe, td);
             break;
         }
+        step_mark(S_GET);
+        if (h[0] == PH_PING)
+            steps.pings++;
+        else
+            steps_report("consumer");
         switch (h[0]) {
         case PH_PING:
             if (cfg->no_loan || !plane_lends(plane, gpu)) {
                 rc = tdp_pipe_send(pipe, td, BENCH_TMO); /* the same buffer, straight back */
+                step_mark(S_SEND);
                 tdp_pipe_release(pipe, td);
+                step_mark(S_REL);
             } else {
                 /* zero copy both ways: a slot of this side's pool answers */
                 int64_t back[4];
                 memcpy(back, h, sizeof(back));
                 tdp_pipe_release(pipe, td);
+                step_mark(S_REL);
                 if (echo == NULL || tdp_td_schema(echo) != tdp_td_schema(td)) {
                     tdp_td_unref(echo);
                     echo = tdp_td_ref(td); /* its layout; never sent itself */
@@ -637,8 +696,8 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     inflight fl;
     /* buffers of their own: 64 MiB of them at most (100 MB messages go one at a time) */
-    uint64_t n = bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes
-                                                                   : cfg->inflight;
+    uint64_t n =
+        bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes : cfg->inflight;
     bool async = n > 1 && !on_gpu(td) && (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
     if (async && (rc = inflight_init(&fl, (uint32_t)n, td)) != TDP_OK)
         return rc;
@@ -659,8 +718,10 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
             int64_t h[4] = {0};
             rc = hdr_get(got, on_gpu(got), h);
             if (rc == TDP_OK && h[0] != PH_STREAM) {
-                fprintf(stderr, "tdpipe bench: the consumer answered phase %lld where the "
-                                "stream's ack was due\n", (long long)h[0]);
+                fprintf(stderr,
+                        "tdpipe bench: the consumer answered phase %lld where the "
+                        "stream's ack was due\n",
+                        (long long)h[0]);
                 rc = TDP_EPROTO;
             }
             double secs = (double)h[1] / 1e9;
@@ -718,17 +779,22 @@ static tdp_err measure_size(const bench_cfg *cfg, tdp_pipe *p, uint64_t bytes, s
     for (int i = 0; i < warm + n && rc == TDP_OK; i++) {
         int64_t h[4] = {PH_PING, i, 0, 0};
         uint64_t a = tdp_cli_now_ns();
+        step_start();
         rc = bench_send(cfg, p, td, h);
         if (rc == TDP_OK)
             rc = tdp_pipe_recv(p, BENCH_TMO, &got);
         uint64_t b = tdp_cli_now_ns();
+        step_mark(S_WAIT);
         if (rc == TDP_OK)
             tdp_pipe_release(p, got);
+        step_mark(S_REL);
+        steps.pings++;
         if (i >= warm)
             lat[i - warm] = (double)(b - a) / 2e3;
         if (cfg->progress && (i % 256 == 0 || i == warm + n - 1))
             fprintf(stderr, "\r  %-9s latency   %5d/%d ", label, i + 1, warm + n);
     }
+    steps_report("producer");
     if (rc == TDP_OK) {
         tdp_bm_lat l;
         tdp_bm_lat_summary(lat, n, &l);
@@ -1132,8 +1198,8 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             rc = tdp_pipe_recv(p, SETUP_TMO, &got);
         if (rc == TDP_OK) {
             int64_t a[4] = {0}; /* wherever it landed */
-            bool bench_peer = hdr_get(got, on_gpu(got), a) == TDP_OK && a[0] == PH_SETUP &&
-                              a[1] == BENCH_MAGIC;
+            bool bench_peer =
+                hdr_get(got, on_gpu(got), a) == TDP_OK && a[0] == PH_SETUP && a[1] == BENCH_MAGIC;
             if (bench_peer) {
                 srv->depth = a[2];
                 srv->busy_poll_us = a[3];
@@ -1745,6 +1811,8 @@ int tdp_cmd_bench(int argc, char **argv)
     int rc = parse_args(argc, argv, &cfg);
     if (rc != TDP_EXIT_OK)
         return rc < 0 ? TDP_EXIT_OK : rc;
+    const char *ph = getenv("TDPIPE_BENCH_PHASES");
+    steps.on = ph != NULL && *ph != '\0' && strcmp(ph, "0") != 0;
     warn_rounds(&cfg);
     if (!cfg.consumer && !cfg.server && (rc = check_mem(&cfg)) != TDP_EXIT_OK)
         return rc; /* before any process or socket */

@@ -8,6 +8,7 @@ Receiving: a received buffer is turned into nested dicts of tensors that
 are DLPack views of it; the plan (which leaf goes where, the decoded
 non-tensor values) is made once per schema.
 """
+import os
 import json
 
 try:
@@ -845,10 +846,17 @@ def producer_done(device):
     """Before the library reads a CUDA buffer the caller wrote: wait for the
     work queued on torch's current stream of that device (the library reads
     on its own stream and waits for no other; docs/python.md, "GPU
-    tensors"). Nothing for the host (None) or without torch's CUDA."""
-    if device is not None and device != "cpu" and torch is not None and \
-            torch.cuda.is_available():
+    tensors"). Nothing for the host (None), without torch's CUDA, or when the
+    library runs on its fake device (TDPIPE_CUDA=fake: its device memory is
+    not torch's, and its device numbers need not exist in torch)."""
+    if device is None or device == "cpu" or torch is None or _fake_cuda():
+        return
+    if torch.cuda.is_available():
         torch.cuda.current_stream(device).synchronize()
+
+
+def _fake_cuda():
+    return os.environ.get("TDPIPE_CUDA", "").startswith(("fake", "off"))
 
 
 def consolidate(obj, as_="torch", _cache=None):
