@@ -358,6 +358,65 @@ static void test_cancel(void **state)
     free(back);
 }
 
+/*
+ * A small chunk on an idle stream is polled for: it is counted finished
+ * when the start returns, yet done still runs from the loop. A chunk queued
+ * behind another, one over the poll's size, and one that takes longer than
+ * the poll get host functions, and all land in order with their bytes.
+ */
+static void test_small_polled(void **state)
+{
+    fixture *fx = *state;
+    size_t small = 1000, big = 1u << 20;
+    unsigned char *src = malloc(big), *back = calloc(1, big), *back2 = calloc(1, small);
+    fill(src, big, 5);
+    void *dev;
+    OK(tdp__cuda_malloc(0, big, &dev));
+    tdp__stage_set_spin_ns(fx->st, 10ull * 1000 * 1000 * 1000); /* never runs out here */
+    rec a, b, c, d;
+    rec_init(&a, 1);
+    OK(start(fx, &a, dev, src, small, small, 0, 0));
+    assert_int_equal(tdp__stage_inflight(fx->st), 0); /* polled: landed on return */
+    assert_false(a.done);                             /* yet reported from the loop */
+    wait_all(fx, 1);
+    OK(a.status);
+    assert_true(a.on_loop);
+    assert_false(called_in_start);
+
+    /* over the poll's size, or behind a queued chunk: host functions */
+    tdp__cuda_fake_set_delay_us(20000);
+    rec_init(&b, 2);
+    rec_init(&c, 3);
+    OK(start(fx, &b, dev, src, big, big, 0, 0));
+    OK(start(fx, &c, back2, dev, small, small, 0, 0));
+    assert_int_equal(tdp__stage_inflight(fx->st), 2);
+    ndone = 0;
+    all_done = false;
+    wait_all(fx, 2);
+    OK(b.status);
+    OK(c.status);
+    assert_memory_equal(back2, src, small);
+
+    /* slower than the poll: it gives up and a host function reports it */
+    tdp__stage_set_spin_ns(fx->st, 100000);
+    rec_init(&d, 4);
+    OK(start(fx, &d, back, dev, small, small, 0, 0));
+    assert_int_equal(tdp__stage_inflight(fx->st), 1);
+    ndone = 0;
+    all_done = false;
+    wait_all(fx, 1);
+    OK(d.status);
+    assert_memory_equal(back, src, small);
+    assert_int_equal(order[0], 1);
+    assert_int_equal(order[1], 2);
+    assert_int_equal(order[2], 3);
+    assert_int_equal(order[3], 4);
+    tdp__cuda_free(dev);
+    free(src);
+    free(back);
+    free(back2);
+}
+
 /* A zero-length copy completes through the loop too. */
 static void test_empty(void **state)
 {
@@ -432,6 +491,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_copy_failure, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_empty, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_small_polled, setup, teardown),
         cmocka_unit_test_setup_teardown(test_no_alloc, setup, teardown),
         cmocka_unit_test(test_no_device),
     };

@@ -8,6 +8,14 @@
  * one was). The eventfd's libevent event runs dispatch, which settles
  * finished chunks, queues more, and runs callbacks with the stage in a
  * consistent state (a callback may start, extend or cancel any copy).
+ *
+ * A small chunk queued on an idle stream is polled for instead: an event
+ * recorded behind it is queried on the loop thread for up to SPIN_NS, and
+ * when it has passed the chunk is counted finished and the eventfd written
+ * here. A host function reaches the loop 26-44 us after a 1 KB copy on an
+ * H100 where the copy itself takes 6-7 us (tdp_gpu_copy --lat); the poll
+ * bounds what the loop gives up to that. A chunk not done in time gets its
+ * host function as any other.
  */
 #include "stage.h"
 
@@ -15,6 +23,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 #include <event2/event.h>
 
@@ -27,10 +36,16 @@ typedef struct stage_chunk {
     size_t end;         /* bytes of c landed when this chunk has */
 } stage_chunk;
 
+/* Polled chunks: at most this big, and polled for at most this long. */
+#define SPIN_BYTES (256u << 10)
+#define SPIN_NS    40000u
+
 struct tdp__stage {
     tdp_loop *loop;
     int dev;
     tdp__cuda_stream *stream;
+    tdp__cuda_event *spin_ev; /* NULL: every chunk gets a host function */
+    uint64_t spin_ns;         /* SPIN_NS; 0: no polling */
     int efd;
     struct event *ev;
     unsigned cap;
@@ -64,12 +79,37 @@ static void self_wake(tdp__stage *st)
     } while (w < 0 && errno == EINTR);
 }
 
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Whether the stream passed its last chunk within SPIN_NS (polled). */
+static bool spin_done(tdp__stage *st)
+{
+    if (tdp__cuda_event_record(st->spin_ev, st->stream) != TDP_OK)
+        return false;
+    uint64_t t0 = mono_ns();
+    for (;;) {
+        tdp_err rc = tdp__cuda_event_query(st->spin_ev);
+        if (rc != TDP_EAGAIN)
+            return rc == TDP_OK;
+        if (mono_ns() - t0 >= st->spin_ns)
+            return false;
+    }
+}
+
 /* Queue one chunk of c; false when it could not be (c->status says why). */
 static bool issue_chunk(tdp__stage *st, tdp__stage_copy *c)
 {
     size_t len = c->avail - c->issued;
     if (c->chunk > 0 && len > c->chunk)
         len = c->chunk;
+    /* nothing queued before it: its end is the event's */
+    bool idle = st->spin_ev != NULL && st->spin_ns > 0 && len <= SPIN_BYTES &&
+                atomic_load_explicit(&st->finished, memory_order_acquire) == st->issued;
     tdp_err rc = tdp__cuda_memcpy_async(c->dst + c->issued, c->src + c->issued, len, st->stream);
     if (rc != TDP_OK) {
         c->status = rc;
@@ -85,6 +125,11 @@ static bool issue_chunk(tdp__stage *st, tdp__stage_copy *c)
     unsigned now = (unsigned)(st->issued - st->settled);
     if (now > st->inflight_max)
         st->inflight_max = now;
+    if (idle && spin_done(st)) {
+        /* what its host function would have done; no other is pending */
+        chunk_finished(st);
+        return true;
+    }
     rc = tdp__cuda_launch_host_func(st->stream, chunk_finished, st);
     if (rc != TDP_OK) {
         /* Rare: nothing will count this chunk, so wait it out here. */
@@ -205,6 +250,9 @@ tdp_err tdp__stage_new(tdp_loop *loop, int dev, unsigned max_inflight, tdp__stag
     rc = tdp__cuda_stream_create(dev, &st->stream);
     if (rc != TDP_OK)
         goto err_close_efd;
+    if (tdp__cuda_event_create(dev, &st->spin_ev) != TDP_OK)
+        st->spin_ev = NULL; /* host functions alone */
+    st->spin_ns = SPIN_NS;
     st->ev = event_new(tdp__loop_base(loop), st->efd, EV_READ | EV_PERSIST, on_wake, st);
     if (st->ev == NULL || event_add(st->ev, NULL) != 0) {
         rc = TDP_ENOMEM;
@@ -216,6 +264,8 @@ tdp_err tdp__stage_new(tdp_loop *loop, int dev, unsigned max_inflight, tdp__stag
 err_destroy_stream:
     if (st->ev != NULL)
         event_free(st->ev);
+    if (st->spin_ev != NULL)
+        tdp__cuda_event_destroy(st->spin_ev);
     tdp__cuda_stream_destroy(st->stream);
 err_close_efd:
     close(st->efd);
@@ -232,6 +282,8 @@ void tdp__stage_free(tdp__stage *st)
         unlink_copy(st, st->head);
     /* waits for every queued chunk and host function: none runs after this */
     tdp__cuda_stream_destroy(st->stream);
+    if (st->spin_ev != NULL)
+        tdp__cuda_event_destroy(st->spin_ev);
     event_free(st->ev);
     close(st->efd);
     tdp__free(st);
@@ -288,6 +340,11 @@ void tdp__stage_copy_cancel(tdp__stage *st, tdp__stage_copy *c)
     if (queued)
         (void)tdp__cuda_stream_sync(st->stream);
     pump(st); /* copies behind c may go now */
+}
+
+void tdp__stage_set_spin_ns(tdp__stage *st, uint64_t ns)
+{
+    st->spin_ns = ns;
 }
 
 tdp__cuda_stream *tdp__stage_stream(const tdp__stage *st)

@@ -4,7 +4,8 @@
  * buffers) copies them here: one CUDA stream per link, copies cut into
  * chunks with a bounded number in flight, and the loop thread told of each
  * finished chunk by an eventfd that a host function queued behind the chunk
- * writes. Nothing polls the stream, nothing blocks the loop for a copy, and
+ * writes (a small chunk on an idle stream is polled for, briefly: stage.c).
+ * Nothing blocks the loop for a copy beyond that poll, and
  * nothing is allocated per copy once the stage exists.
  *
  * Threads: every function runs on the loop's thread (or while nobody runs
@@ -97,6 +98,11 @@ void tdp__stage_copy_avail(tdp__stage *st, tdp__stage_copy *c, size_t avail);
  */
 void tdp__stage_copy_cancel(tdp__stage *st, tdp__stage_copy *c);
 
+/*
+ * How long a small chunk queued on an idle stream is polled for before it
+ * gets a host function (default 40 us; 0: never polled). For tests.
+ */
+void tdp__stage_set_spin_ns(tdp__stage *st, uint64_t ns);
 /* The stage's stream (for an event or a wait ordered after its copies). */
 tdp__cuda_stream *tdp__stage_stream(const tdp__stage *st);
 int tdp__stage_device(const tdp__stage *st);
