@@ -24,6 +24,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "core/cuda.h"
+#include "pipe/shm/plane_shm.h"
 
 #define OK(x) assert_int_equal((x), TDP_OK)
 #define TMO   20000
@@ -320,6 +321,41 @@ static void test_setup_at_connect(void **state)
         env_down(&e);
     }
     assert_int_equal(grown[1] - grown[0], 2);
+}
+
+/*
+ * A layout prepared ahead (tdp_pipe_prepare): the receiver maps its pool
+ * and page-locks the mapping when the announcement comes, before any
+ * message, and the first message then maps and pins nothing (page-locking
+ * a pool was most of a staged first send's time on an H100).
+ */
+static void test_prepared_pool_pinned_ahead(void **state)
+{
+    (void)state;
+    env e;
+    env_up(&e, true, NULL);
+    uint64_t mapped = tdp__shm_rx_pools_mapped(), pinned = tdp__shm_pools_pinned();
+    tdp_schema *sc = schema_of(3 << 20, CUDA0);
+    tdp_td *td, *got;
+    OK(tdp_td_new(sc, &td));
+    OK(tdp_pipe_prepare(e.cli, sc, TMO));
+    /* no message yet: the receiver's loop thread takes the announcement */
+    for (int i = 0; i < 1000 && tdp__shm_rx_pools_mapped() == mapped; i++)
+        usleep(10 * 1000);
+    for (int i = 0; i < 1000 && tdp__shm_pools_pinned() < pinned + 2; i++)
+        usleep(10 * 1000);
+    assert_int_equal(tdp__shm_rx_pools_mapped(), mapped + 1);
+    assert_int_equal(tdp__shm_pools_pinned(), pinned + 2); /* the sender's and the receiver's */
+    fill(td, 9);
+    OK(tdp_pipe_send(e.cli, td, TMO));
+    OK(tdp_pipe_recv(e.srv, TMO, &got));
+    assert_true(holds(got, 9));
+    assert_int_equal(tdp__shm_rx_pools_mapped(), mapped + 1); /* nothing more at the message */
+    assert_int_equal(tdp__shm_pools_pinned(), pinned + 2);
+    tdp_pipe_release(e.srv, got);
+    tdp_td_unref(td);
+    tdp_schema_unref(sc);
+    env_down(&e);
 }
 
 /* Steady state: no allocation per message, either side, staged or streamed. */
@@ -668,6 +704,7 @@ int main(void)
         cmocka_unit_test_setup(test_no_alloc, setup),
         cmocka_unit_test_setup(test_setup_at_connect, setup),
         cmocka_unit_test_setup(test_pipelined, setup),
+        cmocka_unit_test_setup(test_prepared_pool_pinned_ahead, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -623,12 +623,28 @@ static tdp_err bounce_run(bounce_op op, int dev, void *dst, const void *src, int
     return drv_err(r, op == BOUNCE_SET ? "cuMemsetD8Async" : "cuMemcpyAsync");
 }
 
+/*
+ * A large call on dev's memory makes dev's bounce, so that the small ones
+ * to come (a message's control words after its buffer was filled) do not
+ * pay for it.
+ */
+static void bounce_prepare(int dev)
+{
+    CUcontext prev = NULL;
+    (void)drv.cuCtxGetCurrent(&prev);
+    pthread_mutex_lock(&bounce_lock);
+    (void)bounce_ready(dev);
+    pthread_mutex_unlock(&bounce_lock);
+    if (prev != NULL)
+        (void)drv.cuCtxSetCurrent(prev);
+}
+
 static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
 {
+    tdp__cuda_ptr_info di, si;
+    (void)drv_ptr_info(dst, &di);
+    (void)drv_ptr_info(src, &si);
     if (n <= DRV_BOUNCE_BYTES) {
-        tdp__cuda_ptr_info di, si;
-        (void)drv_ptr_info(dst, &di);
-        (void)drv_ptr_info(src, &si);
         tdp_err rc = TDP_EAGAIN;
         if (di.kind == TDP__CUDA_PTR_DEVICE && si.kind == TDP__CUDA_PTR_HOST)
             rc = bounce_run(BOUNCE_H2D, di.device, dst, src, 0, n);
@@ -636,6 +652,8 @@ static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
             rc = bounce_run(BOUNCE_D2H, si.device, dst, src, 0, n);
         if (rc != TDP_EAGAIN)
             return rc;
+    } else if (di.kind == TDP__CUDA_PTR_DEVICE || si.kind == TDP__CUDA_PTR_DEVICE) {
+        bounce_prepare(di.kind == TDP__CUDA_PTR_DEVICE ? di.device : si.device);
     }
     tdp_err rc = ctx_any();
     if (rc != TDP_OK)
@@ -653,14 +671,16 @@ static tdp_err drv_sync_default(void)
 
 static tdp_err drv_memset(void *p, int byte, size_t n)
 {
+    tdp__cuda_ptr_info pi;
+    (void)drv_ptr_info(p, &pi);
     if (n <= DRV_BOUNCE_BYTES) {
-        tdp__cuda_ptr_info pi;
-        (void)drv_ptr_info(p, &pi);
         tdp_err rc = pi.kind == TDP__CUDA_PTR_DEVICE
                          ? bounce_run(BOUNCE_SET, pi.device, p, NULL, byte, n)
                          : TDP_EAGAIN;
         if (rc != TDP_EAGAIN)
             return rc;
+    } else if (pi.kind == TDP__CUDA_PTR_DEVICE) {
+        bounce_prepare(pi.device);
     }
     tdp_err rc = ctx_any();
     if (rc != TDP_OK)

@@ -73,7 +73,7 @@
 
 /* ---- socket messages ---------------------------------------------------------- */
 
-#define MSG_MAGIC      0x314d5350u /* "PSM1" */
+#define MSG_MAGIC      0x314d5350u   /* "PSM1" */
 #define MSG_INLINE_MAX (32u * 1024u) /* larger JSON travels in a memfd */
 #define MSG_HDR_BYTES  80u
 /*
@@ -86,8 +86,8 @@
  */
 #define PEND_POOLS(depth)   (2u * (depth) + 1u)
 #define PEND_SCHEMAS(depth) ((depth) + 1u)
-#define MAX_GEN        0x00ffffffu                /* generations fit 24 bits of a descriptor */
-#define ACCEPT_PENDING 64u /* connections not yet proven, per loop */
+#define MAX_GEN             0x00ffffffu /* generations fit 24 bits of a descriptor */
+#define ACCEPT_PENDING      64u         /* connections not yet proven, per loop */
 
 /*
  * MSG_DPOOL (cuda-ipc links only): a pool of device slots, in force as a
@@ -107,18 +107,18 @@ typedef struct shm_msg {
     uint16_t flags;
     uint32_t gen; /* CTL, POOL: the segment's generation */
     uint32_t pad;
-    uint64_t seq;      /* POOL, SCHEMA: the DATA it comes into force at */
-    uint64_t hash;     /* SCHEMA */
-    uint64_t json_len; /* SCHEMA */
-    uint64_t total;    /* SCHEMA: the layout's bytes */
+    uint64_t seq;                      /* POOL, SCHEMA: the DATA it comes into force at */
+    uint64_t hash;                     /* SCHEMA */
+    uint64_t json_len;                 /* SCHEMA */
+    uint64_t total;                    /* SCHEMA: the layout's bytes */
     uint8_t key[TDP_SHM_KEY_LEN];      /* PROOF: the listening side's key */
     uint8_t peer_key[TDP_SHM_KEY_LEN]; /* PROOF: the connecting side's key */
 } shm_msg;
 _Static_assert(sizeof(shm_msg) == MSG_HDR_BYTES, "socket message header is 80 bytes");
 
 /* Descriptor type word: the low byte is the type, the rest the pool generation. */
-#define DESC_TYPE(w) ((w) & 0xffu)
-#define DESC_GEN(w)  ((w) >> 8)
+#define DESC_TYPE(w)         ((w)&0xffu)
+#define DESC_GEN(w)          ((w) >> 8)
 #define DESC_WORD(type, gen) ((uint32_t)(type) | ((uint32_t)(gen) << 8))
 
 /* ---- state ---------------------------------------------------------------------- */
@@ -134,15 +134,15 @@ typedef struct tx_slot {
     tx_pool *pool;
     tdp_td *td;
     uint32_t idx;
-    uint64_t held;  /* the group's links it is in flight on: sent, not yet released */
-    bool parked;    /* held by a link that closed while its peer lives: never reused */
-    bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
+    uint64_t held; /* the group's links it is in flight on: sent, not yet released */
+    bool parked;   /* held by a link that closed while its peer lives: never reused */
+    bool staging;  /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
 struct tx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per slot view alive */
     tdp__shm_seg *seg;
-    tdp__dpool *dp; /* cuda-ipc: device slots instead of seg */
+    tdp__dpool *dp;                /* cuda-ipc: device slots instead of seg */
     uint32_t gen, nslots, nflight; /* nflight: holds, a link's bit on a slot each */
     uint64_t stride;
     tx_slot *slots;
@@ -193,11 +193,13 @@ struct rx_pool {
 /* An announcement read from the socket, waiting for its DATA. */
 typedef struct pend_msg {
     shm_msg m;
-    char *json; /* SCHEMA, inline */
+    char *json;                 /* SCHEMA, inline */
     uint8_t legacy[LEGACY_LEN]; /* DPOOL without an fd: its legacy handle */
-    int fds[3]; /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
+    int fds[3];                 /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
     uint32_t nfds;
-    tdp__dpool *dp; /* DPOOL: imported as it came, in force at its DATA */
+    tdp__dpool *dp;    /* DPOOL: imported as it came, in force at its DATA */
+    tdp__shm_seg *seg; /* POOL: mapped (and page-locked with a stage) as it came */
+    bool registered;
 } pend_msg;
 
 /* A send that came before the socket was up. */
@@ -271,12 +273,12 @@ struct tdp__link {
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     uint64_t prep_ann_seq;       /* s_prepare announced a schema for this DATA seq (0: none) */
-    bool loan_starved; /* a loan was refused for want of a free slot */
+    bool loan_starved;           /* a loan was refused for want of a free slot */
     /* seqs of POOLs announced that the receiver may not have in force yet */
     uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
     uint32_t pool_ann_head, npool_ann;
     bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
-    early_tx *early; /* sends waiting, oldest first: for the socket, or for a slot */
+    early_tx *early;     /* sends waiting, oldest first: for the socket, or for a slot */
     uint32_t nearly, capearly;
     /* early holds sends that found every slot of the shared group held:
      * they go, in order, when one is released (shm_ext.slot_ev) */
@@ -286,13 +288,13 @@ struct tdp__link {
     tdp__shm_seg *rx_ctl;
     tdp__source *rx_src; /* the data ring */
     bool rx_armed;
-    rx_pool *rpool;      /* in force; retired ones in rpool->next */
+    rx_pool *rpool; /* in force; retired ones in rpool->next */
     uint32_t last_gen;
     pend_msg *pend; /* a ring of pend_cap */
     uint32_t pend_head, npend, pend_cap, npend_pools, npend_schemas;
     tdp_schema *rx_schema;
     uint64_t rx_hash;
-    rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
+    rx_slot *held[TDP_MAX_DEPTH];  /* by session slot */
     tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
     struct dev_store *dstore[TDP_MAX_DEPTH]; /* their storage, kept across layouts */
 
@@ -332,7 +334,7 @@ struct shm_ext {
     int lfd;
     char name[TDP__SHM_NAME_LEN];
     struct event *lev;
-    struct event *resume; /* accepting paused: out of descriptors */
+    struct event *resume;  /* accepting paused: out of descriptors */
     struct event *slot_ev; /* a slot of a shared group came back: waiting links send */
     uint32_t slot_waits;   /* links with slot_wait set */
     struct tdp__link *links;
@@ -354,6 +356,8 @@ static void group_slot_back(struct tdp__link *l);
  * driver bounce them through its own buffers, synchronously). Failure only
  * costs speed.
  */
+static _Atomic uint64_t rx_pools_mapped, pools_pinned; /* tdp__shm_rx_pools_mapped */
+
 static bool seg_register(tdp__shm_seg *seg)
 {
     if (seg == NULL)
@@ -363,6 +367,8 @@ static bool seg_register(tdp__shm_seg *seg)
     if (rc != TDP_OK)
         tdp_log_debug("shm: pool not page-locked (%s): GPU copies go at pageable speed",
                       tdp_strerror(rc));
+    else
+        atomic_fetch_add_explicit(&pools_pinned, 1, memory_order_relaxed);
     return rc == TDP_OK;
 }
 
@@ -908,7 +914,8 @@ static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint3
                        .seq = tx->seq,
                        .hash = tdp_schema_hash(tx->td->schema),
                        .arg = tx->td->nbytes};
-    if (l->sum_on && type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
+    if (l->sum_on &&
+        type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
         d.arg = tdp__sum_tx(tx_mem(s->pool, s->idx), tx->td->nbytes, tx->seq);
     if (s->pool->dp != NULL)
         tdp__dpool_publish(s->pool->dp); /* the slot's bytes before the descriptor */
@@ -1032,7 +1039,8 @@ static bool ipc_dev_ok(struct tdp__link *l, int dev)
         return false;
     if (l->ipc_reach[dev] == 0) {
         uint8_t u[TDP_CUDAIPC_UUID];
-        bool ok = tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc.gpus, u);
+        bool ok =
+            tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc.gpus, u);
         l->ipc_reach[dev] = ok ? 1 : -1;
         if (!ok)
             tdp_log_info("cuda-ipc: the peer does not see cuda:%d: its payloads go staged", dev);
@@ -1080,7 +1088,7 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
         return rc;
-    if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
+    if (!loaned && !gpu) /* a plain send: one copy, into a slot */
         memcpy(tx_mem(s->pool, s->idx), td->data, td->nbytes);
     /* the slot is taken from now on, and later announcements follow this seq */
     s->held |= l->bit;
@@ -1268,8 +1276,7 @@ static int tx_arm(void *arg)
      * and the receiver is spared an eventfd write per message (and this
      * side a wakeup). The safety timer bounds how stale they can get.
      */
-    bool group_waits =
-        l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
+    bool group_waits = l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
     if (l->last_seq - l->seq0 - l->released < l->tx_win_now && !l->loan_starved && !group_waits)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
@@ -1565,6 +1572,18 @@ static tdp_err sock_read_one(struct tdp__link *l)
             close_fds(fds, nfds);
             return TDP_EPROTO;
         }
+        /*
+         * Mapped, and page-locked for GPU copies, as it comes, not when its
+         * first DATA puts it in force: a pool announced ahead
+         * (tdp_pipe_prepare) costs that message nothing (page-locking
+         * 400 MB is most of a staged first send's time).
+         */
+        if ((rc = rx_map_pool(l, &pm, &pm.seg)) != TDP_OK)
+            return rc;
+        pm.nfds = 0; /* the segment's now */
+        atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
+        if (l->stage != NULL)
+            pm.registered = seg_register(pm.seg);
     } else {
         bool in_fd = m.flags & MSG_F_JSON_FD;
         if (m.json_len == 0 || m.json_len > l->max_json || m.total > l->max_total ||
@@ -1616,6 +1635,7 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
         pm->json = NULL;
         pm->nfds = 0;
         pm->dp = NULL;
+        pm->seg = NULL;
         l->pend_head = (l->pend_head + 1) % l->pend_cap;
         l->npend--;
         if (cur.m.type == MSG_POOL || cur.m.type == MSG_DPOOL) {
@@ -1626,16 +1646,21 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
                 tdp__dpool_unref(cur.dp);
                 return TDP_ENOMEM;
             }
-            tdp_err rc;
+            tdp_err rc = TDP_OK;
             if (cur.m.type == MSG_DPOOL) {
                 rc = rx_open_dpool(&cur, p);
-            } else if ((rc = rx_map_pool(l, &cur, &p->seg)) == TDP_OK) {
+            } else if (cur.seg == NULL) {
+                rc = TDP_EPROTO;
+            } else {
+                p->seg = cur.seg; /* mapped when it came */
+                p->registered = cur.registered;
                 p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
                 p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
             }
             rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
             if (slots == NULL) {
                 tdp__dpool_unref(cur.dp); /* not taken */
+                seg_unregister(p->seg, p->registered);
                 tdp__shm_seg_close(p->seg);
                 tdp__dpool_unref(p->dp);
                 tdp__free(p);
@@ -1646,7 +1671,7 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             p->slots = slots;
             for (uint32_t i = 0; i < p->nslots; i++)
                 slots[i].pool = p;
-            if (l->stage != NULL)
+            if (l->stage != NULL && !p->registered)
                 p->registered = seg_register(p->seg);
             /* keep the superseded pool in the list while it has slots out */
             rx_pool *old = l->rpool;
@@ -1969,8 +1994,8 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     if (p->dp != NULL)
         tdp__dpool_publish(p->dp); /* our reads of the slot before the sender rewrites it */
     if (!l->failed && l->rx_ctl != NULL) {
-        tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen), .slot =
-                               (uint32_t)(s - p->slots)};
+        tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen),
+                           .slot = (uint32_t)(s - p->slots)};
         tdp__shm_ring *r = tdp__shm_seg_tx(l->rx_ctl);
         if (tdp__shm_ring_push(r, &d) != TDP_OK || tdp__shm_ring_notify(r) != TDP_OK)
             link_fail(l, TDP_EPROTO, "release ring full or broken");
@@ -2368,6 +2393,9 @@ static void link_teardown(struct tdp__link *l)
         close_fds(pm->fds, pm->nfds);
         tdp__dpool_unref(pm->dp);
         pm->dp = NULL;
+        seg_unregister(pm->seg, pm->registered);
+        tdp__shm_seg_close(pm->seg);
+        pm->seg = NULL;
     }
     l->npend = l->npend_pools = l->npend_schemas = 0;
     /* views the application holds keep their pool mapped */
@@ -2771,8 +2799,8 @@ tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *js
     if (rc != TDP_OK)
         return rc;
     if (json != NULL) {
-        shm_msg m = {.type = MSG_SCHEMA, .seq = seq, .hash = d->hash, .json_len = jlen,
-                     .total = total};
+        shm_msg m = {
+            .type = MSG_SCHEMA, .seq = seq, .hash = d->hash, .json_len = jlen, .total = total};
         if ((rc = msg_send(l, &m, json, jlen, NULL, 0)) != TDP_OK)
             return rc;
     }
@@ -2967,4 +2995,14 @@ bool tdp__shm_link_up(const tdp__link *l)
 bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td)
 {
     return l != NULL && td != NULL && tx_loaned(l, td) != NULL;
+}
+
+uint64_t tdp__shm_rx_pools_mapped(void)
+{
+    return atomic_load_explicit(&rx_pools_mapped, memory_order_relaxed);
+}
+
+uint64_t tdp__shm_pools_pinned(void)
+{
+    return atomic_load_explicit(&pools_pinned, memory_order_relaxed);
 }
