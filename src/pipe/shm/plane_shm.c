@@ -49,6 +49,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -228,9 +229,28 @@ typedef struct staged_rx {
     _Atomic uint64_t *prog; /* streamed: the sender's progress word */
 } staged_rx;
 
-/* GPU copies: chunks in flight per copy, and their size */
-#define STAGE_CHUNK    (4u << 20)
+/*
+ * GPU copies: chunks in flight per copy, and their size: 4 MiB, or
+ * TDPIPE_STAGE_CHUNK_KIB (256 KiB to 64 MiB, read once; a tuning knob for
+ * measuring, docs/gpu.md).
+ */
 #define STAGE_INFLIGHT 4u
+static size_t stage_chunk(void)
+{
+    static _Atomic size_t chunk;
+    size_t c = atomic_load_explicit(&chunk, memory_order_relaxed);
+    if (c == 0) {
+        c = 4u << 20;
+        const char *e = getenv("TDPIPE_STAGE_CHUNK_KIB");
+        char *end = NULL;
+        unsigned long v = e != NULL ? strtoul(e, &end, 10) : 0;
+        if (e != NULL && end != e && *end == '\0' && v >= 256 && v <= (64u << 10))
+            c = (size_t)v << 10;
+        atomic_store_explicit(&chunk, c, memory_order_relaxed);
+    }
+    return c;
+}
+#define STAGE_CHUNK (stage_chunk())
 
 /*
  * Streaming: a GPU payload of STREAM_MIN bytes or more has its descriptor
