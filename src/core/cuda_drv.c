@@ -45,7 +45,6 @@
     X(cuMemcpyAsync)                                                                               \
     X(cuMemcpy)                                                                                    \
     X(cuMemsetD8)                                                                                  \
-    X(cuMemsetD8Async)                                                                             \
     X(cuLaunchHostFunc)                                                                            \
     X(cuEventCreate)                                                                               \
     X(cuEventDestroy)                                                                              \
@@ -542,119 +541,8 @@ static tdp_err drv_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_
         "cuMemcpyAsync");
 }
 
-/*
- * Small synchronous copies between pageable host memory and a device, and
- * small fills (tdp_mem_copy, tdp_mem_set): through a page-locked bounce
- * buffer and a stream of the device's own, waited for on the CPU, after a
- * wait for the default stream (so they stay ordered after work queued
- * there, as cuMemcpy is). On an H100, cuMemcpy of 32 bytes from pageable
- * memory took 144 us in a process with a cuda-ipc pool (6 us without);
- * this path took 6-7 us in both (docs/gpu.md). One bounce per device,
- * made at its first use, shared under a lock: these calls may come from
- * any thread.
- */
-#define DRV_BOUNCE_BYTES (64u << 10)
-static pthread_mutex_t bounce_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-    CUstream s;
-    void *buf;
-    bool failed; /* could not be made: the plain calls serve this device */
-} bounce[DRV_MAX_DEVICES];
-
-/* dev's bounce with dev's context current; false: use the plain call. bounce_lock held. */
-static bool bounce_ready(int dev)
-{
-    if (dev < 0 || dev >= DRV_MAX_DEVICES || bounce[dev].failed || drv_ctx_set(dev) != TDP_OK)
-        return false;
-    if (bounce[dev].buf != NULL)
-        return true;
-    CUstream s = NULL;
-    void *buf = NULL;
-    if (drv.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
-        drv.cuMemHostAlloc(&buf, DRV_BOUNCE_BYTES, 0) != CUDA_SUCCESS) {
-        if (s != NULL)
-            (void)drv.cuStreamDestroy(s);
-        bounce[dev].failed = true;
-        tdp_log_debug("cuda: no bounce buffer on cuda:%d; small copies use cuMemcpy", dev);
-        return false;
-    }
-    bounce[dev].s = s;
-    bounce[dev].buf = buf;
-    return true;
-}
-
-typedef enum { BOUNCE_H2D, BOUNCE_D2H, BOUNCE_SET } bounce_op;
-
-/* TDP_EAGAIN when the bounce cannot take it (the plain call then does). */
-static tdp_err bounce_run(bounce_op op, int dev, void *dst, const void *src, int byte, size_t n)
-{
-    CUcontext prev = NULL;
-    (void)drv.cuCtxGetCurrent(&prev);
-    pthread_mutex_lock(&bounce_lock);
-    if (!bounce_ready(dev)) {
-        pthread_mutex_unlock(&bounce_lock);
-        return TDP_EAGAIN;
-    }
-    CUstream s = bounce[dev].s;
-    void *buf = bounce[dev].buf;
-    /* after what the default stream holds, as the plain calls are */
-    CUresult r = drv.cuStreamSynchronize(NULL);
-    if (r == CUDA_SUCCESS) {
-        switch (op) {
-        case BOUNCE_H2D:
-            memcpy(buf, src, n);
-            r = drv.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)buf, n, s);
-            break;
-        case BOUNCE_D2H:
-            r = drv.cuMemcpyAsync((CUdeviceptr)(uintptr_t)buf, (CUdeviceptr)(uintptr_t)src, n, s);
-            break;
-        case BOUNCE_SET:
-            r = drv.cuMemsetD8Async((CUdeviceptr)(uintptr_t)dst, (unsigned char)byte, n, s);
-            break;
-        }
-    }
-    if (r == CUDA_SUCCESS)
-        r = drv.cuStreamSynchronize(s);
-    if (r == CUDA_SUCCESS && op == BOUNCE_D2H)
-        memcpy(dst, buf, n);
-    pthread_mutex_unlock(&bounce_lock);
-    if (prev != NULL)
-        (void)drv.cuCtxSetCurrent(prev);
-    return drv_err(r, op == BOUNCE_SET ? "cuMemsetD8Async" : "cuMemcpyAsync");
-}
-
-/*
- * A large call on dev's memory makes dev's bounce, so that the small ones
- * to come (a message's control words after its buffer was filled) do not
- * pay for it.
- */
-static void bounce_prepare(int dev)
-{
-    CUcontext prev = NULL;
-    (void)drv.cuCtxGetCurrent(&prev);
-    pthread_mutex_lock(&bounce_lock);
-    (void)bounce_ready(dev);
-    pthread_mutex_unlock(&bounce_lock);
-    if (prev != NULL)
-        (void)drv.cuCtxSetCurrent(prev);
-}
-
 static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
 {
-    tdp__cuda_ptr_info di, si;
-    (void)drv_ptr_info(dst, &di);
-    (void)drv_ptr_info(src, &si);
-    if (n <= DRV_BOUNCE_BYTES) {
-        tdp_err rc = TDP_EAGAIN;
-        if (di.kind == TDP__CUDA_PTR_DEVICE && si.kind == TDP__CUDA_PTR_HOST)
-            rc = bounce_run(BOUNCE_H2D, di.device, dst, src, 0, n);
-        else if (si.kind == TDP__CUDA_PTR_DEVICE && di.kind == TDP__CUDA_PTR_HOST)
-            rc = bounce_run(BOUNCE_D2H, si.device, dst, src, 0, n);
-        if (rc != TDP_EAGAIN)
-            return rc;
-    } else if (di.kind == TDP__CUDA_PTR_DEVICE || si.kind == TDP__CUDA_PTR_DEVICE) {
-        bounce_prepare(di.kind == TDP__CUDA_PTR_DEVICE ? di.device : si.device);
-    }
     tdp_err rc = ctx_any();
     if (rc != TDP_OK)
         return rc;
@@ -671,17 +559,6 @@ static tdp_err drv_sync_default(void)
 
 static tdp_err drv_memset(void *p, int byte, size_t n)
 {
-    tdp__cuda_ptr_info pi;
-    (void)drv_ptr_info(p, &pi);
-    if (n <= DRV_BOUNCE_BYTES) {
-        tdp_err rc = pi.kind == TDP__CUDA_PTR_DEVICE
-                         ? bounce_run(BOUNCE_SET, pi.device, p, NULL, byte, n)
-                         : TDP_EAGAIN;
-        if (rc != TDP_EAGAIN)
-            return rc;
-    } else if (pi.kind == TDP__CUDA_PTR_DEVICE) {
-        bounce_prepare(pi.device);
-    }
     tdp_err rc = ctx_any();
     if (rc != TDP_OK)
         return rc;
