@@ -692,6 +692,8 @@ static void test_pipelined(void **state)
 
 int main(void)
 {
+    /* 4 MiB chunks, so that the multi-chunk and streamed cases stay small (test_pipelined) */
+    setenv("TDPIPE_STAGE_CHUNK_KIB", "4096", 1);
     const struct CMUnitTest tests[] = {
         /* first: they fork, and the child must not inherit a running thread */
         cmocka_unit_test_setup(test_sender_killed, setup),

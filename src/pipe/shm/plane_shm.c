@@ -230,9 +230,13 @@ typedef struct staged_rx {
 } staged_rx;
 
 /*
- * GPU copies: chunks in flight per copy, and their size: 4 MiB, or
+ * GPU copies: chunks in flight per copy, and their size: 64 MiB, or
  * TDPIPE_STAGE_CHUNK_KIB (256 KiB to 64 MiB, read once; a tuning knob for
- * measuring, docs/gpu.md).
+ * measuring, docs/gpu.md). On an H100, 100 MB staged between two
+ * processes went at 41.7 GB/s in 64 MiB chunks, 26.5 in 16 MiB and 28.5
+ * in 4 MiB (one run each, docs/benchmarks.md): each chunk costs a turn of
+ * both processes' copies on the one GPU, more than the overlap of a
+ * streamed message's chunks gains.
  */
 #define STAGE_INFLIGHT 4u
 static size_t stage_chunk(void)
@@ -240,7 +244,7 @@ static size_t stage_chunk(void)
     static _Atomic size_t chunk;
     size_t c = atomic_load_explicit(&chunk, memory_order_relaxed);
     if (c == 0) {
-        c = 4u << 20;
+        c = 64u << 20;
         const char *e = getenv("TDPIPE_STAGE_CHUNK_KIB");
         char *end = NULL;
         unsigned long v = e != NULL ? strtoul(e, &end, 10) : 0;
