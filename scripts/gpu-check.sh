@@ -15,7 +15,9 @@
 #      first python3 on PATH with torch, NumPy and pytest);
 #   4. runs `tdpipe bench --mem cuda` on each plane from 1 KB to 1 GB, the
 #      same plane with host memory, and UCX over TCP both ways;
-#   5. measures the copy limits in the same run (tdp_gpu_copy) and the
+#   5. measures the copy limits in the same run (tdp_gpu_copy, and the
+#      latency of one small copy: --lat), where a 1 KB ping-pong's time
+#      goes on each plane (TDPIPE_BENCH_PHASES), and the
 #      same-host hand-off peers (tdp_gpu_ipc: a pool exported once and a
 #      CPU-side stream wait per message; PyTorch's CUDA IPC through
 #      torch.multiprocessing, bench/torch_cuda_ipc.py, where torch has
@@ -113,6 +115,10 @@ $B/bench/tdp_gpu_copy --size 100000000 --json >"$OUT/copy.json" 2>"$OUT/copy.err
     FAILED+=(copy_limits)
 cat "$OUT/copy.json"
 
+say "one small copy, and the ways to learn it finished (tdp_gpu_copy --lat, 32 bytes)"
+$B/bench/tdp_gpu_copy --lat --reps 1000 >"$OUT/lat.txt" 2>&1 || FAILED+=(copy_lat)
+cat "$OUT/lat.txt"
+
 say "same-host hand-off peers: tdp_gpu_ipc, torch.multiprocessing CUDA IPC"
 $B/bench/tdp_gpu_ipc --sizes 1000,1000000,100000000 --rounds 1000 --json >"$OUT/ipc_floor.json" \
     2>"$OUT/ipc_floor.err" || FAILED+=(ipc_floor)
@@ -146,6 +152,13 @@ for plane in $("$TDPIPE" version | sed -n 's/^planes: *//p' | tr ',' ' '); do
     # cuda-ipc is offered only by pipes that name a GPU: no host-memory run
     [[ $plane == cuda-ipc ]] || bench "cpu_$plane" --mem cpu --plane "$plane" --sizes "$SIZES"
 done
+say "where a 1 KB ping-pong's time goes, each side (TDPIPE_BENCH_PHASES)"
+for plane in cuda-ipc shm ucx; do
+    echo "  $plane:"
+    TDPIPE_BENCH_PHASES=1 timeout 60 "$TDPIPE" bench --quiet --mem cuda --plane "$plane" \
+        --sizes 1KB --rounds 2000 2>&1 | grep "per ping" | sed 's/^tdpipe bench: /    /'
+done
+
 say "UCX over TCP, 100 MB: device vs host"
 if [[ $QUICK -eq 0 ]]; then
     UCX_TLS=tcp bench cuda_ucx_tcp --mem cuda --plane ucx --sizes 100MB
