@@ -17,7 +17,17 @@
  * Neither side records an interprocess event per message: a CPU-side
  * stream wait costs far less (the issue's ipc_pingpong figures).
  *
- *   tdp_gpu_ipc [--sizes LIST] [--rounds N] [--device D] [--json]
+ * --both-ways: as a cuda-ipc pipe's bench does, the answer goes back the
+ * same way: the consumer exports a pool of its own, which the producer
+ * imports; per message the consumer writes the 8 bytes into its slot and
+ * the producer reads them back and checks them. --sync-copies: every
+ * 8-byte copy is the synchronous call tdp_mem_copy makes (cuMemcpy from
+ * or to pageable memory, then a wait for the default stream) instead of
+ * page-locked memory, an async copy and a stream wait. Together they take
+ * apart what a GPU ping-pong's small copies cost (docs/gpu.md).
+ *
+ *   tdp_gpu_ipc [--sizes LIST] [--rounds N] [--device D] [--both-ways]
+ *               [--sync-copies] [--json]
  *
  * LIST: comma-separated byte counts (default 1000,1000000,100000000). The
  * payload size only sets the slot size (nothing but the 8 bytes is
@@ -39,7 +49,7 @@
 #include "core/cuda.h"
 #include "pipe/shm/shm.h"
 
-#define SLOTS 4
+#define SLOTS     4
 #define MAX_SIZES 16
 
 static double now_us(void)
@@ -74,37 +84,93 @@ static bool xfer(int fd, void *buf, size_t n, bool wr)
 /* What the producer sends once: the pool's handle (its fd, if any, rides along). */
 typedef struct hello {
     uint64_t slot_bytes;
+    uint32_t flags; /* F_* */
     tdp__cuda_ipc h;
 } hello;
+#define F_BOTH 1u /* --both-ways */
+#define F_SYNC 2u /* --sync-copies */
+
+/* 8 bytes to device memory, or back, as the flags say. */
+static bool put8(void *dst, uint64_t v, void *pin, tdp__cuda_stream *s, uint32_t flags)
+{
+    if (flags & F_SYNC)
+        return tdp__cuda_memcpy(dst, &v, 8) == TDP_OK;
+    memcpy(pin, &v, 8);
+    return tdp__cuda_memcpy_async(dst, pin, 8, s) == TDP_OK && tdp__cuda_stream_sync(s) == TDP_OK;
+}
+
+static bool get8(uint64_t *v, const void *src, void *pin, tdp__cuda_stream *s, uint32_t flags)
+{
+    if (flags & F_SYNC)
+        return tdp__cuda_memcpy(v, src, 8) == TDP_OK;
+    if (tdp__cuda_memcpy_async(pin, src, 8, s) != TDP_OK || tdp__cuda_stream_sync(s) != TDP_OK)
+        return false;
+    memcpy(v, pin, 8);
+    return true;
+}
+
+/* Export pool and send its handle (and the flags) over fd. */
+static bool send_pool(int fd, void *pool, uint64_t slot, uint32_t flags)
+{
+    hello m = {.slot_bytes = slot, .flags = flags};
+    if (tdp__cuda_export(pool, &m.h) != TDP_OK)
+        return false;
+    int hfd = m.h.fd;
+    tdp_err rc = tdp__shm_sock_send(fd, &m, sizeof(m), &hfd, hfd >= 0 ? 1 : 0);
+    if (hfd >= 0)
+        close(hfd);
+    return rc == TDP_OK;
+}
+
+/* The other side's pool handle, imported on dev; TDP_ECLOSED at the end of the stream. */
+static tdp_err recv_pool(int fd, int dev, hello *m, void **pool)
+{
+    size_t len = 0, nfds = 0;
+    int fds[1] = {-1};
+    tdp_err rc = tdp__shm_sock_recv(fd, m, sizeof(*m), &len, fds, 1, &nfds);
+    if (rc != TDP_OK)
+        return rc;
+    if (len == 0 || len > sizeof(*m) ||
+        !xfer(fd, (char *)m + len, sizeof(*m) - len, false)) { /* a stream: the rest */
+        if (nfds == 1)
+            close(fds[0]);
+        return TDP_EPROTO;
+    }
+    m->h.fd = nfds == 1 ? fds[0] : -1;
+    rc = tdp__cuda_import(dev, &m->h, pool);
+    if (m->h.fd >= 0)
+        close(m->h.fd);
+    return rc;
+}
 
 /* The consumer: import once, then check and answer each message. */
 static int consumer(int fd, int dev)
 {
+    if (tdp__cuda_ctx_set(dev) != TDP_OK)
+        return 1;
     for (;;) {
         hello m;
-        size_t len = 0, nfds = 0;
-        int fds[1] = {-1};
-        tdp_err rc = tdp__shm_sock_recv(fd, &m, sizeof(m), &len, fds, 1, &nfds);
+        double t0 = now_us();
+        void *pool = NULL, *pin = NULL, *own = NULL;
+        tdp__cuda_stream *s = NULL;
+        tdp_err rc = recv_pool(fd, dev, &m, &pool);
         if (rc == TDP_ECLOSED)
             return 0; /* the producer is done */
-        if (rc != TDP_OK || len == 0 || len > sizeof(m) ||
-            !xfer(fd, (char *)&m + len, sizeof(m) - len, false)) /* a stream: the rest */
-            return 1;
-        m.h.fd = nfds == 1 ? fds[0] : -1;
-        double t0 = now_us();
-        void *pool = NULL, *pin = NULL;
-        tdp__cuda_stream *s = NULL;
-        if (tdp__cuda_ctx_set(dev) != TDP_OK || tdp__cuda_import(dev, &m.h, &pool) != TDP_OK ||
-            tdp__cuda_stream_create(dev, &s) != TDP_OK ||
+        if (rc != TDP_OK || tdp__cuda_stream_create(dev, &s) != TDP_OK ||
             tdp__cuda_host_alloc(8, &pin) != TDP_OK) {
             fprintf(stderr, "tdp_gpu_ipc: the consumer cannot import the pool\n");
             return 1;
         }
         double open_us = now_us() - t0;
-        if (m.h.fd >= 0)
-            close(m.h.fd);
         if (!xfer(fd, &open_us, sizeof(open_us), true))
             return 1;
+        /* --both-ways: a pool of this side's for the answers, the same size */
+        if ((m.flags & F_BOTH) &&
+            (tdp__cuda_malloc_shared(dev, SLOTS * m.slot_bytes, &own) != TDP_OK ||
+             !send_pool(fd, own, m.slot_bytes, m.flags))) {
+            fprintf(stderr, "tdp_gpu_ipc: the consumer cannot export its pool\n");
+            return 1;
+        }
         for (;;) {
             uint64_t msg[2]; /* slot, seq; slot UINT64_MAX: this size is done */
             if (!xfer(fd, msg, sizeof(msg), false))
@@ -113,10 +179,10 @@ static int consumer(int fd, int dev)
                 break;
             uint64_t got = 0;
             if (msg[0] >= SLOTS ||
-                tdp__cuda_memcpy_async(pin, (char *)pool + msg[0] * m.slot_bytes, 8, s) != TDP_OK ||
-                tdp__cuda_stream_sync(s) != TDP_OK)
+                !get8(&got, (char *)pool + msg[0] * m.slot_bytes, pin, s, m.flags))
                 return 1;
-            memcpy(&got, pin, 8);
+            if (own != NULL && !put8((char *)own + msg[0] * m.slot_bytes, got, pin, s, m.flags))
+                return 1;
             uint64_t ok = got == msg[1];
             if (!xfer(fd, &ok, sizeof(ok), true))
                 return 1;
@@ -124,6 +190,7 @@ static int consumer(int fd, int dev)
         tdp__cuda_stream_destroy(s);
         tdp__cuda_host_free(pin);
         tdp__cuda_import_close(pool);
+        tdp__cuda_free(own);
     }
 }
 
@@ -133,39 +200,40 @@ typedef struct result {
 } result;
 
 /* The producer's side for one slot size: allocate, export, ping-pong. */
-static int produce(int fd, int dev, uint64_t bytes, int rounds, result *out)
+static int produce(int fd, int dev, uint64_t bytes, int rounds, uint32_t flags, result *out)
 {
     /* slots on a 2 MiB grain, as an exportable allocation wants */
     uint64_t slot = (bytes + (UINT64_C(2) << 20) - 1) & ~((UINT64_C(2) << 20) - 1);
-    void *pool = NULL, *pin = NULL;
+    void *pool = NULL, *pin = NULL, *back = NULL;
     tdp__cuda_stream *s = NULL;
-    hello m = {.slot_bytes = slot};
     int rc = 1;
     double *lat = calloc((size_t)rounds, sizeof(*lat));
     if (lat == NULL || tdp__cuda_malloc_shared(dev, SLOTS * slot, &pool) != TDP_OK ||
         tdp__cuda_stream_create(dev, &s) != TDP_OK || tdp__cuda_host_alloc(8, &pin) != TDP_OK ||
-        tdp__cuda_export(pool, &m.h) != TDP_OK) {
+        !send_pool(fd, pool, slot, flags)) {
         fprintf(stderr, "tdp_gpu_ipc: cannot make an exportable pool of %d x %" PRIu64 " bytes\n",
                 SLOTS, slot);
         goto out;
     }
-    int hfd = m.h.fd;
-    tdp_err src = tdp__shm_sock_send(fd, &m, sizeof(m), &hfd, hfd >= 0 ? 1 : 0);
-    if (hfd >= 0)
-        close(hfd);
-    if (src != TDP_OK || !xfer(fd, &out->open_us, sizeof(out->open_us), false))
+    if (!xfer(fd, &out->open_us, sizeof(out->open_us), false))
         goto out;
+    hello bm;
+    if ((flags & F_BOTH) && recv_pool(fd, dev, &bm, &back) != TDP_OK) {
+        fprintf(stderr, "tdp_gpu_ipc: cannot import the consumer's pool\n");
+        goto out;
+    }
     int warm = rounds / 10 + 2;
     for (int i = -warm; i < rounds; i++) {
         uint64_t seq = (uint64_t)(i + warm + 1), msg[2] = {(uint64_t)(i + warm) % SLOTS, seq};
         uint64_t ok = 0;
         double t0 = now_us();
-        memcpy(pin, &seq, 8);
-        if (tdp__cuda_memcpy_async((char *)pool + msg[0] * slot, pin, 8, s) != TDP_OK ||
-            tdp__cuda_stream_sync(s) != TDP_OK || !xfer(fd, msg, sizeof(msg), true) ||
-            !xfer(fd, &ok, sizeof(ok), false))
+        if (!put8((char *)pool + msg[0] * slot, seq, pin, s, flags) ||
+            !xfer(fd, msg, sizeof(msg), true) || !xfer(fd, &ok, sizeof(ok), false))
             goto out;
-        if (ok != 1) {
+        uint64_t echo = seq;
+        if (back != NULL && !get8(&echo, (char *)back + msg[0] * slot, pin, s, flags))
+            goto out;
+        if (ok != 1 || echo != seq) {
             fprintf(stderr, "tdp_gpu_ipc: message %" PRIu64 ": the consumer read other bytes\n",
                     seq);
             goto out;
@@ -189,6 +257,8 @@ out:
     if (s != NULL)
         tdp__cuda_stream_destroy(s);
     tdp__cuda_host_free(pin);
+    if (back != NULL)
+        tdp__cuda_import_close(back);
     tdp__cuda_free(pool);
     return rc;
 }
@@ -212,6 +282,7 @@ int main(int argc, char **argv)
 {
     uint64_t sizes[MAX_SIZES] = {1000, 1000000, 100000000};
     int nsizes = 3, rounds = 1000, dev = 0;
+    uint32_t flags = 0;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--sizes") == 0 && i + 1 < argc)
@@ -222,6 +293,10 @@ int main(int argc, char **argv)
             dev = atoi(argv[++i]);
         else if (strcmp(argv[i], "--json") == 0)
             json = true;
+        else if (strcmp(argv[i], "--both-ways") == 0)
+            flags |= F_BOTH;
+        else if (strcmp(argv[i], "--sync-copies") == 0)
+            flags |= F_SYNC;
         else
             nsizes = -1;
         if (nsizes < 1)
@@ -229,7 +304,8 @@ int main(int argc, char **argv)
     }
     if (nsizes < 1 || rounds < 1) {
         fprintf(stderr,
-                "usage: %s [--sizes BYTES,...] [--rounds N (>= 1)] [--device D] [--json]\n",
+                "usage: %s [--sizes BYTES,...] [--rounds N (>= 1)] [--device D] [--both-ways] "
+                "[--sync-copies] [--json]\n",
                 argv[0]);
         return 2;
     }
@@ -258,7 +334,7 @@ int main(int argc, char **argv)
         rc = 3;
     }
     for (int i = 0; rc == 0 && i < nsizes; i++)
-        rc = produce(sv[0], dev, sizes[i], rounds, &res[i]);
+        rc = produce(sv[0], dev, sizes[i], rounds, flags, &res[i]);
     close(sv[0]); /* the consumer's end of stream */
     int st = 0;
     if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
@@ -269,14 +345,18 @@ int main(int argc, char **argv)
     if (rc != 0)
         return rc;
     if (json) {
-        printf("{\"cuda\": \"%s\", \"rounds\": %d, \"results\": [", what, rounds);
+        printf("{\"cuda\": \"%s\", \"rounds\": %d, \"both_ways\": %s, \"sync_copies\": %s, "
+               "\"results\": [",
+               what, rounds, flags & F_BOTH ? "true" : "false", flags & F_SYNC ? "true" : "false");
         for (int i = 0; i < nsizes; i++)
             printf("%s{\"bytes\": %" PRIu64 ", \"p50_us\": %.2f, \"mean_us\": %.2f, "
                    "\"import_us\": %.0f}",
                    i ? ", " : "", res[i].bytes, res[i].p50_us, res[i].mean_us, res[i].open_us);
         printf("]}\n");
     } else {
-        printf("# cuda: %s; %d ping-pongs per size, one-way = half\n", what, rounds);
+        printf("# cuda: %s; %d ping-pongs per size, one-way = half%s%s\n", what, rounds,
+               flags & F_BOTH ? "; answers written back the same way" : "",
+               flags & F_SYNC ? "; synchronous copies from pageable memory" : "");
         printf("%-12s %10s %10s %12s\n", "bytes", "p50 us", "mean us", "import us");
         for (int i = 0; i < nsizes; i++)
             printf("%-12" PRIu64 " %10.2f %10.2f %12.0f\n", res[i].bytes, res[i].p50_us,

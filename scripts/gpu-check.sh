@@ -123,6 +123,12 @@ say "same-host hand-off peers: tdp_gpu_ipc, torch.multiprocessing CUDA IPC"
 $B/bench/tdp_gpu_ipc --sizes 1000,1000000,100000000 --rounds 1000 --json >"$OUT/ipc_floor.json" \
     2>"$OUT/ipc_floor.err" || FAILED+=(ipc_floor)
 cat "$OUT/ipc_floor.json"
+# the floor with the answer written back through the consumer's own pool, and
+# with synchronous copies from pageable memory (as the bench's control words)
+for f in --both-ways --sync-copies "--both-ways --sync-copies"; do
+    # shellcheck disable=SC2086
+    $B/bench/tdp_gpu_ipc --sizes 1000 --rounds 1000 $f 2>&1 | sed -n '1p;3p' | sed 's/^/  /'
+done
 if [[ $FAKE -eq 1 ]]; then
     echo "  torch CUDA IPC: skipped on the fake device"
 else
