@@ -1597,17 +1597,22 @@ static tdp_err sock_read_one(struct tdp__link *l)
             return TDP_EPROTO;
         }
         /*
-         * Mapped, and page-locked for GPU copies, as it comes, not when its
-         * first DATA puts it in force: a pool announced ahead
-         * (tdp_pipe_prepare) costs that message nothing (page-locking
-         * 400 MB is most of a staged first send's time).
+         * The first pool pending is mapped, and page-locked for GPU copies,
+         * as it comes, not when its first DATA puts it in force: a pool
+         * announced ahead (tdp_pipe_prepare) costs that message nothing
+         * (page-locking 400 MB was most of a staged first send's time).
+         * Only one: a peer that announces more without their DATA gets
+         * the rest mapped at their DATA, as any one message would
+         * (test_preauth test_pool_flood).
          */
-        if ((rc = rx_map_pool(l, &pm, &pm.seg)) != TDP_OK)
-            return rc;
-        pm.nfds = 0; /* the segment's now */
-        atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
-        if (l->stage != NULL)
-            pm.registered = seg_register(pm.seg);
+        if (l->npend_pools == 0) {
+            if ((rc = rx_map_pool(l, &pm, &pm.seg)) != TDP_OK)
+                return rc;
+            pm.nfds = 0; /* the segment's now */
+            atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
+            if (l->stage != NULL)
+                pm.registered = seg_register(pm.seg);
+        }
     } else {
         bool in_fd = m.flags & MSG_F_JSON_FD;
         if (m.json_len == 0 || m.json_len > l->max_json || m.total > l->max_total ||
@@ -1673,13 +1678,17 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             tdp_err rc = TDP_OK;
             if (cur.m.type == MSG_DPOOL) {
                 rc = rx_open_dpool(&cur, p);
-            } else if (cur.seg == NULL) {
-                rc = TDP_EPROTO;
             } else {
-                p->seg = cur.seg; /* mapped when it came */
-                p->registered = cur.registered;
-                p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
-                p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
+                if (cur.seg != NULL) { /* mapped when it came */
+                    p->seg = cur.seg;
+                    p->registered = cur.registered;
+                } else if ((rc = rx_map_pool(l, &cur, &p->seg)) == TDP_OK) {
+                    atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
+                }
+                if (rc == TDP_OK) {
+                    p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
+                    p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
+                }
             }
             rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
             if (slots == NULL) {

@@ -94,8 +94,9 @@ bool tdp__shm_group_lent(tdp__link *l, const tdp_td *td);
 uint64_t tdp__shm_pool_bytes(tdp__link *l, uint32_t *npools);
 
 /*
- * Pools a receiver of this process mapped (as their announcement came),
- * and pool mappings page-locked for GPU copies, either side. Any thread.
+ * Pools a receiver of this process mapped (as their announcement came, or
+ * at their first DATA), and pool mappings page-locked for GPU copies,
+ * either side. Any thread.
  */
 uint64_t tdp__shm_rx_pools_mapped(void);
 uint64_t tdp__shm_pools_pinned(void);
