@@ -685,7 +685,7 @@ static void peak_take(peak *p, bool first)
 
 /*
  * A same-user sender on an open shm pipe (depth 4) announces POOLs of
- * 3 x 1 GiB, or SCHEMAs of 1 MiB of JSON in memfds, all for a DATA that
+ * 1 GiB slots (2 x depth of them), or SCHEMAs of 1 MiB of JSON in memfds, all for a DATA that
  * never comes, until the receiver ends the link. What the receiver's
  * process holds meanwhile is sampled after every announcement.
  */
