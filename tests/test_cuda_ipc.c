@@ -505,6 +505,54 @@ static void test_hostile_pools(void **state)
     }
 }
 
+/* Announce n valid device pools for seq, none with its DATA (on the sender's loop). */
+typedef struct flood {
+    tdp__link *l;
+    int n;
+    tdp_err rc;
+} flood;
+
+static void flood_task(void *arg)
+{
+    flood *f = arg;
+    f->rc = TDP_OK;
+    for (int i = 0; i < f->n && f->rc == TDP_OK; i++)
+        f->rc = tdp__shm_rogue_dpool(f->l, 2, 0, 4 * 4096, 4, 4096, NULL, NULL);
+}
+
+/*
+ * A flood of DPOOLs whose DATA never comes: the receiver imports the first
+ * as it comes (a prepared layout's pool), and none of the others.
+ */
+static void test_dpool_flood(void **state)
+{
+    (void)state;
+    tdp_pipe_opts o;
+    gpu_opts(&o, 2);
+    env e;
+    env_up(&e, &o, &o);
+    tdp_schema *s = bytes_schema(4096, true);
+    tdp_td *td, *got;
+    assert_int_equal(tdp_td_new(s, &td), TDP_OK);
+    fill(td, 1);
+    assert_int_equal(tdp_pipe_send(e.cli, td, TMO), TDP_OK);
+    assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_OK);
+    tdp_pipe_release(e.srv, got);
+    /* opened: imported, or (the sender's pool still alive) shared by id */
+    uint64_t opens = tdp__dpool_opens();
+    flood f = {.l = tdp__session_link(e.cli), .n = 5};
+    tdp__call_on_loop(e.cl, flood_task, &f);
+    assert_int_equal(f.rc, TDP_OK);
+    for (int i = 0; i < 400 && tdp__dpool_opens() == opens; i++)
+        usleep(5 * 1000);
+    usleep(300 * 1000); /* time for the others to come (and, were they opened, be) */
+    assert_int_equal(tdp__dpool_opens(), opens + 1);
+    assert_int_equal(tdp_pipe_status(e.srv), TDP_OK);
+    tdp_td_unref(td);
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
 /* ---- a producer process that dies ------------------------------------------------------ */
 
 /* The child: connect, send message 9 from a device buffer, then wait to be killed. */
@@ -684,6 +732,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_recv_to_host),
         cmocka_unit_test(test_two_gpus),
         cmocka_unit_test(test_hostile_pools),
+        cmocka_unit_test(test_dpool_flood),
         cmocka_unit_test(test_producer_dies),
         cmocka_unit_test(test_prepared_pool_imported_ahead),
     };

@@ -82,6 +82,8 @@ bool tdp__dpool_is_shared(const tdp__dpool *p); /* opened by sharing this proces
 /* Exports and imports made by this process so far (tests: none per message). */
 uint64_t tdp__dpool_exports(void);
 uint64_t tdp__dpool_imports(void);
+/* Pools opened by a receiver in this process: imported, or shared by id. */
+uint64_t tdp__dpool_opens(void);
 
 /* ---- the GPUs a process sees, in the cuda-ipc HELLO record ---------------------
  * ndev u8 | dev u8 | uuid[ndev][16]

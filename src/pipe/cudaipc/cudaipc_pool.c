@@ -28,7 +28,7 @@ struct tdp__dpool {
 /* Pools this process made, by id: a receiver in this process shares them. */
 static pthread_mutex_t tab_lock = PTHREAD_MUTEX_INITIALIZER;
 static tdp__dpool *made_pools;
-static _Atomic uint64_t nexports, nimports;
+static _Atomic uint64_t nexports, nimports, nopens;
 
 static void tab_remove(tdp__dpool *p)
 {
@@ -123,6 +123,7 @@ tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__
         }
         p->made = m;
         p->base = m->base;
+        atomic_fetch_add_explicit(&nopens, 1, memory_order_relaxed);
         *out = p;
         return TDP_OK;
     }
@@ -144,6 +145,7 @@ tdp_err tdp__dpool_open(int dev, const uint8_t id[TDP_DPOOL_ID_LEN], const tdp__
         return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
     }
     atomic_fetch_add_explicit(&nimports, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&nopens, 1, memory_order_relaxed);
     p->imported = true;
     *out = p;
     return TDP_OK;
@@ -214,4 +216,9 @@ uint64_t tdp__dpool_exports(void)
 uint64_t tdp__dpool_imports(void)
 {
     return atomic_load_explicit(&nimports, memory_order_relaxed);
+}
+
+uint64_t tdp__dpool_opens(void)
+{
+    return atomic_load_explicit(&nopens, memory_order_relaxed);
 }

@@ -1436,11 +1436,13 @@ static tdp_err rx_check_dpool(struct tdp__link *l, const shm_msg *m)
 }
 
 /*
- * A device pool, as its DPOOL comes (checked): import it (or share the
- * pointer: same process) at once, not when it comes into force with its
- * first DATA, so that a pool announced ahead (tdp_pipe_prepare) is mapped
- * before that message (a GPU's first import in a process took 126 ms on
- * an H100). Its fd is closed.
+ * A device pool, as its DPOOL comes (checked) when no other is pending:
+ * import it (or share the pointer: same process) at once, not when it
+ * comes into force with its first DATA, so that a pool announced ahead
+ * (tdp_pipe_prepare) is mapped before that message (a GPU's first import
+ * in a process took 126 ms on an H100). Pools announced behind it are
+ * imported at their DATA, so a peer's flood of announcements holds one
+ * import at most. Its fd is closed.
  */
 static tdp_err rx_import_dpool(pend_msg *pm)
 {
@@ -1455,11 +1457,14 @@ static tdp_err rx_import_dpool(pend_msg *pm)
     return rc == TDP_OK || rc == TDP_ENOMEM ? rc : TDP_EPROTO;
 }
 
-/* A device pool in force: the one imported when its DPOOL came. */
+/* A device pool in force: the one imported when its DPOOL came, or now. */
 static tdp_err rx_open_dpool(pend_msg *pm, rx_pool *p)
 {
-    if (pm->dp == NULL)
-        return TDP_EPROTO;
+    if (pm->dp == NULL) {
+        tdp_err rc = rx_import_dpool(pm);
+        if (rc != TDP_OK)
+            return rc;
+    }
     p->dp = pm->dp;
     pm->dp = NULL;
     p->nslots = (uint32_t)pm->m.json_len;
@@ -1589,7 +1594,8 @@ static tdp_err sock_read_one(struct tdp__link *l)
         }
         if (legacy)
             memcpy(pm.legacy, buf + MSG_HDR_BYTES, LEGACY_LEN);
-        if ((rc = rx_import_dpool(&pm)) != TDP_OK)
+        /* the first one pending as it comes, the rest at their DATA (as host pools) */
+        if (l->npend_pools == 0 && (rc = rx_import_dpool(&pm)) != TDP_OK)
             return rc;
     } else if (pool) {
         if (tail != 0 || rx_check_pool(l, &m, fds) != TDP_OK) {
