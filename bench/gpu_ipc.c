@@ -49,7 +49,7 @@
 #include "core/cuda.h"
 #include "pipe/shm/shm.h"
 
-#define SLOTS     4
+#define SLOTS 4
 #define MAX_SIZES 16
 
 static double now_us(void)

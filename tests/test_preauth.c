@@ -611,7 +611,8 @@ static void test_preauth_many(void **state)
         tdp__shm_hello ps;
         assert_int_equal(tdp__shm_hello_get(&a[i].h, &ps), TDP_OK);
         assert_int_equal(
-            tdp__shm_connect(SOCK_SEQPACKET, ps.name, ps.name_len, false, &socks[i], NULL), TDP_OK);
+            tdp__shm_connect(SOCK_SEQPACKET, ps.name, ps.name_len, false, &socks[i], NULL),
+            TDP_OK);
         shm_msg m = {.magic = SHM_MAGIC, .type = 1};
         memcpy(m.key, ps.key, TDP_SHM_KEY_LEN);
         memcpy(m.peer_key, a[i].key, TDP_SHM_KEY_LEN);
@@ -685,8 +686,8 @@ static void peak_take(peak *p, bool first)
 
 /*
  * A same-user sender on an open shm pipe (depth 4) announces POOLs of
- * 1 GiB slots (2 x depth of them), or SCHEMAs of 1 MiB of JSON in memfds, all for a DATA that
- * never comes, until the receiver ends the link. What the receiver's
+ * 2 x depth slots of 1 GiB, or SCHEMAs of 1 MiB of JSON in memfds, all for
+ * a DATA that never comes, until the receiver ends the link. What the receiver's
  * process holds meanwhile is sampled after every announcement.
  */
 static void flood_case(bool pool)
@@ -756,10 +757,7 @@ static void flood_case(bool pool)
      * prepared layout's first message needs: one pool of 2 x depth slots of
      * 1 GiB); the sender's own segment is mapped while it is made.
      */
-    if (pool)
-        assert_true(top.mbytes <= base.mbytes + ((uint64_t)(4 + 2 * DEPTH) << 30));
-    else
-        assert_true(top.mbytes <= base.mbytes + ((uint64_t)4 << 30));
+    assert_true(top.mbytes <= base.mbytes + ((uint64_t)(4 + (pool ? 2 * DEPTH : 0)) << 30));
     assert_true(top.live <= base.live + (256u << 10));
     assert_true(top.rss <= base.rss + (16u << 20));
 out:

@@ -696,8 +696,8 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     inflight fl;
     /* buffers of their own: 64 MiB of them at most (100 MB messages go one at a time) */
-    uint64_t n =
-        bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes : cfg->inflight;
+    uint64_t n = bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes
+                                                                   : cfg->inflight;
     bool async = n > 1 && !on_gpu(td) && (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
     if (async && (rc = inflight_init(&fl, (uint32_t)n, td)) != TDP_OK)
         return rc;
@@ -718,10 +718,8 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
             int64_t h[4] = {0};
             rc = hdr_get(got, on_gpu(got), h);
             if (rc == TDP_OK && h[0] != PH_STREAM) {
-                fprintf(stderr,
-                        "tdpipe bench: the consumer answered phase %lld where the "
-                        "stream's ack was due\n",
-                        (long long)h[0]);
+                fprintf(stderr, "tdpipe bench: the consumer answered phase %lld where the "
+                                "stream's ack was due\n", (long long)h[0]);
                 rc = TDP_EPROTO;
             }
             double secs = (double)h[1] / 1e9;
@@ -1198,8 +1196,8 @@ static tdp_err measure_all(bench_cfg *cfg, tdp_pipe *p, size_result *res, int *d
             rc = tdp_pipe_recv(p, SETUP_TMO, &got);
         if (rc == TDP_OK) {
             int64_t a[4] = {0}; /* wherever it landed */
-            bool bench_peer =
-                hdr_get(got, on_gpu(got), a) == TDP_OK && a[0] == PH_SETUP && a[1] == BENCH_MAGIC;
+            bool bench_peer = hdr_get(got, on_gpu(got), a) == TDP_OK && a[0] == PH_SETUP &&
+                              a[1] == BENCH_MAGIC;
             if (bench_peer) {
                 srv->depth = a[2];
                 srv->busy_poll_us = a[3];

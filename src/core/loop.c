@@ -86,7 +86,7 @@ struct tdp_loop {
     bool stop_requested; /* consumed by the run it ends, or by the next run */
     bool has_thread;     /* thread must be joined */
     pthread_t thread;
-    _Atomic int holder;       /* enum hold: who owns the loop now (acquire / release) */
+    _Atomic int holder; /* enum hold: who owns the loop now (acquire / release) */
     _Atomic int idle_waiters; /* threads waiting on idle for holder to change */
 };
 

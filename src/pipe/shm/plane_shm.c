@@ -74,7 +74,7 @@
 
 /* ---- socket messages ---------------------------------------------------------- */
 
-#define MSG_MAGIC      0x314d5350u   /* "PSM1" */
+#define MSG_MAGIC      0x314d5350u /* "PSM1" */
 #define MSG_INLINE_MAX (32u * 1024u) /* larger JSON travels in a memfd */
 #define MSG_HDR_BYTES  80u
 /*
@@ -87,8 +87,8 @@
  */
 #define PEND_POOLS(depth)   (2u * (depth) + 1u)
 #define PEND_SCHEMAS(depth) ((depth) + 1u)
-#define MAX_GEN             0x00ffffffu /* generations fit 24 bits of a descriptor */
-#define ACCEPT_PENDING      64u         /* connections not yet proven, per loop */
+#define MAX_GEN        0x00ffffffu                /* generations fit 24 bits of a descriptor */
+#define ACCEPT_PENDING 64u /* connections not yet proven, per loop */
 
 /*
  * MSG_DPOOL (cuda-ipc links only): a pool of device slots, in force as a
@@ -108,18 +108,18 @@ typedef struct shm_msg {
     uint16_t flags;
     uint32_t gen; /* CTL, POOL: the segment's generation */
     uint32_t pad;
-    uint64_t seq;                      /* POOL, SCHEMA: the DATA it comes into force at */
-    uint64_t hash;                     /* SCHEMA */
-    uint64_t json_len;                 /* SCHEMA */
-    uint64_t total;                    /* SCHEMA: the layout's bytes */
+    uint64_t seq;      /* POOL, SCHEMA: the DATA it comes into force at */
+    uint64_t hash;     /* SCHEMA */
+    uint64_t json_len; /* SCHEMA */
+    uint64_t total;    /* SCHEMA: the layout's bytes */
     uint8_t key[TDP_SHM_KEY_LEN];      /* PROOF: the listening side's key */
     uint8_t peer_key[TDP_SHM_KEY_LEN]; /* PROOF: the connecting side's key */
 } shm_msg;
 _Static_assert(sizeof(shm_msg) == MSG_HDR_BYTES, "socket message header is 80 bytes");
 
 /* Descriptor type word: the low byte is the type, the rest the pool generation. */
-#define DESC_TYPE(w)         ((w)&0xffu)
-#define DESC_GEN(w)          ((w) >> 8)
+#define DESC_TYPE(w) ((w) & 0xffu)
+#define DESC_GEN(w)  ((w) >> 8)
 #define DESC_WORD(type, gen) ((uint32_t)(type) | ((uint32_t)(gen) << 8))
 
 /* ---- state ---------------------------------------------------------------------- */
@@ -135,15 +135,15 @@ typedef struct tx_slot {
     tx_pool *pool;
     tdp_td *td;
     uint32_t idx;
-    uint64_t held; /* the group's links it is in flight on: sent, not yet released */
-    bool parked;   /* held by a link that closed while its peer lives: never reused */
-    bool staging;  /* reserved for a send whose copy into it runs: not sent yet */
+    uint64_t held;  /* the group's links it is in flight on: sent, not yet released */
+    bool parked;    /* held by a link that closed while its peer lives: never reused */
+    bool staging;   /* reserved for a send whose copy into it runs: not sent yet */
 } tx_slot;
 
 struct tx_pool {
     _Atomic uint32_t refs; /* the link's, plus one per slot view alive */
     tdp__shm_seg *seg;
-    tdp__dpool *dp;                /* cuda-ipc: device slots instead of seg */
+    tdp__dpool *dp; /* cuda-ipc: device slots instead of seg */
     uint32_t gen, nslots, nflight; /* nflight: holds, a link's bit on a slot each */
     uint64_t stride;
     tx_slot *slots;
@@ -194,13 +194,14 @@ struct rx_pool {
 /* An announcement read from the socket, waiting for its DATA. */
 typedef struct pend_msg {
     shm_msg m;
-    char *json;                 /* SCHEMA, inline */
+    char *json; /* SCHEMA, inline */
     uint8_t legacy[LEGACY_LEN]; /* DPOOL without an fd: its legacy handle */
-    int fds[3];                 /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
+    int fds[3]; /* POOL: its segment's three; SCHEMA in a memfd: fds[0] */
     uint32_t nfds;
-    tdp__dpool *dp;    /* DPOOL: imported as it came, in force at its DATA */
-    tdp__shm_seg *seg; /* POOL: mapped (and page-locked with a stage) as it came */
-    bool registered;
+    /* the first pool pending is opened as it comes, the others at their DATA */
+    tdp__dpool *dp;    /* DPOOL: imported */
+    tdp__shm_seg *seg; /* POOL: mapped */
+    bool registered;   /* seg page-locked (with a stage) */
 } pend_msg;
 
 /* A send that came before the socket was up. */
@@ -297,12 +298,12 @@ struct tdp__link {
     uint64_t last_seq, released; /* released: counted from this link's start */
     uint64_t seq0;               /* seq of the last DATA sent before this link */
     uint64_t prep_ann_seq;       /* s_prepare announced a schema for this DATA seq (0: none) */
-    bool loan_starved;           /* a loan was refused for want of a free slot */
+    bool loan_starved; /* a loan was refused for want of a free slot */
     /* seqs of POOLs announced that the receiver may not have in force yet */
     uint64_t pool_ann[PEND_POOLS(TDP_MAX_DEPTH)];
     uint32_t pool_ann_head, npool_ann;
     bool in_tx_progress; /* tx_progress is on the stack (poll_credit does not nest) */
-    early_tx *early;     /* sends waiting, oldest first: for the socket, or for a slot */
+    early_tx *early; /* sends waiting, oldest first: for the socket, or for a slot */
     uint32_t nearly, capearly;
     /* early holds sends that found every slot of the shared group held:
      * they go, in order, when one is released (shm_ext.slot_ev) */
@@ -312,13 +313,13 @@ struct tdp__link {
     tdp__shm_seg *rx_ctl;
     tdp__source *rx_src; /* the data ring */
     bool rx_armed;
-    rx_pool *rpool; /* in force; retired ones in rpool->next */
+    rx_pool *rpool;      /* in force; retired ones in rpool->next */
     uint32_t last_gen;
     pend_msg *pend; /* a ring of pend_cap */
     uint32_t pend_head, npend, pend_cap, npend_pools, npend_schemas;
     tdp_schema *rx_schema;
     uint64_t rx_hash;
-    rx_slot *held[TDP_MAX_DEPTH];  /* by session slot */
+    rx_slot *held[TDP_MAX_DEPTH]; /* by session slot */
     tdp_td *staged[TDP_MAX_DEPTH]; /* GPU receive layouts: device buffers by session slot */
     struct dev_store *dstore[TDP_MAX_DEPTH]; /* their storage, kept across layouts */
 
@@ -358,7 +359,7 @@ struct shm_ext {
     int lfd;
     char name[TDP__SHM_NAME_LEN];
     struct event *lev;
-    struct event *resume;  /* accepting paused: out of descriptors */
+    struct event *resume; /* accepting paused: out of descriptors */
     struct event *slot_ev; /* a slot of a shared group came back: waiting links send */
     uint32_t slot_waits;   /* links with slot_wait set */
     struct tdp__link *links;
@@ -374,14 +375,15 @@ static void group_slot_back(struct tdp__link *l);
 
 /* ---- pools ------------------------------------------------------------------------- */
 
+/* Pools mapped by a receiver, mappings page-locked (tdp__shm_rx_pools_mapped). */
+static _Atomic uint64_t rx_pools_mapped, pools_pinned;
+
 /*
  * Page-lock a pool's mapping once, so the link's GPU copies run at pinned
  * speed straight from or into the slots (pageable memory would make the
  * driver bounce them through its own buffers, synchronously). Failure only
  * costs speed.
  */
-static _Atomic uint64_t rx_pools_mapped, pools_pinned; /* tdp__shm_rx_pools_mapped */
-
 static bool seg_register(tdp__shm_seg *seg)
 {
     if (seg == NULL)
@@ -938,8 +940,7 @@ static tdp_err tx_push(struct tdp__link *l, tx_slot *s, const tdp__tx *tx, uint3
                        .seq = tx->seq,
                        .hash = tdp_schema_hash(tx->td->schema),
                        .arg = tx->td->nbytes};
-    if (l->sum_on &&
-        type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
+    if (l->sum_on && type == TDP__SHM_DESC_DATA) /* over the slot: the host copy the receiver reads */
         d.arg = tdp__sum_tx(tx_mem(s->pool, s->idx), tx->td->nbytes, tx->seq);
     if (s->pool->dp != NULL)
         tdp__dpool_publish(s->pool->dp); /* the slot's bytes before the descriptor */
@@ -1063,8 +1064,7 @@ static bool ipc_dev_ok(struct tdp__link *l, int dev)
         return false;
     if (l->ipc_reach[dev] == 0) {
         uint8_t u[TDP_CUDAIPC_UUID];
-        bool ok =
-            tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc.gpus, u);
+        bool ok = tdp__cuda_device_uuid(dev, u) == TDP_OK && tdp__cudaipc_sees(&l->peer_ipc.gpus, u);
         l->ipc_reach[dev] = ok ? 1 : -1;
         if (!ok)
             tdp_log_info("cuda-ipc: the peer does not see cuda:%d: its payloads go staged", dev);
@@ -1112,7 +1112,7 @@ static tdp_err tx_now(struct tdp__link *l, const tdp__tx *tx)
         rc = announce_schema(l, tx->schema, tx->seq);
     if (rc != TDP_OK)
         return rc;
-    if (!loaned && !gpu) /* a plain send: one copy, into a slot */
+    if (!loaned && !gpu)      /* a plain send: one copy, into a slot */
         memcpy(tx_mem(s->pool, s->idx), td->data, td->nbytes);
     /* the slot is taken from now on, and later announcements follow this seq */
     s->held |= l->bit;
@@ -1300,7 +1300,8 @@ static int tx_arm(void *arg)
      * and the receiver is spared an eventfd write per message (and this
      * side a wakeup). The safety timer bounds how stale they can get.
      */
-    bool group_waits = l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
+    bool group_waits =
+        l->grp->starved || (l->x->slot_waits > 0 && (l->grp->bits & ~l->bit) != 0);
     if (l->last_seq - l->seq0 - l->released < l->tx_win_now && !l->loan_starved && !group_waits)
         return 0;
     int a = tdp__shm_ring_arm(tdp__shm_seg_rx(l->tx_ctl));
@@ -1473,23 +1474,31 @@ static tdp_err rx_open_dpool(pend_msg *pm, rx_pool *p)
     return TDP_OK;
 }
 
-/* A pool in force: map it (it is checked whole). The fds are the segment's, or closed. */
-static tdp_err rx_map_pool(struct tdp__link *l, const pend_msg *pm, tdp__shm_seg **out)
+/*
+ * Map an announced pool into pm->seg (it is checked whole), and page-lock
+ * it when the link stages GPU payloads: as its POOL comes when no other is
+ * pending, else at its DATA. The fds are the segment's, or closed.
+ */
+static tdp_err rx_map_pool(struct tdp__link *l, pend_msg *pm)
 {
+    tdp__shm_seg *seg;
     tdp_err rc =
-        tdp__shm_seg_map(pm->fds[0], pm->fds[1], pm->fds[2], pm->m.gen, rx_pool_cap(l), out);
+        tdp__shm_seg_map(pm->fds[0], pm->fds[1], pm->fds[2], pm->m.gen, rx_pool_cap(l), &seg);
+    pm->nfds = 0;
     if (rc != TDP_OK) {
         for (int i = 0; i < 3; i++)
             close(pm->fds[i]);
         return rc == TDP_ENOMEM ? rc : TDP_EPROTO;
     }
-    const tdp__shm_geom *g = tdp__shm_seg_geom(*out);
+    const tdp__shm_geom *g = tdp__shm_seg_geom(seg);
     if (g->nslots > pool_slots(rx_win(l, g->slot_bytes)) ||
         g->slot_bytes > page_round(l->max_total) + TDP__SHM_PAGE) {
-        tdp__shm_seg_close(*out);
-        *out = NULL;
+        tdp__shm_seg_close(seg);
         return TDP_EPROTO;
     }
+    atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
+    pm->seg = seg;
+    pm->registered = l->stage != NULL && seg_register(seg);
     return TDP_OK;
 }
 
@@ -1611,14 +1620,8 @@ static tdp_err sock_read_one(struct tdp__link *l)
          * the rest mapped at their DATA, as any one message would
          * (test_preauth test_pool_flood).
          */
-        if (l->npend_pools == 0) {
-            if ((rc = rx_map_pool(l, &pm, &pm.seg)) != TDP_OK)
-                return rc;
-            pm.nfds = 0; /* the segment's now */
-            atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
-            if (l->stage != NULL)
-                pm.registered = seg_register(pm.seg);
-        }
+        if (l->npend_pools == 0 && (rc = rx_map_pool(l, &pm)) != TDP_OK)
+            return rc;
     } else {
         bool in_fd = m.flags & MSG_F_JSON_FD;
         if (m.json_len == 0 || m.json_len > l->max_json || m.total > l->max_total ||
@@ -1679,22 +1682,18 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             if (p == NULL) {
                 close_fds(cur.fds, cur.nfds);
                 tdp__dpool_unref(cur.dp);
+                seg_unregister(cur.seg, cur.registered);
+                tdp__shm_seg_close(cur.seg);
                 return TDP_ENOMEM;
             }
             tdp_err rc = TDP_OK;
             if (cur.m.type == MSG_DPOOL) {
                 rc = rx_open_dpool(&cur, p);
-            } else {
-                if (cur.seg != NULL) { /* mapped when it came */
-                    p->seg = cur.seg;
-                    p->registered = cur.registered;
-                } else if ((rc = rx_map_pool(l, &cur, &p->seg)) == TDP_OK) {
-                    atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
-                }
-                if (rc == TDP_OK) {
-                    p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
-                    p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
-                }
+            } else if (cur.seg != NULL || (rc = rx_map_pool(l, &cur)) == TDP_OK) {
+                p->seg = cur.seg; /* mapped when it came, or now */
+                p->registered = cur.registered;
+                p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
+                p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
             }
             rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
             if (slots == NULL) {
@@ -2033,8 +2032,8 @@ static void rx_give_back(struct tdp__link *l, rx_slot *s)
     if (p->dp != NULL)
         tdp__dpool_publish(p->dp); /* our reads of the slot before the sender rewrites it */
     if (!l->failed && l->rx_ctl != NULL) {
-        tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen),
-                           .slot = (uint32_t)(s - p->slots)};
+        tdp__shm_desc d = {.type = DESC_WORD(TDP__SHM_DESC_RELEASE, p->gen), .slot =
+                               (uint32_t)(s - p->slots)};
         tdp__shm_ring *r = tdp__shm_seg_tx(l->rx_ctl);
         if (tdp__shm_ring_push(r, &d) != TDP_OK || tdp__shm_ring_notify(r) != TDP_OK)
             link_fail(l, TDP_EPROTO, "release ring full or broken");
@@ -2838,8 +2837,8 @@ tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *js
     if (rc != TDP_OK)
         return rc;
     if (json != NULL) {
-        shm_msg m = {
-            .type = MSG_SCHEMA, .seq = seq, .hash = d->hash, .json_len = jlen, .total = total};
+        shm_msg m = {.type = MSG_SCHEMA, .seq = seq, .hash = d->hash, .json_len = jlen,
+                     .total = total};
         if ((rc = msg_send(l, &m, json, jlen, NULL, 0)) != TDP_OK)
             return rc;
     }
