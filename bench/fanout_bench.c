@@ -3,7 +3,7 @@
  * this host through a tdp_fanout (docs/benchmarks.md, "Fan-out").
  *
  *   tdp_fanout_bench [--consumers N] [--size BYTES] [--count K] [--plane NAME]
- *                    [--inflight W] [--loan] [--drive]
+ *                    [--inflight W] [--loan] [--drive] [--gap US] [--floor]
  *
  * The consumers are forked before the producer touches UCX, dial the
  * fan-out's listener and receive K messages (4 receive buffers each, as
@@ -20,15 +20,34 @@
  * itself; without it each send copies the buffer into the pool once. With
  * --drive the consumers start no loop thread: each blocking receive drives
  * the loop on the receiving thread, one wake-up per message instead of two
- * (the loop thread's, then the receiver's). Printed as one JSON object: the one-way p50 to the last
- * consumer (per message, the latest consumer), the p50 over all consumers, the throughput, and the
- * producer's memory: VmRSS and the bytes of shared memory (memfd) it maps.
+ * (the loop thread's, then the receiver's). With --gap US the producer
+ * sleeps US microseconds before each send, so that every consumer is done
+ * with the last message and asleep when the next comes: each one-way time
+ * is then a wake-up from idle, as for a rare broadcast of new weights.
+ *
+ * --floor measures what waking N sleeping processes costs this machine,
+ * with no library in between: each consumer sleeps in epoll_wait on an
+ * eventfd of its own (what an event-driven receiver must at least do),
+ * the producer writes the time into a shared page and rings the N
+ * eventfds one after the other, and waits until every consumer has
+ * counted the message before the next (--gap applies as above). That is
+ * the floor the fan-out's one-way times are compared to.
+ *
+ * Printed as one JSON object: the one-way p50 to the last consumer (per
+ * message, the latest consumer), the p50 over all consumers, the
+ * throughput, and the producer's memory: VmRSS and the bytes of shared
+ * memory (memfd) it maps.
  */
+#include <errno.h>
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -94,6 +113,78 @@ static int consumer(int rfd, int wfd, uint64_t count, tdp_plane plane, bool driv
     return code;
 }
 
+/* --floor: the page every process shares, and one consumer of it. */
+typedef struct {
+    _Atomic uint64_t seq;  /* the message now posted, 1, 2, ... */
+    _Atomic uint64_t t0;   /* its send time */
+    _Atomic uint64_t seen; /* consumers that counted a message, in all */
+} floor_page;
+
+static void pause_us(long us)
+{
+    if (us <= 0)
+        return;
+    struct timespec g = {.tv_sec = us / 1000000, .tv_nsec = (us % 1000000) * 1000};
+    nanosleep(&g, NULL);
+}
+
+static int floor_consumer(floor_page *pg, int efd, int wfd, uint64_t count)
+{
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN};
+    if (ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, efd, &ev) != 0)
+        return 3;
+    uint64_t *lat = calloc(count, sizeof(*lat)), end = now_ns() + 60000000000u;
+    if (lat == NULL)
+        return 3;
+    for (uint64_t i = 0; i < count; i++) {
+        while (atomic_load(&pg->seq) <= i) {
+            if (now_ns() > end)
+                return 4;
+            struct epoll_event out;
+            uint64_t v;
+            if (epoll_wait(ep, &out, 1, 100) > 0 && read(efd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                return 4;
+        }
+        lat[i] = now_ns() - atomic_load(&pg->t0);
+        atomic_fetch_add(&pg->seen, 1);
+    }
+    ssize_t want = (ssize_t)(count * sizeof(*lat));
+    int code = write(wfd, lat, (size_t)want) == want ? 0 : 5;
+    free(lat);
+    return code;
+}
+
+/*
+ * --floor's producer: post, ring every consumer, sleep; before the next,
+ * make sure that every consumer counted the last (it sleeps meanwhile,
+ * so that it takes no CPU from them).
+ */
+static int floor_produce(floor_page *pg, const int *efd, int nc, uint64_t count, long gap_us,
+                         double *secs)
+{
+    uint64_t t0 = now_ns(), end = t0 + 60000000000u;
+    for (uint64_t i = 0; i < count; i++) {
+        pause_us(gap_us);
+        while (atomic_load(&pg->seen) < i * (uint64_t)nc) {
+            if (now_ns() > end)
+                return 1;
+            pause_us(50);
+        }
+        atomic_store(&pg->t0, now_ns());
+        atomic_store(&pg->seq, i + 1);
+        for (int c = 0; c < nc; c++) {
+            uint64_t one = 1;
+            if (write(efd[c], &one, sizeof(one)) != sizeof(one))
+                return 1;
+        }
+    }
+    while (atomic_load(&pg->seen) < count * (uint64_t)nc && now_ns() < end)
+        pause_us(50);
+    *secs = (double)(now_ns() - t0) / 1e9;
+    return 0;
+}
+
 /* kB of a "Name:   N kB" line of /proc/self/status. */
 static uint64_t status_kb(const char *name)
 {
@@ -150,10 +241,59 @@ static tdp_err loan_td(tdp_fanout *fo, tdp_schema *s, tdp_td **out)
     return rc;
 }
 
+typedef struct {
+    int nc;
+    uint64_t size, count;
+    tdp_plane plane;
+    bool loan, drive, floor;
+    long gap_us;
+} run_cfg;
+
+/* Read each consumer's one-way times, reap it and print the JSON line. */
+static int report(const run_cfg *c, const int *from, const pid_t *pid, double secs, uint64_t rss,
+                  uint64_t shm, uint32_t maps)
+{
+    int nc = c->nc;
+    uint64_t count = c->count;
+    uint64_t *lat = calloc((size_t)nc * count, sizeof(*lat)), *last = calloc(count, sizeof(*last));
+    if (lat == NULL || last == NULL)
+        return 1;
+    int bad = 0;
+    for (int i = 0; i < nc; i++) {
+        size_t want = count * sizeof(*lat), got = 0;
+        while (got < want) {
+            ssize_t r = read(from[i], (char *)(lat + (size_t)i * count) + got, want - got);
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+        }
+        int wst;
+        waitpid(pid[i], &wst, 0);
+        bad += got != want || !WIFEXITED(wst) || WEXITSTATUS(wst) != 0;
+    }
+    for (uint64_t k = 0; k < count; k++)
+        for (int i = 0; i < nc; i++)
+            if (lat[(size_t)i * count + k] > last[k])
+                last[k] = lat[(size_t)i * count + k];
+    printf("{\"consumers\":%d,\"plane\":\"%s\",\"size\":%" PRIu64 ",\"count\":%" PRIu64
+           ",\"p50_last_ns\":%" PRIu64 ",\"p50_all_ns\":%" PRIu64
+           ",\"msgs_per_s\":%.1f,\"bytes_per_s\":%.0f,\"producer_rss_bytes\":%" PRIu64
+           ",\"producer_shm_bytes\":%" PRIu64 ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d"
+           ",\"loan\":%s,\"drive\":%s,\"floor\":%s,\"gap_us\":%ld}\n",
+           nc, c->floor ? "none" : tdp_plane_name(c->plane), c->size, count, p50(last, count),
+           p50(lat, (uint64_t)nc * count), (double)count / secs, (double)(count * c->size) / secs,
+           rss, shm, maps, bad, c->loan ? "true" : "false", c->drive ? "true" : "false",
+           c->floor ? "true" : "false", c->gap_us);
+    free(lat);
+    free(last);
+    return bad ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     int nc = 4, inflight = 1;
-    bool loan = false, drive = false;
+    long gap_us = 0;
+    bool loan = false, drive = false, floor = false;
     uint64_t size = 100000000, count = 20;
     tdp_plane plane = TDP_PLANE_SHM;
     for (int i = 1; i < argc; i += 2) {
@@ -167,6 +307,11 @@ int main(int argc, char **argv)
             i--;
             continue;
         }
+        if (strcmp(argv[i], "--floor") == 0) {
+            floor = true;
+            i--;
+            continue;
+        }
         if (i + 1 >= argc)
             return 2;
         if (strcmp(argv[i], "--consumers") == 0)
@@ -177,19 +322,34 @@ int main(int argc, char **argv)
             count = strtoull(argv[i + 1], NULL, 10);
         else if (strcmp(argv[i], "--inflight") == 0)
             inflight = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--gap") == 0)
+            gap_us = atol(argv[i + 1]);
         else if (strcmp(argv[i], "--plane") == 0 && tdp_plane_parse(argv[i + 1], &plane) == TDP_OK)
             ;
         else {
             fprintf(stderr,
                     "usage: %s [--consumers N] [--size BYTES] [--count K] [--plane NAME]"
-                    " [--inflight W] [--loan] [--drive]\n",
+                    " [--inflight W] [--loan] [--drive] [--gap US] [--floor]\n",
                     argv[0]);
             return 2;
         }
     }
     if (nc < 1 || nc > MAX_CONSUMERS || size < 8 || count < 1 || count > MAX_COUNT ||
-        inflight < 1 || inflight > MAX_INFLIGHT)
+        inflight < 1 || inflight > MAX_INFLIGHT || gap_us < 0 || gap_us > 10000000 ||
+        (floor && (loan || inflight > 1)))
         return 2;
+    run_cfg cfg = {.nc = nc, .size = floor ? 0 : size, .count = count, .plane = plane, .loan = loan,
+                   .drive = drive, .floor = floor, .gap_us = gap_us};
+    floor_page *pg = NULL;
+    int efd[MAX_CONSUMERS];
+    if (floor) {
+        pg = mmap(NULL, sizeof(*pg), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (pg == MAP_FAILED)
+            return 1;
+        for (int i = 0; i < nc; i++)
+            if ((efd[i] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
+                return 1;
+    }
 
     pid_t pid[MAX_CONSUMERS];
     int to[MAX_CONSUMERS], from[MAX_CONSUMERS];
@@ -201,12 +361,20 @@ int main(int argc, char **argv)
         if (pid[i] == 0) {
             close(a[1]);
             close(b[0]);
-            _exit(consumer(a[0], b[1], count, plane, drive));
+            _exit(floor ? floor_consumer(pg, efd[i], b[1], count)
+                        : consumer(a[0], b[1], count, plane, drive));
         }
         close(a[0]);
         close(b[1]);
         to[i] = a[1];
         from[i] = b[0];
+    }
+    if (floor) {
+        double secs = 0;
+        usleep(100000); /* every consumer asleep in epoll_wait */
+        if (floor_produce(pg, efd, nc, count, gap_us, &secs) != 0)
+            return 1;
+        return report(&cfg, from, pid, secs, status_kb("VmRSS:") * 1024, 0, 0);
     }
 
     tdp_loop *loop;
@@ -253,6 +421,7 @@ int main(int argc, char **argv)
             if (tdp_op_result(ops[k]) != TDP_OK)
                 return 1;
         }
+        pause_us(gap_us);
         tdp_td *td = tds[k];
         if (loan && loan_td(fo, s, &td) != TDP_OK)
             return 1;
@@ -279,32 +448,7 @@ int main(int argc, char **argv)
     if (tdp_fanout_close(fo, 60000) != TDP_OK)
         return 1;
 
-    uint64_t *lat = calloc((size_t)nc * count, sizeof(*lat)), *last = calloc(count, sizeof(*last));
-    int bad = 0;
-    for (int i = 0; i < nc; i++) {
-        size_t want = count * sizeof(*lat), got = 0;
-        while (got < want) {
-            ssize_t r = read(from[i], (char *)(lat + (size_t)i * count) + got, want - got);
-            if (r <= 0)
-                break;
-            got += (size_t)r;
-        }
-        int wst;
-        waitpid(pid[i], &wst, 0);
-        bad += got != want || !WIFEXITED(wst) || WEXITSTATUS(wst) != 0;
-    }
-    for (uint64_t k = 0; k < count; k++)
-        for (int i = 0; i < nc; i++)
-            if (lat[(size_t)i * count + k] > last[k])
-                last[k] = lat[(size_t)i * count + k];
-    printf("{\"consumers\":%d,\"plane\":\"%s\",\"size\":%" PRIu64 ",\"count\":%" PRIu64
-           ",\"p50_last_ns\":%" PRIu64 ",\"p50_all_ns\":%" PRIu64
-           ",\"msgs_per_s\":%.1f,\"bytes_per_s\":%.0f,\"producer_rss_bytes\":%" PRIu64
-           ",\"producer_shm_bytes\":%" PRIu64
-           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d,\"loan\":%s,\"drive\":%s}\n",
-           nc, tdp_plane_name(plane), size, count, p50(last, count), p50(lat, (uint64_t)nc * count),
-           (double)count / secs, (double)(count * size) / secs, rss_kb * 1024, shm, maps, bad,
-           loan ? "true" : "false", drive ? "true" : "false");
+    int bad = report(&cfg, from, pid, secs, rss_kb * 1024, shm, maps);
     tdp_fanout_free(fo);
     tdp_loop_free(loop);
     for (int k = 0; k < inflight; k++) {
@@ -312,7 +456,5 @@ int main(int argc, char **argv)
         tdp_td_unref(tds[k]);
     }
     tdp_schema_unref(s);
-    free(lat);
-    free(last);
-    return bad ? 1 : 0;
+    return bad;
 }
