@@ -31,6 +31,19 @@ if [[ -n $TDPIPE ]]; then
 else
     echo "bench_smoke: no tdpipe command in this build; tdpipe bench skipped"
 fi
+# the fan-out bench: the floor and a loaned hand-off from idle, 2 consumers
+FB=$(dirname "$PEERS")/tdp_fanout_bench
+if [[ -x $FB ]]; then
+    for mode in --floor "--loan --drive"; do
+        # shellcheck disable=SC2086
+        "$FB" --consumers 2 --size 4096 --count 20 --gap 200 $mode >"$DIR/fanout.out"
+        python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["failed_consumers"] == 0 and r["p50_last_ns"] >= r["p50_all_ns"] > 0, r' "$DIR/fanout.out"
+    done
+    rm -f "$DIR/fanout.out"
+fi
 "$PEERS" check "$DIR"/*.json
 if [[ -n $TDPIPE ]]; then # the table wants tdpipe's results
     "$PEERS" table "$DIR"/*.json --json "$DIR/results.json" >/dev/null
