@@ -8,11 +8,15 @@
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdbool.h>
+#include <unistd.h>
+#include <stdlib.h>
 #include <tdpipe/mem.h>
 
 #include "core/alloc.h"
 
 #include "core/cuda.h"
+#include "core/populate.h"
 
 static bool aligned_to(const void *p, size_t a)
 {
@@ -350,6 +354,185 @@ static void test_device_format_and_equal(void **state)
     assert_false(tdp_device_equal(c0, cpu));
 }
 
+/* ---- huge pages for large host buffers --------------------------------------- */
+
+static char huge_dir[64];
+
+static void put_file(const char *rel, const char *text)
+{
+    char path[256], cmd[320];
+    snprintf(path, sizeof(path), "%s%s", huge_dir, rel);
+    snprintf(cmd, sizeof(cmd), "mkdir -p \"$(dirname '%s')\"", path);
+    assert_int_equal(system(cmd), 0);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* A buddyinfo whose Normal zone has `blocks` free 4 MiB blocks (order 10). */
+static void put_buddyinfo(unsigned blocks)
+{
+    char text[512];
+    snprintf(text, sizeof(text),
+             "Node 0, zone      DMA      0      0      0      0      0      0      0      0      "
+             "1      1      3\n"
+             "Node 0, zone    DMA32      2      2      4      2      5      4      3      3      "
+             "4      0      0\n"
+             "Node 0, zone   Normal   3106   5106   6562   5686   4054   2810   1729    979    "
+             "462      0 %6u\n",
+             blocks);
+    put_file("/proc/buddyinfo", text);
+}
+
+/* Whether the mapping holding p was advised MADV_HUGEPAGE ("hg" in its VmFlags). */
+static bool vma_has_hg(const void *p)
+{
+    FILE *f = fopen("/proc/self/smaps", "r");
+    assert_non_null(f);
+    char line[512];
+    bool in = false, hg = false;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+            in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+        else if (in && strncmp(line, "VmFlags:", 8) == 0)
+            hg = strstr(line, " hg") != NULL;
+    }
+    fclose(f);
+    return hg;
+}
+
+/* Can this kernel take MADV_HUGEPAGE at all (THP built in)? */
+static bool kernel_has_thp(void)
+{
+    return access("/sys/kernel/mm/transparent_hugepage/enabled", F_OK) == 0;
+}
+
+static int huge_setup(void **state)
+{
+    (void)state;
+    snprintf(huge_dir, sizeof(huge_dir), "/tmp/tdp-huge-XXXXXX");
+    assert_non_null(mkdtemp(huge_dir));
+    unsetenv("TDPIPE_HUGE_PAGES");
+    put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always [madvise] never\n");
+    put_buddyinfo(1000); /* 2000 free 2 MiB blocks */
+    tdp__huge_set_root(huge_dir);
+    return 0;
+}
+
+static int huge_teardown(void **state)
+{
+    (void)state;
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", huge_dir);
+    assert_int_equal(system(cmd), 0);
+    unsetenv("TDPIPE_HUGE_PAGES");
+    tdp__huge_set_root(NULL);
+    return 0;
+}
+
+/* A fresh 2 MiB-aligned region of n bytes, not advised yet. */
+static void *region(size_t n)
+{
+    void *p = NULL;
+    assert_int_equal(posix_memalign(&p, TDP__HUGE_PAGE, n), 0);
+    return p;
+}
+
+static void test_huge_decision(void **state)
+{
+    (void)state;
+    const size_t n = 8u << 20; /* 4 blocks: 8 free ones are enough */
+    bool thp = kernel_has_thp();
+
+    /* plenty of free blocks, no balloon: asked (where the kernel can) */
+    void *p = region(n);
+    assert_int_equal(tdp__huge_advise(p, n), thp);
+    assert_int_equal(vma_has_hg(p), thp);
+    free(p);
+
+    /* not aligned, or smaller than one huge page: never */
+    p = region(n);
+    assert_false(tdp__huge_advise((char *)p + 4096, n - 4096));
+    assert_false(tdp__huge_advise(p, TDP__HUGE_PAGE - 1));
+    free(p);
+
+    /* fewer free blocks than twice the need: small pages, no compaction */
+    put_buddyinfo(3); /* 6 blocks < 8 */
+    p = region(n);
+    assert_false(tdp__huge_advise(p, n));
+    assert_false(vma_has_hg(p));
+    /* ... unless asked for whatever the state of memory */
+    setenv("TDPIPE_HUGE_PAGES", "1", 1);
+    assert_int_equal(tdp__huge_advise(p, n), thp);
+    free(p);
+    unsetenv("TDPIPE_HUGE_PAGES");
+    put_buddyinfo(4); /* exactly 8 */
+    p = region(n);
+    assert_int_equal(tdp__huge_advise(p, n), thp);
+    free(p);
+
+    /* THP off in the system: never, even when asked */
+    put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always madvise [never]\n");
+    setenv("TDPIPE_HUGE_PAGES", "1", 1);
+    p = region(n);
+    assert_false(tdp__huge_advise(p, n));
+    free(p);
+    unsetenv("TDPIPE_HUGE_PAGES");
+    put_file("/sys/kernel/mm/transparent_hugepage/enabled", "[always] madvise never\n");
+
+    /* TDPIPE_HUGE_PAGES=0: never */
+    setenv("TDPIPE_HUGE_PAGES", "0", 1);
+    p = region(n);
+    assert_false(tdp__huge_advise(p, n));
+    assert_false(vma_has_hg(p));
+    free(p);
+    unsetenv("TDPIPE_HUGE_PAGES");
+
+    /* a balloon that reports free pages to its host: not in auto, yes when asked */
+    put_file("/sys/bus/virtio/devices/virtio0/device", "0x0001\n");
+    put_file("/sys/bus/virtio/devices/virtio0/features", "1111110000\n"); /* not a balloon */
+    put_file("/sys/bus/virtio/devices/virtio1/device", "0x0005\n");
+    put_file("/sys/bus/virtio/devices/virtio1/features", "0110000000\n"); /* no reporting */
+    tdp__huge_set_root(huge_dir);                                           /* forget what it saw */
+    p = region(n);
+    assert_int_equal(tdp__huge_advise(p, n), thp);
+    free(p);
+    put_file("/sys/bus/virtio/devices/virtio1/features", "0110010100\n"); /* bit 5 */
+    tdp__huge_set_root(huge_dir);
+    p = region(n);
+    assert_false(tdp__huge_advise(p, n));
+    setenv("TDPIPE_HUGE_PAGES", "on", 1);
+    assert_int_equal(tdp__huge_advise(p, n), thp);
+    free(p);
+}
+
+/* tdp_mem_alloc: a large host buffer gets the advice, a small one never. */
+static void test_huge_host_alloc(void **state)
+{
+    (void)state;
+    bool thp = kernel_has_thp();
+    void *big = NULL, *small = NULL;
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, TDP__HUGE_MIN, 0, &big), TDP_OK);
+    assert_int_equal((uintptr_t)big % TDP_BUFFER_ALIGN, 0);
+    assert_int_equal(vma_has_hg(big), thp);
+    memset(big, 0x5a, TDP__HUGE_MIN); /* all of it ours to write */
+    tdp_mem_free(TDP_MEM_HOST, big);
+
+    /* just below the threshold: as before, page-aligned, no advice */
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, TDP__HUGE_MIN - 1, 0, &small), TDP_OK);
+    assert_int_equal((uintptr_t)small % TDP_BUFFER_ALIGN, 0);
+    assert_false(vma_has_hg(small));
+    tdp_mem_free(TDP_MEM_HOST, small);
+
+    /* the advice withheld: a large buffer as any other */
+    setenv("TDPIPE_HUGE_PAGES", "0", 1);
+    assert_int_equal(tdp_mem_alloc(TDP_MEM_HOST, 0, 3 * TDP__HUGE_MIN, 0, &big), TDP_OK);
+    assert_false(vma_has_hg(big));
+    tdp_mem_free(TDP_MEM_HOST, big);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -364,6 +547,8 @@ int main(void)
         cmocka_unit_test(test_device_parse_good),
         cmocka_unit_test(test_device_parse_bad),
         cmocka_unit_test(test_device_format_and_equal),
+        cmocka_unit_test_setup_teardown(test_huge_decision, huge_setup, huge_teardown),
+        cmocka_unit_test_setup_teardown(test_huge_host_alloc, huge_setup, huge_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,6 +2,7 @@
 #include <tdpipe/mem.h>
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "alloc.h"
 #include "cuda.h"
 #include "log.h"
+#include "populate.h"
 
 static _Atomic uint64_t stat_allocs[TDP_MEM_TYPE_COUNT];
 static _Atomic uint64_t stat_frees[TDP_MEM_TYPE_COUNT];
@@ -33,8 +35,13 @@ static tdp_err host_alloc(size_t size, size_t align, void **out)
 
     if (size > SIZE_MAX - off)
         return TDP_ENOMEM;
-    if (posix_memalign(&base, align < sizeof(void *) ? sizeof(void *) : align, size + off) != 0)
+    /* large: on a huge-page boundary, so that huge pages can back it (populate.h) */
+    bool huge = size >= TDP__HUGE_MIN && align <= TDP__HUGE_PAGE;
+    size_t a = huge ? TDP__HUGE_PAGE : align < sizeof(void *) ? sizeof(void *) : align;
+    if (posix_memalign(&base, a, size + off) != 0)
         return TDP_ENOMEM;
+    if (huge)
+        tdp__huge_advise(base, size + off);
     char *p = (char *)base + off;
     mem_hdr *h = (mem_hdr *)(void *)(p - sizeof(mem_hdr));
     h->size = size;
