@@ -13,12 +13,13 @@
 # 2. 1 MB to 4 consumers: tdp_fanout_bench's throughput (4 sends in flight),
 #    loaned and plain, against ZeroMQ's PUB over ipc:// to 4 SUB processes,
 #    without drops (build/bench/tdp_zmq_fan broadcast).
-# 2b. The hand-off from idle: one message a millisecond (--gap 1000), so that
-#    every process sleeps when the next comes, to 1 and 4 consumers, loaned
-#    slots (consumers with and without a loop thread), against the floor of
-#    this machine: the same processes woken through an eventfd each with no
-#    library in between (tdp_fanout_bench --floor). The ratio to one
-#    consumer, and to the floor.
+# 2b. The hand-off from idle: one 100 MB message a millisecond (--gap 1000),
+#    so that every process sleeps when the next comes, to 1 and 4
+#    consumers, loaned slots (consumers with and without a loop thread, and
+#    with neither side running one), against the floor of this machine: the
+#    same processes woken through an eventfd each with no library in
+#    between (tdp_fanout_bench --floor). The ratio to one consumer, and to
+#    the floor.
 # 3. `tdpipe bench --fanout 4 --sizes 1MB,100MB`: the same broadcast from one
 #    process to 4 consumer pipes of its own, loaned slots against plain
 #    buffers (one run).
@@ -38,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --plane) PLANE=$2; shift 2 ;;
     --count) COUNT=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    -h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/fanout.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -111,19 +112,20 @@ for kind in loan plain; do
     fi
 done
 echo
-echo "The hand-off from idle (1 message per ms, $((COUNT * 25)) messages), one-way p50 to the last consumer:"
-printf '%-12s %10s %10s %8s %14s\n' kind "1 (us)" "4 (us)" "x one" "4: x floor"
+echo "The hand-off from idle (100 MB, 1 message per ms, $((COUNT * 25)) messages), one-way p50 to the last consumer:"
+printf '%-18s %10s %10s %8s %14s\n' kind "1 (us)" "4 (us)" "x one" "4: x floor"
 declare -A H
-for kind in floor loan-driven loan; do
+for kind in floor loan-no-threads loan-driven loan; do
     flag=--floor
     [[ $kind == loan ]] && flag=--loan
     [[ $kind == loan-driven ]] && flag="--loan --drive"
+    [[ $kind == loan-no-threads ]] && flag="--loan --drive --drive-producer"
     for n in 1 4; do
-        row=$(med p50_last_ns "$FB" --consumers "$n" --size 1000000 --count $((COUNT * 25)) --gap 1000 \
+        row=$(med p50_last_ns "$FB" --consumers "$n" --size 100000000 --count $((COUNT * 25)) --gap 1000 \
             --plane "$PLANE" $flag)
         H[$kind$n]=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["p50_last_ns"])' "$row")
     done
-    printf '%-12s %10.1f %10.1f %8.2f %14.2f\n' "$kind" "$(echo "${H[${kind}1]} / 1000" | bc -l)" \
+    printf '%-18s %10.1f %10.1f %8.2f %14.2f\n' "$kind" "$(echo "${H[${kind}1]} / 1000" | bc -l)" \
         "$(echo "${H[${kind}4]} / 1000" | bc -l)" "$(echo "${H[${kind}4]} / ${H[${kind}1]}" | bc -l)" \
         "$(echo "${H[${kind}4]} / ${H[floor4]}" | bc -l)"
 done

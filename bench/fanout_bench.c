@@ -3,24 +3,27 @@
  * this host through a tdp_fanout (docs/benchmarks.md, "Fan-out").
  *
  *   tdp_fanout_bench [--consumers N] [--size BYTES] [--count K] [--plane NAME]
- *                    [--inflight W] [--loan] [--drive] [--gap US] [--floor]
+ *                    [--inflight W] [--loan] [--drive] [--drive-producer]
+ *                    [--gap US] [--floor]
  *
  * The consumers are forked before the producer touches UCX, dial the
  * fan-out's listener and receive K messages (4 receive buffers each, as
  * tdpipe bench). Each message carries the
  * monotonic time of its send call (the clock is the same in every process
  * on a host); each consumer sends back, per message, when it had it. The
- * producer sends one message at a time (the next once every consumer's
- * pipe is done with the last), so the one-way time is a hand-off, not a
- * queue; with --inflight W it keeps W asynchronous sends going, each from
- * a buffer of its own (for throughput; the one-way time then includes the
- * queue). With --loan each message is a slot lent by the fan-out
+ * producer sends one message at a time (a blocking send, which returns
+ * once every consumer's pipe has taken it: on the shm plane, before any
+ * consumer has woken; see --gap); with --inflight W it keeps W
+ * asynchronous sends going, each from a buffer of its own (for throughput;
+ * the one-way time then includes the queue). With --loan each message is a slot lent by the fan-out
  * (tdp_fanout_loan: on the shm plane, of the pool every consumer maps), so
  * nothing is copied on the way and the one-way time is the hand-off
  * itself; without it each send copies the buffer into the pool once. With
  * --drive the consumers start no loop thread: each blocking receive drives
  * the loop on the receiving thread, one wake-up per message instead of two
- * (the loop thread's, then the receiver's). With --gap US the producer
+ * (the loop thread's, then the receiver's); with --drive-producer the
+ * producer's loop thread stops once every consumer is in, and each loan
+ * and send runs on the sending thread (no hop onto a loop thread). With --gap US the producer
  * sleeps US microseconds before each send, so that every consumer is done
  * with the last message and asleep when the next comes: each one-way time
  * is then a wake-up from idle, as for a rare broadcast of new weights.
@@ -293,7 +296,7 @@ int main(int argc, char **argv)
 {
     int nc = 4, inflight = 1;
     long gap_us = 0;
-    bool loan = false, drive = false, floor = false;
+    bool loan = false, drive = false, floor = false, pdrive = false;
     uint64_t size = 100000000, count = 20;
     tdp_plane plane = TDP_PLANE_SHM;
     for (int i = 1; i < argc; i += 2) {
@@ -304,6 +307,11 @@ int main(int argc, char **argv)
         }
         if (strcmp(argv[i], "--drive") == 0) {
             drive = true;
+            i--;
+            continue;
+        }
+        if (strcmp(argv[i], "--drive-producer") == 0) {
+            pdrive = true;
             i--;
             continue;
         }
@@ -329,7 +337,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr,
                     "usage: %s [--consumers N] [--size BYTES] [--count K] [--plane NAME]"
-                    " [--inflight W] [--loan] [--drive] [--gap US] [--floor]\n",
+                    " [--inflight W] [--loan] [--drive] [--drive-producer] [--gap US] [--floor]\n",
                     argv[0]);
             return 2;
         }
@@ -396,6 +404,11 @@ int main(int argc, char **argv)
         usleep(1000);
     if (st.consumers != (uint32_t)nc)
         return 1;
+    if (pdrive) {
+        /* every consumer is in: from here each call drives the loop itself */
+        tdp_loop_stop(loop);
+        usleep(50000); /* the loop thread has let go (a call would take over anyway) */
+    }
 
     tdp_schema *s = bytes_schema((int64_t)size);
     tdp_td *tds[MAX_INFLIGHT] = {NULL};

@@ -22,6 +22,10 @@
 #      CPU-side stream wait per message; PyTorch's CUDA IPC through
 #      torch.multiprocessing, bench/torch_cuda_ipc.py, where torch has
 #      CUDA), and prints one table with tdpipe's ratios to them;
+#   5b. on the host side, what 2 vCPUs could not show: the fan-out hand-off
+#      from idle to 1 and 4 consumers against the wake-up floor
+#      (tdp_fanout_bench --floor), and 100 MB first sends with and without
+#      huge pages;
 #   6. last, runs one bench per plane under compute-sanitizer memcheck
 #      (where installed), so a slow sanitizer cannot keep the figures out.
 # Every stage has a time limit.
@@ -175,6 +179,25 @@ say "first sends, prepared (tdp_pipe_prepare before the first send), 100 MB"
 if [[ $QUICK -eq 0 ]]; then
     for plane in shm ucx cuda-ipc; do
         bench "prep_cuda_$plane" --mem cuda --plane "$plane" --sizes 100MB --rounds 20 --prepare
+    done
+fi
+
+say "host paths on many cores: the fan-out hand-off from idle, first sends with huge pages"
+# issue targets measured on 2 vCPUs so far, where 4 consumers cannot all run at once
+FB=$B/bench/tdp_fanout_bench
+for kind in "--floor" "--loan --drive" "--loan"; do
+    for n in 1 4; do
+        # shellcheck disable=SC2086
+        r=$(timeout 60 "$FB" --consumers "$n" --size 1000000 --count 500 --gap 1000 $kind 2>&1 | tail -1)
+        echo "  fan-out $kind, $n consumer(s): $(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("p50 to the last %.1f us, all %.1f us" % (r["p50_last_ns"]/1e3, r["p50_all_ns"]/1e3))' "$r" 2>/dev/null || echo "failed: $r")"
+    done
+done
+echo "  THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); balloons reporting free pages: $(grep -l '^0x0005' /sys/bus/virtio/devices/*/device 2>/dev/null | wc -l) balloon(s)"
+if [[ $QUICK -eq 0 ]]; then
+    for hp in 0 auto; do
+        for tls in all tcp; do
+            echo "  first send, host 100 MB, ucx ($tls), TDPIPE_HUGE_PAGES=$hp: $(TDPIPE_HUGE_PAGES=$hp UCX_TLS=$tls timeout 60 "$TDPIPE" bench --quiet --mem cpu --plane ucx --sizes 100MB --rounds 10 2>&1 | grep '^100 MB' | awk '{print "first", $3, $4, "p50", $6, $7}')"
+        done
     done
 fi
 
