@@ -192,7 +192,11 @@ for kind in "--floor" "--loan --drive" "--loan"; do
         echo "  fan-out $kind, $n consumer(s): $(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("p50 to the last %.1f us, all %.1f us" % (r["p50_last_ns"]/1e3, r["p50_all_ns"]/1e3))' "$r" 2>/dev/null || echo "failed: $r")"
     done
 done
-echo "  THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); balloons reporting free pages: $(grep -l '^0x0005' /sys/bus/virtio/devices/*/device 2>/dev/null | wc -l) balloon(s)"
+rep=0 # virtio balloons with free page reporting (feature bit 5)
+for d in /sys/bus/virtio/devices/*; do
+    [[ $(cat "$d/device" 2>/dev/null) == 0x0005 && $(cut -c6 "$d/features" 2>/dev/null) == 1 ]] && rep=$((rep + 1))
+done
+echo "  THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null); virtio balloons reporting free pages: $rep"
 if [[ $QUICK -eq 0 ]]; then
     for hp in 0 auto; do
         for tls in all tcp; do
