@@ -281,7 +281,8 @@ static int report(const run_cfg *c, const int *from, const pid_t *pid, double se
     printf("{\"consumers\":%d,\"plane\":\"%s\",\"size\":%" PRIu64 ",\"count\":%" PRIu64
            ",\"p50_last_ns\":%" PRIu64 ",\"p50_all_ns\":%" PRIu64
            ",\"msgs_per_s\":%.1f,\"bytes_per_s\":%.0f,\"producer_rss_bytes\":%" PRIu64
-           ",\"producer_shm_bytes\":%" PRIu64 ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d"
+           ",\"producer_shm_bytes\":%" PRIu64
+           ",\"producer_shm_mappings\":%u,\"failed_consumers\":%d"
            ",\"loan\":%s,\"drive\":%s,\"floor\":%s,\"gap_us\":%ld}\n",
            nc, c->floor ? "none" : tdp_plane_name(c->plane), c->size, count, p50(last, count),
            p50(lat, (uint64_t)nc * count), (double)count / secs, (double)(count * c->size) / secs,
@@ -346,8 +347,14 @@ int main(int argc, char **argv)
         inflight < 1 || inflight > MAX_INFLIGHT || gap_us < 0 || gap_us > 10000000 ||
         (floor && (loan || inflight > 1)))
         return 2;
-    run_cfg cfg = {.nc = nc, .size = floor ? 0 : size, .count = count, .plane = plane, .loan = loan,
-                   .drive = drive, .floor = floor, .gap_us = gap_us};
+    run_cfg cfg = {.nc = nc,
+                   .size = floor ? 0 : size,
+                   .count = count,
+                   .plane = plane,
+                   .loan = loan,
+                   .drive = drive,
+                   .floor = floor,
+                   .gap_us = gap_us};
     floor_page *pg = NULL;
     int efd[MAX_CONSUMERS];
     if (floor) {

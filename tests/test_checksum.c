@@ -23,26 +23,9 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/checksum.h"
+#include "test_util.h"
 
 #define TMO 20000 /* ms: bound on any single wait */
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
-}
 
 /* A pattern that depends on the sequence number: any changed byte fails it. */
 static uint64_t pattern(uint64_t seq, uint64_t i)
@@ -186,7 +169,7 @@ typedef struct sender {
 static void *sender_main(void *arg)
 {
     sender *s = arg;
-    tdp_schema *sc = bytes_schema(s->nbytes);
+    tdp_schema *sc = host_bytes_schema(s->nbytes);
     tdp_td *td;
     s->rc = tdp_td_new(sc, &td);
     for (int i = 0; s->rc == TDP_OK && i < s->count; i++) {
@@ -333,7 +316,7 @@ static void test_device_layout_refused(void **state)
     assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", tdp_listener_port(e.l), &co, &e.cli),
                      TDP_OK);
     assert_int_equal(tdp_listener_accept(e.l, TMO, &e.srv), TDP_OK);
-    tdp_schema *sc = bytes_schema(4096);
+    tdp_schema *sc = host_bytes_schema(4096);
     tdp_td *td;
     assert_int_equal(tdp_td_new(sc, &td), TDP_OK);
     fill(td, 1);

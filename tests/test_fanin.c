@@ -28,6 +28,7 @@
 #include <cmocka.h>
 
 #include <tdpipe/tdpipe.h>
+#include "test_util.h"
 
 extern char **environ;
 
@@ -98,13 +99,6 @@ static bool in_shm_pool(const void *p)
     if (f != NULL)
         fclose(f);
     return in;
-}
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* ---- a producer in this process: a pipe on the producers' loop, a thread ---- */

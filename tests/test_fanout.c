@@ -27,17 +27,11 @@
 #include "pipe/op.h"
 #include "pipe/session.h"
 #include "pipe/shm/plane_shm.h"
+#include "test_util.h"
 
 #define TMO    20000 /* ms: bound for any single wait */
 #define NBYTES 4096
 #define MAXC   8
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* Every pipe's receive window (0: none); a test sets it for itself. */
 static uint64_t g_window;
@@ -51,17 +45,6 @@ static tdp_pipe_opts popts(void)
     if (n != NULL && tdp_plane_parse(n, &o.plane) != TDP_OK)
         abort();
     return o;
-}
-
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
 }
 
 static void fill(tdp_td *td, uint64_t seq)
@@ -206,7 +189,7 @@ static void broadcast_order(void)
     env_up(&e, NULL);
     for (int i = 0; i < 3; i++)
         add_consumer(&e, n, 0);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (uint64_t i = 1; i <= n; i++) {
@@ -259,7 +242,7 @@ static void test_broadcast_async(void **state)
     env_up(&e, NULL);
     for (int i = 0; i < 2; i++)
         add_consumer(&e, n, 0);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td[K];
     tdp_op *op[K];
     for (int k = 0; k < K; k++) {
@@ -301,7 +284,7 @@ static void test_late_joiner(void **state)
     const uint64_t n = 100;
     env_up(&e, NULL);
     add_consumer(&e, n, 0);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (uint64_t i = 1; i <= n; i++) {
@@ -326,7 +309,7 @@ static void test_broadcast_nobody(void **state)
     (void)state;
     env e;
     env_up(&e, NULL);
-    tdp_schema *s = bytes_schema(64);
+    tdp_schema *s = host_bytes_schema(64);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     fill(td, 1);
@@ -357,7 +340,7 @@ static void test_distribute_credit(void **state)
     add_consumer(&e, n, 0);
     add_consumer(&e, n, 0);
     consumer *slow = add_consumer(&e, n, TMO); /* does not receive until woken below */
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (uint64_t i = 1; i <= n; i++) {
@@ -409,7 +392,7 @@ static void test_drop_oldest(void **state)
     env_up(&e, &fo);
     add_consumer(&e, n, 0);
     consumer *slow = add_consumer(&e, n, TMO);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     int64_t t0 = mono_ms();
     for (uint64_t i = 1; i <= n; i++) {
         tdp_td *td; /* a fresh buffer each time: lagging consumers may still hold the last */
@@ -446,7 +429,7 @@ static void test_remove(void **state)
     env_up(&e, NULL);
     add_consumer(&e, n, 0);
     add_consumer(&e, n, 0);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     tdp_fanout_peer_stats ps[MAXC];
@@ -482,7 +465,7 @@ static void test_zero_alloc(void **state)
     env_up(&e, NULL);
     for (int i = 0; i < 2; i++)
         add_consumer(&e, 400, 0);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     uint64_t a0 = 0;
@@ -529,7 +512,7 @@ static void test_dial_and_add(void **state)
         assert_int_equal(pthread_create(&e.c[i].th, NULL, consumer_main, &e.c[i]), 0);
     }
     e.nc = 2;
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (uint64_t i = 1; i <= n; i++) {
@@ -600,7 +583,7 @@ static void test_kill_one_of_four(void **state)
             close(wfd[i]);
         }
         wait_consumers(&e, NC);
-        tdp_schema *s = bytes_schema(NBYTES);
+        tdp_schema *s = host_bytes_schema(NBYTES);
         tdp_td *td;
         assert_int_equal(tdp_td_new(s, &td), TDP_OK);
         int victim = r % NC;
@@ -726,7 +709,7 @@ static void test_shm_one_pool(void **state)
             close(wfd[i]);
         }
         wait_consumers(&e, (uint32_t)nc);
-        tdp_schema *s = bytes_schema(big);
+        tdp_schema *s = host_bytes_schema(big);
         tdp_td *td;
         assert_int_equal(tdp_td_new(s, &td), TDP_OK);
         for (uint64_t i = 1; i <= n; i++) {
@@ -800,7 +783,7 @@ static void test_shm_loan_zero_copy(void **state)
     env e;
     env_up(&e, NULL);
     dial_bare(&e, NC, 1);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_op *op;
     assert_int_equal(tdp_op_new(NULL, NULL, &op), TDP_OK);
     for (uint64_t i = 1; i <= 6; i++) {
@@ -864,7 +847,7 @@ static void test_shm_window_group(void **state)
         e.nc++;
         wait_consumers(&e, (uint32_t)e.nc);
     }
-    tdp_schema *s = bytes_schema(size);
+    tdp_schema *s = host_bytes_schema(size);
     tdp_op *op;
     assert_int_equal(tdp_op_new(NULL, NULL, &op), TDP_OK);
     for (uint64_t i = 1; i <= N; i++) {
@@ -923,7 +906,7 @@ static void test_shm_release_refused(void **state)
     env e;
     env_up(&e, NULL);
     dial_bare(&e, 2, 4); /* consumer 0 holds a message while it receives others */
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     fill(td, 1);
@@ -1128,7 +1111,7 @@ static void test_shm_wait_woken(void **state)
     env e;
     env_up(&e, NULL);
     dial_bare(&e, NC, 1);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_op *op[NM];
     tdp_td *td[NM];
     for (int i = 0; i < NM; i++) {
@@ -1237,7 +1220,7 @@ static void close_in_process(enum end_order order)
         c[i].want = order == END_CLOSE_AFTER ? 0 : NM;
         assert_int_equal(pthread_create(&c[i].th, NULL, closer_main, &c[i]), 0);
     }
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (uint64_t i = 1; i <= NM; i++) {
@@ -1326,7 +1309,7 @@ static void test_close_stuck_consumer(void **state)
     tdp_pipe *p;
     assert_int_equal(tdp_pipe_connect(e.cl, "127.0.0.1", e.port, &o, &p), TDP_OK);
     wait_consumers(&e, 1);
-    tdp_schema *s = bytes_schema(NBYTES);
+    tdp_schema *s = host_bytes_schema(NBYTES);
     tdp_td *td[NM];
     tdp_op *op[NM];
     for (int i = 0; i < NM; i++) {

@@ -29,15 +29,9 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/wire.h"
+#include "test_util.h"
 
 #define TMO 10000 /* ms: bound for any single wait */
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- raw control-socket helpers ------------------------------------------------ */
 

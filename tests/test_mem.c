@@ -495,7 +495,7 @@ static void test_huge_decision(void **state)
     put_file("/sys/bus/virtio/devices/virtio0/features", "1111110000\n"); /* not a balloon */
     put_file("/sys/bus/virtio/devices/virtio1/device", "0x0005\n");
     put_file("/sys/bus/virtio/devices/virtio1/features", "0110000000\n"); /* no reporting */
-    tdp__huge_set_root(huge_dir);                                           /* forget what it saw */
+    tdp__huge_set_root(huge_dir);                                         /* forget what it saw */
     p = region(n);
     assert_int_equal(tdp__huge_advise(p, n), thp);
     free(p);

@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "test_skip.h"
+#include "test_util.h"
 
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
@@ -49,13 +50,6 @@
 #define LARGE_BYTES (256ll << 20)
 #define LARGE_TMO 60000
 #endif
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /*
  * TDP_TEST_MEM=cuda: the device-memory mode. The schemas' device is cuda:0

@@ -50,17 +50,11 @@
 #include "pipe/shm/shm.h"
 #include "pipe/shm/shm_hello.h"
 #include "pipe/wire.h"
+#include "test_util.h"
 
 #define TMO 20000
 
 static const char secret[] = "the listener's secret, 32 bytes";
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* VmRSS of this process, bytes. */
 static uint64_t rss_bytes(void)
@@ -285,17 +279,6 @@ static void ucx_am(ucx_side *u, const tdp_am_hdr *h, const void *payload, size_t
     }
 }
 
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
-}
-
 /* A good client with the secret: connects, and a message goes through. */
 static void good_client(tdp_loop *cl, tdp_listener *l)
 {
@@ -306,7 +289,7 @@ static void good_client(tdp_loop *cl, tdp_listener *l)
     tdp_pipe *c, *p;
     assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &o, &c), TDP_OK);
     assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
-    tdp_schema *s = bytes_schema(4096);
+    tdp_schema *s = host_bytes_schema(4096);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     memset(tdp_td_data(td), 7, 4096);
@@ -361,7 +344,7 @@ static void ucx_attack(uint16_t port, const char *who)
     uint8_t *payload = malloc(DATA);
     assert_non_null(payload);
     memset(payload, 0xa5, DATA); /* resident before the baseline */
-    tdp_schema *big = bytes_schema(DATA);
+    tdp_schema *big = host_bytes_schema(DATA);
     size_t jl;
     const char *json = tdp_schema_json(big, &jl);
 
@@ -483,7 +466,7 @@ static void test_preauth_ucx_server(void **state)
     tdp_pipe_opts_default(&o);
     o.secret = secret;
     o.secret_len = sizeof(secret) - 1;
-    tdp_schema *s = bytes_schema(4096);
+    tdp_schema *s = host_bytes_schema(4096);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     for (int round = 0; round < 2; round++) {
@@ -712,7 +695,7 @@ static void flood_case(bool pool)
         goto out;
     }
     /* one real message: the socket and rings are up on both sides */
-    tdp_schema *s = bytes_schema(4096);
+    tdp_schema *s = host_bytes_schema(4096);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);
@@ -806,7 +789,7 @@ static void test_growing_loans(void **state)
     tdp_schema *s[N];
     tdp_td *loan[N];
     for (int i = 0; i < N; i++) {
-        s[i] = bytes_schema((int64_t)4096 << i);
+        s[i] = host_bytes_schema((int64_t)4096 << i);
         tdp_err rc = TDP_EAGAIN;
         for (int k = 0; k < 1000 && rc == TDP_EAGAIN; k++) /* the shm proof may be on its way */
             if ((rc = tdp_pipe_loan(c, s[i], &loan[i])) == TDP_EAGAIN)

@@ -28,15 +28,9 @@
 #include <tdpipe/tdpipe.h>
 
 #include "pipe/wire.h"
+#include "test_util.h"
 
 #define TMO 20000
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* A TCP proxy for one connection; the upstream's first frame (its HELLO) gets RESUME. */
 typedef struct proxy {
@@ -144,17 +138,6 @@ static void proxy_stop(proxy *x)
     close(x->lfd);
 }
 
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
-}
-
 /* A listener that answers with RESUME: the dialer refuses it with TDP_EPROTO. */
 static void test_listener_resume_refused(void **state)
 {
@@ -187,7 +170,7 @@ static void test_listener_resume_refused(void **state)
     assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &o, &c), TDP_OK);
     tdp_pipe *p;
     assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
-    tdp_schema *s = bytes_schema(64);
+    tdp_schema *s = host_bytes_schema(64);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     assert_int_equal(tdp_pipe_send(c, td, TMO), TDP_OK);

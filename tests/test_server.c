@@ -28,6 +28,7 @@
 #include <cmocka.h>
 
 #include "test_skip.h"
+#include "test_util.h"
 
 #include <tdpipe/tdpipe.h>
 
@@ -38,13 +39,6 @@
 
 #define TMO     20000 /* ms: generous bound for any single wait */
 #define MAX_IDS 1024
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void sleep_ms(int ms)
 {

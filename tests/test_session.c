@@ -26,29 +26,12 @@
 #include "pipe/session.h"
 #include "pipe/ucx/ucx_workers.h"
 #include "schema/schema_int.h"
+#include "test_util.h"
 
 #define TMO    5000 /* ms: bound of any single wait */
 #define LINGER 500  /* ms: linger deadline where a test waits for it */
 
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* ---- schemas and payloads ----------------------------------------------------------- */
-
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
-}
 
 /* A pattern that depends on seq: a stale or torn buffer fails verify. */
 static void fill(tdp_td *td, uint64_t seq)
@@ -338,7 +321,7 @@ static void test_registry_full(void **state)
     assert_int_equal(e.srv.ready_rc, TDP_OK);
     assert_int_equal(tdp_pipe_plane(e.cli.p), TDP__PLANE_TEST); /* first on both lists */
     assert_int_equal(tdp_pipe_plane(e.srv.p), TDP__PLANE_TEST);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp_op *s = new_op(), *r = new_op();
     send_one(e.cli.p, sc, 1, s);
     tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
@@ -362,7 +345,7 @@ static void test_memory_refused(void **state)
     env_up(&e, 2, 2);
     assert_true(stats(&e, true)->peer_caps & TDP_CAP_MEM_HOST);
     assert_true(stats(&e, false)->peer_caps & TDP_CAP_MEM_HOST);
-    tdp_schema *host = bytes_schema(64), *dev;
+    tdp_schema *host = host_bytes_schema(64), *dev;
     tdp_device cuda = {TDP_DEVICE_CUDA, 0};
     assert_int_equal(tdp_schema_with_device(host, cuda, &dev), TDP_OK);
     static _Alignas(64) uint8_t buf[4096];
@@ -575,7 +558,7 @@ static void test_hello_peer_lacks_plane(void **state)
 static void test_frames_before_hello(void **state)
 {
     env e = {0};
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp_pipe_opts co = fake_opts(1), so = fake_opts(1);
     fake_cfg sync = {.sync_frames = true};
     e.cli.send_on_ready = e.srv.send_on_ready = sc;
@@ -605,7 +588,8 @@ static void test_schema_once_then_data(void **state)
 {
     env e = {0};
     env_up(&e, 1, 4);
-    tdp_schema *a = bytes_schema(1000), *a2 = bytes_schema(1000), *b = bytes_schema(77);
+    tdp_schema *a = host_bytes_schema(1000), *a2 = host_bytes_schema(1000),
+               *b = host_bytes_schema(77);
     /* a, a again (another object, same layout), b, then a: schema frames for a, b, a */
     tdp_schema *plan[] = {a, a, a, a2, a2, b, b, a};
     const uint64_t schemas_after[] = {1, 1, 1, 1, 1, 2, 2, 3};
@@ -645,7 +629,7 @@ static void test_both_directions(void **state)
 {
     env e = {0};
     env_up(&e, 2, 2);
-    tdp_schema *sc = bytes_schema(64);
+    tdp_schema *sc = host_bytes_schema(64);
     tdp_op *s1 = new_op(), *s2 = new_op(), *r1 = new_op(), *r2 = new_op();
     for (uint64_t seq = 1; seq <= 5; seq++) {
         send_one(e.cli.p, sc, seq, s1);
@@ -672,7 +656,7 @@ static void test_credit_blocks_at_depth(void **state)
 {
     env e = {0};
     env_up(&e, 1, 2);
-    tdp_schema *sc = bytes_schema(256);
+    tdp_schema *sc = host_bytes_schema(256);
     tdp_op *s[5], *r = new_op();
     for (int i = 0; i < 5; i++) {
         s[i] = new_op();
@@ -719,7 +703,7 @@ static void test_credit_depth1_blocking(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(300);
+    tdp_schema *sc = host_bytes_schema(300);
     tdp_op *s[3];
     for (int i = 0; i < 3; i++) {
         s[i] = new_op();
@@ -749,7 +733,7 @@ static void test_credit_lost_rides_on_data(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(40);
+    tdp_schema *sc = host_bytes_schema(40);
     fake_cfg_of(fake_link_of(e.srv.p))->drop_credit = true;
     tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op(), *back = new_op();
     send_one(e.cli.p, sc, 1, s1);
@@ -781,7 +765,7 @@ static void test_plane_without_credit_op(void **state)
     fake_plane_install(false);
     env e = {0};
     env_up(&e, 1, 2);
-    tdp_schema *sc = bytes_schema(128);
+    tdp_schema *sc = host_bytes_schema(128);
     tdp_op *s[4], *r = new_op();
     for (int i = 0; i < 4; i++) {
         s[i] = new_op();
@@ -809,7 +793,7 @@ static void test_lending_and_release(void **state)
 {
     env e = {0};
     env_up(&e, 1, 3);
-    tdp_schema *sc = bytes_schema(512);
+    tdp_schema *sc = host_bytes_schema(512);
     tdp_op *s = new_op(), *r = new_op();
     tdp_td *lent[3];
     for (uint64_t seq = 1; seq <= 3; seq++) {
@@ -861,7 +845,7 @@ static void test_schema_change_while_lent(void **state)
 {
     env e = {0};
     env_up(&e, 1, 3);
-    tdp_schema *a = bytes_schema(300), *b = bytes_schema(700);
+    tdp_schema *a = host_bytes_schema(300), *b = host_bytes_schema(700);
     tdp_op *s = new_op(), *r = new_op();
     send_one(e.cli.p, a, 1, s);
     tdp_td *t1 = recv_one(&e, e.srv.p, r, 1);
@@ -896,7 +880,7 @@ static void test_clean_close(void **state)
 {
     env e = {0};
     env_up(&e, 1, 4);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp_op *s[3], *r = new_op();
     for (int i = 0; i < 3; i++) {
         s[i] = new_op();
@@ -934,7 +918,7 @@ static void test_close_waits_for_sends(void **state)
 {
     env e = {0};
     env_up(&e, 1, 4);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp__link *cl = fake_link_of(e.cli.p);
     fake_cfg_of(cl)->hold_sent = true;
     tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
@@ -974,7 +958,7 @@ static void test_bye_before_last_frames(void **state)
 {
     env e = {0};
     env_up(&e, 1, 4);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp__link *cl = fake_link_of(e.cli.p);
     fake_cfg_of(cl)->hold_frames = true;
     tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
@@ -1005,7 +989,7 @@ static void test_bye_frames_never_come(void **state)
 {
     env e = {0};
     env_up(&e, 1, 4);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp__link *cl = fake_link_of(e.cli.p);
     fake_cfg_of(cl)->hold_frames = true;
     tdp_op *s1 = new_op(), *r = new_op();
@@ -1028,7 +1012,7 @@ static void test_bye_frames_never_come(void **state)
 static void test_close_deadline_with_sends_stuck(void **state)
 {
     env e = {0};
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
 
     /* a blocking close gives up; the pipe stays closing and ends once the sends go */
@@ -1080,7 +1064,7 @@ static void test_free_with_ops_pending(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     fake_cfg_of(fake_link_of(e.cli.p))->hold_sent = true;
     tdp_op *s[3], *r = new_op(), *r2 = new_op();
     for (int i = 0; i < 3; i++) {
@@ -1112,7 +1096,7 @@ static void test_blocking_send_timeouts(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(100);
+    tdp_schema *sc = host_bytes_schema(100);
     tdp__link *cl = fake_link_of(e.cli.p);
     fake_cfg_of(cl)->hold_sent = true;
     tdp_td *td = msg(sc, 1);
@@ -1148,7 +1132,7 @@ static void test_lent_survives_failure(void **state)
 {
     env e = {0};
     env_up(&e, 1, 2);
-    tdp_schema *sc = bytes_schema(4096);
+    tdp_schema *sc = host_bytes_schema(4096);
     tdp_op *s1 = new_op(), *s2 = new_op(), *r = new_op();
     send_one(e.cli.p, sc, 1, s1);
     send_one(e.cli.p, sc, 2, s2);
@@ -1178,7 +1162,7 @@ static void test_plane_fails_mid_receive(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(1000);
+    tdp_schema *sc = host_bytes_schema(1000);
     tdp__link *sl = fake_link_of(e.srv.p);
     fake_cfg_of(sl)->rndv = true;
     fake_cfg_of(sl)->hold_landing = true;
@@ -1202,7 +1186,7 @@ static void test_landing_fails(void **state)
 {
     env e = {0};
     env_up(&e, 1, 2);
-    tdp_schema *sc = bytes_schema(1000);
+    tdp_schema *sc = host_bytes_schema(1000);
     tdp__link *sl = fake_link_of(e.srv.p);
     fake_cfg_of(sl)->rndv = true;
     tdp_op *s = new_op(), *r = new_op();
@@ -1226,7 +1210,7 @@ static void test_plane_fails_idle_then_bye(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(10);
+    tdp_schema *sc = host_bytes_schema(10);
     tdp_op *s = new_op(), *r = new_op();
     send_one(e.cli.p, sc, 1, s);
     tdp_pipe_release(e.srv.p, recv_one(&e, e.srv.p, r, 1));
@@ -1258,7 +1242,7 @@ static void test_plane_fails_idle_peer_silent(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(10);
+    tdp_schema *sc = host_bytes_schema(10);
     tdp_op *r = new_op(), *s = new_op();
     tdp_pipe_recv_async(e.srv.p, r);
     int64_t t0 = mono_ms();
@@ -1278,7 +1262,7 @@ static void test_plane_fails_idle_peer_silent(void **state)
 static void test_send_errors(void **state)
 {
     env e = {0};
-    tdp_schema *sc = bytes_schema(10);
+    tdp_schema *sc = host_bytes_schema(10);
     tdp_op *s = new_op(), *r = new_op();
 
     /* a send whose completion fails: the op says so */
@@ -1377,7 +1361,7 @@ static void test_send_errors(void **state)
 static void test_plane_refuses_storage_or_credit(void **state)
 {
     env e = {0};
-    tdp_schema *sc = bytes_schema(64);
+    tdp_schema *sc = host_bytes_schema(64);
     tdp_op *s = new_op(), *r = new_op(), *pr = new_op();
 
     env_up(&e, 1, 2);
@@ -1457,7 +1441,7 @@ static const hostile cases[] = {
 static void run_hostile(const hostile *c)
 {
     env e = {0};
-    tdp_schema *sc = bytes_schema(200), *other = bytes_schema(201);
+    tdp_schema *sc = host_bytes_schema(200), *other = host_bytes_schema(201);
     tdp_op *s = new_op(), *r = new_op(), *pr = new_op();
     tdp_td *kept = NULL;
     print_message("hostile: %s\n", c->name);
@@ -1556,7 +1540,7 @@ static void test_frames_after_end(void **state)
 {
     env e = {0};
     env_up(&e, 1, 1);
-    tdp_schema *sc = bytes_schema(50);
+    tdp_schema *sc = host_bytes_schema(50);
     tdp__link *cl = fake_link_of(e.cli.p);
     fake_cfg_of(cl)->hold_frames = true;
     tdp_op *s = new_op();

@@ -33,27 +33,11 @@
 #include "pipe/session.h"
 #include "pipe/ucx/plane_ucx.h"
 #include "pipe/wire.h"
+#include "test_rogue_am.h"
+#include "test_util.h"
 
 #define TMO  20000
 #define NOPS 32 /* async sends in flight (the op ring) */
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static tdp_schema *bytes_schema(int64_t nbytes)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return s;
-}
 
 /* Message i: a pattern of (i, offset) with i itself in its first bytes. */
 static uint8_t msg_byte(size_t j, uint64_t i)
@@ -182,7 +166,7 @@ static void ring_init(ring *r)
 {
     memset(r, 0, sizeof(*r));
     for (int k = 0; k < K_N; k++) {
-        r->s[k] = bytes_schema(kind_bytes[k]);
+        r->s[k] = host_bytes_schema(kind_bytes[k]);
         assert_int_equal(tdp_schema_total_bytes(r->s[k]), kind_msg[k]);
         for (int i = 0; i < NOPS; i++)
             assert_int_equal(tdp_td_new(r->s[k], &r->td[k][i]), TDP_OK);
@@ -577,7 +561,7 @@ static void test_threads_batched(void **state)
 {
     env e;
     env_up(&e, true, false);
-    tdp_schema *s = bytes_schema(kind_bytes[K_1000]);
+    tdp_schema *s = host_bytes_schema(kind_bytes[K_1000]);
     static tsender ts[T_THREADS];
     for (int t = 0; t < T_THREADS; t++) {
         ts[t] = (tsender){.p = e.cli, .id = t};
@@ -676,7 +660,7 @@ static void credit_order(bool batches)
     env_up_opts(&e, false, &o);
     tdp__ucx_hello_no_batch(false);
     ring_init(&r);
-    tdp_schema *bs = bytes_schema(BIG);
+    tdp_schema *bs = host_bytes_schema(BIG);
     big_sender bsnd = {.p = e.srv, .count = ROUNDS};
     assert_int_equal(tdp_td_new(bs, &bsnd.td), TDP_OK);
     receiver rv;
@@ -735,49 +719,10 @@ static void test_credit_order(void **state)
 
 /* ---- hostile frames ------------------------------------------------------------- */
 
-typedef struct rogue {
-    tdp_pipe *cli;
-    uint8_t hdr[TDP_AM_HDR_LEN];
-    const void *payload;
-    size_t len;
-    atomic_bool done;
-} rogue;
-
-static void rogue_cb(void *req, ucs_status_t st, void *user)
-{
-    atomic_store(&((rogue *)user)->done, true);
-    ucp_request_free(req);
-}
-
-static void rogue_task(void *arg)
-{
-    rogue *r = arg;
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-        .cb.send = rogue_cb,
-        .user_data = r,
-    };
-    ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(r->cli));
-    if (ep == NULL) { /* the pipe ended already (the server refused an earlier frame) */
-        atomic_store(&r->done, true);
-        return;
-    }
-    void *q = ucp_am_send_nbx(ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
-    if (q == NULL || UCS_PTR_IS_ERR(q))
-        atomic_store(&r->done, true);
-    tdp__loop_kick(tdp__session_loop(r->cli));
-}
-
 /* One raw AM from the client's loop; returns once UCX let go of it (or the time is up). */
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len)
 {
-    rogue r = {.cli = e->cli, .payload = payload, .len = len};
-    atomic_init(&r.done, false);
-    tdp_wire_am_encode(r.hdr, h);
-    tdp__call_on_loop(e->cl, rogue_task, &r);
-    for (int i = 0; i < TMO && !atomic_load(&r.done); i++)
-        usleep(1000);
-    assert_true(atomic_load(&r.done));
+    rogue_am_send(e->cl, e->cli, h, payload, len, TMO);
 }
 
 /*
@@ -787,7 +732,7 @@ static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t 
  */
 static void warm_up(env *e)
 {
-    tdp_schema *s = bytes_schema(64);
+    tdp_schema *s = host_bytes_schema(64);
     tdp_td *td, *got;
     assert_int_equal(tdp_td_new(s, &td), TDP_OK);
     memset(tdp_td_data(td), 1, 64);
@@ -933,7 +878,7 @@ static void hostile(bcase kind)
     env e;
     env_up(&e, true, bcases[kind].sum);
     warm_up(&e);
-    tdp_schema *s = bytes_schema(HB);
+    tdp_schema *s = host_bytes_schema(HB);
     assert_int_equal(tdp_schema_total_bytes(s), HB);
     size_t jl;
     const char *json = tdp_schema_json(s, &jl);

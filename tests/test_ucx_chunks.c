@@ -29,16 +29,11 @@
 #include "pipe/session.h"
 #include "pipe/ucx/plane_ucx.h"
 #include "pipe/wire.h"
+#include "test_rogue_am.h"
+#include "test_util.h"
 
 #define TMO 20000
 #define MIB (1u << 20)
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static tdp_schema *bytes_schema(int64_t nbytes, bool dev)
 {
@@ -235,49 +230,10 @@ static void test_older_peer(void **state)
 
 /* ---- hostile frames ------------------------------------------------------------- */
 
-typedef struct rogue {
-    tdp_pipe *cli;
-    uint8_t hdr[TDP_AM_HDR_LEN];
-    const void *payload;
-    size_t len;
-    atomic_bool done;
-} rogue;
-
-static void rogue_cb(void *req, ucs_status_t st, void *user)
-{
-    atomic_store(&((rogue *)user)->done, true);
-    ucp_request_free(req);
-}
-
-static void rogue_task(void *arg)
-{
-    rogue *r = arg;
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-        .cb.send = rogue_cb,
-        .user_data = r,
-    };
-    ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(r->cli));
-    if (ep == NULL) { /* the pipe ended already (the server refused an earlier frame) */
-        atomic_store(&r->done, true);
-        return;
-    }
-    void *q = ucp_am_send_nbx(ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
-    if (q == NULL || UCS_PTR_IS_ERR(q))
-        atomic_store(&r->done, true);
-    tdp__loop_kick(tdp__session_loop(r->cli));
-}
-
 /* One raw AM from the client's loop; returns once UCX let go of it (or the time is up). */
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len)
 {
-    rogue r = {.cli = e->cli, .payload = payload, .len = len};
-    atomic_init(&r.done, false);
-    tdp_wire_am_encode(r.hdr, h);
-    tdp__call_on_loop(e->cl, rogue_task, &r);
-    for (int i = 0; i < TMO && !atomic_load(&r.done); i++)
-        usleep(1000);
-    assert_true(atomic_load(&r.done));
+    rogue_am_send(e->cl, e->cli, h, payload, len, TMO);
 }
 
 enum {

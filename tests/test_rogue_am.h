@@ -1,0 +1,66 @@
+/*
+ * test_rogue_am.h: a hostile peer's raw active message. The suites that
+ * check what the ucx plane refuses (test_ucx_chunks, test_ucx_batch) send
+ * frames the library would never build, on the client pipe's own UCX
+ * endpoint, from its loop. Include after <cmocka.h> and the internal
+ * headers it names (loop_int.h, op.h, session.h, plane_ucx.h, wire.h).
+ */
+#ifndef TDP_TEST_ROGUE_AM_H
+#define TDP_TEST_ROGUE_AM_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+
+typedef struct rogue {
+    tdp_pipe *cli;
+    uint8_t hdr[TDP_AM_HDR_LEN];
+    const void *payload;
+    size_t len;
+    atomic_bool done;
+} rogue;
+
+static void rogue_cb(void *req, ucs_status_t st, void *user)
+{
+    (void)st;
+    atomic_store(&((rogue *)user)->done, true);
+    ucp_request_free(req);
+}
+
+static void rogue_task(void *arg)
+{
+    rogue *r = arg;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .cb.send = rogue_cb,
+        .user_data = r,
+    };
+    ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(r->cli));
+    if (ep == NULL) { /* the pipe ended already (the server refused an earlier frame) */
+        atomic_store(&r->done, true);
+        return;
+    }
+    void *q = ucp_am_send_nbx(ep, TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
+    if (q == NULL || UCS_PTR_IS_ERR(q))
+        atomic_store(&r->done, true);
+    tdp__loop_kick(tdp__session_loop(r->cli));
+}
+
+/*
+ * One raw AM with header h from cli (whose loop is cl); returns once UCX
+ * let go of it, asserting that it did within tmo_ms.
+ */
+static inline void rogue_am_send(tdp_loop *cl, tdp_pipe *cli, const tdp_am_hdr *h,
+                                 const void *payload, size_t len, int tmo_ms)
+{
+    rogue r = {.cli = cli, .payload = payload, .len = len};
+    atomic_init(&r.done, false);
+    tdp_wire_am_encode(r.hdr, h);
+    tdp__call_on_loop(cl, rogue_task, &r);
+    for (int i = 0; i < tmo_ms && !atomic_load(&r.done); i++)
+        usleep(1000);
+    assert_true(atomic_load(&r.done));
+}
+
+#endif
