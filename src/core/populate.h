@@ -21,8 +21,8 @@ void tdp__populate_write(void *p, size_t n);
 /*
  * Large host buffers (TDP__HUGE_MIN bytes and more) are allocated aligned
  * to TDP__HUGE_PAGE so that transparent huge pages can back them: a first
- * touch of 100 MB then costs 50 faults instead of 25,600 (on the
- * development VM 10-20 ms instead of 80 ms).
+ * touch of 100 MB then costs 50 faults instead of 25,600 (18-20 ms instead
+ * of 80 ms on the development VM, when its host still backed the memory).
  */
 #define TDP__HUGE_PAGE (2u << 20)
 #define TDP__HUGE_MIN  (8u << 20)
