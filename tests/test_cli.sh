@@ -316,6 +316,7 @@ test_usage() {
     expect_in version out "ucx:"
     expect_in version out "cuda:"
     expect_in version out "planes:   auto, ucx"
+    expect_in version out "huge pages: "
     run verbose 10 "$TDPIPE" -vv version
     expect_rc verbose 0
     # global options after the subcommand too

@@ -508,6 +508,32 @@ static void test_huge_decision(void **state)
     free(p);
 }
 
+/* tdp_mem_huge_describe: the line `tdpipe version` prints, one per case. */
+static void test_huge_describe(void **state)
+{
+    (void)state;
+    char buf[128];
+    assert_string_equal(tdp_mem_huge_describe(buf, sizeof(buf)),
+                        "asked for when 2 MiB blocks are free (2000 now)");
+    setenv("TDPIPE_HUGE_PAGES", "0", 1);
+    assert_string_equal(tdp_mem_huge_describe(buf, sizeof(buf)),
+                        "not asked for: TDPIPE_HUGE_PAGES=0");
+    setenv("TDPIPE_HUGE_PAGES", "on", 1);
+    assert_string_equal(tdp_mem_huge_describe(buf, sizeof(buf)), "asked for (TDPIPE_HUGE_PAGES=1)");
+    setenv("TDPIPE_HUGE_PAGES", "auto", 1);
+    put_file("/sys/bus/virtio/devices/virtio0/device", "0x0005\n");
+    put_file("/sys/bus/virtio/devices/virtio0/features", "0110010100\n");
+    tdp__huge_set_root(huge_dir);
+    assert_string_equal(tdp_mem_huge_describe(buf, sizeof(buf)),
+                        "not asked for: a virtio balloon reports free pages to its host");
+    put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always madvise [never]\n");
+    assert_non_null(strstr(tdp_mem_huge_describe(buf, sizeof(buf)), "are off (never)"));
+    /* truncated to fit, and terminated */
+    char small[8];
+    assert_int_equal(strlen(tdp_mem_huge_describe(small, sizeof(small))), 7);
+    assert_null(tdp_mem_huge_describe(NULL, 10));
+}
+
 /* tdp_mem_alloc: a large host buffer gets the advice, a small one never. */
 static void test_huge_host_alloc(void **state)
 {
@@ -549,6 +575,7 @@ int main(void)
         cmocka_unit_test(test_device_format_and_equal),
         cmocka_unit_test_setup_teardown(test_huge_decision, huge_setup, huge_teardown),
         cmocka_unit_test_setup_teardown(test_huge_host_alloc, huge_setup, huge_teardown),
+        cmocka_unit_test_setup_teardown(test_huge_describe, huge_setup, huge_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

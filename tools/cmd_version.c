@@ -44,5 +44,7 @@ int tdp_cmd_version(int argc, char **argv)
     printf("ucx:      %s\n", ucp_get_version_string());
     char planes[128];
     printf("planes:   %s\n", tdp_cli_plane_names(planes, sizeof(planes)));
+    char huge[128];
+    printf("huge pages: %s\n", tdp_mem_huge_describe(huge, sizeof(huge)));
     return TDP_EXIT_OK;
 }

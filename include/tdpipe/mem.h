@@ -131,6 +131,16 @@ TDP_API int tdp_cuda_device_count(void);
  */
 TDP_API const char *tdp_cuda_describe(char *buf, size_t n);
 
+/*
+ * One line on huge pages for large host buffers (tdp_mem_alloc of 8 MiB and
+ * more, docs/pipe.md "Preparing a layout"), into buf (n bytes, truncated
+ * to fit): whether they are asked for and why not, e.g. "asked for when
+ * 2 MiB blocks are free (1200 now)", "not asked for: a virtio balloon
+ * reports free pages to its host", "not asked for: TDPIPE_HUGE_PAGES=0".
+ * Returns buf.
+ */
+TDP_API const char *tdp_mem_huge_describe(char *buf, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,8 @@
 /* populate.c: fault pages in ahead of their first use (populate.h). */
 #include "populate.h"
 
+#include <tdpipe/mem.h>
+
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -151,17 +153,52 @@ static uint64_t free_huge_blocks(void)
     return blocks;
 }
 
+/* TDPIPE_HUGE_PAGES: -1 unset or "auto", 0 off, 1 on. */
+static int huge_env(void)
+{
+    const char *env = getenv("TDPIPE_HUGE_PAGES");
+    if (env == NULL || strcmp(env, "auto") == 0 || *env == '\0')
+        return -1;
+    if (strcmp(env, "0") == 0 || strcmp(env, "off") == 0)
+        return 0;
+    if (strcmp(env, "1") == 0 || strcmp(env, "on") == 0)
+        return 1;
+    return -1;
+}
+
+const char *tdp_mem_huge_describe(char *buf, size_t n)
+{
+    if (buf == NULL || n == 0)
+        return buf;
+    int env = huge_env();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (env == 0)
+        snprintf(buf, n, "not asked for: TDPIPE_HUGE_PAGES=0");
+    else if (!thp_enabled())
+        snprintf(buf, n, "not asked for: transparent huge pages are off (never) or absent");
+    else if (env == 1)
+        snprintf(buf, n, "asked for (TDPIPE_HUGE_PAGES=1)");
+    else if (reports_free_pages())
+        snprintf(buf, n, "not asked for: a virtio balloon reports free pages to its host");
+    else
+        snprintf(buf, n, "asked for when 2 MiB blocks are free (%llu now)",
+                 (unsigned long long)free_huge_blocks());
+#else
+    (void)env;
+    snprintf(buf, n, "not asked for: no transparent huge pages on this system");
+#endif
+    return buf;
+}
+
 bool tdp__huge_advise(void *p, size_t n)
 {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const char *env = getenv("TDPIPE_HUGE_PAGES");
+    int env = huge_env();
     if (p == NULL || n < TDP__HUGE_PAGE || ((uintptr_t)p & (TDP__HUGE_PAGE - 1)) != 0)
         return false;
-    if (env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "off") == 0))
+    if (env == 0 || !thp_enabled())
         return false;
-    if (!thp_enabled())
-        return false;
-    if (env == NULL || (strcmp(env, "1") != 0 && strcmp(env, "on") != 0)) {
+    if (env != 1) {
         uint64_t need = ((uint64_t)n + TDP__HUGE_PAGE - 1) / TDP__HUGE_PAGE;
         if (reports_free_pages() || free_huge_blocks() < 2 * need)
             return false; /* a host fault per 4 KiB, or compaction: small pages */

@@ -34,8 +34,8 @@ void tdp__populate_write(void *p, size_t n);
  * blocks that the kernel need not compact memory to find them
  * (/proc/buddyinfo: twice the blocks n needs), and free memory is not
  * handed back to a hypervisor (a virtio balloon with free page reporting:
- * populate.c says why). TDPIPE_HUGE_PAGES=0 never asks, =1 asks whenever
- * the system has them, unset or "auto" as above. Whether it asked. Best
+ * populate.c says why). TDPIPE_HUGE_PAGES=0 or "off" never asks, =1 or
+ * "on" asks whenever the system has them, anything else as above. Whether it asked. Best
  * effort: nothing fails.
  */
 bool tdp__huge_advise(void *p, size_t n);
