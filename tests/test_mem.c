@@ -6,8 +6,10 @@
 #include <cmocka.h>
 
 #include <limits.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <stdbool.h>
 #include <unistd.h>
 #include <stdlib.h>
@@ -412,6 +414,9 @@ static bool kernel_has_thp(void)
 static int huge_setup(void **state)
 {
     (void)state;
+    /* large blocks from mmap, never from the heap, whatever was freed before:
+     * a heap range advised by an earlier test could come back to a later one */
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
     snprintf(huge_dir, sizeof(huge_dir), "/tmp/tdp-huge-XXXXXX");
     assert_non_null(mkdtemp(huge_dir));
     unsetenv("TDPIPE_HUGE_PAGES");
@@ -432,12 +437,28 @@ static int huge_teardown(void **state)
     return 0;
 }
 
-/* A fresh 2 MiB-aligned region of n bytes, not advised yet. */
+/*
+ * A fresh 2 MiB-aligned mapping of n bytes, not advised yet: a mapping of
+ * its own (not the heap, which malloc would hand out again later with the
+ * advice still on it), unmapped whole by region_free.
+ */
 static void *region(size_t n)
 {
-    void *p = NULL;
-    assert_int_equal(posix_memalign(&p, TDP__HUGE_PAGE, n), 0);
+    size_t span = n + TDP__HUGE_PAGE;
+    char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_true(m != MAP_FAILED);
+    char *p = (char *)(((uintptr_t)m + TDP__HUGE_PAGE - 1) & ~(uintptr_t)(TDP__HUGE_PAGE - 1));
+    if (p > m)
+        assert_int_equal(munmap(m, (size_t)(p - m)), 0);
+    size_t tail = (size_t)(m + span - (p + n));
+    if (tail > 0)
+        assert_int_equal(munmap(p + n, tail), 0);
     return p;
+}
+
+static void region_free(void *p, size_t n)
+{
+    assert_int_equal(munmap(p, n), 0);
 }
 
 static void test_huge_decision(void **state)
@@ -450,13 +471,13 @@ static void test_huge_decision(void **state)
     void *p = region(n);
     assert_int_equal(tdp__huge_advise(p, n), thp);
     assert_int_equal(vma_has_hg(p), thp);
-    free(p);
+    region_free(p, n);
 
     /* not aligned, or smaller than one huge page: never */
     p = region(n);
     assert_false(tdp__huge_advise((char *)p + 4096, n - 4096));
     assert_false(tdp__huge_advise(p, TDP__HUGE_PAGE - 1));
-    free(p);
+    region_free(p, n);
 
     /* fewer free blocks than twice the need: small pages, no compaction */
     put_buddyinfo(3); /* 6 blocks < 8 */
@@ -466,19 +487,19 @@ static void test_huge_decision(void **state)
     /* ... unless asked for whatever the state of memory */
     setenv("TDPIPE_HUGE_PAGES", "1", 1);
     assert_int_equal(tdp__huge_advise(p, n), thp);
-    free(p);
+    region_free(p, n);
     unsetenv("TDPIPE_HUGE_PAGES");
     put_buddyinfo(4); /* exactly 8 */
     p = region(n);
     assert_int_equal(tdp__huge_advise(p, n), thp);
-    free(p);
+    region_free(p, n);
 
     /* THP off in the system: never, even when asked */
     put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always madvise [never]\n");
     setenv("TDPIPE_HUGE_PAGES", "1", 1);
     p = region(n);
     assert_false(tdp__huge_advise(p, n));
-    free(p);
+    region_free(p, n);
     unsetenv("TDPIPE_HUGE_PAGES");
     put_file("/sys/kernel/mm/transparent_hugepage/enabled", "[always] madvise never\n");
 
@@ -487,7 +508,7 @@ static void test_huge_decision(void **state)
     p = region(n);
     assert_false(tdp__huge_advise(p, n));
     assert_false(vma_has_hg(p));
-    free(p);
+    region_free(p, n);
     unsetenv("TDPIPE_HUGE_PAGES");
 
     /* a balloon that reports free pages to its host: not in auto, yes when asked */
@@ -498,14 +519,14 @@ static void test_huge_decision(void **state)
     tdp__huge_set_root(huge_dir);                                         /* forget what it saw */
     p = region(n);
     assert_int_equal(tdp__huge_advise(p, n), thp);
-    free(p);
+    region_free(p, n);
     put_file("/sys/bus/virtio/devices/virtio1/features", "0110010100\n"); /* bit 5 */
     tdp__huge_set_root(huge_dir);
     p = region(n);
     assert_false(tdp__huge_advise(p, n));
     setenv("TDPIPE_HUGE_PAGES", "on", 1);
     assert_int_equal(tdp__huge_advise(p, n), thp);
-    free(p);
+    region_free(p, n);
 }
 
 /* tdp_mem_huge_describe: the line `tdpipe version` prints, one per case. */
