@@ -938,8 +938,9 @@ assert [r["bytes"] for r in d["results"]] == [1000, 200000]' \
     run bloop 60 "$TDPIPE" bench --sizes 1KB --rounds 20 --json "$WORK/bloop.json" --quiet
     expect_rc bloop 0
     CHECKS=$((CHECKS + 1))
-    python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["mode"] == "loopback"' \
-        "$WORK/bloop.json" 2>/dev/null || fail "bloop: the JSON does not say mode loopback"
+    python3 -c 'import json,sys; d = json.load(open(sys.argv[1]))
+assert d["mode"] == "loopback" and "asked for" in d["huge_pages"], d' \
+        "$WORK/bloop.json" 2>/dev/null || fail "bloop: the JSON does not say mode loopback and huge pages"
 
     # what goes with which side
     run bsrv_sizes 10 "$TDPIPE" bench --server --sizes 1KB

@@ -882,17 +882,20 @@ static bool write_json(const bench_cfg *cfg, const char *plane, const size_resul
     char mem[TDP_DEVICE_STRLEN];
     bool gpu = cfg->mem.type == TDP_DEVICE_CUDA;
     bool loaned = !cfg->no_loan && strcmp(plane, gpu ? "cuda-ipc" : "shm") == 0;
+    char huge[128]; /* fixed words and a number: nothing to escape */
     fprintf(f,
             "{\n  \"tool\": \"tdpipe bench\",\n  \"version\": \"%s\",\n  \"date\": \"%s\",\n"
             "  \"mode\": \"%s\",\n"
             "  \"ucx\": {\"version\": \"%s\", \"tls\": \"%s\"},\n"
+            "  \"huge_pages\": \"%s\",\n"
             "  \"config\": {\"depth\": %u, \"window\": %llu, \"busy_poll_us\": %u, "
             "\"peer_mode\": \"%s\", "
             "\"plane\": \"%s\", \"loan\": %s, \"mem\": \"%s\", \"checksum\": %s, "
             "\"inflight\": %u, \"cpus\": %ld},\n",
             tdp_version_string(), date, cfg->client_of != NULL ? "client" : "loopback",
-            ucp_get_version_string(), tls ? tls : "default", cfg->depth,
-            (unsigned long long)cfg->window, cfg->busy_poll_us,
+            ucp_get_version_string(), tls ? tls : "default",
+            tdp_mem_huge_describe(huge, sizeof(huge)), cfg->depth, (unsigned long long)cfg->window,
+            cfg->busy_poll_us,
             cfg->peer_mode == TDP_PEER_UCX      ? "ucx"
             : cfg->peer_mode == TDP_PEER_SOCKET ? "socket"
                                                 : "auto",
