@@ -496,12 +496,14 @@ static void test_huge_decision(void **state)
 
     /* THP off in the system: never, even when asked */
     put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always madvise [never]\n");
+    tdp__huge_set_root(huge_dir); /* read once per process: look again */
     setenv("TDPIPE_HUGE_PAGES", "1", 1);
     p = region(n);
     assert_false(tdp__huge_advise(p, n));
     region_free(p, n);
     unsetenv("TDPIPE_HUGE_PAGES");
     put_file("/sys/kernel/mm/transparent_hugepage/enabled", "[always] madvise never\n");
+    tdp__huge_set_root(huge_dir); /* read once per process: look again */
 
     /* TDPIPE_HUGE_PAGES=0: never */
     setenv("TDPIPE_HUGE_PAGES", "0", 1);
@@ -548,6 +550,7 @@ static void test_huge_describe(void **state)
     assert_string_equal(tdp_mem_huge_describe(buf, sizeof(buf)),
                         "not asked for: a virtio balloon reports free pages to its host");
     put_file("/sys/kernel/mm/transparent_hugepage/enabled", "always madvise [never]\n");
+    tdp__huge_set_root(huge_dir); /* read once per process: look again */
     assert_non_null(strstr(tdp_mem_huge_describe(buf, sizeof(buf)), "are off (never)"));
     /* truncated to fit, and terminated */
     char small[8];

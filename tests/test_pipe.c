@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "test_skip.h"
+#include "test_rogue_am.h"
 #include "test_util.h"
 
 #include <tdpipe/pipe.h>
@@ -103,13 +104,7 @@ static tdp_schema *make_schema(int variant, int64_t n)
 
 static tdp_schema *bytes_schema(int64_t nbytes)
 {
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    assert_int_equal(tdp_schema_builder_new(&b), TDP_OK);
-    assert_int_equal(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, &nbytes), TDP_OK);
-    assert_int_equal(tdp_schema_builder_finish(b, &s, NULL, 0), TDP_OK);
-    tdp_schema_builder_free(b);
-    return on_test_device(s);
+    return on_test_device(host_bytes_schema(nbytes));
 }
 
 static bool on_device(const tdp_td *td)
@@ -842,52 +837,11 @@ static void test_device_copy_fault(void **state)
 
 /* ---- hostile peers ------------------------------------------------------------- */
 
-/*
- * On the client's loop thread: send one raw AM to the server pipe. done is
- * atomic: the sender polls it from its own thread, and its release orders
- * UCX's last read of hdr and payload before the caller's stack moves on.
- */
-typedef struct rogue {
-    tdp_pipe *cli;
-    uint8_t hdr[TDP_AM_HDR_LEN];
-    const void *payload;
-    size_t len;
-    atomic_bool done;
-} rogue;
-
-static void rogue_cb(void *req, ucs_status_t st, void *user)
-{
-    atomic_store(&((rogue *)user)->done, true);
-    ucp_request_free(req);
-}
-
-static void rogue_task(void *arg)
-{
-    rogue *r = arg;
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-        .cb.send = rogue_cb,
-        .user_data = r,
-    };
-    void *q = ucp_am_send_nbx(tdp__ucx_link_ep(tdp__session_link(r->cli)), TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len,
-                              &prm);
-    if (q == NULL || UCS_PTR_IS_ERR(q))
-        atomic_store(&r->done, true);
-    tdp__loop_kick(tdp__session_loop(r->cli));
-}
-
+/* One raw AM from the client's loop to the server pipe (test_rogue_am.h). */
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len,
                        bool corrupt_magic)
 {
-    rogue r = {.cli = e->cli, .payload = payload, .len = len};
-    atomic_init(&r.done, false);
-    tdp_wire_am_encode(r.hdr, h);
-    if (corrupt_magic)
-        r.hdr[0] ^= 0xff;
-    tdp__call_on_loop(e->cl, rogue_task, &r);
-    for (int i = 0; i < TMO && !atomic_load(&r.done); i++)
-        usleep(1000);
-    assert_true(atomic_load(&r.done)); /* UCX is done with r before it leaves scope */
+    rogue_am_send(e->cl, e->cli, h, payload, len, corrupt_magic, TMO);
 }
 
 /* The same attacks, made by a hostile same-host sender on the shm plane. */

@@ -1,18 +1,30 @@
 /*
  * test_rogue_am.h: a hostile peer's raw active message. The suites that
- * check what the ucx plane refuses (test_ucx_chunks, test_ucx_batch) send
- * frames the library would never build, on the client pipe's own UCX
- * endpoint, from its loop. Include after <cmocka.h> and the internal
- * headers it names (loop_int.h, op.h, session.h, plane_ucx.h, wire.h).
+ * check what the ucx plane refuses (test_pipe, test_server, test_ucx_chunks,
+ * test_ucx_batch) send frames the library would never build, on the client
+ * pipe's own UCX endpoint, from its loop. Include after <cmocka.h>.
  */
 #ifndef TDP_TEST_ROGUE_AM_H
 #define TDP_TEST_ROGUE_AM_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <tdpipe/tdpipe.h>
 
+#include "core/loop_int.h"
+#include "pipe/op.h"
+#include "pipe/session.h"
+#include "pipe/ucx/plane_ucx.h"
+#include "pipe/wire.h"
+
+/*
+ * done is atomic: the sender polls it from its own thread, and its release
+ * orders UCX's last read of hdr and payload before the caller's stack
+ * moves on.
+ */
 typedef struct rogue {
     tdp_pipe *cli;
     uint8_t hdr[TDP_AM_HDR_LEN];
@@ -48,15 +60,18 @@ static void rogue_task(void *arg)
 }
 
 /*
- * One raw AM with header h from cli (whose loop is cl); returns once UCX
- * let go of it, asserting that it did within tmo_ms.
+ * One raw AM with header h (its magic spoiled with corrupt_magic) from cli,
+ * whose loop is cl; returns once UCX let go of it, asserting that it did
+ * within tmo_ms.
  */
 static inline void rogue_am_send(tdp_loop *cl, tdp_pipe *cli, const tdp_am_hdr *h,
-                                 const void *payload, size_t len, int tmo_ms)
+                                 const void *payload, size_t len, bool corrupt_magic, int tmo_ms)
 {
     rogue r = {.cli = cli, .payload = payload, .len = len};
     atomic_init(&r.done, false);
     tdp_wire_am_encode(r.hdr, h);
+    if (corrupt_magic)
+        r.hdr[0] ^= 0xff;
     tdp__call_on_loop(cl, rogue_task, &r);
     for (int i = 0; i < tmo_ms && !atomic_load(&r.done); i++)
         usleep(1000);

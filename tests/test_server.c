@@ -28,6 +28,7 @@
 #include <cmocka.h>
 
 #include "test_skip.h"
+#include "test_rogue_am.h"
 #include "test_util.h"
 
 #include <tdpipe/tdpipe.h>
@@ -1122,45 +1123,11 @@ static void test_idle_timeout(void **state)
 
 /* ---- hostile clients --------------------------------------------------------------- */
 
-typedef struct rogue {
-    tdp_pipe *cli;
-    uint8_t hdr[TDP_AM_HDR_LEN];
-    const void *payload;
-    size_t len;
-    atomic_bool done;
-} rogue;
-
-static void rogue_cb(void *req, ucs_status_t st, void *user)
-{
-    atomic_store(&((rogue *)user)->done, true);
-    ucp_request_free(req);
-}
-
-static void rogue_task(void *arg)
-{
-    rogue *r = arg;
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-        .cb.send = rogue_cb,
-        .user_data = r,
-    };
-    void *q =
-        ucp_am_send_nbx(tdp__ucx_link_ep(tdp__session_link(r->cli)), TDP_AM_ID, r->hdr, TDP_AM_HDR_LEN, r->payload, r->len, &prm);
-    if (q == NULL || UCS_PTR_IS_ERR(q))
-        atomic_store(&r->done, true);
-    tdp__loop_kick(tdp__session_loop(r->cli));
-}
-
 /* Send one raw active message from a client pipe to its server side. */
 static void rogue_send(tdp_pipe *cli, const tdp_am_hdr *h, const void *payload, size_t len,
                        bool corrupt_magic)
 {
-    rogue r = {.cli = cli, .payload = payload, .len = len};
-    tdp_wire_am_encode(r.hdr, h);
-    if (corrupt_magic)
-        r.hdr[0] ^= 0xff;
-    tdp__call_on_loop(tdp__session_loop(cli), rogue_task, &r);
-    assert_true(WAIT_FOR(atomic_load(&r.done), TMO));
+    rogue_am_send(tdp__session_loop(cli), cli, h, payload, len, corrupt_magic, TMO);
 }
 
 /* Garbage and a hostile schema end their own clients; a streaming one carries on. */

@@ -233,7 +233,7 @@ static void test_older_peer(void **state)
 /* One raw AM from the client's loop; returns once UCX let go of it (or the time is up). */
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len)
 {
-    rogue_am_send(e->cl, e->cli, h, payload, len, TMO);
+    rogue_am_send(e->cl, e->cli, h, payload, len, false, TMO);
 }
 
 enum {

@@ -51,12 +51,17 @@ void tdp__populate_write(void *p, size_t n)
 
 /* Where /proc and /sys are: "" but in tests (tdp__huge_set_root). */
 static char huge_root[256];
-/* Whether free pages go back to a hypervisor: -1 not looked yet, 0 no, 1 yes. */
-static _Atomic int reporting = -1;
+/*
+ * What the system is, looked up once (a large buffer may be allocated per
+ * message: a loan on the ucx plane): -1 not looked yet, 0 no, 1 yes.
+ */
+static _Atomic int thp_on = -1;    /* transparent huge pages enabled */
+static _Atomic int reporting = -1; /* free pages go back to a hypervisor */
 
 void tdp__huge_set_root(const char *root)
 {
     snprintf(huge_root, sizeof(huge_root), "%s", root != NULL ? root : "");
+    atomic_store(&thp_on, -1);
     atomic_store(&reporting, -1);
 }
 
@@ -70,13 +75,16 @@ static FILE *open_at_root(const char *path)
 /* transparent_hugepage/enabled is "always" or "madvise" (not "never", not absent). */
 static bool thp_enabled(void)
 {
+    int on = atomic_load(&thp_on);
+    if (on >= 0)
+        return on == 1;
     char buf[128] = {0};
     FILE *f = open_at_root("/sys/kernel/mm/transparent_hugepage/enabled");
-    if (f == NULL)
-        return false;
-    bool ok = fgets(buf, sizeof(buf), f) != NULL && strstr(buf, "[never]") == NULL &&
+    bool ok = f != NULL && fgets(buf, sizeof(buf), f) != NULL && strstr(buf, "[never]") == NULL &&
               (strstr(buf, "[always]") != NULL || strstr(buf, "[madvise]") != NULL);
-    fclose(f);
+    if (f != NULL)
+        fclose(f);
+    atomic_store(&thp_on, ok ? 1 : 0);
     return ok;
 }
 
