@@ -17,7 +17,9 @@
  *               start (after a barrier) until the receiver's final ack.
  *
  * --wait poll (ucx_perftest's default: busy-polling) or sleep (-E sleep: wait
- * on the worker's event fd, like tdpipe's event-driven loop).
+ * on the worker's event fd, like tdpipe's event-driven loop). --err-mode adds
+ * -e: endpoints in UCX's peer-failure mode, which tdpipe's endpoints use over
+ * TCP and which takes the put_zcopy rendezvous away there (docs/pipe.md).
  *
  * The server's control socket (-p) listens on all addresses — ucx_perftest
  * has no option to bind it — but the client connects to 127.0.0.1 and UCX is
@@ -123,6 +125,8 @@ static bool run_pair(const peer_cfg *cfg, const char *test, uint64_t bytes, int 
             cli_argv[k++] = "-E";
             cli_argv[k++] = "sleep";
         }
+        if (cfg->err_mode)
+            cli_argv[k++] = "-e";
         cli_argv[k] = NULL;
         srv_argv[0] = cli_argv[0]; /* all but the host, the final NULL included */
         memcpy(srv_argv + 1, cli_argv + 2, (size_t)(k - 1) * sizeof(char *));
@@ -200,8 +204,9 @@ static int perftest_run(const peer_cfg *cfg, size_result *res)
         }
         s->tp_msgs = (uint64_t)count;
         peers_tp_summary(s);
-        peers_progress(cfg, "  perftest(%s) %-9s am_lat p50 %.2f us, am_bw %.3f GB/s\n",
-                       cfg->wait_mode, label, s->lat_p50, s->tp_median / 1e9);
+        peers_progress(cfg, "  perftest(%s%s) %-9s am_lat p50 %.2f us, am_bw %.3f GB/s\n",
+                       cfg->wait_mode, cfg->err_mode ? ", -e" : "", label, s->lat_p50,
+                       s->tp_median / 1e9);
     }
     return 0;
 }
@@ -210,6 +215,7 @@ static void perftest_describe(const peer_cfg *cfg, json_t *obj)
 {
     const char *tls = getenv("UCX_TLS"), *dev = getenv("UCX_NET_DEVICES");
     json_object_set_new(obj, "wait", json_string(cfg->wait_mode));
+    json_object_set_new(obj, "err_mode", json_boolean(cfg->err_mode));
     json_object_set_new(obj, "tests", json_string("ucp_am_lat (-R 50, -R 99), ucp_am_bw"));
     json_object_set_new(obj, "ucx_tls", json_string(tls ? tls : "default"));
     json_object_set_new(obj, "ucx_net_devices", json_string(dev ? dev : "all"));

@@ -35,6 +35,8 @@ static void usage(FILE *f)
                "                   size exactly as tdpipe bench; at least 3)\n"
                "  --wait MODE      perftest: poll (default, busy-polling) or sleep (-E sleep)\n"
                "  --perftest PATH  the ucx_perftest to run (default: from PATH)\n"
+               "  --err-mode       perftest: endpoints in UCX's peer-failure mode (-e), the\n"
+               "                   mode of tdpipe's endpoints over TCP (docs/pipe.md)\n"
                "  --transport T    zmq: tcp (default, tcp://127.0.0.1) or ipc (a Unix socket)\n"
                "  --json FILE      write the results as JSON (the shape of tdpipe bench --json)\n"
                "  --quiet          no progress on stderr\n"
@@ -49,11 +51,16 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, peer_cfg *cfg)
 {
     static const struct option opts[] = {
-        {"sizes", required_argument, NULL, 's'}, {"rounds", required_argument, NULL, 'r'},
-        {"wait", required_argument, NULL, 'w'},  {"perftest", required_argument, NULL, 'p'},
-        {"json", required_argument, NULL, 'j'},  {"quiet", no_argument, NULL, 'q'},
+        {"sizes", required_argument, NULL, 's'},
+        {"rounds", required_argument, NULL, 'r'},
+        {"wait", required_argument, NULL, 'w'},
+        {"perftest", required_argument, NULL, 'p'},
+        {"json", required_argument, NULL, 'j'},
+        {"quiet", no_argument, NULL, 'q'},
         {"transport", required_argument, NULL, 't'},
-        {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0},
+        {"err-mode", no_argument, NULL, 'e'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     int c;
     optind = 1;
@@ -83,6 +90,9 @@ static int parse_args(int argc, char **argv, peer_cfg *cfg)
                 return 2;
             }
             cfg->zmq_ipc = strcmp(optarg, "ipc") == 0;
+            break;
+        case 'e':
+            cfg->err_mode = true;
             break;
         case 'p':
             cfg->perftest_bin = optarg;

@@ -38,6 +38,7 @@ typedef struct peer_cfg {
     /* perftest only */
     const char *wait_mode;    /* "poll" (ucx_perftest's default) or "sleep" */
     const char *perftest_bin; /* default "ucx_perftest" from PATH */
+    bool err_mode;            /* -e: endpoints in UCX's peer-failure mode, as tdpipe's */
     /* zmq only */
     bool zmq_ipc; /* ipc:// (an abstract socket) instead of tcp://127.0.0.1 */
 } peer_cfg;

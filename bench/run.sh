@@ -7,8 +7,9 @@
 #   bench/run.sh --fanout [bench/fanout.sh's options]   (the fan-out figures instead)
 #
 # In order: tdpipe bench (event-driven; and busy-poll with --busy-poll),
-# ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep), ZeroMQ,
-# raw TCP, memcpy (all through build/bench/tdp_peers); then
+# ucx_perftest ucp_am_lat/ucp_am_bw (busy-polling, and -E sleep; with
+# --plane ucx also -E sleep -e, the peer-failure mode of tdpipe's endpoints),
+# ZeroMQ, raw TCP, memcpy (all through build/bench/tdp_peers); then
 # `tdp_peers table` prints the table and writes the combined JSON; last the
 # fan-in (`tdpipe bench --fanin 4`, its own table and OUT/fanin.json; then
 # with --fanin-procs, OUT/fanin_procs.json). With
@@ -247,6 +248,15 @@ for ((run = 1; run <= RUNS; run++)); do
             "$PEERS" perftest "${COMMON[@]}" --wait poll --quiet
         step "ucx_perftest ucp_am_lat/ucp_am_bw (-E sleep)" "$D/perftest-sleep.json" \
             "${EV[@]}" "$PEERS" perftest "${COMMON[@]}" --wait sleep --quiet
+        # the ucx plane's endpoints are in UCX's peer-failure mode (docs/pipe.md,
+        # "Peer failure"): the transport's own figures in that mode, beside the
+        # plain ones (over TCP it has no put_zcopy rendezvous); on shared memory
+        # that mode needs its error handling asked for, as tdpipe asks
+        if [[ $PLANE == ucx ]]; then
+            step "ucx_perftest -e (UCX's peer-failure mode, -E sleep)" "$D/perftest-err.json" \
+                env UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y \
+                "${EV[@]}" "$PEERS" perftest "${COMMON[@]}" --wait sleep --err-mode --quiet
+        fi
     fi
     step "ZeroMQ (REQ/REP, PUSH/PULL) over $ZMQ_TRANSPORT" "$D/zmq.json" "${EV[@]}" "$PEERS" zmq \
         "${COMMON[@]}" --transport "$ZMQ_TRANSPORT" --quiet

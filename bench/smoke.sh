@@ -23,6 +23,8 @@ fi
 if command -v ucx_perftest >/dev/null; then
     UCX_TLS=tcp "$PEERS" perftest "${ARGS[@]}" --json "$DIR/perftest.json"
     UCX_TLS=tcp "$PEERS" perftest "${ARGS[@]}" --wait sleep --json "$DIR/perftest-sleep.json"
+    UCX_TLS=tcp "$PEERS" perftest "${ARGS[@]}" --wait sleep --err-mode --json "$DIR/perftest-err.json"
+    grep -q '"err_mode": true' "$DIR/perftest-err.json"
 else
     echo "bench_smoke: ucx_perftest not installed; perftest skipped"
 fi

@@ -6,7 +6,8 @@
  *
  * A file's role comes from its contents: "tool": "tdpipe bench" with
  * config.busy_poll_us 0 (event-driven) or not (busy-poll); "tool":
- * "tdp_peers" with its "peer" (perftest split by config.wait). A role may
+ * "tdp_peers" with its "peer" (perftest split by config.wait, and by
+ * config.err_mode: -e -E sleep, UCX's peer-failure mode). A role may
  * have several files (bench/run.sh --runs K): each figure is then the
  * median over the runs, and the spread rows cover all of them.
  */
@@ -18,17 +19,18 @@
 
 #include "peers.h"
 
-enum role { R_EV, R_BP, R_UCX_POLL, R_UCX_SLEEP, R_ZMQ, R_TCP, R_MEMCPY, NROLES };
+enum role { R_EV, R_BP, R_UCX_POLL, R_UCX_SLEEP, R_UCX_ERR, R_ZMQ, R_TCP, R_MEMCPY, NROLES };
 static const char *const role_key[NROLES] = {
-    "tdpipe", "tdpipe_busy_poll", "perftest_poll", "perftest_sleep", "zmq", "tcp", "memcpy",
+    "tdpipe", "tdpipe_busy_poll", "perftest_poll", "perftest_sleep", "perftest_sleep_err", "zmq",
+    "tcp",    "memcpy",
 };
 static const char *const role_col[NROLES] = {
-    "tdpipe", "tdpipe-bp", "ucx-poll", "ucx-sleep", "zmq", "tcp", "memcpy",
+    "tdpipe", "tdpipe-bp", "ucx-poll", "ucx-sleep", "ucx-err", "zmq", "tcp", "memcpy",
 };
 
 #define MAX_RUNS        32
 #define MAX_TABLE_SIZES 64
-#define NRATIOS         5
+#define NRATIOS         6
 
 typedef struct table {
     json_t *in[NROLES][MAX_RUNS];
@@ -49,7 +51,10 @@ static int role_of(json_t *root)
         return -1;
     if (strcmp(peer, "perftest") == 0) {
         const char *w = json_string_value(json_object_get(cfg, "wait"));
-        return w != NULL && strcmp(w, "sleep") == 0 ? R_UCX_SLEEP : R_UCX_POLL;
+        bool sleep = w != NULL && strcmp(w, "sleep") == 0;
+        if (json_is_true(json_object_get(cfg, "err_mode")))
+            return sleep ? R_UCX_ERR : -1; /* only the event-driven one has a column */
+        return sleep ? R_UCX_SLEEP : R_UCX_POLL;
     }
     for (int r = R_ZMQ; r < NROLES; r++)
         if (strcmp(peer, role_key[r]) == 0)
@@ -137,9 +142,10 @@ static void ratio_cols(const table *t, ratio_col out[NRATIOS])
     out[0] = (ratio_col){td, R_UCX_POLL,
                          td == R_BP ? "busy_poll_over_perftest_poll" : "event_over_perftest_poll"};
     out[1] = (ratio_col){R_EV, R_UCX_SLEEP, "event_over_perftest_sleep"};
-    out[2] = (ratio_col){R_EV, R_ZMQ, "event_over_zmq"};
-    out[3] = (ratio_col){R_EV, R_TCP, "event_over_tcp"};
-    out[4] = (ratio_col){R_EV, R_MEMCPY, "event_over_memcpy"};
+    out[2] = (ratio_col){R_EV, R_UCX_ERR, "event_over_perftest_sleep_err"};
+    out[3] = (ratio_col){R_EV, R_ZMQ, "event_over_zmq"};
+    out[4] = (ratio_col){R_EV, R_TCP, "event_over_tcp"};
+    out[5] = (ratio_col){R_EV, R_MEMCPY, "event_over_memcpy"}; /* last: it has no latency */
 }
 
 static double ratio(const table *t, getter g, int num, int den, uint64_t bytes)
@@ -322,8 +328,9 @@ static void print_table(const table *t, const char *tls, const char *ucxv, json_
     printf("\ntdpipe and its peers on loopback: UCX %s, UCX_TLS=%s, %lld CPUs, %s\n",
            ucxv ? ucxv : "?", tls ? tls : "?", (long long)cpus, date);
     printf("tdpipe = event-driven; tdpipe-bp = busy-poll%s; ucx = ucx_perftest "
-           "ucp_am_lat/ucp_am_bw (poll: busy-polling, its default; sleep: -E sleep)\n",
-           t->nin[R_BP] > 0 ? "" : " (not run)");
+           "ucp_am_lat/ucp_am_bw (poll: busy-polling, its default; sleep: -E sleep; "
+           "err: -E sleep -e, UCX's peer-failure mode%s)\n",
+           t->nin[R_BP] > 0 ? "" : " (not run)", t->nin[R_UCX_ERR] > 0 ? "" : ", not run");
     if (t->max_runs > 1)
         printf("each figure is the median over %d runs (bench/run.sh --runs); spreads cover "
                "all runs\n",
@@ -331,8 +338,8 @@ static void print_table(const table *t, const char *tls, const char *ucxv, json_
     printf("\n  %-9s %-9s", "size", "figure");
     for (int r = 0; r < NROLES; r++)
         printf(" %9s", role_col[r]);
-    printf("  | %9s %9s %9s %9s %9s\n", rc[0].num == R_BP ? "bp/ucx-p" : "td/ucx-p", "td/ucx-s",
-           "td/zmq", "td/tcp", "td/memcpy");
+    printf("  | %9s %9s %9s %9s %9s %9s\n", rc[0].num == R_BP ? "bp/ucx-p" : "td/ucx-p", "td/ucx-s",
+           "td/ucx-e", "td/zmq", "td/tcp", "td/memcpy");
     print_group(t,
                 "latency, one-way (half a ping-pong), p50, us; memcpy: one copy; "
                 "ratio: lower is better",
@@ -348,7 +355,7 @@ static void print_table(const table *t, const char *tls, const char *ucxv, json_
     print_group(t, "throughput spread over the repeats, (max - min) / median, %", "spread %",
                 tp_spread, 0);
     printf("  (ratios: td = event-driven tdpipe%s; ucx-p = perftest poll, "
-           "ucx-s = perftest -E sleep)\n",
+           "ucx-s = perftest -E sleep, ucx-e = perftest -E sleep -e)\n",
            rc[0].num == R_BP ? ", bp = busy-poll tdpipe" : "");
 }
 

@@ -2,7 +2,8 @@
 # test_bench_run.sh BUILD_DIR: bench/run.sh, the harness behind the figures in
 # docs/benchmarks.md, runs end to end on tiny sizes (event-driven and
 # busy-poll, two interleaved runs, the shm plane; then event-driven alone over
-# UCX's TCP, pinned) and writes a combined JSON
+# UCX's TCP, pinned, with ucx_perftest also in UCX's peer-failure mode) and
+# writes a combined JSON
 # with a figure for every size from tdpipe in both modes and a verdict line
 # for every target; with two spinners on the CPUs, it warns that busy-poll
 # figures were taken on a busy CPU. It checks that the harness works, not
@@ -66,6 +67,10 @@ d = json.load(open(sys.argv[1]))
 s = d["summary"][0]
 assert s["bytes"] == 1000 and s["latency_p50_us"]["tdpipe"] > 0, s
 assert s["latency_p50_us"].get("tdpipe_busy_poll") is None, s
+# the ucx plane: ucx_perftest also in UCX's peer-failure mode (-e), with its ratio
+if d["inputs"].get("perftest_sleep"):
+    assert s["latency_p50_us"]["perftest_sleep_err"] > 0, s
+    assert s["ratio_throughput"]["event_over_perftest_sleep_err"] > 0, s
 print("bench/run.sh event-driven only: JSON ok")
 PY
 
