@@ -1240,6 +1240,7 @@ assert d["cmd"] == "send" and d["msgs"] == 12 and d["bytes"] == 12 * 4000, d
 assert d["size"] == 4000 and d["end"] == "ok" and d["plane"] in ("ucx", "shm"), d
 assert 0.5 < d["elapsed_s"] < 30 and 5 < d["msgs_per_s"] < 20, d
 assert d["bytes_per_s"] > 0 and d["credit_waits"] >= 0 and d["peer"].startswith("127.0.0.1:"), d
+assert d["prepare_ms"] is not None and d["prepare_ms"] >= 0, d  # the layout went first
 h = d["send_ns"]
 assert h["count"] == 12 and 0 < h["min"] <= h["p50"] <= h["p99"] <= h["p999"] <= h["max"], h
 assert h["max"] < 10e9 and h["min"] <= h["mean"] <= h["max"], h
@@ -1263,6 +1264,21 @@ assert d["elapsed_s"] > 0 and d["msgs_per_s"] > 0 and d["plane"] in ("ucx", "shm
 h = d["recv_wait_ns"]
 assert h["count"] >= 12 and h["min"] <= h["p50"] <= h["p99"] <= h["max"], h'
     expect_in live_recv out "listening on 127.0.0.1:"
+
+    # --no-prepare, and a single message: the layout goes with the first message
+    local how
+    for how in "--count 3 --no-prepare" "--count 1"; do
+        start live_np_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --quiet
+        rpid=$PID
+        port=$(port_of live_np_recv) || return
+        # shellcheck disable=SC2086
+        run live_np 60 "$TDPIPE" send "127.0.0.1:$port" --size 4KB --json $how
+        expect_rc live_np 0
+        finish live_np_recv "$rpid"
+        expect_rc live_np_recv 0
+        json_check live_np - '
+assert d["end"] == "ok" and d["prepare_ms"] is None, d'
+    done
 
     # text rate lines with --interval; none by default when stderr is a file
     start live_recv2 60 "$TDPIPE" recv --bind 127.0.0.1 --interval 0.2

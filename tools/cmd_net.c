@@ -194,6 +194,11 @@ static const char recv_help[] =
     "                      --depth, at most 64); see docs/pipe.md\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --no-prepare    do not announce the layout before the first message:\n"
+    "                      by default (with more than one message, one receiver)\n"
+    "                      pools, receive buffers and their pages are made first,\n"
+    "                      outside the rate and the send times (tdp_pipe_prepare;\n"
+    "                      the summary's prepare_ms)\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
@@ -239,7 +244,16 @@ enum {
     OPT_CHECKSUM,
     OPT_WINDOW,
 };
-enum { OPT_DUMP = 0x200, OPT_FILE, OPT_SCHEMA, OPT_WAIT, OPT_VALUES, OPT_TO, OPT_DISTRIBUTE };
+enum {
+    OPT_DUMP = 0x200,
+    OPT_FILE,
+    OPT_SCHEMA,
+    OPT_WAIT,
+    OPT_VALUES,
+    OPT_TO,
+    OPT_DISTRIBUTE,
+    OPT_NO_PREPARE
+};
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
 static int recv_parse(int argc, char **argv, recv_args *a)
@@ -571,7 +585,7 @@ static const char send_help[] =
     "  round trip: min T, p50 T, p99 T, p99.9 T, max T\n"
     "or with --json one object: {\"cmd\": \"send\", \"msgs\": N, \"bytes\", \"elapsed_s\",\n"
     "\"msgs_per_s\", \"bytes_per_s\", \"size\", \"end\", \"plane\", \"peer\", \"credit_waits\",\n"
-    "\"send_ns\": {...}, \"rtt_ns\": {...} with --echo} (docs/cli.md).\n\n"
+    "\"prepare_ms\", \"send_ns\": {...}, \"rtt_ns\": {...} with --echo} (docs/cli.md).\n\n"
     "A receiver that cannot serve this sender as started (--echo against 'recv',\n"
     "'inspect' or 'serve --mode sink'; no --echo against 'serve --mode echo')\n"
     "says so at once; send then names the flag to change and exits 2.\n\n"
@@ -604,6 +618,11 @@ static const char send_help[] =
     "                      and whether a larger 'recv --depth' would help\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --no-prepare    do not announce the layout before the first message:\n"
+    "                      by default (with more than one message, one receiver)\n"
+    "                      pools, receive buffers and their pages are made first,\n"
+    "                      outside the rate and the send times (tdp_pipe_prepare;\n"
+    "                      the summary's prepare_ms)\n"
     "  -t, --timeout MS    deadline of the connect and of each message (default 10000;\n"
     "                      -1 waits forever)\n"
     "      --wait SECONDS  a receiver not listening yet (connection refused): try\n"
@@ -643,6 +662,8 @@ typedef struct send_args {
     tdp_plane plane;
     tdp_pipe_opts ka; /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
     bool echo, depth_hint, quiet, json;
+    bool no_prepare;      /* --no-prepare: the first message carries its layout (plain) */
+    double prepare_ms;    /* how long the prepare took; < 0: none made, or it failed */
     double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     int64_t reconnect_ms; /* --reconnect: 0 off */
     uint64_t lost;        /* sends an outage took (reconnecting) */
@@ -673,6 +694,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"wait", required_argument, NULL, OPT_WAIT},
         {"to", required_argument, NULL, OPT_TO},
         {"distribute", no_argument, NULL, OPT_DISTRIBUTE},
+        {"no-prepare", no_argument, NULL, OPT_NO_PREPARE},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -689,6 +711,7 @@ static int send_parse(int argc, char **argv, send_args *a)
     *a = (send_args){.size = 1000000,
                      .count = 1000,
                      .timeout_ms = 10000,
+                     .prepare_ms = -1,
                      .interval = TDP_CLI_INTERVAL_UNSET,
                      .fan = &fan};
     tdp_pipe_opts_default(&a->ka); /* tdp_cli_apply_net_opts takes its window as it is */
@@ -726,6 +749,9 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case OPT_DISTRIBUTE:
             fan.distribute = true;
+            break;
+        case OPT_NO_PREPARE:
+            a->no_prepare = true;
             break;
         case OPT_WAIT:
             if (!tdp_cli_parse_double(optarg, &wait_s) || wait_s <= 0 ||
@@ -1009,6 +1035,7 @@ static void send_report_json(tdp_pipe *pipe, const send_args *a, const tdp_cli_m
     json_object_set_new(o, "plane", json_string(tdp_cli_plane_of(pipe)));
     json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
     json_object_set_new(o, "credit_waits", json_integer((json_int_t)st.credit_waits));
+    json_object_set_new(o, "prepare_ms", a->prepare_ms >= 0 ? json_real(a->prepare_ms) : json_null());
     if (a->reconnect_ms > 0) {
         json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
         json_object_set_new(o, "lost", json_integer((json_int_t)a->lost));
@@ -1045,6 +1072,29 @@ static int send_connect(const send_args *a, tdp_loop *loop, tdp_pipe **pipe)
         tdp_cli_error("send", "nothing listens there: start the receiver first, or give "
                               "--wait SECONDS to wait for it");
     return ec;
+}
+
+/*
+ * The layout announced before the first message (tdp_pipe_prepare): pools,
+ * receive buffers and their pages made now, outside the rate and the send
+ * times. A failure is not fatal here: the first send meets the same cause
+ * and reports it (a refusal, a dead receiver) as send always has.
+ */
+static void send_prepare(tdp_pipe *pipe, tdp_td *td, send_args *a)
+{
+    uint64_t t0 = tdp_cli_now_ns();
+    tdp_err rc = tdp_pipe_prepare(pipe, tdp_td_schema(td), a->timeout_ms);
+    if (rc != TDP_OK) {
+        if (!a->quiet)
+            fprintf(stderr, "send: prepare: %s (the first message carries its layout)\n",
+                    tdp_strerror(rc));
+        return;
+    }
+    a->prepare_ms = (double)(tdp_cli_now_ns() - t0) / 1e6;
+    char sz[TDP_CLI_FMT_LEN];
+    if (!a->quiet && !a->json)
+        fprintf(stderr, "send: layout (%s) prepared in %.1f ms\n",
+                tdp_cli_format_size(tdp_td_nbytes(td), sz, sizeof(sz)), a->prepare_ms);
 }
 
 /* --file: the message; on failure says why and returns the exit status, else -1. */
@@ -1130,6 +1180,8 @@ int tdp_cmd_send(int argc, char **argv)
     }
     if ((ec = send_connect(&a, loop, &pipe)) >= 0)
         goto out_free_loop;
+    if (!a.no_prepare && a.count > 1) /* one message: the prepare would only move its cost */
+        send_prepare(pipe, td, &a);
 
     tdp_cli_meter_start(&m);
     tdp_hist_reset(&rtt);
@@ -1205,6 +1257,11 @@ static const char inspect_help[] =
     "                      %g (float16, bfloat16, float8 converted), integers, bool\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --no-prepare    do not announce the layout before the first message:\n"
+    "                      by default (with more than one message, one receiver)\n"
+    "                      pools, receive buffers and their pages are made first,\n"
+    "                      outside the rate and the send times (tdp_pipe_prepare;\n"
+    "                      the summary's prepare_ms)\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
