@@ -112,14 +112,15 @@ static void env_down(env *e)
 
 typedef struct count_req {
     tdp_pipe *p;
-    bool rx;
+    bool rx, size; /* size: the link's batch size, not a count */
     uint64_t n;
 } count_req;
 
 static void count_task(void *arg)
 {
     count_req *c = arg;
-    c->n = tdp__ucx_link_batched(tdp__session_link(c->p), c->rx);
+    c->n = c->size ? tdp__ucx_link_batch_bytes(tdp__session_link(c->p))
+                   : tdp__ucx_link_batched(tdp__session_link(c->p), c->rx);
 }
 
 /*
@@ -129,7 +130,15 @@ static void count_task(void *arg)
  */
 static uint64_t batched(tdp_pipe *p, bool rx)
 {
-    count_req c = {p, rx, 0};
+    count_req c = {p, rx, false, 0};
+    tdp__call_on_loop(tdp__session_loop(p), count_task, &c);
+    return c.n;
+}
+
+/* The payload bytes of p's batches (before its first: what it would get), read on its loop. */
+static uint64_t batch_size(tdp_pipe *p)
+{
+    count_req c = {p, false, true, 0};
     tdp__call_on_loop(tdp__session_loop(p), count_task, &c);
     return c.n;
 }
@@ -357,11 +366,43 @@ static void test_batched_stream(void **state)
     assert_true(tx > after_p2);        /* and in the mix */
     assert_true(tx < (uint64_t)TOTAL); /* the first send of a turn goes alone */
     assert_int_equal(tx, rx);
+    /* over TCP, batches of 16 KiB less a margin (plane_ucx.c, BATCH_BYTES_TCP) */
+    assert_int_equal(batch_size(e.cli), 16320);
     /* nothing went the other way */
     assert_int_equal(batched(e.srv, false), 0);
     assert_int_equal(batched(e.cli, true), 0);
     assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
     assert_int_equal(tdp_pipe_status(e.srv), TDP_OK);
+    ring_fini(&r);
+    env_down(&e);
+}
+
+/*
+ * The batch size follows the transport: with UCX's shared memory only (the
+ * pipe's same-host worker), batches stay at one eager fragment, 8064 bytes,
+ * and a stream arrives whole; over TCP (the test above) they are twice that.
+ */
+static void test_batch_size_shm(void **state)
+{
+    enum { N = 3000 };
+    static uint8_t kind[N];
+    static uint8_t how[N];
+    for (int i = 0; i < N; i++) {
+        kind[i] = i % 3 == 2 ? K_3000 : K_1000;
+        how[i] = H_ASYNC;
+    }
+    setenv("UCX_TLS", "posix,sysv,self", 1); /* read as the loops are made */
+    env e;
+    ring r;
+    env_up(&e, false, false);
+    setenv("UCX_TLS", "tcp", 1);
+    ring_init(&r);
+    stream(&e, &r, kind, how, 0, N, -1, NULL);
+    uint64_t tx = batched(e.cli, false);
+    print_message("%d messages over shared memory, %" PRIu64 " batched\n", N, tx);
+    assert_int_equal(tx, batched(e.srv, true));
+    assert_int_equal(batch_size(e.cli), 8064);
+    assert_int_equal(tdp_pipe_status(e.cli), TDP_OK);
     ring_fini(&r);
     env_down(&e);
 }
@@ -960,7 +1001,7 @@ int main(void)
         cmocka_unit_test(test_older_peer),       cmocka_unit_test(test_checksum_batched),
         cmocka_unit_test(test_batch_zero_alloc), cmocka_unit_test(test_close_after_batch),
         cmocka_unit_test(test_threads_batched),  cmocka_unit_test(test_credit_order),
-        cmocka_unit_test(test_hostile_batches),
+        cmocka_unit_test(test_hostile_batches),  cmocka_unit_test(test_batch_size_shm),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

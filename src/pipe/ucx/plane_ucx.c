@@ -19,7 +19,10 @@
  * once. What UCX never gives back is freed after the workers are gone.
  */
 #include <endian.h>
+#include <inttypes.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <unistd.h>
@@ -96,10 +99,15 @@ typedef struct bounce {
  * TCP one system call, and one wake-up of the receiver) per batch, not per
  * message. A batch fits UCX's eager short protocol (8185 bytes with the
  * AM's header in UCX 1.13, over TCP and shared memory): a larger AM goes
- * by zero-copy or rendezvous, each a round trip.
+ * by zero-copy or rendezvous, each a round trip. Over TCP an eager AM is
+ * one zero-copy send up to a 64 KB segment, with no round trip: where a
+ * link's active messages go over TCP its batches are twice as large
+ * (BATCH_BYTES_TCP), which halves the system calls and wake-ups per small
+ * message (docs/benchmarks.md, "Streams of small messages").
  */
-#define BATCH_BYTES    8064u /* a batch's payload: entries back to back */
-#define BATCH_ITEM_MAX (BATCH_BYTES / 2)
+#define BATCH_BYTES     8064u  /* a batch's payload: entries back to back */
+#define BATCH_BYTES_TCP 16320u /* the same where the link's AM lane is TCP */
+#define BATCH_ITEM_MAX  (BATCH_BYTES / 2)
 #define BATCH_BUFS     4u /* batches in UCX at once, besides the open one */
 
 struct ticket;
@@ -255,7 +263,8 @@ struct tdp__link {
     struct tdp__link *next_dirty;
     batch bt[BATCH_BUFS];
     batch *bopen;       /* the batch sends join now */
-    uint8_t *batch_mem; /* BATCH_BUFS * BATCH_BYTES, made at the first batch */
+    uint8_t *batch_mem; /* BATCH_BUFS * batch_bytes, made at the first batch */
+    uint32_t batch_bytes;            /* BATCH_BYTES, or BATCH_BYTES_TCP (link_batch_bytes) */
     uint64_t batched_tx, batched_rx; /* messages sent / taken inside BATCH frames */
 };
 
@@ -1909,6 +1918,45 @@ static void batch_flush(struct tdp__link *l)
     l->reqs++;
 }
 
+/*
+ * How large this endpoint's batches are: BATCH_BYTES_TCP where its active
+ * messages go over UCX's TCP transport, else BATCH_BYTES. UCX 1.13 names an
+ * endpoint's transports only in ucp_ep_print_info's text: an AM lane reads
+ * "lane[0]:  1:tcp/lo.0 md[0] -> ... am am_bw#0 ...". Anything else in that
+ * text (another transport, another format) keeps the small batch, which
+ * fits one eager fragment everywhere. Once per link, at its first batch.
+ */
+static uint32_t link_batch_bytes(ucp_ep_h ep)
+{
+    char *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (f == NULL)
+        return BATCH_BYTES;
+    ucp_ep_print_info(ep, f);
+    fclose(f);
+    bool tcp = false, other = false;
+    for (char *line = text; line != NULL && *line != '\0';) {
+        char *nl = strchr(line, '\n');
+        if (nl != NULL)
+            *nl = '\0';
+        char *lane = strstr(line, "lane[");
+        char *tl = lane != NULL ? strstr(lane, "]:") : NULL;
+        if (tl != NULL && strstr(tl, " am ") != NULL) { /* a lane that carries AMs */
+            tl += 2;
+            tl += strspn(tl, " ");
+            tl += strspn(tl, "0123456789");
+            if (strncmp(tl, ":tcp/", 5) == 0)
+                tcp = true;
+            else
+                other = true;
+        }
+        line = nl != NULL ? nl + 1 : NULL;
+    }
+    free(text);
+    return tcp && !other ? BATCH_BYTES_TCP : BATCH_BYTES;
+}
+
 /* Whether t may wait in a batch: small host bytes, its schema sent, nobody blocked on it. */
 static bool batchable(const struct tdp__link *l, const ticket *t, const tdp__tx *tx)
 {
@@ -1921,16 +1969,22 @@ static bool batchable(const struct tdp__link *l, const ticket *t, const tdp__tx 
 static bool batch_add(struct tdp__link *l, ticket *t)
 {
     size_t need = t->data_hdr_len + t->td->nbytes;
-    if (l->bopen != NULL && (l->bopen->len + need > BATCH_BYTES || l->bopen->n == TDP_AM_BATCH_MAX))
+    if (l->bopen != NULL &&
+        (l->bopen->len + need > l->batch_bytes || l->bopen->n == TDP_AM_BATCH_MAX))
         batch_flush(l);
     if (l->bopen == NULL) {
         if (l->batch_mem == NULL) { /* once per link, at its first batch */
-            l->batch_mem = tdp__malloc((size_t)BATCH_BUFS * BATCH_BYTES);
+            if (l->sep == NULL)
+                return false; /* the endpoint failed: the send alone meets it */
+            l->batch_bytes = link_batch_bytes(l->sep->ep);
+            tdp_log_debug("ucx plane: batches of up to %" PRIu32 " bytes on this link",
+                          l->batch_bytes);
+            l->batch_mem = tdp__malloc((size_t)BATCH_BUFS * l->batch_bytes);
             if (l->batch_mem == NULL)
                 return false;
             for (uint32_t i = 0; i < BATCH_BUFS; i++) {
                 l->bt[i].l = l;
-                l->bt[i].buf = l->batch_mem + (size_t)i * BATCH_BYTES;
+                l->bt[i].buf = l->batch_mem + (size_t)i * l->batch_bytes;
             }
         }
         for (uint32_t i = 0; i < BATCH_BUFS && l->bopen == NULL; i++)
@@ -2744,4 +2798,13 @@ uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx)
 uint64_t tdp__ucx_link_batched(const tdp__link *l, bool rx)
 {
     return l == NULL ? 0 : rx ? l->batched_rx : l->batched_tx;
+}
+
+uint32_t tdp__ucx_link_batch_bytes(const tdp__link *l)
+{
+    if (l == NULL)
+        return 0;
+    if (l->batch_mem != NULL)
+        return l->batch_bytes;
+    return l->sep != NULL ? link_batch_bytes(l->sep->ep) : 0; /* what its first batch would get */
 }

@@ -16,6 +16,8 @@ uint64_t tdp__ucx_link_chunked(const tdp__link *l, bool rx);
 void tdp__ucx_hello_no_chunks(bool on);
 /* Messages this link sent (rx false) or received (rx true) inside BATCH frames. */
 uint64_t tdp__ucx_link_batched(const tdp__link *l, bool rx);
+/* The payload bytes of this link's batches (before its first: what it would get). */
+uint32_t tdp__ucx_link_batch_bytes(const tdp__link *l);
 /* Leave TDP_HX_UCX_BATCH out of this process's HELLOs (an older peer's). */
 void tdp__ucx_hello_no_batch(bool on);
 
