@@ -1280,6 +1280,26 @@ assert h["count"] >= 12 and h["min"] <= h["p50"] <= h["p99"] <= h["max"], h'
 assert d["end"] == "ok" and d["prepare_ms"] is None, d'
     done
 
+    # sends in flight: by default for small messages, each checked by recv
+    local nfl
+    for nfl in "" "--inflight 3" "--inflight 1"; do
+        start live_fl_recv 60 "$TDPIPE" recv --bind 127.0.0.1 --count 500 --json
+        rpid=$PID
+        port=$(port_of live_fl_recv) || return
+        # shellcheck disable=SC2086
+        run live_fl 60 "$TDPIPE" send "127.0.0.1:$port" --size 1KB --count 500 --json $nfl
+        expect_rc live_fl 0
+        finish live_fl_recv "$rpid"
+        expect_rc live_fl_recv 0
+        json_check live_fl - "
+want = {'': 64, '--inflight 3': 3, '--inflight 1': 1}['$nfl']
+assert d['end'] == 'ok' and d['msgs'] == 500 and d['inflight'] == want, d"
+        json_check live_fl_recv - '
+assert d["msgs"] == 500 and d["verify"] == "ok" and d["bad"] == 0, d'
+    done
+    run live_fl_bad 10 "$TDPIPE" send 127.0.0.1:1 --inflight 0
+    expect_rc live_fl_bad 2
+
     # text rate lines with --interval; none by default when stderr is a file
     start live_recv2 60 "$TDPIPE" recv --bind 127.0.0.1 --interval 0.2
     rpid=$PID

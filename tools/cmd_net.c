@@ -23,6 +23,7 @@
 
 /* The longest wait in one blocking call, so an interruption (tdp_cli_interrupted) is seen soon. */
 #define SLICE_MS 100
+#define SEND_INFLIGHT_MAX 64 /* send --inflight: at most this many sends out at once */
 
 /* Why a command stopped early on a signal, for its summary. */
 static const char *signal_name(int sig)
@@ -194,6 +195,11 @@ static const char recv_help[] =
     "                      --depth, at most 64); see docs/pipe.md\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --inflight N    keep N sends in flight (1-64), each from a buffer of its\n"
+    "                      own (default: as many as 256 KiB holds for messages up\n"
+    "                      to 64 KiB, else 1; always 1 with --echo, --reconnect,\n"
+    "                      --depth-hint); small messages then travel several to\n"
+    "                      one transfer (docs/pipe.md)\n"
     "      --no-prepare    do not announce the layout before the first message:\n"
     "                      by default (with more than one message, one receiver)\n"
     "                      pools, receive buffers and their pages are made first,\n"
@@ -252,7 +258,8 @@ enum {
     OPT_VALUES,
     OPT_TO,
     OPT_DISTRIBUTE,
-    OPT_NO_PREPARE
+    OPT_NO_PREPARE,
+    OPT_INFLIGHT
 };
 
 /* Parses recv's options into *a; returns -1 to go on, else an exit status. */
@@ -585,7 +592,8 @@ static const char send_help[] =
     "  round trip: min T, p50 T, p99 T, p99.9 T, max T\n"
     "or with --json one object: {\"cmd\": \"send\", \"msgs\": N, \"bytes\", \"elapsed_s\",\n"
     "\"msgs_per_s\", \"bytes_per_s\", \"size\", \"end\", \"plane\", \"peer\", \"credit_waits\",\n"
-    "\"prepare_ms\", \"send_ns\": {...}, \"rtt_ns\": {...} with --echo} (docs/cli.md).\n\n"
+    "\"prepare_ms\", \"inflight\", \"send_ns\": {...}, \"rtt_ns\": {...} with --echo} "
+    "(docs/cli.md).\n\n"
     "A receiver that cannot serve this sender as started (--echo against 'recv',\n"
     "'inspect' or 'serve --mode sink'; no --echo against 'serve --mode echo')\n"
     "says so at once; send then names the flag to change and exits 2.\n\n"
@@ -618,6 +626,11 @@ static const char send_help[] =
     "                      and whether a larger 'recv --depth' would help\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --inflight N    keep N sends in flight (1-64), each from a buffer of its\n"
+    "                      own (default: as many as 256 KiB holds for messages up\n"
+    "                      to 64 KiB, else 1; always 1 with --echo, --reconnect,\n"
+    "                      --depth-hint); small messages then travel several to\n"
+    "                      one transfer (docs/pipe.md)\n"
     "      --no-prepare    do not announce the layout before the first message:\n"
     "                      by default (with more than one message, one receiver)\n"
     "                      pools, receive buffers and their pages are made first,\n"
@@ -663,6 +676,7 @@ typedef struct send_args {
     tdp_pipe_opts ka; /* what --keepalive and --secret-file set (tdp_cli_apply_net_opts) */
     bool echo, depth_hint, quiet, json;
     bool no_prepare;      /* --no-prepare: the first message carries its layout (plain) */
+    uint32_t inflight;    /* --inflight: async sends in flight (0: not given, auto) */
     double prepare_ms;    /* how long the prepare took; < 0: none made, or it failed */
     double interval;      /* --interval, TDP_CLI_INTERVAL_UNSET if not given */
     int64_t reconnect_ms; /* --reconnect: 0 off */
@@ -695,6 +709,7 @@ static int send_parse(int argc, char **argv, send_args *a)
         {"to", required_argument, NULL, OPT_TO},
         {"distribute", no_argument, NULL, OPT_DISTRIBUTE},
         {"no-prepare", no_argument, NULL, OPT_NO_PREPARE},
+        {"inflight", required_argument, NULL, OPT_INFLIGHT},
         {"quiet", no_argument, NULL, 'q'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
@@ -753,6 +768,14 @@ static int send_parse(int argc, char **argv, send_args *a)
         case OPT_NO_PREPARE:
             a->no_prepare = true;
             break;
+        case OPT_INFLIGHT: {
+            uint64_t v;
+            if (!tdp_cli_parse_u64(optarg, 1, SEND_INFLIGHT_MAX, &v))
+                return tdp_cli_usage_error("send", "invalid --inflight '%s' (1 to %d)", optarg,
+                                           SEND_INFLIGHT_MAX);
+            a->inflight = (uint32_t)v;
+            break;
+        }
         case OPT_WAIT:
             if (!tdp_cli_parse_double(optarg, &wait_s) || wait_s <= 0 ||
                 wait_s * 1000 > (double)TDP_CLI_TIMEOUT_MAX_MS)
@@ -952,6 +975,128 @@ static void pace_until(uint64_t deadline_ns)
 }
 
 /*
+ * Sends in flight (--inflight, or by default for small messages): each has
+ * a buffer of its own, filled just before its send; the sending thread
+ * waits for the oldest (tdp_op_wait, which drives the loop meanwhile) only
+ * when it needs that buffer again, as docs/pipe.md's "Streams of small
+ * messages" says a producer of small messages should. Made before the run
+ * and freed after the pipe: an op still out when a send failed is ended by
+ * the pipe's close.
+ */
+typedef struct send_ring {
+    uint32_t n;
+    tdp_op *op[SEND_INFLIGHT_MAX];
+    tdp_td *td[SEND_INFLIGHT_MAX];
+    uint64_t seq[SEND_INFLIGHT_MAX]; /* the message each op carries; 0: none out */
+} send_ring;
+
+/* How many in flight: --inflight, else as many as 256 KiB holds (the
+ * receive window's default) for messages up to 64 KiB, else one; one with
+ * --echo, --reconnect and --depth-hint, which count each send on its own. */
+static uint32_t send_inflight(const send_args *a, uint64_t bytes)
+{
+    if (a->echo || a->reconnect_ms > 0 || a->depth_hint || a->count < 2)
+        return 1;
+    if (a->inflight > 0)
+        return a->inflight;
+    if (bytes == 0 || bytes > (64u << 10))
+        return 1;
+    uint64_t n = (256u << 10) / bytes;
+    return n < 2 ? 1 : n > SEND_INFLIGHT_MAX ? SEND_INFLIGHT_MAX : (uint32_t)n;
+}
+
+static void send_ring_free(send_ring *r)
+{
+    for (uint32_t k = 0; k < r->n; k++) {
+        tdp_op_free(r->op[k]);
+        tdp_td_unref(r->td[k]);
+    }
+    r->n = 0;
+}
+
+static tdp_err send_ring_init(send_ring *r, uint32_t n, tdp_td *proto)
+{
+    memset(r, 0, sizeof(*r));
+    for (; r->n < n; r->n++) {
+        if (tdp_op_new(NULL, NULL, &r->op[r->n]) != TDP_OK) {
+            send_ring_free(r);
+            return TDP_ENOMEM;
+        }
+        if (tdp_td_new(tdp_td_schema(proto), &r->td[r->n]) != TDP_OK) {
+            tdp_op_free(r->op[r->n]);
+            send_ring_free(r);
+            return TDP_ENOMEM;
+        }
+        memcpy(tdp_td_data(r->td[r->n]), tdp_td_data(proto), tdp_td_nbytes(proto));
+    }
+    return TDP_OK;
+}
+
+/* Wait for op k if a send is out on it; TDP_OK when none is. Counts it sent. */
+static tdp_err send_ring_wait(send_ring *r, uint32_t k, const send_args *a, tdp_cli_meter *m,
+                              uint64_t *failed)
+{
+    if (r->seq[k] == 0)
+        return TDP_OK;
+    tdp_err rc = tdp_op_wait(r->op[k], a->timeout_ms);
+    if (rc == TDP_ETIMEDOUT) {
+        *failed = r->seq[k]; /* still out: the pipe's close ends it */
+        return rc;
+    }
+    if (rc == TDP_OK)
+        tdp_cli_meter_add(m, tdp_td_nbytes(r->td[k]));
+    else if (*failed == 0)
+        *failed = r->seq[k];
+    r->seq[k] = 0;
+    return rc;
+}
+
+/* send_loop with r->n sends in flight (no --echo, no --reconnect). */
+static tdp_err send_loop_ring(tdp_pipe *pipe, send_ring *r, send_args *a, tdp_cli_meter *m,
+                              bool *refused)
+{
+    uint64_t t0 = m->start_ns, failed = 0;
+    tdp_err rc = TDP_OK;
+    for (uint64_t seq = 1; seq <= a->count && rc == TDP_OK; seq++) {
+        uint32_t k = (uint32_t)((seq - 1) % r->n);
+        if ((rc = send_ring_wait(r, k, a, m, &failed)) != TDP_OK)
+            break;
+        if (a->rate > 0)
+            pace_until(t0 + (uint64_t)((double)(seq - 1) * 1e9 / a->rate));
+        if (tdp_cli_interrupted()) {
+            rc = TDP_ECANCELED;
+            break;
+        }
+        if (a->file == NULL)
+            tdp_cli_fill(r->td[k], seq);
+        r->seq[k] = seq;
+        tdp_pipe_send_async(pipe, r->td[k], r->op[k]);
+    }
+    /* every send still out, oldest first: they complete in order */
+    for (uint64_t i = 0; i < r->n; i++) {
+        uint32_t k = (uint32_t)((a->count + i) % r->n);
+        tdp_err e = send_ring_wait(r, k, a, m, &failed);
+        if (rc == TDP_OK)
+            rc = e;
+        if (e == TDP_ETIMEDOUT)
+            break; /* the rest wait behind it */
+    }
+    if (rc == TDP_ECANCELED && tdp_cli_interrupted() && tdp_pipe_status(pipe) == TDP_OK)
+        return rc; /* between messages, all of ours back: close cleanly */
+    if (rc != TDP_OK)
+        return send_failed(pipe, failed != 0 ? failed : 1, rc, refused);
+    /* a receiver that refused us after our last send: its notice is here or on its way */
+    tdp_td *got;
+    if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
+        *refused = explain_notice(got);
+        tdp_pipe_release(pipe, got);
+        if (*refused)
+            return TDP_ECLOSED;
+    }
+    return TDP_OK;
+}
+
+/*
  * Send (and with --echo, get back) every message; returns the first error,
  * TDP_ECANCELED when interrupted (the pipe still open: close it cleanly).
  * *refused: the receiver sent a notice (it cannot serve us as started).
@@ -1036,6 +1181,7 @@ static void send_report_json(tdp_pipe *pipe, const send_args *a, const tdp_cli_m
     json_object_set_new(o, "peer", json_string(tdp_pipe_peer(pipe, peer, sizeof(peer))));
     json_object_set_new(o, "credit_waits", json_integer((json_int_t)st.credit_waits));
     json_object_set_new(o, "prepare_ms", a->prepare_ms >= 0 ? json_real(a->prepare_ms) : json_null());
+    json_object_set_new(o, "inflight", json_integer(a->inflight));
     if (a->reconnect_ms > 0) {
         json_object_set_new(o, "reconnects", json_integer((json_int_t)st.reconnects));
         json_object_set_new(o, "lost", json_integer((json_int_t)a->lost));
@@ -1183,13 +1329,21 @@ int tdp_cmd_send(int argc, char **argv)
     if (!a.no_prepare && a.count > 1) /* one message: the prepare would only move its cost */
         send_prepare(pipe, td, &a);
 
+    static send_ring ring; /* large for the stack */
+    uint32_t nfl = send_inflight(&a, tdp_td_nbytes(td));
+    ring.n = 0;
+    if (nfl > 1 && send_ring_init(&ring, nfl, td) != TDP_OK)
+        nfl = 1;      /* no memory for the buffers: one at a time */
+    a.inflight = nfl; /* as run, for the summary */
+
     tdp_cli_meter_start(&m);
     tdp_hist_reset(&rtt);
     bool refused = false;
     tdp_cli_ticker *tick =
         tdp_cli_ticker_start("send", TDP_CLI_RATE_CREDIT, a.json,
                              tdp_cli_interval(a.interval, a.quiet), tdp_cli_sample_send, pipe);
-    rc = send_loop(pipe, td, &a, &m, &rtt, &refused);
+    rc = nfl > 1 ? send_loop_ring(pipe, &ring, &a, &m, &refused)
+                 : send_loop(pipe, td, &a, &m, &rtt, &refused);
     tdp_cli_ticker_stop(tick);
     int sig = rc == TDP_ECANCELED ? tdp_cli_interrupted() : 0;
     if (sig != 0) {
@@ -1225,6 +1379,7 @@ int tdp_cmd_send(int argc, char **argv)
          : rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig)
                                : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
+    send_ring_free(&ring); /* after the pipe: its close ended any send still out */
 out_free_loop:
     tdp_loop_free(loop);
     tdp_td_unref(td);
@@ -1257,6 +1412,11 @@ static const char inspect_help[] =
     "                      %g (float16, bfloat16, float8 converted), integers, bool\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
+    "      --inflight N    keep N sends in flight (1-64), each from a buffer of its\n"
+    "                      own (default: as many as 256 KiB holds for messages up\n"
+    "                      to 64 KiB, else 1; always 1 with --echo, --reconnect,\n"
+    "                      --depth-hint); small messages then travel several to\n"
+    "                      one transfer (docs/pipe.md)\n"
     "      --no-prepare    do not announce the layout before the first message:\n"
     "                      by default (with more than one message, one receiver)\n"
     "                      pools, receive buffers and their pages are made first,\n"
