@@ -195,16 +195,6 @@ static const char recv_help[] =
     "                      --depth, at most 64); see docs/pipe.md\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
-    "      --inflight N    keep N sends in flight (1-64), each from a buffer of its\n"
-    "                      own (default: as many as 256 KiB holds for messages up\n"
-    "                      to 64 KiB, else 1; always 1 with --echo, --reconnect,\n"
-    "                      --depth-hint); small messages then travel several to\n"
-    "                      one transfer (docs/pipe.md)\n"
-    "      --no-prepare    do not announce the layout before the first message:\n"
-    "                      by default (with more than one message, one receiver)\n"
-    "                      pools, receive buffers and their pages are made first,\n"
-    "                      outside the rate and the send times (tdp_pipe_prepare;\n"
-    "                      the summary's prepare_ms)\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
@@ -975,6 +965,22 @@ static void pace_until(uint64_t deadline_ns)
 }
 
 /*
+ * After the last send: a receiver that refused us may have sent its notice
+ * (it is here or on its way); TDP_ECLOSED when it did, having said why.
+ */
+static tdp_err late_notice(tdp_pipe *pipe, bool *refused)
+{
+    tdp_td *got;
+    if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
+        *refused = explain_notice(got);
+        tdp_pipe_release(pipe, got);
+        if (*refused)
+            return TDP_ECLOSED;
+    }
+    return TDP_OK;
+}
+
+/*
  * Sends in flight (--inflight, or by default for small messages): each has
  * a buffer of its own, filled just before its send; the sending thread
  * waits for the oldest (tdp_op_wait, which drives the loop meanwhile) only
@@ -1085,15 +1091,7 @@ static tdp_err send_loop_ring(tdp_pipe *pipe, send_ring *r, send_args *a, tdp_cl
         return rc; /* between messages, all of ours back: close cleanly */
     if (rc != TDP_OK)
         return send_failed(pipe, failed != 0 ? failed : 1, rc, refused);
-    /* a receiver that refused us after our last send: its notice is here or on its way */
-    tdp_td *got;
-    if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
-        *refused = explain_notice(got);
-        tdp_pipe_release(pipe, got);
-        if (*refused)
-            return TDP_ECLOSED;
-    }
-    return TDP_OK;
+    return late_notice(pipe, refused);
 }
 
 /*
@@ -1130,17 +1128,7 @@ static tdp_err send_loop(tdp_pipe *pipe, tdp_td *td, send_args *a, tdp_cli_meter
         if (a->echo)
             tdp_hist_record(rtt, tdp_cli_now_ns() - t);
     }
-    if (!a->echo) {
-        /* a receiver that refused us after our last send: its notice is here or on its way */
-        tdp_td *got;
-        if (tdp_pipe_recv(pipe, 0, &got) == TDP_OK) {
-            *refused = explain_notice(got);
-            tdp_pipe_release(pipe, got);
-            if (*refused)
-                return TDP_ECLOSED;
-        }
-    }
-    return TDP_OK;
+    return a->echo ? TDP_OK : late_notice(pipe, refused);
 }
 
 /* The lines after the first of send's text summary. */
@@ -1412,16 +1400,6 @@ static const char inspect_help[] =
     "                      %g (float16, bfloat16, float8 converted), integers, bool\n"
     "      --plane NAME    data plane (default auto: the HELLO picks one);\n"
     "                      'tdpipe version' lists the names\n"
-    "      --inflight N    keep N sends in flight (1-64), each from a buffer of its\n"
-    "                      own (default: as many as 256 KiB holds for messages up\n"
-    "                      to 64 KiB, else 1; always 1 with --echo, --reconnect,\n"
-    "                      --depth-hint); small messages then travel several to\n"
-    "                      one transfer (docs/pipe.md)\n"
-    "      --no-prepare    do not announce the layout before the first message:\n"
-    "                      by default (with more than one message, one receiver)\n"
-    "                      pools, receive buffers and their pages are made first,\n"
-    "                      outside the rate and the send times (tdp_pipe_prepare;\n"
-    "                      the summary's prepare_ms)\n"
     "  -t, --timeout MS    longest wait for the producer and for each message\n"
     "                      (default 60000; -1 waits forever)\n"
     "      --secret-file F shared secret (16-256 bytes, as in the file): the peer\n"
