@@ -62,9 +62,12 @@ typedef enum tdp_plane {
      * once by the receiver; offered only by a pipe that names its GPU
      * (cuda_device); host payloads go as on shm */
     TDP_PLANE_CUDA_IPC = 3,
+    /* any peer, host memory: frames and payloads on the pipe's own TCP
+     * connection, received in place; chosen only when asked for */
+    TDP_PLANE_TCP = 5,
 } tdp_plane;
 
-/* "ucx", "shm", "cuda-ipc" ("auto" for TDP_PLANE_AUTO); NULL for an unknown value. */
+/* "ucx", "shm", "cuda-ipc", "tcp" ("auto" for TDP_PLANE_AUTO); NULL for an unknown value. */
 TDP_API const char *tdp_plane_name(tdp_plane plane);
 /* TDP_OK and *out set for a known name (case-sensitive), else TDP_EINVAL. */
 TDP_API tdp_err tdp_plane_parse(const char *name, tdp_plane *out);

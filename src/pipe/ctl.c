@@ -16,6 +16,7 @@
 #include <sodium.h>
 
 #include "ctl.h"
+#include "ctl_int.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 #include "../core/loop_int.h"
@@ -483,30 +484,59 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 fail(c, rc);
                 return;
             }
-        } else if (hdr.type == TDP_CTL_READY) {
-            tdp_ready r;
-            if (!c->hello_seen || c->held != NULL || c->peer_hello != NULL ||
-                tdp_wire_ready_decode(f + TDP_CTL_HDR_LEN, hdr.length, &r) != TDP_OK) {
-                /* before the HELLO went up, or malformed */
-                tdp_log_info("peer %s: unexpected or malformed READY", c->peer_name);
-                fail(c, TDP_EPROTO);
+        } else if (hdr.type == TDP_CTL_READY || hdr.type == TDP_CTL_BYE) {
+            if (!tdp__ctl_small(c, hdr.type, f + TDP_CTL_HDR_LEN, hdr.length))
                 return;
-            }
-            if (c->up->ready != NULL)
-                c->up->ready(c->owner, &r);
         } else {
-            tdp_bye bye;
-            if (tdp_wire_bye_decode(f + TDP_CTL_HDR_LEN, hdr.length, &bye) != TDP_OK) {
-                tdp_log_info("peer %s: malformed BYE", c->peer_name);
-                fail(c, TDP_EPROTO);
-                return;
-            }
-            c->up->bye(c->owner, &bye);
+            /* a PLANE frame before this side carries a plane */
+            tdp_log_info("peer %s: data plane frame on a channel that carries none", c->peer_name);
+            fail(c, TDP_EPROTO);
+            return;
         }
         if (c->bev == NULL)
             return;
         evbuffer_drain(in, total);
+        if (c->carry != NULL) {
+            /* the frame that chose the tcp plane: what follows is the carrier's */
+            tdp__ctl_carry_take(c, in);
+            return;
+        }
     }
+}
+
+bool tdp__ctl_small(tdp__ctl *c, uint16_t type, const uint8_t *pl, size_t len)
+{
+    if (type == TDP_CTL_READY) {
+        tdp_ready r;
+        if (!c->hello_seen || c->held != NULL || c->peer_hello != NULL ||
+            tdp_wire_ready_decode(pl, len, &r) != TDP_OK) {
+            /* before the HELLO went up, or malformed */
+            tdp_log_info("peer %s: unexpected or malformed READY", c->peer_name);
+            fail(c, TDP_EPROTO);
+            return false;
+        }
+        if (c->up->ready != NULL)
+            c->up->ready(c->owner, &r);
+        return c->bev != NULL;
+    }
+    tdp_bye bye;
+    if (tdp_wire_bye_decode(pl, len, &bye) != TDP_OK) {
+        tdp_log_info("peer %s: malformed BYE", c->peer_name);
+        fail(c, TDP_EPROTO);
+        return false;
+    }
+    c->up->bye(c->owner, &bye);
+    return c->bev != NULL;
+}
+
+void tdp__ctl_fail(tdp__ctl *c, tdp_err why)
+{
+    fail(c, why);
+}
+
+void tdp__ctl_bev_written(tdp__ctl *c, bufferevent_data_cb written)
+{
+    bufferevent_setcb(c->bev, NULL, written, event_cb, c);
 }
 
 static void read_cb(struct bufferevent *bev, void *arg)
@@ -523,6 +553,10 @@ void tdp__ctl_pump(tdp__ctl *c)
 {
     if (c->bev == NULL || c->reading)
         return;
+    if (c->carry != NULL) {
+        tdp__ctl_carry_pump(c);
+        return;
+    }
     struct evbuffer *in = bufferevent_get_input(c->bev);
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     /* a few reads: a proof is 48 bytes, behind at most a HELLO */
@@ -601,7 +635,10 @@ void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r)
     if (c->bev == NULL || c->bye_sent)
         return;
     tdp_wire_ready_encode(buf, r);
-    bufferevent_write(c->bev, buf, sizeof(buf));
+    if (c->carry != NULL)
+        tdp__ctl_carry_control(c, buf, sizeof(buf), false);
+    else
+        bufferevent_write(c->bev, buf, sizeof(buf));
 }
 
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
@@ -611,6 +648,10 @@ void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
         return;
     tdp_wire_bye_encode(buf, b);
     c->bye_sent = true;
+    if (c->carry != NULL) {
+        tdp__ctl_carry_control(c, buf, sizeof(buf), true);
+        return;
+    }
     bufferevent_setcb(c->bev, read_cb, bye_written_cb, event_cb, c);
     bufferevent_write(c->bev, buf, sizeof(buf));
 }
@@ -625,6 +666,8 @@ void tdp__ctl_close(tdp__ctl *c)
     }
     if (c->bev == NULL)
         return;
+    if (c->carry != NULL)
+        tdp__ctl_carry_detach(c); /* before the socket closes */
     /* a BYE still queued goes out now: freeing would drop it */
     struct evbuffer *out = bufferevent_get_output(c->bev);
     size_t n = evbuffer_get_length(out);

@@ -96,6 +96,7 @@ typedef struct tdp__ctl {
     uint8_t *held;
     size_t held_len;
     bool reading;                          /* read_frames is on the stack */
+    struct tdp__ctl_carry *carry;          /* carrying the tcp plane (tdp__ctl_carry) */
     uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
     bool nonce_sent;
     /*
@@ -134,6 +135,58 @@ bool tdp__ctl_local_now(const tdp__ctl *c);
 void tdp__ctl_pump(tdp__ctl *c);
 /* Close now (a queued BYE is pushed out first). Safe inside an up-call. */
 void tdp__ctl_close(tdp__ctl *c);
+
+/*
+ * Carrying a data plane on this socket (the tcp plane, src/pipe/tcp/):
+ * once both HELLOs are in, PLANE frames (wire.h) go both ways between the
+ * control frames, in order. From then on the channel reads and writes the
+ * socket itself, as a loop source (busy-polled where the loop spins), with
+ * a fixed receive buffer and a fixed ring of frames to send: no allocation
+ * per frame. Payloads are sent from the caller's memory (gathered with
+ * their headers, many frames a system call) and large ones are received
+ * straight into the memory the plane names. ctl_carry.c.
+ */
+typedef struct tdp__ctl_carrier {
+    /*
+     * A PLANE frame arrived (its header checked by wire.c). The plane says
+     * where its h->length payload bytes go: *into (NULL: read and dropped),
+     * or returns an error, with which the channel then fails. The plane
+     * may close the channel inside.
+     */
+    tdp_err (*frame)(void *arg, const tdp_am_hdr *h, uint8_t **into);
+    /* All the payload bytes of the last frame are in its *into (length > 0 only). */
+    void (*payload)(void *arg);
+    /*
+     * A frame queued with a cookie has left this process (TDP_OK: the
+     * kernel has its bytes, the payload may be reused) or never will (the
+     * channel closed). Never inside tdp__ctl_plane_send; in queue order.
+     */
+    void (*sent)(void *arg, void *cookie, tdp_err st);
+} tdp__ctl_carrier;
+
+/* Most frames queued at once (sends in flight are bounded by credit far below). */
+#define TDP_CTL_CARRY_QUEUE 512u
+
+/*
+ * Start carrying (the HELLOs are in; from the plane's link_start). up is
+ * not copied; arg is given back in every call. `frame` and `payload` stop
+ * at tdp__ctl_uncarry or when the channel closes; `sent` calls go on until
+ * every frame queued with a cookie is accounted for, even after the
+ * channel closed (from a loop task then).
+ */
+tdp_err tdp__ctl_carry(tdp__ctl *c, const tdp__ctl_carrier *up, void *arg);
+/* The plane (arg) takes no more frames: payloads still due are read and dropped. */
+void tdp__ctl_uncarry(tdp__ctl *c, void *arg);
+/*
+ * Queue a PLANE frame: h's header then h->length bytes from payload, which
+ * stay valid until up->sent(cookie) when cookie is not NULL (with a NULL
+ * cookie the payload must be empty). now: write at once (a blocking call
+ * waits for it); else at the end of the loop's turn, with the frames queued
+ * after it. TDP_ECONNRESET once the channel is closed; TDP_ELIMIT when the
+ * queue is full.
+ */
+tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payload, void *cookie,
+                            bool now);
 
 /*
  * Sockets a listener turns away: BYE(reason) instead of HELLO, then closed

@@ -13,6 +13,7 @@ static const tdp__plane_ops *const built[] = {
     &tdp__plane_shm,
 #endif
     &tdp__plane_ucx,
+    &tdp__plane_tcp, /* chosen only when asked for */
 };
 #define NBUILT (sizeof(built) / sizeof(built[0]))
 

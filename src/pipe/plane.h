@@ -110,6 +110,8 @@ typedef struct tdp__link_peer {
     uint64_t peer_caps;  /* the peer's HELLO caps (TDP_CAP_MEM_*: what memory it takes) */
     tdp_peer_mode mode;  /* this side's option */
     uint64_t max_json_bytes, max_total_bytes; /* this side's schema limits */
+    /* the pipe's control channel (the tcp plane rides it) */
+    struct tdp__ctl *ctl;
     /* seq of the last DATA this side sent before this link (a reconnected
      * pipe goes on from there; 0 for a fresh one): the next is sent_seq + 1 */
     uint64_t sent_seq;
@@ -224,6 +226,7 @@ typedef struct tdp__plane_ops {
 } tdp__plane_ops;
 
 extern const tdp__plane_ops tdp__plane_ucx;
+extern const tdp__plane_ops tdp__plane_tcp; /* any peer, host memory, on the control socket */
 #ifdef __linux__
 #define TDP_HAVE_SHM_PLANE 1
 extern const tdp__plane_ops tdp__plane_shm; /* same host, host memory; Linux only */

@@ -375,6 +375,7 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
         .sent_seq = p->send_seq,
         .cuda_device = p->opts.cuda_device_set ? p->opts.cuda_device : -1,
         .checksum = p->sum_on,
+        .ctl = &p->ctl,
     };
     tdp_err rc = p->plane->link_start(p->link, &lp);
     if (rc != TDP_OK) {

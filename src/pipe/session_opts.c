@@ -87,6 +87,8 @@ const char *tdp_plane_name(tdp_plane plane)
         return "shm";
     case TDP_PLANE_CUDA_IPC:
         return "cuda-ipc";
+    case TDP_PLANE_TCP:
+        return "tcp";
     }
     return NULL;
 }
@@ -94,7 +96,7 @@ const char *tdp_plane_name(tdp_plane plane)
 tdp_err tdp_plane_parse(const char *name, tdp_plane *out)
 {
     static const tdp_plane all[] = {TDP_PLANE_AUTO, TDP_PLANE_UCX, TDP_PLANE_SHM,
-                                    TDP_PLANE_CUDA_IPC};
+                                    TDP_PLANE_CUDA_IPC, TDP_PLANE_TCP};
     if (name == NULL || out == NULL)
         return TDP_EINVAL;
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {

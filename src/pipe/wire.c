@@ -74,6 +74,9 @@ tdp_err tdp_wire_ctl_hdr_decode(const uint8_t in[TDP_CTL_HDR_LEN], tdp_ctl_hdr *
         return hdr->length <= TDP_PROVEN_MAX_LEN ? TDP_OK : TDP_EPROTO;
     case TDP_CTL_READY:
         return hdr->length == TDP_READY_LEN ? TDP_OK : TDP_EPROTO;
+    case TDP_CTL_PLANE:
+        return hdr->length == TDP_AM_HDR_LEN || hdr->length == TDP_AM_HDR_SUM_LEN ? TDP_OK
+                                                                                  : TDP_EPROTO;
     default:
         return TDP_EPROTO;
     }

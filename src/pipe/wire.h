@@ -37,6 +37,13 @@ enum tdp_ctl_type {
      * TDP_HX_READY.
      */
     TDP_CTL_READY = 5,
+    /*
+     * A frame of the tcp plane, which rides this socket once the HELLOs
+     * chose it: an AM header (TDP_AM_HDR_LEN, or TDP_AM_HDR_SUM_LEN with
+     * TDP_AM_F_SUM) as `length`, then the header's `length` payload bytes,
+     * which the control header does not count (a payload may pass 4 GiB).
+     */
+    TDP_CTL_PLANE = 6,
 };
 
 #define TDP_AUTH_TAG_LEN   32u

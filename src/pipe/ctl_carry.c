@@ -1,0 +1,503 @@
+/*
+ * ctl_carry.c: the control channel carrying the tcp plane (ctl.h,
+ * tdp__ctl_carry). Once the HELLOs chose that plane, the socket is read
+ * and written here instead of through the bufferevent:
+ *
+ *   - receive: a fixed buffer holds frame headers and small payloads; a
+ *     payload still due when the buffer is empty is read straight into
+ *     the memory the plane named (one copy, the kernel's, as raw TCP);
+ *   - send: a fixed ring of frames (header bytes inline, the payload by
+ *     pointer) written with sendmsg, as many frames a call as are queued;
+ *     a frame not urgent waits for the end of the loop's turn so that the
+ *     frames of one turn leave together;
+ *   - the socket is a loop source: readable wakes the loop, and a loop
+ *     that busy-polls polls it.
+ *
+ * Completions (the plane's `sent`, the BYE's flush) come from a loop task,
+ * never from inside the call that queued the frame. When the channel
+ * closes the carrier detaches: the socket is let go of, and the frames
+ * still queued are reported (those wholly written as sent, the rest as
+ * lost) before the carrier frees itself.
+ */
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include "ctl_int.h"
+#include "../core/alloc.h"
+#include "../core/log.h"
+#include "../core/loop_int.h"
+
+#define RX_BUF      (64u * 1024u) /* the receive buffer: headers and small payloads */
+#define DIRECT_MIN  4096u         /* a payload at least this long left is read in place */
+#define RX_ROUNDS   32            /* reads per progress call: then other sources' turn */
+#define TX_ROUNDS   16            /* sendmsg calls per flush */
+#define TX_IOV      64            /* iovecs per sendmsg */
+#define IOV_MAX_LEN (1u << 30)    /* one iovec's bytes, at most */
+#define CONTROL_ROOM 8u           /* ring entries only READY and BYE may take */
+
+typedef struct cq_ent {
+    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
+    uint8_t hlen;
+    bool bye;
+    const uint8_t *pl;
+    uint64_t plen;
+    uint64_t off; /* bytes of hdr, then payload, written */
+    void *cookie;
+} cq_ent;
+
+struct tdp__ctl_carry {
+    tdp__ctl *c; /* NULL once detached (the channel closed) */
+    tdp_loop *loop;
+    evutil_socket_t fd;
+    tdp__source *src;
+    struct event *wr; /* the socket is writable again */
+    const tdp__ctl_carrier *up;
+    void *arg;
+    bool taking; /* the plane takes frames (until uncarry) */
+    /* receive */
+    uint8_t *rb;
+    size_t rcap, rbeg, rend;
+    uint64_t left;     /* payload bytes of the last frame still due */
+    uint8_t *into;     /* where they go (NULL: dropped) */
+    bool tell;         /* call up->payload when they are in */
+    /* send: entries [head, head + n) of the ring; the first nw wholly written */
+    cq_ent *q;
+    uint32_t head, n, nw;
+    bool dirty;        /* frames wait for the end of the turn */
+    bool write_failed; /* the peer is gone; the read side will see it */
+    bool wr_armed;
+    tdp__task done;
+    bool done_posted, in_done;
+    bool in_rx; /* carry_progress is on the stack */
+};
+
+static cq_ent *ent(struct tdp__ctl_carry *k, uint32_t i)
+{
+    return &k->q[(k->head + i) % TDP_CTL_CARRY_QUEUE];
+}
+
+static void carry_free(struct tdp__ctl_carry *k)
+{
+    tdp__free(k->rb);
+    tdp__free(k->q);
+    tdp__free(k);
+}
+
+/* ---- completions ------------------------------------------------------------------ */
+
+static void done_cb(void *arg)
+{
+    struct tdp__ctl_carry *k = arg;
+    k->done_posted = false;
+    k->in_done = true;
+    /* each call may queue, flush or close: re-read the counts every time */
+    while (k->n > 0 && (k->nw > 0 || k->c == NULL)) {
+        cq_ent *e = ent(k, 0);
+        bool written = k->nw > 0;
+        bool bye = e->bye;
+        void *cookie = e->cookie;
+        k->head = (k->head + 1) % TDP_CTL_CARRY_QUEUE;
+        k->n--;
+        if (written)
+            k->nw--;
+        if (bye) {
+            if (written && k->c != NULL)
+                k->c->up->bye_flushed(k->c->owner);
+        } else if (cookie != NULL) {
+            k->up->sent(k->arg, cookie, written ? TDP_OK : TDP_ECONNRESET);
+        }
+    }
+    k->in_done = false;
+    if (k->c == NULL && k->n == 0)
+        carry_free(k);
+}
+
+static void post_done(struct tdp__ctl_carry *k)
+{
+    if (k->done_posted || k->in_done)
+        return;
+    k->done_posted = true;
+    k->done = (tdp__task){.fn = done_cb, .arg = k};
+    tdp__loop_post_task(k->loop, &k->done);
+}
+
+/* ---- send ------------------------------------------------------------------------ */
+
+static void wr_cb(evutil_socket_t fd, short what, void *arg);
+
+static void arm_write(struct tdp__ctl_carry *k)
+{
+    if (k->wr_armed || k->wr == NULL)
+        return;
+    if (event_add(k->wr, NULL) == 0)
+        k->wr_armed = true;
+}
+
+/* The handshake's own bytes still wait in the bufferevent: ours go after them. */
+static bool bev_pending(const struct tdp__ctl_carry *k)
+{
+    return k->c != NULL && k->c->bev != NULL &&
+           evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0;
+}
+
+/* Write what is queued, as far as the socket takes it; returns the calls that moved bytes. */
+static unsigned flush(struct tdp__ctl_carry *k)
+{
+    unsigned did = 0;
+    k->dirty = false;
+    if (k->fd < 0 || k->write_failed || bev_pending(k))
+        return 0;
+    for (int round = 0; round < TX_ROUNDS && k->nw < k->n; round++) {
+        struct iovec iov[TX_IOV];
+        int ni = 0;
+        for (uint32_t i = k->nw; i < k->n && ni + 2 <= TX_IOV; i++) {
+            cq_ent *e = ent(k, i);
+            uint64_t off = e->off;
+            if (off < e->hlen) {
+                iov[ni++] = (struct iovec){e->hdr + off, e->hlen - off};
+                off = e->hlen;
+            }
+            uint64_t po = off - e->hlen;
+            if (po < e->plen) {
+                uint64_t m = e->plen - po;
+                iov[ni++] = (struct iovec){(void *)(e->pl + po), m > IOV_MAX_LEN ? IOV_MAX_LEN : m};
+                if (m > IOV_MAX_LEN)
+                    break; /* the rest of this payload in a later call */
+            }
+        }
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)ni};
+        ssize_t w = sendmsg(k->fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                /* the peer reset or vanished: the read side ends the channel */
+                k->write_failed = true;
+                tdp_log_debug("tcp plane: send: %s", strerror(errno));
+            }
+            break;
+        }
+        did++;
+        uint64_t left = (uint64_t)w;
+        while (k->nw < k->n) {
+            cq_ent *e = ent(k, k->nw);
+            uint64_t need = e->hlen + e->plen - e->off;
+            if (left < need) {
+                e->off += left;
+                break;
+            }
+            left -= need;
+            e->off = e->hlen + e->plen;
+            k->nw++;
+        }
+    }
+    if (k->nw > 0)
+        post_done(k);
+    if (k->nw < k->n && !k->write_failed)
+        arm_write(k);
+    return did;
+}
+
+static void wr_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct tdp__ctl_carry *k = arg;
+    (void)fd;
+    (void)what;
+    k->wr_armed = false;
+    flush(k);
+}
+
+/* The bufferevent wrote the handshake's last bytes: ours may go. */
+static void bev_written_cb(struct bufferevent *bev, void *arg)
+{
+    tdp__ctl *c = arg;
+    (void)bev;
+    if (c->carry != NULL)
+        flush(c->carry);
+}
+
+static tdp_err enqueue(struct tdp__ctl_carry *k, const uint8_t *hdr, size_t hlen, const void *pl,
+                       uint64_t plen, void *cookie, bool bye, uint32_t room)
+{
+    if (k->n + room >= TDP_CTL_CARRY_QUEUE)
+        return TDP_ELIMIT;
+    cq_ent *e = ent(k, k->n);
+    memcpy(e->hdr, hdr, hlen);
+    e->hlen = (uint8_t)hlen;
+    e->bye = bye;
+    e->pl = pl;
+    e->plen = plen;
+    e->off = 0;
+    e->cookie = cookie;
+    k->n++;
+    return TDP_OK;
+}
+
+tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payload, void *cookie,
+                            bool now)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    if (k == NULL || c->bev == NULL || c->bye_sent)
+        return TDP_ECONNRESET;
+    if (cookie == NULL && h->length > 0)
+        return TDP_EINVAL;
+    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
+    size_t al = tdp_wire_am_encode(hdr + TDP_CTL_HDR_LEN, h);
+    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
+    tdp_err rc = enqueue(k, hdr, TDP_CTL_HDR_LEN + al, payload, h->length, cookie, false,
+                         CONTROL_ROOM);
+    if (rc != TDP_OK)
+        return rc;
+    if (now) {
+        flush(k);
+    } else if (!k->dirty) {
+        k->dirty = true;
+        tdp__loop_kick(k->loop); /* the loop progresses its sources before it sleeps */
+    }
+    return TDP_OK;
+}
+
+void tdp__ctl_carry_control(tdp__ctl *c, const uint8_t *frame, size_t len, bool bye)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    if (enqueue(k, frame, len, NULL, 0, NULL, bye, 0) != TDP_OK) {
+        /* a ring full of frames the peer does not read: it is stuck or gone */
+        tdp_log_warn("peer %s: control frame dropped: the send queue is full", c->peer_name);
+        return;
+    }
+    flush(k);
+}
+
+/* ---- receive ---------------------------------------------------------------------- */
+
+/* Every whole frame and payload byte in the buffer; false when the channel ended. */
+static bool parse(struct tdp__ctl_carry *k)
+{
+    while (k->c != NULL) {
+        size_t avail = k->rend - k->rbeg;
+        if (k->left > 0) {
+            if (avail == 0)
+                return true;
+            size_t m = avail < k->left ? avail : (size_t)k->left;
+            if (k->into != NULL) {
+                memcpy(k->into, k->rb + k->rbeg, m);
+                k->into += m;
+            }
+            k->rbeg += m;
+            k->left -= m;
+            if (k->left == 0 && k->tell) {
+                k->tell = false;
+                k->up->payload(k->arg);
+            }
+            continue;
+        }
+        if (avail < TDP_CTL_HDR_LEN)
+            return true;
+        tdp_ctl_hdr hdr;
+        tdp_err rc = tdp_wire_ctl_hdr_decode(k->rb + k->rbeg, &hdr);
+        if (rc != TDP_OK) {
+            tdp_log_info("peer %s: malformed frame on the tcp plane", k->c->peer_name);
+            tdp__ctl_fail(k->c, rc == TDP_EVERSION ? TDP_EVERSION : TDP_EPROTO);
+            return false;
+        }
+        if (hdr.type != TDP_CTL_PLANE && hdr.type != TDP_CTL_READY && hdr.type != TDP_CTL_BYE) {
+            tdp_log_info("peer %s: handshake frame after the handshake", k->c->peer_name);
+            tdp__ctl_fail(k->c, TDP_EPROTO);
+            return false;
+        }
+        if (avail < TDP_CTL_HDR_LEN + hdr.length)
+            return true;
+        const uint8_t *f = k->rb + k->rbeg + TDP_CTL_HDR_LEN;
+        k->rbeg += TDP_CTL_HDR_LEN + hdr.length;
+        if (hdr.type != TDP_CTL_PLANE) {
+            if (!tdp__ctl_small(k->c, hdr.type, f, hdr.length))
+                return false;
+            continue;
+        }
+        tdp_am_hdr h;
+        if (tdp_wire_am_decode(f, hdr.length, &h) != TDP_OK) {
+            tdp_log_info("peer %s: malformed tcp plane frame", k->c->peer_name);
+            tdp__ctl_fail(k->c, TDP_EPROTO);
+            return false;
+        }
+        uint8_t *into = NULL;
+        if (k->taking) {
+            rc = k->up->frame(k->arg, &h, &into);
+            if (k->c == NULL)
+                return false;
+            if (rc != TDP_OK) {
+                tdp__ctl_fail(k->c, rc);
+                return false;
+            }
+        }
+        k->left = h.length;
+        k->into = k->taking ? into : NULL;
+        k->tell = k->taking && into != NULL && h.length > 0;
+    }
+    return false;
+}
+
+/* Read and handle what the socket holds, up to RX_ROUNDS reads; returns the reads. */
+static unsigned rx(struct tdp__ctl_carry *k)
+{
+    unsigned did = 0;
+    for (int round = 0; round < RX_ROUNDS; round++) {
+        if (!parse(k))
+            return did + 1;
+        ssize_t r;
+        bool direct = k->left >= DIRECT_MIN && k->rbeg == k->rend;
+        if (direct) {
+            uint8_t *dst = k->into != NULL ? k->into : k->rb;
+            uint64_t cap = k->into != NULL ? IOV_MAX_LEN : k->rcap;
+            size_t want = (size_t)(k->left < cap ? k->left : cap);
+            r = recv(k->fd, dst, want, MSG_DONTWAIT);
+            if (r > 0) {
+                did++;
+                if (k->into != NULL)
+                    k->into += r;
+                k->left -= (uint64_t)r;
+                if (k->left == 0 && k->tell) {
+                    k->tell = false;
+                    k->up->payload(k->arg);
+                    if (k->c == NULL)
+                        return did;
+                }
+                continue;
+            }
+        } else {
+            if (k->rbeg == k->rend) {
+                k->rbeg = k->rend = 0;
+            } else if (k->rend == k->rcap) {
+                memmove(k->rb, k->rb + k->rbeg, k->rend - k->rbeg);
+                k->rend -= k->rbeg;
+                k->rbeg = 0;
+            }
+            r = recv(k->fd, k->rb + k->rend, k->rcap - k->rend, MSG_DONTWAIT);
+            if (r > 0) {
+                did++;
+                k->rend += (size_t)r;
+                continue;
+            }
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        /* end of stream or a reset: the peer is gone (a BYE came first if it said one) */
+        if (k->c != NULL)
+            tdp__ctl_fail(k->c, TDP_ECONNRESET);
+        return did + 1;
+    }
+    return did;
+}
+
+static unsigned carry_progress(void *arg)
+{
+    struct tdp__ctl_carry *k = arg;
+    if (k->c == NULL || k->in_rx)
+        return 0;
+    unsigned did = 0;
+    k->in_rx = true;
+    if (k->dirty)
+        did += flush(k);
+    if (k->c != NULL)
+        did += rx(k);
+    k->in_rx = false;
+    return did;
+}
+
+static const tdp__source_ops carry_ops = {.progress = carry_progress, .arm = NULL};
+
+void tdp__ctl_carry_pump(tdp__ctl *c)
+{
+    (void)carry_progress(c->carry);
+}
+
+/* ---- start and end ---------------------------------------------------------------- */
+
+tdp_err tdp__ctl_carry(tdp__ctl *c, const tdp__ctl_carrier *up, void *arg)
+{
+    if (c->bev == NULL || c->carry != NULL || up == NULL)
+        return TDP_EINVAL;
+    struct tdp__ctl_carry *k = tdp__calloc(1, sizeof(*k));
+    if (k == NULL)
+        return TDP_ENOMEM;
+    k->c = c;
+    k->loop = c->loop;
+    k->fd = bufferevent_getfd(c->bev);
+    k->up = up;
+    k->arg = arg;
+    k->taking = true;
+    k->rcap = RX_BUF;
+    k->rb = tdp__malloc(k->rcap);
+    k->q = tdp__calloc(TDP_CTL_CARRY_QUEUE, sizeof(*k->q));
+    k->wr = event_new(tdp__loop_base(c->loop), k->fd, EV_WRITE, wr_cb, k);
+    tdp_err rc = k->rb == NULL || k->q == NULL || k->wr == NULL ? TDP_ENOMEM : TDP_OK;
+    if (rc == TDP_OK)
+        rc = tdp__loop_source_add(c->loop, k->fd, &carry_ops, k, &k->src);
+    if (rc != TDP_OK) {
+        if (k->wr != NULL)
+            event_free(k->wr);
+        carry_free(k);
+        return rc;
+    }
+    c->carry = k;
+    /* the bufferevent reads no more; it still writes what the handshake left */
+    bufferevent_disable(c->bev, EV_READ);
+    tdp__ctl_bev_written(c, bev_written_cb);
+    if (!c->reading)
+        tdp__ctl_carry_take(c, bufferevent_get_input(c->bev));
+    return TDP_OK;
+}
+
+void tdp__ctl_carry_take(tdp__ctl *c, struct evbuffer *in)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    size_t n = evbuffer_get_length(in);
+    if (n > k->rcap - k->rend) {
+        /* more came with the handshake than the buffer holds: once, at the start */
+        uint8_t *nb = tdp__realloc(k->rb, k->rend + n);
+        if (nb == NULL) {
+            tdp__ctl_fail(c, TDP_ENOMEM);
+            return;
+        }
+        k->rb = nb;
+        k->rcap = k->rend + n;
+    }
+    if (n > 0)
+        evbuffer_remove(in, k->rb + k->rend, n);
+    k->rend += n;
+    tdp__loop_kick(k->loop); /* parsed by the source, outside the handshake's up-calls */
+}
+
+void tdp__ctl_uncarry(tdp__ctl *c, void *arg)
+{
+    struct tdp__ctl_carry *k = c != NULL ? c->carry : NULL;
+    if (k == NULL || k->arg != arg)
+        return;
+    k->taking = false;
+    k->into = NULL;
+    k->tell = false;
+}
+
+void tdp__ctl_carry_detach(tdp__ctl *c)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    flush(k); /* a BYE queued last goes out if the socket takes it */
+    c->carry = NULL;
+    k->c = NULL;
+    k->taking = false;
+    k->into = NULL;
+    k->tell = false;
+    tdp__loop_source_remove(k->loop, k->src);
+    k->src = NULL;
+    event_free(k->wr);
+    k->wr = NULL;
+    k->fd = -1;
+    if (k->n > 0 || k->done_posted || k->in_done || k->in_rx)
+        post_done(k); /* the rest is reported, then the carrier goes */
+    else
+        carry_free(k);
+}

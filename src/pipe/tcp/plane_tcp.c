@@ -1,0 +1,523 @@
+/*
+ * plane_tcp.c: the tcp plane — frames and payloads on the pipe's own TCP
+ * connection, the one that carried the HELLOs (ctl.h, tdp__ctl_carry).
+ *
+ * Any two peers can use it; it carries host memory. A sender's payload
+ * goes from the application's buffer straight to the kernel (gathered
+ * with its header, many frames a system call); a receiver's lands in the
+ * slot the session names, read in place. So a message costs what raw TCP
+ * costs: one copy on each side, the kernel's. There is no second
+ * connection, no second port and nothing to register; a dead peer is the
+ * socket's end, as for the control channel. It is chosen only when a side
+ * asks for it (tdp_pipe_opts.plane, --plane tcp): the registry lists it
+ * after ucx. docs/planes.md.
+ *
+ * Frames: SCHEMA (the JSON, at most the receiver's max_json_bytes), DATA
+ * (the credit rides in arg; TDP_AM_F_SUM when the checksum is in force),
+ * CREDIT. The header's token is 0: the socket names the pipe.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../checksum.h"
+#include "../ctl.h"
+#include "../plane.h"
+#include "../../core/alloc.h"
+#include "../../core/log.h"
+#include "../../core/loop_int.h"
+#include "../../core/populate.h"
+#include "../../core/reap.h"
+
+/* Sends in flight: the session's tickets (2 x window + 1), each a SCHEMA and a DATA. */
+#define NREC (2u * (2u * TDP_MAX_DEPTH + 1u) + 8u)
+
+typedef struct tx_rec {
+    struct tx_rec *next_free;
+    tdp_td *td;       /* DATA: held until the kernel has the bytes */
+    tdp_schema *sc;   /* SCHEMA: its JSON is the payload */
+    void *cookie;     /* the session's, for DATA */
+    bool tell;        /* up->sent when it has left */
+} tx_rec;
+
+typedef struct rx_store {
+    _Atomic uint32_t refs;
+    void *buf;
+    size_t cap;
+} rx_store;
+
+typedef struct rx_slot {
+    tdp_td *td;
+    rx_store *store;
+    bool lent, filling;
+} rx_slot;
+
+/* What up->data's desc points at: the frame, and the slot recv chose. */
+typedef struct rx_desc {
+    const tdp_am_hdr *h;
+    uint32_t slot; /* UINT32_MAX: no receive */
+} rx_desc;
+
+struct tdp__link {
+    tdp_loop *loop;
+    void *owner;
+    const tdp__plane_up *up;
+    tdp__ctl *ctl; /* NULL until started, and once closed */
+    bool started, closed;
+    bool sum_on, peer_ready, populate;
+    uint64_t max_json;
+    tx_rec *recs, *free_recs;
+    uint32_t outstanding; /* frames queued with a record, not yet accounted for */
+    /* the frame whose payload is being read */
+    uint8_t pend_type;
+    tdp__frame pend_f;
+    uint32_t pend_slot;
+    uint8_t *json;
+    size_t json_cap;
+    tdp_schema *rx_schema;
+    rx_slot rx[TDP_MAX_DEPTH];
+    tdp__reap reap;
+};
+
+/* ---- receive storage -------------------------------------------------------------- */
+
+static void store_unref(void *buf, void *arg)
+{
+    rx_store *st = arg;
+    (void)buf;
+    if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
+        tdp_mem_free(TDP_MEM_HOST, st->buf);
+        tdp__free(st);
+    }
+}
+
+static void slot_drop(rx_slot *s)
+{
+    tdp_td_unref(s->td); /* the store goes with the last td that wraps it */
+    s->td = NULL;
+    s->store = NULL;
+}
+
+/* Make s hold a td of the current receive layout (storage reused when it fits). */
+static tdp_err slot_build(struct tdp__link *l, rx_slot *s)
+{
+    tdp_schema *sc = l->rx_schema;
+    tdp_device dev = tdp_schema_device(sc);
+    size_t need = (size_t)tdp_schema_total_bytes(sc);
+    tdp_err rc;
+    if (dev.type != TDP_DEVICE_CPU)
+        return TDP_ENOTSUP; /* host memory only (plane.mem) */
+    if (s->td != NULL && s->td->schema == sc)
+        return TDP_OK;
+    if (s->store != NULL && s->store->cap >= need) {
+        tdp_td *td;
+        atomic_fetch_add(&s->store->refs, 1);
+        rc = tdp_td_wrap(sc, s->store->buf, s->store->cap, dev, store_unref, s->store, &td);
+        if (rc != TDP_OK) {
+            store_unref(NULL, s->store);
+            return rc;
+        }
+        tdp_td_unref(s->td);
+        s->td = td;
+        return TDP_OK;
+    }
+    slot_drop(s);
+    rx_store *st = tdp__calloc(1, sizeof(*st));
+    if (st == NULL)
+        return TDP_ENOMEM;
+    if ((rc = tdp_mem_alloc(TDP_MEM_HOST, 0, need, 0, &st->buf)) != TDP_OK) {
+        tdp__free(st);
+        return rc;
+    }
+    st->cap = need;
+    atomic_init(&st->refs, 1);
+    if ((rc = tdp_td_wrap(sc, st->buf, need, dev, store_unref, st, &s->td)) != TDP_OK) {
+        store_unref(NULL, st);
+        return rc;
+    }
+    s->store = st;
+    if (l->populate)
+        tdp__populate_write(st->buf, need); /* prepared: the first DATA lands on present pages */
+    return TDP_OK;
+}
+
+static tdp_err t_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
+{
+    if (l->rx_schema != sc) {
+        tdp_schema_unref(l->rx_schema);
+        l->rx_schema = tdp_schema_ref(sc);
+    }
+    /* slots holding an older message are rebuilt when it is released */
+    for (uint32_t i = 0; i < depth && i < TDP_MAX_DEPTH; i++) {
+        rx_slot *s = &l->rx[i];
+        if (s->lent || s->filling)
+            continue;
+        tdp_err rc = slot_build(l, s);
+        if (rc != TDP_OK)
+            return rc;
+    }
+    return TDP_OK;
+}
+
+static tdp_err t_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
+{
+    rx_desc *d = desc;
+    if (slot >= TDP_MAX_DEPTH || l->rx_schema == NULL || d->slot != UINT32_MAX)
+        return TDP_EINVAL;
+    rx_slot *s = &l->rx[slot];
+    if (s->lent || s->filling)
+        return TDP_EPROTO;
+    tdp_err rc = slot_build(l, s);
+    if (rc != TDP_OK)
+        return rc;
+    if (d->h->length != s->td->nbytes)
+        return TDP_EMSGSIZE;
+    s->lent = true;
+    *td = s->td;
+    if (d->h->length == 0)
+        return TDP_OK;
+    s->filling = true;
+    d->slot = slot;
+    return TDP_EAGAIN; /* the bytes follow on the socket: up->landed */
+}
+
+static void t_release(tdp__link *l, uint32_t slot)
+{
+    if (slot < TDP_MAX_DEPTH)
+        l->rx[slot].lent = false;
+}
+
+/* ---- the carrier's calls ---------------------------------------------------------- */
+
+static tdp_err on_frame(void *arg, const tdp_am_hdr *h, uint8_t **into)
+{
+    struct tdp__link *l = arg;
+    *into = NULL;
+    if (l->closed)
+        return TDP_OK;
+    if (h->token != 0)
+        return TDP_EPROTO;
+    tdp__frame f = {.type = h->type,
+                    .seq = h->seq,
+                    .hash = h->hash,
+                    .length = h->length,
+                    .arg = h->arg,
+                    .has_sum = (h->flags & TDP_AM_F_SUM) != 0,
+                    .sum = h->sum,
+                    .prepare = (h->flags & TDP_AM_F_PREPARE) != 0};
+    switch (h->type) {
+    case TDP_AM_CREDIT:
+        l->up->credit(l->owner, l, h->arg);
+        return TDP_OK;
+    case TDP_AM_SCHEMA:
+        if (h->length > l->max_json) {
+            tdp_log_info("tcp plane: a %llu-byte schema, over this side's limit of %llu",
+                         (unsigned long long)h->length, (unsigned long long)l->max_json);
+            return TDP_ELIMIT;
+        }
+        if (h->length > l->json_cap) {
+            uint8_t *nb = tdp__realloc(l->json, (size_t)h->length);
+            if (nb == NULL)
+                return TDP_ENOMEM;
+            l->json = nb;
+            l->json_cap = (size_t)h->length;
+        }
+        l->pend_type = TDP_AM_SCHEMA;
+        l->pend_f = f;
+        if (h->length == 0) { /* the session says what is wrong with it */
+            l->populate = f.prepare;
+            l->up->schema(l->owner, l, &f, "", 0);
+            l->populate = false;
+            return TDP_OK;
+        }
+        *into = l->json;
+        return TDP_OK;
+    case TDP_AM_DATA: {
+        if ((h->flags & TDP_AM_F_CHUNKED) != 0)
+            return TDP_EPROTO; /* the ucx plane's, never this one's */
+        /* the credit the peer owes rides on its data */
+        l->up->credit(l->owner, l, h->arg);
+        if (l->closed)
+            return TDP_OK;
+        rx_desc d = {h, UINT32_MAX};
+        l->up->data(l->owner, l, &f, &d);
+        if (l->closed || d.slot == UINT32_MAX)
+            return TDP_OK; /* landed already (empty), or the pipe failed: the bytes are dropped */
+        l->pend_type = TDP_AM_DATA;
+        l->pend_slot = d.slot;
+        *into = l->rx[d.slot].td->data;
+        return TDP_OK;
+    }
+    default:
+        return TDP_EPROTO; /* CHUNK and BATCH are the ucx plane's */
+    }
+}
+
+static void on_payload(void *arg)
+{
+    struct tdp__link *l = arg;
+    if (l->closed)
+        return;
+    if (l->pend_type == TDP_AM_SCHEMA) {
+        l->populate = l->pend_f.prepare;
+        l->up->schema(l->owner, l, &l->pend_f, l->json, (size_t)l->pend_f.length);
+        l->populate = false;
+        return;
+    }
+    rx_slot *s = &l->rx[l->pend_slot];
+    s->filling = false;
+    l->up->landed(l->owner, l, l->pend_slot, TDP_OK);
+}
+
+static void link_maybe_free(struct tdp__link *l);
+
+static void on_sent(void *arg, void *cookie, tdp_err st)
+{
+    struct tdp__link *l = arg;
+    tx_rec *r = cookie;
+    void *user = r->cookie;
+    bool tell = r->tell && !l->closed;
+    tdp_td_unref(r->td);
+    tdp_schema_unref(r->sc);
+    *r = (tx_rec){.next_free = l->free_recs};
+    l->free_recs = r;
+    l->outstanding--;
+    if (tell)
+        l->up->sent(l->owner, l, user, st);
+    link_maybe_free(l);
+}
+
+static const tdp__ctl_carrier carrier = {
+    .frame = on_frame,
+    .payload = on_payload,
+    .sent = on_sent,
+};
+
+/* ---- sending ---------------------------------------------------------------------- */
+
+static tx_rec *rec_take(struct tdp__link *l)
+{
+    tx_rec *r = l->free_recs;
+    if (r != NULL) {
+        l->free_recs = r->next_free;
+        r->next_free = NULL;
+    }
+    return r;
+}
+
+static void rec_give(struct tdp__link *l, tx_rec *r)
+{
+    tdp_td_unref(r->td);
+    tdp_schema_unref(r->sc);
+    *r = (tx_rec){.next_free = l->free_recs};
+    l->free_recs = r;
+}
+
+/* Queue a SCHEMA frame of sc (flags: TDP_AM_F_PREPARE or 0). */
+static tdp_err schema_out(struct tdp__link *l, const tdp_schema *sc, uint64_t seq, uint16_t flags,
+                          bool now)
+{
+    tx_rec *r = rec_take(l);
+    if (r == NULL)
+        return TDP_EINTERNAL; /* the session bounds sends far below NREC */
+    size_t jl;
+    const char *json = tdp_schema_json(sc, &jl);
+    r->sc = tdp_schema_ref((tdp_schema *)sc);
+    tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
+                    .flags = flags,
+                    .seq = seq,
+                    .hash = tdp_schema_hash(sc),
+                    .length = jl,
+                    .arg = tdp_schema_total_bytes(sc)};
+    tdp_err rc = tdp__ctl_plane_send(l->ctl, &h, json, r, now);
+    if (rc != TDP_OK) {
+        rec_give(l, r);
+        return rc;
+    }
+    l->outstanding++;
+    return TDP_OK;
+}
+
+static tdp_err t_send(tdp__link *l, const tdp__tx *tx)
+{
+    if (!l->started || l->closed)
+        return TDP_ECONNRESET;
+    tdp_td *td = tx->td;
+    if (td->device.type != TDP_DEVICE_CPU)
+        return TDP_ENOTSUP; /* the session checks plane.mem first */
+    tdp_err rc;
+    if (tx->schema != NULL && (rc = schema_out(l, tx->schema, tx->seq, 0, false)) != TDP_OK)
+        return rc;
+    tx_rec *r = rec_take(l);
+    if (r == NULL)
+        return TDP_EINTERNAL;
+    r->td = tdp_td_ref(td);
+    r->cookie = tx->cookie;
+    r->tell = true;
+    tdp_am_hdr h = {.type = TDP_AM_DATA,
+                    .seq = tx->seq,
+                    .hash = tdp_schema_hash(td->schema),
+                    .length = td->nbytes,
+                    .arg = tx->credit};
+    if (l->sum_on) {
+        h.flags |= TDP_AM_F_SUM;
+        h.sum = tdp__sum_tx(td->data, td->nbytes, tx->seq);
+    }
+    rc = tdp__ctl_plane_send(l->ctl, &h, td->data, r, tx->urgent);
+    if (rc != TDP_OK) {
+        rec_give(l, r);
+        return rc;
+    }
+    l->outstanding++;
+    return TDP_OK;
+}
+
+static tdp_err t_credit(tdp__link *l, uint64_t total)
+{
+    if (!l->started || l->closed)
+        return TDP_ECONNRESET;
+    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .arg = total};
+    return tdp__ctl_plane_send(l->ctl, &h, NULL, NULL, false);
+}
+
+static tdp_err t_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
+{
+    (void)l;
+    return tdp_td_new(sc, out);
+}
+
+/*
+ * Nothing to make on the send side (the kernel reads the application's
+ * buffer); the SCHEMA goes flagged TDP_AM_F_PREPARE so that the receiver
+ * builds its storage, faulted in, and answers READY.
+ */
+static tdp_err t_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
+                         bool *await)
+{
+    *sent = *await = false;
+    if (!l->started)
+        return TDP_EAGAIN;
+    if (l->closed)
+        return TDP_ECONNRESET;
+    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU)
+        return TDP_ENOTSUP;
+    if (!send_schema || !l->peer_ready)
+        return TDP_OK;
+    tdp_err rc = schema_out(l, sc, seq, TDP_AM_F_PREPARE, true);
+    if (rc == TDP_OK)
+        *sent = *await = true;
+    return rc;
+}
+
+/* ---- links ------------------------------------------------------------------------ */
+
+static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out)
+{
+    struct tdp__link *l = tdp__calloc(1, sizeof(*l));
+    if (l == NULL)
+        return TDP_ENOMEM;
+    l->recs = tdp__calloc(NREC, sizeof(*l->recs));
+    if (l->recs == NULL) {
+        tdp__free(l);
+        return TDP_ENOMEM;
+    }
+    for (uint32_t i = 0; i < NREC; i++)
+        l->recs[i].next_free = i + 1 < NREC ? &l->recs[i + 1] : NULL;
+    l->free_recs = l->recs;
+    l->loop = loop;
+    l->owner = owner;
+    l->up = up;
+    *out = l;
+    return TDP_OK;
+}
+
+/* GPU payloads go by the other planes (staged by ucx, or cuda-ipc). */
+static tdp_err t_link_device(tdp__link *l, int cuda_device)
+{
+    (void)l;
+    return cuda_device >= 0 ? TDP_ENOTSUP : TDP_OK;
+}
+
+static tdp_err t_hello_fill(tdp__link *l, tdp_hello *h)
+{
+    (void)l;
+    (void)h;
+    return TDP_OK; /* the plane's id in the HELLO's list says all */
+}
+
+static tdp_err t_link_start(tdp__link *l, const tdp__link_peer *peer)
+{
+    if (peer->ctl == NULL)
+        return TDP_EINTERNAL;
+    tdp_err rc = tdp__ctl_carry(peer->ctl, &carrier, l);
+    if (rc != TDP_OK)
+        return rc;
+    l->ctl = peer->ctl;
+    l->sum_on = peer->checksum;
+    l->peer_ready = peer->hello->ready == TDP_READY_V1;
+    l->max_json = peer->max_json_bytes;
+    l->started = true;
+    return TDP_OK;
+}
+
+static bool t_link_busy(const tdp__link *l)
+{
+    return l->outstanding > 0;
+}
+
+static void link_destroy(void *arg)
+{
+    struct tdp__link *l = arg;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        slot_drop(&l->rx[i]);
+    tdp_schema_unref(l->rx_schema);
+    tdp__free(l->json);
+    tdp__free(l->recs);
+    tdp__free(l);
+}
+
+/* A closed link goes once the carrier has accounted for every frame it queued. */
+static void link_maybe_free(struct tdp__link *l)
+{
+    if (!l->closed || l->outstanding > 0 || l->reap.queued)
+        return;
+    tdp__reap_later(l->loop, &l->reap, link_destroy, l);
+}
+
+static void t_link_close(tdp__link *l, bool peer_gone)
+{
+    (void)peer_gone;
+    if (l->closed)
+        return;
+    l->closed = true;
+    if (l->ctl != NULL)
+        tdp__ctl_uncarry(l->ctl, l); /* a payload still due is read and dropped */
+    l->ctl = NULL;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        l->rx[i].filling = false;
+    link_maybe_free(l);
+}
+
+const tdp__plane_ops tdp__plane_tcp = {
+    .name = "tcp",
+    .id = TDP_PLANE_TCP,
+    .mem = TDP__MEM_HOST,
+    .link_mem = NULL,
+    .hello_fill = t_hello_fill,
+    .proven_fill = NULL,
+    .hello_check = NULL,
+    .usable = NULL,
+    .usable_link = NULL,
+    .link_device = t_link_device,
+    .link_new = t_link_new,
+    .link_start = t_link_start,
+    .link_close = t_link_close,
+    .link_busy = t_link_busy,
+    .send = t_send,
+    .credit = t_credit,
+    .rx_schema = t_rx_schema,
+    .recv = t_recv,
+    .release = t_release,
+    .loan = t_loan,
+    .poll_credit = NULL,
+    .prepare = t_prepare,
+};
