@@ -838,6 +838,13 @@ static void test_device_copy_fault(void **state)
 /* ---- hostile peers ------------------------------------------------------------- */
 
 /* One raw AM from the client's loop to the server pipe (test_rogue_am.h). */
+/* The token a rogue frame names: the ucx plane's peer link; the tcp plane's socket names it (0). */
+static uint64_t peer_token(env *e)
+{
+    tdp__link *l = tdp__session_link(e->cli);
+    return tdp_pipe_plane(e->cli) == TDP_PLANE_TCP ? 0 : tdp__ucx_link_peer_token(l);
+}
+
 static void rogue_send(env *e, const tdp_am_hdr *h, const void *payload, size_t len,
                        bool corrupt_magic)
 {
@@ -903,7 +910,7 @@ static void hostile_case(int kind, tdp_err expect)
     if (shm)
         shm_rogue_send(&e, kind, hostile);
     else
-        h.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli));
+        h.token = peer_token(&e);
     switch (shm ? -1 : kind) {
     case 0: /* garbage header */
         h.type = TDP_AM_DATA;
@@ -923,7 +930,7 @@ static void hostile_case(int kind, tdp_err expect)
         break;
     case 3: /* credit for messages never sent */
         h.type = TDP_AM_CREDIT;
-        h.token = tdp__ucx_link_peer_token(tdp__session_link(e.cli));
+        h.token = peer_token(&e);
         h.arg = 1000;
         h.seq = 0;
         rogue_send(&e, &h, NULL, 0, false);
@@ -983,7 +990,7 @@ static void test_forged_credit(void **state)
         env_down(&e);
         return;
     }
-    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)), .arg = 1000};
+    tdp_am_hdr h = {.type = TDP_AM_CREDIT, .token = peer_token(&e), .arg = 1000};
     rogue_send(&e, &h, NULL, 0, false);
     assert_int_equal(tdp_pipe_recv(e.srv, TMO, &got), TDP_EPROTO);
     env_down(&e);

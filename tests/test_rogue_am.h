@@ -17,6 +17,7 @@
 #include "core/loop_int.h"
 #include "pipe/op.h"
 #include "pipe/session.h"
+#include "pipe/tcp/plane_tcp.h"
 #include "pipe/ucx/plane_ucx.h"
 #include "pipe/wire.h"
 
@@ -48,6 +49,12 @@ static void rogue_task(void *arg)
         .cb.send = rogue_cb,
         .user_data = r,
     };
+    if (tdp_pipe_plane(r->cli) == TDP_PLANE_TCP) {
+        /* the same frame on the tcp plane's socket (it is copied) */
+        (void)tdp__tcp_rogue(tdp__session_link(r->cli), r->hdr, TDP_AM_HDR_LEN, r->payload, r->len);
+        atomic_store(&r->done, true);
+        return;
+    }
     ucp_ep_h ep = tdp__ucx_link_ep(tdp__session_link(r->cli));
     if (ep == NULL) { /* the pipe ended already (the server refused an earlier frame) */
         atomic_store(&r->done, true);

@@ -187,6 +187,9 @@ void tdp__ctl_uncarry(tdp__ctl *c, void *arg);
  */
 tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payload, void *cookie,
                             bool now);
+/* The same with the AM header's al bytes as they are (tests send malformed ones). */
+tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const void *payload,
+                                uint64_t len, void *cookie, bool now);
 
 /*
  * Sockets a listener turns away: BYE(reason) instead of HELLO, then closed

@@ -87,10 +87,17 @@ static void carry_free(struct tdp__ctl_carry *k)
 
 /* ---- completions ------------------------------------------------------------------ */
 
-static void done_cb(void *arg)
+static void post_done(struct tdp__ctl_carry *k);
+
+/*
+ * Report what has left (and, once detached, what never will). Never frees
+ * the carrier: only the posted task does, so that a task still queued
+ * never finds it gone.
+ */
+static void deliver(struct tdp__ctl_carry *k)
 {
-    struct tdp__ctl_carry *k = arg;
-    k->done_posted = false;
+    if (k->in_done)
+        return;
     k->in_done = true;
     /* each call may queue, flush or close: re-read the counts every time */
     while (k->n > 0 && (k->nw > 0 || k->c == NULL)) {
@@ -110,13 +117,22 @@ static void done_cb(void *arg)
         }
     }
     k->in_done = false;
-    if (k->c == NULL && k->n == 0)
+}
+
+static void done_cb(void *arg)
+{
+    struct tdp__ctl_carry *k = arg;
+    k->done_posted = false;
+    deliver(k);
+    if (k->c == NULL && k->n == 0 && !k->in_done)
         carry_free(k);
+    else if (k->c == NULL)
+        post_done(k); /* detached inside a report: the rest on the next turn */
 }
 
 static void post_done(struct tdp__ctl_carry *k)
 {
-    if (k->done_posted || k->in_done)
+    if (k->done_posted)
         return;
     k->done_posted = true;
     k->done = (tdp__task){.fn = done_cb, .arg = k};
@@ -239,15 +255,28 @@ tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payloa
                             bool now)
 {
     struct tdp__ctl_carry *k = c->carry;
-    if (k == NULL || c->bev == NULL || c->bye_sent)
-        return TDP_ECONNRESET;
     if (cookie == NULL && h->length > 0)
         return TDP_EINVAL;
+    if (k != NULL && c->bev != NULL && c->bye_sent && cookie == NULL)
+        return TDP_OK; /* credit after our BYE: nobody needs it, and the peer's
+                        * hang-up must meet no unread byte (tdp__pipe_hang_up) */
+    if (k == NULL || c->bev == NULL || c->bye_sent)
+        return TDP_ECONNRESET;
+    uint8_t am[TDP_AM_HDR_MAX_LEN];
+    size_t al = tdp_wire_am_encode(am, h);
+    return tdp__ctl_plane_send_raw(c, am, al, payload, h->length, cookie, now);
+}
+
+tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const void *payload,
+                                uint64_t len, void *cookie, bool now)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    if (k == NULL || c->bev == NULL || al > TDP_AM_HDR_MAX_LEN)
+        return TDP_ECONNRESET;
     uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
-    size_t al = tdp_wire_am_encode(hdr + TDP_CTL_HDR_LEN, h);
+    memcpy(hdr + TDP_CTL_HDR_LEN, am, al);
     tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
-    tdp_err rc = enqueue(k, hdr, TDP_CTL_HDR_LEN + al, payload, h->length, cookie, false,
-                         CONTROL_ROOM);
+    tdp_err rc = enqueue(k, hdr, TDP_CTL_HDR_LEN + al, payload, len, cookie, false, CONTROL_ROOM);
     if (rc != TDP_OK)
         return rc;
     if (now) {
@@ -400,7 +429,11 @@ static unsigned carry_progress(void *arg)
         return 0;
     unsigned did = 0;
     k->in_rx = true;
-    if (k->dirty)
+    /* what has left is reported before what the peer says next is read: a
+     * send is complete before the peer's answer to it (its BYE) arrives */
+    if (k->nw > 0)
+        deliver(k);
+    if (k->c != NULL && k->dirty)
         did += flush(k);
     if (k->c != NULL)
         did += rx(k);
@@ -496,8 +529,6 @@ void tdp__ctl_carry_detach(tdp__ctl *c)
     event_free(k->wr);
     k->wr = NULL;
     k->fd = -1;
-    if (k->n > 0 || k->done_posted || k->in_done || k->in_rx)
-        post_done(k); /* the rest is reported, then the carrier goes */
-    else
-        carry_free(k);
+    /* the rest is reported, then the carrier goes: always from a task */
+    post_done(k);
 }

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "plane_tcp.h"
 #include "../checksum.h"
 #include "../ctl.h"
 #include "../plane.h"
@@ -37,6 +38,7 @@ typedef struct tx_rec {
     tdp_schema *sc;   /* SCHEMA: its JSON is the payload */
     void *cookie;     /* the session's, for DATA */
     bool tell;        /* up->sent when it has left */
+    void *own;        /* tdp__tcp_rogue's copy of its payload */
 } tx_rec;
 
 typedef struct rx_store {
@@ -278,6 +280,7 @@ static void on_sent(void *arg, void *cookie, tdp_err st)
     bool tell = r->tell && !l->closed;
     tdp_td_unref(r->td);
     tdp_schema_unref(r->sc);
+    tdp__free(r->own);
     *r = (tx_rec){.next_free = l->free_recs};
     l->free_recs = r;
     l->outstanding--;
@@ -308,6 +311,7 @@ static void rec_give(struct tdp__link *l, tx_rec *r)
 {
     tdp_td_unref(r->td);
     tdp_schema_unref(r->sc);
+    tdp__free(r->own);
     *r = (tx_rec){.next_free = l->free_recs};
     l->free_recs = r;
 }
@@ -406,6 +410,28 @@ static tdp_err t_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
     if (rc == TDP_OK)
         *sent = *await = true;
     return rc;
+}
+
+tdp_err tdp__tcp_rogue(tdp__link *l, const uint8_t *am, size_t al, const void *payload, size_t len)
+{
+    if (!l->started || l->closed)
+        return TDP_ECONNRESET;
+    tx_rec *r = rec_take(l);
+    if (r == NULL)
+        return TDP_ELIMIT;
+    if (len > 0 && (r->own = tdp__malloc(len)) == NULL) {
+        rec_give(l, r);
+        return TDP_ENOMEM;
+    }
+    if (len > 0)
+        memcpy(r->own, payload, len);
+    tdp_err rc = tdp__ctl_plane_send_raw(l->ctl, am, al, r->own, len, r, true);
+    if (rc != TDP_OK) {
+        rec_give(l, r);
+        return rc;
+    }
+    l->outstanding++;
+    return TDP_OK;
 }
 
 /* ---- links ------------------------------------------------------------------------ */
