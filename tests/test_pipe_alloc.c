@@ -362,6 +362,24 @@ static void test_shm_loan_large_depth4(void **state)
     steady_case(4 << 20, 4, TDP_PLANE_SHM, true, true);
 }
 
+/* The tcp plane: frames on the control socket, a fixed send ring and receive buffer. */
+static void test_tcp_small_depth1(void **state)
+{
+    steady_case(1000, 1, TDP_PLANE_TCP, false, true);
+}
+
+static void test_tcp_large_depth4(void **state)
+{
+    steady_case(4 << 20, 4, TDP_PLANE_TCP, false, false);
+}
+
+static void test_tcp_window_small_depth4(void **state)
+{
+    g_window = 256u << 10;
+    steady_case(1000, 4, TDP_PLANE_TCP, false, false);
+    g_window = 0;
+}
+
 /* A receive window: up to 64 small messages in flight, storage for as many. */
 static void test_window_small_depth4(void **state)
 {
@@ -602,6 +620,9 @@ int main(void)
         cmocka_unit_test(test_large_depth4),
         cmocka_unit_test(test_prepared_large_depth4),
         cmocka_unit_test(test_shm_prepared_large_depth4),
+        cmocka_unit_test(test_tcp_small_depth1),
+        cmocka_unit_test(test_tcp_large_depth4),
+        cmocka_unit_test(test_tcp_window_small_depth4),
         cmocka_unit_test(test_shm_small_depth1),
         cmocka_unit_test(test_shm_large_depth4),
         cmocka_unit_test(test_shm_loan_small_depth1),
