@@ -43,8 +43,9 @@ tdpipe's ratio to each (docs/benchmarks.md).
 
   --tls MODE       UCX transports for tdpipe and ucx_perftest: tcp (UCX_TLS=tcp),
                    shm (UCX_TLS=shm,self) or default (UCX_TLS unset: UCX picks)
-  --plane NAME     tdpipe's data plane: auto (default: shm on one host), ucx
-                   or shm (loaned slots, no copy; docs/planes.md)
+  --plane NAME     tdpipe's data plane: auto (default: shm on one host), ucx,
+                   shm (loaned slots, no copy) or tcp (the pipe's own TCP
+                   connection; docs/planes.md)
   --sizes LIST     payload sizes (default 1KB,1MB,100MB; KB = 1000 B)
   --busy-poll US   also run tdpipe with this busy-poll window, the progress
                    mode of ucx_perftest (the event-driven run is always made)
@@ -172,9 +173,9 @@ want_idle() {
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 # ZeroMQ on the transport that matches tdpipe's plane: a Unix socket (ipc)
-# next to a same-host plane, TCP next to the ucx plane
+# next to a same-host plane, TCP next to the ucx and tcp planes
 case $PLANE in
-    ucx) ZMQ_TRANSPORT=tcp ;;
+    ucx | tcp) ZMQ_TRANSPORT=tcp ;;
     *) ZMQ_TRANSPORT=ipc ;;
 esac
 OUT=${OUT:-$BUILD/bench-results/$STAMP-$TLS-$PLANE$([[ $BUSY_POLL == 0 ]] || echo "-bp$BUSY_POLL")}

@@ -28,6 +28,7 @@
 #include "../core/alloc.h"
 #include "../core/log.h"
 #include "../core/loop_int.h"
+#include "../core/reap.h"
 
 #define RX_BUF      (64u * 1024u) /* the receive buffer: headers and small payloads */
 #define DIRECT_MIN  4096u         /* a payload at least this long left is read in place */
@@ -68,8 +69,8 @@ struct tdp__ctl_carry {
     bool dirty;        /* frames wait for the end of the turn */
     bool write_failed; /* the peer is gone; the read side will see it */
     bool wr_armed;
-    tdp__task done;
-    bool done_posted, in_done;
+    tdp__reap done; /* reports on a later turn (or when the loop goes) */
+    bool in_done;
     bool in_rx; /* carry_progress is on the stack */
 };
 
@@ -119,24 +120,25 @@ static void deliver(struct tdp__ctl_carry *k)
     k->in_done = false;
 }
 
+/*
+ * On a later turn, or when the loop is freed first (a detached carrier
+ * then still reports, and goes): tdp__reap runs it either way.
+ */
 static void done_cb(void *arg)
 {
     struct tdp__ctl_carry *k = arg;
-    k->done_posted = false;
     deliver(k);
-    if (k->c == NULL && k->n == 0 && !k->in_done)
+    if (k->c != NULL || k->done.queued)
+        return; /* carrying still, or a report asked for again inside this one */
+    if (k->n == 0)
         carry_free(k);
-    else if (k->c == NULL)
-        post_done(k); /* detached inside a report: the rest on the next turn */
+    else
+        post_done(k);
 }
 
 static void post_done(struct tdp__ctl_carry *k)
 {
-    if (k->done_posted)
-        return;
-    k->done_posted = true;
-    k->done = (tdp__task){.fn = done_cb, .arg = k};
-    tdp__loop_post_task(k->loop, &k->done);
+    tdp__reap_later(k->loop, &k->done, done_cb, k);
 }
 
 /* ---- send ------------------------------------------------------------------------ */
