@@ -30,13 +30,13 @@
 #include "../core/loop_int.h"
 #include "../core/reap.h"
 
-#define RX_BUF      (64u * 1024u) /* the receive buffer: headers and small payloads */
-#define DIRECT_MIN  4096u         /* a payload at least this long left is read in place */
-#define RX_ROUNDS   32            /* reads per progress call: then other sources' turn */
-#define TX_ROUNDS   16            /* sendmsg calls per flush */
-#define TX_IOV      64            /* iovecs per sendmsg */
-#define IOV_MAX_LEN (1u << 30)    /* one iovec's bytes, at most */
-#define CONTROL_ROOM 8u           /* ring entries only READY and BYE may take */
+#define RX_BUF       (64u * 1024u) /* the receive buffer: headers and small payloads */
+#define DIRECT_MIN   4096u         /* a payload at least this long left is read in place */
+#define RX_ROUNDS    32            /* reads per progress call: then other sources' turn */
+#define TX_ROUNDS    16            /* sendmsg calls per flush */
+#define TX_IOV       64            /* iovecs per sendmsg */
+#define IOV_MAX_LEN  (1u << 30)    /* one iovec's bytes, at most */
+#define CONTROL_ROOM 8u            /* ring entries only READY and BYE may take */
 
 typedef struct cq_ent {
     uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
@@ -60,9 +60,9 @@ struct tdp__ctl_carry {
     /* receive */
     uint8_t *rb;
     size_t rcap, rbeg, rend;
-    uint64_t left;     /* payload bytes of the last frame still due */
-    uint8_t *into;     /* where they go (NULL: dropped) */
-    bool tell;         /* call up->payload when they are in */
+    uint64_t left; /* payload bytes of the last frame still due */
+    uint8_t *into; /* where they go (NULL: dropped) */
+    bool tell;     /* call up->payload when they are in */
     /* send: entries [head, head + n) of the ring; the first nw wholly written */
     cq_ent *q;
     uint32_t head, n, nw;

@@ -34,11 +34,11 @@
 
 typedef struct tx_rec {
     struct tx_rec *next_free;
-    tdp_td *td;       /* DATA: held until the kernel has the bytes */
-    tdp_schema *sc;   /* SCHEMA: its JSON is the payload */
-    void *cookie;     /* the session's, for DATA */
-    bool tell;        /* up->sent when it has left */
-    void *own;        /* tdp__tcp_rogue's copy of its payload */
+    tdp_td *td;     /* DATA: held until the kernel has the bytes */
+    tdp_schema *sc; /* SCHEMA: its JSON is the payload */
+    void *cookie;   /* the session's, for DATA */
+    bool tell;      /* up->sent when it has left */
+    void *own;      /* tdp__tcp_rogue's copy of its payload */
 } tx_rec;
 
 typedef struct rx_store {
