@@ -695,9 +695,15 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
     tdp_td *got;
     int count = tdp_bm_tp_count(cfg->rounds, bytes), twarm = tdp_bm_tp_warm(count);
     inflight fl;
-    /* buffers of their own: 64 MiB of them at most (100 MB messages go one at a time) */
-    uint64_t n = bytes > 0 && cfg->inflight > (64u << 20) / bytes ? (64u << 20) / bytes
-                                                                   : cfg->inflight;
+    /*
+     * Small messages only (up to 64 KiB, as many as 256 KiB holds), as
+     * tdpipe send keeps them: a buffer of its own per send in flight is a
+     * cold buffer each time, which cost a 1 MB stream a third of its rate
+     * against peers that send one buffer again and again (docs/cli.md)
+     */
+    uint64_t n = bytes == 0 || bytes > (64u << 10) ? 1
+                 : cfg->inflight > (256u << 10) / bytes ? (256u << 10) / bytes
+                                                        : cfg->inflight;
     bool async = n > 1 && !on_gpu(td) && (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
     if (async && (rc = inflight_init(&fl, (uint32_t)n, td)) != TDP_OK)
         return rc;

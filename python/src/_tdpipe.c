@@ -217,7 +217,7 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
             if (s == NULL)
                 return -1;
             if (tdp_plane_parse(s, &o->plane) != TDP_OK) {
-                PyErr_Format(PyExc_ValueError, "unknown plane %R (auto, ucx, shm, cuda-ipc)", v);
+                PyErr_Format(PyExc_ValueError, "unknown plane %R (auto, ucx, shm, cuda-ipc, tcp)", v);
                 return -1;
             }
         } else if (!strcmp(key, "peer_mode")) {

@@ -581,7 +581,7 @@ class Pipe:
 
     @property
     def plane(self):
-        """"ucx", "shm" or "cuda-ipc": the data plane the handshake chose."""
+        """"ucx", "shm", "cuda-ipc" or "tcp": the data plane the handshake chose."""
         return self._raw.plane
 
     @property
@@ -603,7 +603,7 @@ def connect(host, port, *, as_="torch", loop="caller", **opts):
     recv_depth, 1..64), window (bytes: the receive window for small messages,
     0 (off) or 4096..2**30, default 256 KiB, docs/pipe.md#receive-window), connect_timeout and
     linger (seconds), plane ("auto",
-    "ucx", "shm", "cuda-ipc": the last for pipes that name cuda_device), peer_mode ("auto", "ucx", "socket"), keepalive
+    "ucx", "shm", "cuda-ipc": the last for pipes that name cuda_device; "tcp": the pipe's own TCP connection), peer_mode ("auto", "ucx", "socket"), keepalive
     ((idle_s, intvl_s, count)). as_: "torch" or "numpy" for received leaves.
 
     loop: "caller" (default): blocking calls drive the pipe's event loop on
