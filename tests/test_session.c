@@ -315,7 +315,7 @@ static void test_registry_full(void **state)
     tdp_pipe_opts co = fake_opts(2), so = fake_opts(2);
     co.plane = so.plane = TDP_PLANE_AUTO;
     co.planes_forbidden = so.planes_forbidden =
-        (1u << TDP_PLANE_UCX) | (1u << TDP_PLANE_SHM); /* test planes only: no transport */
+        (1u << TDP_PLANE_UCX) | (1u << TDP_PLANE_SHM) | (1u << TDP_PLANE_TCP); /* test planes only */
     env_up_cfg(&e, &co, &so, NULL, NULL);
     assert_int_equal(e.cli.ready_rc, TDP_OK);
     assert_int_equal(e.srv.ready_rc, TDP_OK);
