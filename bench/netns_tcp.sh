@@ -5,7 +5,8 @@
 # (bench/raw_tcp.py), RUNS rounds interleaved. RATE: a tbf rate limit on
 # both ends (e.g. 4gbit) or none (default); SIZE default 1MB, COUNT 1000,
 # RUNS 3. Each VAR=value after -- is one more tdpipe variant (e.g.
-# UCX_TCP_RX_SEG_SIZE=256k) beside the defaults. Needs root; tdpipe recv
+# UCX_TCP_RX_SEG_SIZE=256k) beside the defaults; plane:NAME is one with
+# --plane NAME on both sides (plane:tcp: the tcp plane instead of UCX). Needs root; tdpipe recv
 # checks every message's pattern, which raw TCP does not.
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,11 +43,17 @@ for r in $(seq "$RUNS"); do
             echo "$r raw TCP: $(tail -n1 "$WORK/rr.out")"
             continue
         fi
-        start tr "$NS_A" 120 env "$v" nice -n -19 "$TDPIPE" recv --bind "$ADDR_A" --count "$COUNT" --quiet
+        opt=() envv=$v
+        if [[ $v == plane:* ]]; then
+            opt=(--plane "${v#plane:}")
+            envv=DEFAULTS=1
+        fi
+        start tr "$NS_A" 120 env "$envv" nice -n -19 "$TDPIPE" recv --bind "$ADDR_A" \
+            --count "$COUNT" --quiet "${opt[@]}"
         rp=$PID
         port=$(port_of tr) || { fail "recv did not start"; dump "$WORK/tr.err"; exit 1; }
-        run ts "$NS_B" 120 env "$v" nice -n -19 "$TDPIPE" send "$ADDR_A:$port" --count "$COUNT" \
-            --size "$SIZE" --quiet
+        run ts "$NS_B" 120 env "$envv" nice -n -19 "$TDPIPE" send "$ADDR_A:$port" --count "$COUNT" \
+            --size "$SIZE" --quiet "${opt[@]}"
         wait "$rp"
         echo "$r tdpipe $v: $(grep -o 'received.*msgs/s' "$WORK/tr.out")"
     done
