@@ -42,6 +42,7 @@
 
 #include "bench_method.h"
 #include "cli.h"
+#include "send_ring.h"
 
 enum { PH_SETUP = 1, PH_FIRST = 2, PH_PING = 3, PH_STREAM = 4 };
 #define HDR_BYTES  32u /* four int64 control words at the start of each message */
@@ -622,44 +623,7 @@ static tdp_err round_trip(tdp_pipe *p, tdp_td *td, int64_t phase)
  * its buffer again. Sends made while the loop is not driven may go out
  * together (the ucx plane's BATCH frames).
  */
-typedef struct inflight {
-    uint32_t n;
-    tdp_op **op;
-    tdp_td **td;
-} inflight;
-
-static void inflight_free(inflight *f)
-{
-    for (uint32_t k = 0; k < f->n; k++) {
-        if (f->op != NULL)
-            tdp_op_free(f->op[k]);
-        if (f->td != NULL)
-            tdp_td_unref(f->td[k]);
-    }
-    free(f->op);
-    free(f->td);
-}
-
-static tdp_err inflight_init(inflight *f, uint32_t n, tdp_td *proto)
-{
-    memset(f, 0, sizeof(*f));
-    f->op = calloc(n, sizeof(*f->op));
-    f->td = calloc(n, sizeof(*f->td));
-    if (f->op == NULL || f->td == NULL) {
-        inflight_free(f);
-        return TDP_ENOMEM;
-    }
-    for (; f->n < n; f->n++) {
-        if (tdp_op_new(NULL, NULL, &f->op[f->n]) != TDP_OK ||
-            tdp_td_new(tdp_td_schema(proto), &f->td[f->n]) != TDP_OK) {
-            f->n++;
-            inflight_free(f);
-            return TDP_ENOMEM;
-        }
-        memcpy(tdp_td_data(f->td[f->n]), tdp_td_data(proto), tdp_td_nbytes(proto));
-    }
-    return TDP_OK;
-}
+typedef tdp_cli_ring inflight;
 
 /* Wait for op k if it is out; its result (TDP_OK for one never started). */
 static tdp_err inflight_wait(inflight *f, uint32_t k)
@@ -701,11 +665,9 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
      * cold buffer each time, which cost a 1 MB stream a third of its rate
      * against peers that send one buffer again and again (docs/cli.md)
      */
-    uint64_t n = bytes == 0 || bytes > (64u << 10) ? 1
-                 : cfg->inflight > (256u << 10) / bytes ? (256u << 10) / bytes
-                                                        : cfg->inflight;
+    uint32_t n = tdp_cli_inflight_for(bytes, cfg->inflight);
     bool async = n > 1 && !on_gpu(td) && (cfg->no_loan || !plane_lends(tdp_pipe_plane(p), false));
-    if (async && (rc = inflight_init(&fl, (uint32_t)n, td)) != TDP_OK)
+    if (async && (rc = tdp_cli_ring_init(&fl, n, td)) != TDP_OK)
         return rc;
     for (int r = 0; r < TP_REPEATS && rc == TDP_OK; r++) {
         if (async)
@@ -735,7 +697,7 @@ static tdp_err stream_repeats(const bench_cfg *cfg, tdp_pipe *p, tdp_td *td, uin
         }
     }
     if (async)
-        inflight_free(&fl);
+        tdp_cli_ring_free(&fl);
     return rc;
 }
 

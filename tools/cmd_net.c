@@ -17,13 +17,14 @@
 #include "cli.h"
 #include "report.h"
 #include "send_fanout.h"
+#include "send_ring.h"
 #include "datafile.h"
 #include "recv_fanin.h"
 #include "values.h"
 
 /* The longest wait in one blocking call, so an interruption (tdp_cli_interrupted) is seen soon. */
 #define SLICE_MS 100
-#define SEND_INFLIGHT_MAX 64 /* send --inflight: at most this many sends out at once */
+#define SEND_INFLIGHT_MAX TDP_CLI_RING_MAX /* send --inflight: at most this many out at once */
 
 /* Why a command stopped early on a signal, for its summary. */
 static const char *signal_name(int sig)
@@ -990,52 +991,17 @@ static tdp_err late_notice(tdp_pipe *pipe, bool *refused)
  * the pipe's close.
  */
 typedef struct send_ring {
-    uint32_t n;
-    tdp_op *op[SEND_INFLIGHT_MAX];
-    tdp_td *td[SEND_INFLIGHT_MAX];
+    tdp_cli_ring r;
     uint64_t seq[SEND_INFLIGHT_MAX]; /* the message each op carries; 0: none out */
 } send_ring;
 
-/* How many in flight: --inflight, else as many as 256 KiB holds (the
- * receive window's default) for messages up to 64 KiB, else one; one with
+/* How many in flight: --inflight, else tdp_cli_inflight_for; one with
  * --echo, --reconnect and --depth-hint, which count each send on its own. */
 static uint32_t send_inflight(const send_args *a, uint64_t bytes)
 {
     if (a->echo || a->reconnect_ms > 0 || a->depth_hint || a->count < 2)
         return 1;
-    if (a->inflight > 0)
-        return a->inflight;
-    if (bytes == 0 || bytes > (64u << 10))
-        return 1;
-    uint64_t n = (256u << 10) / bytes;
-    return n < 2 ? 1 : n > SEND_INFLIGHT_MAX ? SEND_INFLIGHT_MAX : (uint32_t)n;
-}
-
-static void send_ring_free(send_ring *r)
-{
-    for (uint32_t k = 0; k < r->n; k++) {
-        tdp_op_free(r->op[k]);
-        tdp_td_unref(r->td[k]);
-    }
-    r->n = 0;
-}
-
-static tdp_err send_ring_init(send_ring *r, uint32_t n, tdp_td *proto)
-{
-    memset(r, 0, sizeof(*r));
-    for (; r->n < n; r->n++) {
-        if (tdp_op_new(NULL, NULL, &r->op[r->n]) != TDP_OK) {
-            send_ring_free(r);
-            return TDP_ENOMEM;
-        }
-        if (tdp_td_new(tdp_td_schema(proto), &r->td[r->n]) != TDP_OK) {
-            tdp_op_free(r->op[r->n]);
-            send_ring_free(r);
-            return TDP_ENOMEM;
-        }
-        memcpy(tdp_td_data(r->td[r->n]), tdp_td_data(proto), tdp_td_nbytes(proto));
-    }
-    return TDP_OK;
+    return a->inflight > 0 ? a->inflight : tdp_cli_inflight_for(bytes, SEND_INFLIGHT_MAX);
 }
 
 /* Wait for op k if a send is out on it; TDP_OK when none is. Counts it sent. */
@@ -1044,27 +1010,27 @@ static tdp_err send_ring_wait(send_ring *r, uint32_t k, const send_args *a, tdp_
 {
     if (r->seq[k] == 0)
         return TDP_OK;
-    tdp_err rc = tdp_op_wait(r->op[k], a->timeout_ms);
+    tdp_err rc = tdp_op_wait(r->r.op[k], a->timeout_ms);
     if (rc == TDP_ETIMEDOUT) {
         *failed = r->seq[k]; /* still out: the pipe's close ends it */
         return rc;
     }
     if (rc == TDP_OK)
-        tdp_cli_meter_add(m, tdp_td_nbytes(r->td[k]));
+        tdp_cli_meter_add(m, tdp_td_nbytes(r->r.td[k]));
     else if (*failed == 0)
         *failed = r->seq[k];
     r->seq[k] = 0;
     return rc;
 }
 
-/* send_loop with r->n sends in flight (no --echo, no --reconnect). */
+/* send_loop with r->r.n sends in flight (no --echo, no --reconnect). */
 static tdp_err send_loop_ring(tdp_pipe *pipe, send_ring *r, send_args *a, tdp_cli_meter *m,
                               bool *refused)
 {
     uint64_t t0 = m->start_ns, failed = 0;
     tdp_err rc = TDP_OK;
     for (uint64_t seq = 1; seq <= a->count && rc == TDP_OK; seq++) {
-        uint32_t k = (uint32_t)((seq - 1) % r->n);
+        uint32_t k = (uint32_t)((seq - 1) % r->r.n);
         if ((rc = send_ring_wait(r, k, a, m, &failed)) != TDP_OK)
             break;
         if (a->rate > 0)
@@ -1074,13 +1040,13 @@ static tdp_err send_loop_ring(tdp_pipe *pipe, send_ring *r, send_args *a, tdp_cl
             break;
         }
         if (a->file == NULL)
-            tdp_cli_fill(r->td[k], seq);
+            tdp_cli_fill(r->r.td[k], seq);
         r->seq[k] = seq;
-        tdp_pipe_send_async(pipe, r->td[k], r->op[k]);
+        tdp_pipe_send_async(pipe, r->r.td[k], r->r.op[k]);
     }
     /* every send still out, oldest first: they complete in order */
-    for (uint64_t i = 0; i < r->n; i++) {
-        uint32_t k = (uint32_t)((a->count + i) % r->n);
+    for (uint64_t i = 0; i < r->r.n; i++) {
+        uint32_t k = (uint32_t)((a->count + i) % r->r.n);
         tdp_err e = send_ring_wait(r, k, a, m, &failed);
         if (rc == TDP_OK)
             rc = e;
@@ -1319,8 +1285,8 @@ int tdp_cmd_send(int argc, char **argv)
 
     static send_ring ring; /* large for the stack */
     uint32_t nfl = send_inflight(&a, tdp_td_nbytes(td));
-    ring.n = 0;
-    if (nfl > 1 && send_ring_init(&ring, nfl, td) != TDP_OK)
+    memset(&ring, 0, sizeof(ring));
+    if (nfl > 1 && tdp_cli_ring_init(&ring.r, nfl, td) != TDP_OK)
         nfl = 1;      /* no memory for the buffers: one at a time */
     a.inflight = nfl; /* as run, for the summary */
 
@@ -1367,7 +1333,7 @@ int tdp_cmd_send(int argc, char **argv)
          : rc == TDP_OK && sig ? TDP_EXIT_SIGNAL(sig)
                                : tdp_cli_exit_for(rc);
     tdp_pipe_free(pipe);
-    send_ring_free(&ring); /* after the pipe: its close ended any send still out */
+    tdp_cli_ring_free(&ring.r); /* after the pipe: its close ended any send still out */
 out_free_loop:
     tdp_loop_free(loop);
     tdp_td_unref(td);

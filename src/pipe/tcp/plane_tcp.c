@@ -23,10 +23,10 @@
 #include "../checksum.h"
 #include "../ctl.h"
 #include "../plane.h"
+#include "../rx_store.h"
 #include "../../core/alloc.h"
 #include "../../core/log.h"
 #include "../../core/loop_int.h"
-#include "../../core/populate.h"
 #include "../../core/reap.h"
 
 /* Sends in flight: the session's tickets (2 x window + 1), each a SCHEMA and a DATA. */
@@ -41,15 +41,9 @@ typedef struct tx_rec {
     void *own;      /* tdp__tcp_rogue's copy of its payload */
 } tx_rec;
 
-typedef struct rx_store {
-    _Atomic uint32_t refs;
-    void *buf;
-    size_t cap;
-} rx_store;
-
 typedef struct rx_slot {
     tdp_td *td;
-    rx_store *store;
+    tdp__rx_store *store;
     bool lent, filling;
 } rx_slot;
 
@@ -82,16 +76,6 @@ struct tdp__link {
 
 /* ---- receive storage -------------------------------------------------------------- */
 
-static void store_unref(void *buf, void *arg)
-{
-    rx_store *st = arg;
-    (void)buf;
-    if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
-        tdp_mem_free(TDP_MEM_HOST, st->buf);
-        tdp__free(st);
-    }
-}
-
 static void slot_drop(rx_slot *s)
 {
     tdp_td_unref(s->td); /* the store goes with the last td that wraps it */
@@ -104,42 +88,15 @@ static tdp_err slot_build(struct tdp__link *l, rx_slot *s)
 {
     tdp_schema *sc = l->rx_schema;
     tdp_device dev = tdp_schema_device(sc);
-    size_t need = (size_t)tdp_schema_total_bytes(sc);
-    tdp_err rc;
+    uint64_t need = tdp_schema_total_bytes(sc);
     if (dev.type != TDP_DEVICE_CPU)
         return TDP_ENOTSUP; /* host memory only (plane.mem) */
     if (s->td != NULL && s->td->schema == sc)
         return TDP_OK;
-    if (s->store != NULL && s->store->cap >= need) {
-        tdp_td *td;
-        atomic_fetch_add(&s->store->refs, 1);
-        rc = tdp_td_wrap(sc, s->store->buf, s->store->cap, dev, store_unref, s->store, &td);
-        if (rc != TDP_OK) {
-            store_unref(NULL, s->store);
-            return rc;
-        }
-        tdp_td_unref(s->td);
-        s->td = td;
-        return TDP_OK;
-    }
+    if (tdp__rx_store_fits(s->store, s->td, need, TDP_MEM_HOST, dev))
+        return tdp__rx_store_rewrap(s->store, sc, dev, &s->td);
     slot_drop(s);
-    rx_store *st = tdp__calloc(1, sizeof(*st));
-    if (st == NULL)
-        return TDP_ENOMEM;
-    if ((rc = tdp_mem_alloc(TDP_MEM_HOST, 0, need, 0, &st->buf)) != TDP_OK) {
-        tdp__free(st);
-        return rc;
-    }
-    st->cap = need;
-    atomic_init(&st->refs, 1);
-    if ((rc = tdp_td_wrap(sc, st->buf, need, dev, store_unref, st, &s->td)) != TDP_OK) {
-        store_unref(NULL, st);
-        return rc;
-    }
-    s->store = st;
-    if (l->populate)
-        tdp__populate_write(st->buf, need); /* prepared: the first DATA lands on present pages */
-    return TDP_OK;
+    return tdp__rx_store_new(sc, TDP_MEM_HOST, dev, need, l->populate, &s->store, &s->td);
 }
 
 static tdp_err t_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
@@ -271,6 +228,7 @@ static void on_payload(void *arg)
 }
 
 static void link_maybe_free(struct tdp__link *l);
+static void rec_give(struct tdp__link *l, tx_rec *r);
 
 static void on_sent(void *arg, void *cookie, tdp_err st)
 {
@@ -278,11 +236,7 @@ static void on_sent(void *arg, void *cookie, tdp_err st)
     tx_rec *r = cookie;
     void *user = r->cookie;
     bool tell = r->tell && !l->closed;
-    tdp_td_unref(r->td);
-    tdp_schema_unref(r->sc);
-    tdp__free(r->own);
-    *r = (tx_rec){.next_free = l->free_recs};
-    l->free_recs = r;
+    rec_give(l, r);
     l->outstanding--;
     if (tell)
         l->up->sent(l->owner, l, user, st);

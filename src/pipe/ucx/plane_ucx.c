@@ -31,6 +31,7 @@
 #include "plane_ucx.h"
 #include "../checksum.h"
 #include "../op.h"
+#include "../rx_store.h"
 #include "../stage.h"
 #include "ucx_addr.h"
 #include "ucx_workers.h"
@@ -155,12 +156,7 @@ typedef struct ticket {
 } ticket;
 
 /* Receive storage shared by the tds that wrap it; freed with the last one. */
-typedef struct rx_store {
-    _Atomic uint32_t refs;
-    void *buf;
-    uint64_t cap;
-    tdp_mem_type mt;
-} rx_store;
+typedef tdp__rx_store rx_store;
 
 struct rx_buf;
 
@@ -821,15 +817,6 @@ static tdp_err stage_ready(struct tdp__link *l, int dev)
 
 /* ---- receive storage ------------------------------------------------------------ */
 
-static void store_unref(void *buf, void *arg)
-{
-    rx_store *st = arg;
-    if (atomic_fetch_sub_explicit(&st->refs, 1, memory_order_acq_rel) == 1) {
-        tdp_mem_free(st->mt, st->buf);
-        tdp__free(st);
-    }
-}
-
 static void rx_buf_drop(struct tdp__link *l, rx_buf *b)
 {
     if (b->memh != NULL) {
@@ -854,38 +841,13 @@ static tdp_err rx_store_build(struct tdp__link *l, rx_buf *b)
     bool staged = stages(l, dev);
     if (b->td != NULL && b->td->schema == sc)
         return TDP_OK;
-    if (b->store != NULL && b->store->cap >= need && b->store->mt == mt &&
-        tdp_device_equal(b->td->device, dev)) {
-        /* reuse the storage (and its registration) under the new layout */
-        tdp_td *td;
-        atomic_fetch_add(&b->store->refs, 1);
-        rc = tdp_td_wrap(sc, b->store->buf, b->store->cap, dev, store_unref, b->store, &td);
-        if (rc != TDP_OK) {
-            store_unref(NULL, b->store);
-            return rc;
-        }
-        tdp_td_unref(b->td);
-        b->td = td;
-        return TDP_OK;
-    }
+    if (tdp__rx_store_fits(b->store, b->td, need, mt, dev))
+        return tdp__rx_store_rewrap(b->store, sc, dev, &b->td); /* its registration kept */
     rx_buf_drop(l, b);
-    rx_store *st = tdp__calloc(1, sizeof(*st));
-    if (st == NULL)
-        return TDP_ENOMEM;
-    if ((rc = tdp_mem_alloc(mt, dev.index, need, 0, &st->buf)) != TDP_OK) {
-        tdp__free(st);
+    rx_store *st;
+    if ((rc = tdp__rx_store_new(sc, mt, dev, need, l->rx_populate, &st, &b->td)) != TDP_OK)
         return rc;
-    }
-    st->cap = need;
-    st->mt = mt;
-    atomic_init(&st->refs, 1);
-    if ((rc = tdp_td_wrap(sc, st->buf, need, dev, store_unref, st, &b->td)) != TDP_OK) {
-        store_unref(NULL, st);
-        return rc;
-    }
     b->store = st;
-    if (l->rx_populate && mt == TDP_MEM_HOST)
-        tdp__populate_write(st->buf, need); /* prepared: the first DATA lands on present pages */
     if (need > 0 && !staged) {
         /* registered once: every rendezvous lands here without a lookup */
         ucp_mem_map_params_t mp = {
