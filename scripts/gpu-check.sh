@@ -163,7 +163,7 @@ for plane in $("$TDPIPE" version | sed -n 's/^planes: *//p' | tr ',' ' '); do
     [[ $plane == cuda-ipc ]] || bench "cpu_$plane" --mem cpu --plane "$plane" --sizes "$SIZES"
 done
 say "where a 1 KB ping-pong's time goes, each side (TDPIPE_BENCH_PHASES)"
-for plane in cuda-ipc shm ucx; do
+for plane in cuda-ipc shm ucx tcp; do
     echo "  $plane:"
     TDPIPE_BENCH_PHASES=1 timeout 60 "$TDPIPE" bench --quiet --mem cuda --plane "$plane" \
         --sizes 1KB --rounds 2000 2>&1 | grep "per ping" | sed 's/^tdpipe bench: /    /'
@@ -177,7 +177,7 @@ fi
 
 say "first sends, prepared (tdp_pipe_prepare before the first send), 100 MB"
 if [[ $QUICK -eq 0 ]]; then
-    for plane in shm ucx cuda-ipc; do
+    for plane in shm ucx tcp cuda-ipc; do
         bench "prep_cuda_$plane" --mem cuda --plane "$plane" --sizes 100MB --rounds 20 --prepare
     done
 fi
@@ -306,11 +306,14 @@ verdict('staged shm, 1 KB p50: x host memory', ratio(get(shm, 1000, 'latency_us'
 tcp, tcp_h = rows(load('cuda_ucx_tcp')), rows(load('cpu_ucx_tcp'))
 verdict('ucx plane over TCP, 100 MB: x host memory', ratio(get(tcp, 100000000, 'throughput_Bps',
         'median'), get(tcp_h, 100000000, 'throughput_Bps', 'median')), 0.8, True)
-for plane in ('shm', 'ucx'):
+tcpp, tcpp_h = rows(load('cuda_tcp')), rows(load('cpu_tcp'))
+verdict('tcp plane, 100 MB: x host memory', ratio(get(tcpp, 100000000, 'throughput_Bps',
+        'median'), get(tcpp_h, 100000000, 'throughput_Bps', 'median')), 0.8, True)
+for plane in ('shm', 'ucx', 'tcp'):
     d = rows(load('cuda_' + plane))
     verdict('%s, first send of 100 MB: x a steady send' % plane,
             ratio(get(d, 100000000, 'first_send_us'), steady_us(d.get(100000000))), 3.0, False)
-for plane in ('shm', 'ucx', 'cuda-ipc'):
+for plane in ('shm', 'ucx', 'tcp', 'cuda-ipc'):
     d = rows(load('prep_cuda_' + plane))
     r = d.get(100000000)
     verdict('%s, prepared first send of 100 MB: x a steady send' % plane,
@@ -351,12 +354,12 @@ else
     [[ ${#FAILED[@]} -gt 0 && ${FAILED[-1]} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
 fi
 
-say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm and ucx, 1 MB"
+say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm, ucx and tcp, 1 MB"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [[ $FAKE -eq 1 ]]; then
     echo "  the fake device: skipped"
 elif [[ -n $CS ]]; then
-    for plane in cuda-ipc shm ucx; do
+    for plane in cuda-ipc shm ucx tcp; do
         if timeout 90 "$CS" --tool memcheck --error-exitcode 9 --target-processes all \
             "$TDPIPE" bench --mem cuda --plane "$plane" --sizes 1MB --rounds 50 \
             >"$OUT/memcheck_$plane.log" 2>&1; then

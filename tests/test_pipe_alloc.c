@@ -436,6 +436,17 @@ static void test_cuda_shm_large_depth4(void **state)
     steady_case_mem(4 << 20, 4, TDP_PLANE_SHM, false, true, true);
 }
 
+/* The tcp plane: staged through bounces; 12 MiB is three chunks each way. */
+static void test_cuda_tcp_small_depth1(void **state)
+{
+    steady_case_mem(1000, 1, TDP_PLANE_TCP, false, false, true);
+}
+
+static void test_cuda_tcp_chunked_depth4(void **state)
+{
+    steady_case_mem(12 << 20, 4, TDP_PLANE_TCP, false, true, true);
+}
+
 /* The cuda-ipc plane: plain sends (one device copy into a slot) and loans (none). */
 static void test_cuda_ipc_small_depth1(void **state)
 {
@@ -633,6 +644,8 @@ int main(void)
         cmocka_unit_test(test_cuda_ucx_small_depth1),
         cmocka_unit_test(test_cuda_ucx_large_depth4),
         cmocka_unit_test(test_cuda_ucx_chunked_depth4),
+        cmocka_unit_test(test_cuda_tcp_small_depth1),
+        cmocka_unit_test(test_cuda_tcp_chunked_depth4),
         cmocka_unit_test(test_cuda_shm_small_depth1),
         cmocka_unit_test(test_cuda_shm_large_depth4),
         cmocka_unit_test(test_cuda_ipc_small_depth1),

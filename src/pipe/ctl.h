@@ -157,6 +157,11 @@ typedef struct tdp__ctl_carrier {
     /* All the payload bytes of the last frame are in its *into (length > 0 only). */
     void (*payload)(void *arg);
     /*
+     * Optional: bytes [0, got) of the last frame's payload are in its
+     * *into, not all yet (called as reads land them; payload ends it).
+     */
+    void (*landing)(void *arg, uint64_t got);
+    /*
      * A frame queued with a cookie has left this process (TDP_OK: the
      * kernel has its bytes, the payload may be reused) or never will (the
      * channel closed). Never inside tdp__ctl_plane_send; in queue order.
@@ -187,6 +192,24 @@ void tdp__ctl_uncarry(tdp__ctl *c, void *arg);
  */
 tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payload, void *cookie,
                             bool now);
+/*
+ * Queue a PLANE frame whose payload is not in memory yet (a GPU payload
+ * still being copied to the host): its header may go, but no payload byte
+ * and no frame queued after it, until tdp__ctl_plane_give hands the bytes
+ * over. h->length > 0 and a cookie are required; *id names the frame.
+ * Written at the end of the loop's turn. Errors as tdp__ctl_plane_send.
+ */
+tdp_err tdp__ctl_plane_send_held(tdp__ctl *c, const tdp_am_hdr *h, void *cookie, uint64_t *id);
+/*
+ * Bytes [0, avail) of held frame id's payload are at payload (given once:
+ * later calls may pass NULL) and may be written; they go at once. k is the
+ * channel's carrier (tdp__ctl.carry once carrying): it outlives the channel
+ * until every frame queued with a cookie is reported, so it may be named
+ * for as long as frame id has not been. A frame already reported, or a
+ * closed channel: nothing.
+ */
+void tdp__ctl_plane_give(struct tdp__ctl_carry *k, uint64_t id, const void *payload,
+                         uint64_t avail);
 /* The same with the AM header's al bytes as they are (tests send malformed ones). */
 tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const void *payload,
                                 uint64_t len, void *cookie, bool now);

@@ -44,7 +44,8 @@ typedef struct cq_ent {
     bool bye;
     const uint8_t *pl;
     uint64_t plen;
-    uint64_t off; /* bytes of hdr, then payload, written */
+    uint64_t pavail; /* payload bytes that may be written (held: < plen) */
+    uint64_t off;    /* bytes of hdr, then payload, written */
     void *cookie;
 } cq_ent;
 
@@ -61,11 +62,13 @@ struct tdp__ctl_carry {
     uint8_t *rb;
     size_t rcap, rbeg, rend;
     uint64_t left; /* payload bytes of the last frame still due */
+    uint64_t plen; /* ...of that many */
     uint8_t *into; /* where they go (NULL: dropped) */
     bool tell;     /* call up->payload when they are in */
     /* send: entries [head, head + n) of the ring; the first nw wholly written */
     cq_ent *q;
     uint32_t head, n, nw;
+    uint64_t head_id;  /* the id of entry head (ids count every frame queued) */
     bool dirty;        /* frames wait for the end of the turn */
     bool write_failed; /* the peer is gone; the read side will see it */
     bool wr_armed;
@@ -107,6 +110,7 @@ static void deliver(struct tdp__ctl_carry *k)
         bool bye = e->bye;
         void *cookie = e->cookie;
         k->head = (k->head + 1) % TDP_CTL_CARRY_QUEUE;
+        k->head_id++;
         k->n--;
         if (written)
             k->nw--;
@@ -160,6 +164,28 @@ static bool bev_pending(const struct tdp__ctl_carry *k)
            evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0;
 }
 
+/*
+ * The bytes of e that may be written now: all of them, or for a held
+ * frame its header and the payload given so far, the header only once
+ * some payload is there (so that a small payload leaves with its header,
+ * one segment, one wake-up of the receiver).
+ */
+static uint64_t ent_ready(const cq_ent *e)
+{
+    if (e->pavail == 0 && e->plen > 0)
+        return 0;
+    return e->hlen + e->pavail;
+}
+
+/* Whether the first frame not wholly written has bytes that may go now. */
+static bool writable_left(struct tdp__ctl_carry *k)
+{
+    if (k->nw >= k->n)
+        return false;
+    const cq_ent *e = ent(k, k->nw);
+    return e->off < ent_ready(e);
+}
+
 /* Write what is queued, as far as the socket takes it; returns the calls that moved bytes. */
 static unsigned flush(struct tdp__ctl_carry *k)
 {
@@ -167,23 +193,27 @@ static unsigned flush(struct tdp__ctl_carry *k)
     k->dirty = false;
     if (k->fd < 0 || k->write_failed || bev_pending(k))
         return 0;
-    for (int round = 0; round < TX_ROUNDS && k->nw < k->n; round++) {
+    for (int round = 0; round < TX_ROUNDS && writable_left(k); round++) {
         struct iovec iov[TX_IOV];
         int ni = 0;
         for (uint32_t i = k->nw; i < k->n && ni + 2 <= TX_IOV; i++) {
             cq_ent *e = ent(k, i);
+            if (ent_ready(e) == 0)
+                break; /* held, nothing given yet: it and what follows wait */
             uint64_t off = e->off;
             if (off < e->hlen) {
                 iov[ni++] = (struct iovec){e->hdr + off, e->hlen - off};
                 off = e->hlen;
             }
             uint64_t po = off - e->hlen;
-            if (po < e->plen) {
-                uint64_t m = e->plen - po;
+            if (po < e->pavail) {
+                uint64_t m = e->pavail - po;
                 iov[ni++] = (struct iovec){(void *)(e->pl + po), m > IOV_MAX_LEN ? IOV_MAX_LEN : m};
                 if (m > IOV_MAX_LEN)
                     break; /* the rest of this payload in a later call */
             }
+            if (e->pavail < e->plen)
+                break; /* held: what follows waits for the rest of its bytes */
         }
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)ni};
         ssize_t w = sendmsg(k->fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -213,7 +243,9 @@ static unsigned flush(struct tdp__ctl_carry *k)
     }
     if (k->nw > 0)
         post_done(k);
-    if (k->nw < k->n && !k->write_failed)
+    /* bytes the socket did not take: on when it can (a held payload's
+     * missing bytes are no reason: tdp__ctl_plane_give flushes) */
+    if (!k->write_failed && writable_left(k))
         arm_write(k);
     return did;
 }
@@ -247,6 +279,7 @@ static tdp_err enqueue(struct tdp__ctl_carry *k, const uint8_t *hdr, size_t hlen
     e->bye = bye;
     e->pl = pl;
     e->plen = plen;
+    e->pavail = pl != NULL ? plen : 0;
     e->off = 0;
     e->cookie = cookie;
     k->n++;
@@ -269,12 +302,50 @@ tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payloa
     return tdp__ctl_plane_send_raw(c, am, al, payload, h->length, cookie, now);
 }
 
+tdp_err tdp__ctl_plane_send_held(tdp__ctl *c, const tdp_am_hdr *h, void *cookie, uint64_t *id)
+{
+    struct tdp__ctl_carry *k = c->carry;
+    if (cookie == NULL || h->length == 0)
+        return TDP_EINVAL;
+    if (k == NULL || c->bev == NULL || c->bye_sent)
+        return TDP_ECONNRESET;
+    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
+    size_t al = tdp_wire_am_encode(hdr + TDP_CTL_HDR_LEN, h);
+    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
+    uint64_t my = k->head_id + k->n;
+    tdp_err rc =
+        enqueue(k, hdr, TDP_CTL_HDR_LEN + al, NULL, h->length, cookie, false, CONTROL_ROOM);
+    if (rc != TDP_OK)
+        return rc;
+    *id = my;
+    if (!k->dirty) { /* its header goes with the turn's other frames */
+        k->dirty = true;
+        tdp__loop_kick(k->loop);
+    }
+    return TDP_OK;
+}
+
+void tdp__ctl_plane_give(struct tdp__ctl_carry *k, uint64_t id, const void *payload, uint64_t avail)
+{
+    if (k == NULL || id < k->head_id || id - k->head_id >= k->n)
+        return; /* closed: the frame is reported lost */
+    cq_ent *e = ent(k, (uint32_t)(id - k->head_id));
+    if (payload != NULL && e->pl == NULL)
+        e->pl = payload;
+    if (e->pl == NULL || avail <= e->pavail)
+        return;
+    e->pavail = avail < e->plen ? avail : e->plen;
+    flush(k);
+}
+
 tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const void *payload,
                                 uint64_t len, void *cookie, bool now)
 {
     struct tdp__ctl_carry *k = c->carry;
     if (k == NULL || c->bev == NULL || al > TDP_AM_HDR_MAX_LEN)
         return TDP_ECONNRESET;
+    if (len > 0 && payload == NULL)
+        return TDP_EINVAL;
     uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
     memcpy(hdr + TDP_CTL_HDR_LEN, am, al);
     tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
@@ -303,6 +374,19 @@ void tdp__ctl_carry_control(tdp__ctl *c, const uint8_t *frame, size_t len, bool 
 
 /* ---- receive ---------------------------------------------------------------------- */
 
+/* Payload bytes came in: the plane hears of the whole, or of progress where it asks. */
+static void landed(struct tdp__ctl_carry *k)
+{
+    if (!k->tell)
+        return;
+    if (k->left == 0) {
+        k->tell = false;
+        k->up->payload(k->arg);
+    } else if (k->up->landing != NULL) {
+        k->up->landing(k->arg, k->plen - k->left);
+    }
+}
+
 /* Every whole frame and payload byte in the buffer; false when the channel ended. */
 static bool parse(struct tdp__ctl_carry *k)
 {
@@ -318,10 +402,7 @@ static bool parse(struct tdp__ctl_carry *k)
             }
             k->rbeg += m;
             k->left -= m;
-            if (k->left == 0 && k->tell) {
-                k->tell = false;
-                k->up->payload(k->arg);
-            }
+            landed(k);
             continue;
         }
         if (avail < TDP_CTL_HDR_LEN)
@@ -363,7 +444,7 @@ static bool parse(struct tdp__ctl_carry *k)
                 return false;
             }
         }
-        k->left = h.length;
+        k->left = k->plen = h.length;
         k->into = k->taking ? into : NULL;
         k->tell = k->taking && into != NULL && h.length > 0;
     }
@@ -389,12 +470,9 @@ static unsigned rx(struct tdp__ctl_carry *k)
                 if (k->into != NULL)
                     k->into += r;
                 k->left -= (uint64_t)r;
-                if (k->left == 0 && k->tell) {
-                    k->tell = false;
-                    k->up->payload(k->arg);
-                    if (k->c == NULL)
-                        return did;
-                }
+                landed(k);
+                if (k->c == NULL)
+                    return did;
                 continue;
             }
         } else {

@@ -2,15 +2,23 @@
  * plane_tcp.c: the tcp plane — frames and payloads on the pipe's own TCP
  * connection, the one that carried the HELLOs (ctl.h, tdp__ctl_carry).
  *
- * Any two peers can use it; it carries host memory. A sender's payload
- * goes from the application's buffer straight to the kernel (gathered
- * with its header, many frames a system call); a receiver's lands in the
- * slot the session names, read in place. So a message costs what raw TCP
- * costs: one copy on each side, the kernel's. There is no second
+ * Any two peers can use it. A sender's payload in host memory goes from
+ * the application's buffer straight to the kernel (gathered with its
+ * header, many frames a system call); a receiver's lands in the slot the
+ * session names, read in place. So a message costs what raw TCP costs:
+ * one copy on each side, the kernel's. There is no second
  * connection, no second port and nothing to register; a dead peer is the
  * socket's end, as for the control channel. It is chosen only when a side
  * asks for it (tdp_pipe_opts.plane, --plane tcp): the registry lists it
  * after ucx. docs/planes.md.
+ *
+ * GPU payloads are staged through page-locked host memory (stage.h), in
+ * chunks that overlap the socket: a sender's DATA header goes at once and
+ * its payload follows chunk by chunk as the device->host copy lands it in
+ * one of two send bounces (tdp__ctl_plane_send_held); a receiver's payload
+ * is read into the slot's bounce and copied to the device chunk by chunk
+ * as the reads land it, the message handed over when the last chunk is on
+ * the device. The wire is the same either way.
  *
  * Frames: SCHEMA (the JSON, at most the receiver's max_json_bytes), DATA
  * (the credit rides in arg; TDP_AM_F_SUM when the checksum is in force),
@@ -24,6 +32,7 @@
 #include "../ctl.h"
 #include "../plane.h"
 #include "../rx_store.h"
+#include "../stage.h"
 #include "../../core/alloc.h"
 #include "../../core/log.h"
 #include "../../core/loop_int.h"
@@ -32,6 +41,25 @@
 /* Sends in flight: the session's tickets (2 x window + 1), each a SCHEMA and a DATA. */
 #define NREC (2u * (2u * TDP_MAX_DEPTH + 1u) + 8u)
 
+/*
+ * Staging: copies in chunks of STAGE_CHUNK bytes, at most STAGE_INFLIGHT
+ * of one copy queued at once (the ucx plane's figures: the copy engine's
+ * rate is reached well below the chunk, and the socket starts on the
+ * first chunk while the next are copied).
+ */
+#define STAGE_CHUNK    (4u << 20)
+#define STAGE_INFLIGHT 4u
+#define TX_BOUNCES     2u /* the copy of one send overlaps the writing of the other */
+
+/* Page-locked host memory a GPU payload passes through; grown, never per message. */
+typedef struct bounce {
+    void *p;
+    size_t cap;
+    bool busy;
+} bounce;
+
+struct tdp__link;
+
 typedef struct tx_rec {
     struct tx_rec *next_free;
     tdp_td *td;     /* DATA: held until the kernel has the bytes */
@@ -39,12 +67,25 @@ typedef struct tx_rec {
     void *cookie;   /* the session's, for DATA */
     bool tell;      /* up->sent when it has left */
     void *own;      /* tdp__tcp_rogue's copy of its payload */
+    /* a staged DATA: queued held (id), then a bounce, then its copy */
+    struct tdp__link *l;
+    tdp__stage_copy copy;
+    uint64_t id;
+    bounce *bn;
+    bool staged, copying;
+    struct tx_rec *next_wait; /* in l->waitq until it has a bounce */
 } tx_rec;
 
 typedef struct rx_slot {
+    struct tdp__link *l;
     tdp_td *td;
     tdp__rx_store *store;
     bool lent, filling;
+    /* GPU layouts: the bytes land here, then go to the device */
+    bounce b;
+    tdp__stage_copy copy;
+    bool copying;
+    size_t given; /* bytes of the bounce handed to the copy */
 } rx_slot;
 
 /* What up->data's desc points at: the frame, and the slot recv chose. */
@@ -72,7 +113,51 @@ struct tdp__link {
     tdp_schema *rx_schema;
     rx_slot rx[TDP_MAX_DEPTH];
     tdp__reap reap;
+    /* staging (GPU payloads) */
+    struct tdp__ctl_carry *carry; /* the frames' carrier: held payloads are given to it */
+    int cuda_device;
+    tdp__stage *tx_stage, *rx_stage;
+    bounce txb[TX_BOUNCES];
+    uint32_t ntxb;
+    tx_rec *waitq, *waitq_tail; /* staged sends waiting for a bounce, in order */
+    uint32_t copies;            /* stage copies in flight */
 };
+
+/* ---- staging ---------------------------------------------------------------------- */
+
+static void link_maybe_free(struct tdp__link *l);
+
+static void bounce_free(bounce *b)
+{
+    if (b->p != NULL)
+        tdp_mem_free(TDP_MEM_HOST_PINNED, b->p);
+    *b = (bounce){0};
+}
+
+/* At least need bytes of page-locked memory in b (b not busy). */
+static tdp_err bounce_fit(bounce *b, size_t need)
+{
+    if (b->p != NULL && b->cap >= need)
+        return TDP_OK;
+    bounce_free(b);
+    tdp_err rc = tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, need > 0 ? need : 1, 0, &b->p);
+    if (rc == TDP_OK)
+        b->cap = need;
+    return rc;
+}
+
+/* The link's two streams (sends, receives): made once, at start when the pipe names a GPU. */
+static tdp_err stage_ready(struct tdp__link *l, int dev)
+{
+    if (dev < 0)
+        dev = 0;
+    tdp_err rc = TDP_OK;
+    if (l->tx_stage == NULL)
+        rc = tdp__stage_new(l->loop, dev, 0, &l->tx_stage);
+    if (rc == TDP_OK && l->rx_stage == NULL)
+        rc = tdp__stage_new(l->loop, dev, 0, &l->rx_stage);
+    return rc;
+}
 
 /* ---- receive storage -------------------------------------------------------------- */
 
@@ -83,20 +168,36 @@ static void slot_drop(rx_slot *s)
     s->store = NULL;
 }
 
+/* A GPU layout: the slot's bytes come through its bounce. */
+static bool slot_staged(const rx_slot *s)
+{
+    return s->store != NULL && s->store->mt == TDP_MEM_CUDA;
+}
+
 /* Make s hold a td of the current receive layout (storage reused when it fits). */
 static tdp_err slot_build(struct tdp__link *l, rx_slot *s)
 {
     tdp_schema *sc = l->rx_schema;
     tdp_device dev = tdp_schema_device(sc);
+    tdp_mem_type mt = dev.type == TDP_DEVICE_CUDA ? TDP_MEM_CUDA : TDP_MEM_HOST;
     uint64_t need = tdp_schema_total_bytes(sc);
-    if (dev.type != TDP_DEVICE_CPU)
-        return TDP_ENOTSUP; /* host memory only (plane.mem) */
-    if (s->td != NULL && s->td->schema == sc)
-        return TDP_OK;
-    if (tdp__rx_store_fits(s->store, s->td, need, TDP_MEM_HOST, dev))
-        return tdp__rx_store_rewrap(s->store, sc, dev, &s->td);
-    slot_drop(s);
-    return tdp__rx_store_new(sc, TDP_MEM_HOST, dev, need, l->populate, &s->store, &s->td);
+    tdp_err rc = TDP_OK;
+    if (dev.type != TDP_DEVICE_CPU && dev.type != TDP_DEVICE_CUDA)
+        return TDP_ENOTSUP;
+    if (s->td == NULL || s->td->schema != sc) {
+        if (tdp__rx_store_fits(s->store, s->td, need, mt, dev)) {
+            rc = tdp__rx_store_rewrap(s->store, sc, dev, &s->td);
+        } else {
+            slot_drop(s);
+            rc = tdp__rx_store_new(sc, mt, dev, need, l->populate, &s->store, &s->td);
+        }
+    }
+    if (rc != TDP_OK || mt != TDP_MEM_CUDA)
+        return rc;
+    /* the stream and the bounce with the layout, not with its first message */
+    if ((rc = stage_ready(l, dev.index)) != TDP_OK)
+        return rc;
+    return bounce_fit(&s->b, (size_t)s->store->cap);
 }
 
 static tdp_err t_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
@@ -130,6 +231,8 @@ static tdp_err t_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         return rc;
     if (d->h->length != s->td->nbytes)
         return TDP_EMSGSIZE;
+    if (slot_staged(s) && s->copying)
+        return TDP_EINTERNAL; /* a slot is lent until its copy is over */
     s->lent = true;
     *td = s->td;
     if (d->h->length == 0)
@@ -143,6 +246,47 @@ static void t_release(tdp__link *l, uint32_t slot)
 {
     if (slot < TDP_MAX_DEPTH)
         l->rx[slot].lent = false;
+}
+
+/* ---- staged receives -------------------------------------------------------------- */
+
+/* The bounce->device copy of a slot is over: the message is whole on the device. */
+static void rx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    rx_slot *s = c->arg;
+    struct tdp__link *l = s->l;
+    s->copying = false;
+    s->filling = false;
+    l->copies--;
+    if (!l->closed)
+        l->up->landed(l->owner, l, (uint32_t)(s - l->rx), st);
+    link_maybe_free(l);
+}
+
+/* A DATA for staged slot s: its bytes go to the bounce, and from there as they come. */
+static tdp_err rx_stage_start(struct tdp__link *l, rx_slot *s)
+{
+    s->l = l;
+    s->given = 0;
+    s->copy = (tdp__stage_copy){.done = rx_copied, .arg = s};
+    tdp_err rc = tdp__stage_copy_start(l->rx_stage, &s->copy, s->td->data, s->b.p, s->td->nbytes, 0,
+                                       STAGE_CHUNK, STAGE_INFLIGHT);
+    if (rc != TDP_OK)
+        return rc;
+    s->copying = true;
+    l->copies++;
+    return TDP_OK;
+}
+
+/* Bytes [0, got) of slot s's bounce are in: whole chunks of them go to the device. */
+static void rx_stage_avail(struct tdp__link *l, rx_slot *s, size_t got)
+{
+    if (got < s->td->nbytes)
+        got -= got % STAGE_CHUNK;
+    if (got <= s->given)
+        return;
+    s->given = got;
+    tdp__stage_copy_avail(l->rx_stage, &s->copy, got);
 }
 
 /* ---- the carrier's calls ---------------------------------------------------------- */
@@ -201,9 +345,19 @@ static tdp_err on_frame(void *arg, const tdp_am_hdr *h, uint8_t **into)
         l->up->data(l->owner, l, &f, &d);
         if (l->closed || d.slot == UINT32_MAX)
             return TDP_OK; /* landed already (empty), or the pipe failed: the bytes are dropped */
+        rx_slot *s = &l->rx[d.slot];
         l->pend_type = TDP_AM_DATA;
         l->pend_slot = d.slot;
-        *into = l->rx[d.slot].td->data;
+        if (slot_staged(s)) {
+            tdp_err rc = rx_stage_start(l, s);
+            if (rc != TDP_OK) {
+                s->filling = false;
+                return rc;
+            }
+            *into = s->b.p;
+            return TDP_OK;
+        }
+        *into = s->td->data;
         return TDP_OK;
     }
     default:
@@ -223,12 +377,43 @@ static void on_payload(void *arg)
         return;
     }
     rx_slot *s = &l->rx[l->pend_slot];
+    if (s->copying) { /* staged: landed once the last chunk is on the device (rx_copied) */
+        rx_stage_avail(l, s, s->td->nbytes);
+        return;
+    }
     s->filling = false;
     l->up->landed(l->owner, l, l->pend_slot, TDP_OK);
 }
 
-static void link_maybe_free(struct tdp__link *l);
+static void on_landing(void *arg, uint64_t got)
+{
+    struct tdp__link *l = arg;
+    if (l->closed || l->pend_type != TDP_AM_DATA)
+        return;
+    rx_slot *s = &l->rx[l->pend_slot];
+    if (s->copying)
+        rx_stage_avail(l, s, (size_t)got);
+}
+
 static void rec_give(struct tdp__link *l, tx_rec *r);
+static void tx_pump(struct tdp__link *l);
+
+static void waitq_remove(struct tdp__link *l, tx_rec *r)
+{
+    tx_rec *prev = NULL;
+    for (tx_rec *x = l->waitq; x != NULL; prev = x, x = x->next_wait) {
+        if (x != r)
+            continue;
+        if (prev == NULL)
+            l->waitq = r->next_wait;
+        else
+            prev->next_wait = r->next_wait;
+        if (l->waitq_tail == r)
+            l->waitq_tail = prev;
+        r->next_wait = NULL;
+        return;
+    }
+}
 
 static void on_sent(void *arg, void *cookie, tdp_err st)
 {
@@ -236,16 +421,33 @@ static void on_sent(void *arg, void *cookie, tdp_err st)
     tx_rec *r = cookie;
     void *user = r->cookie;
     bool tell = r->tell && !l->closed;
+    if (r->staged) {
+        /* a frame never written (the channel closed) may still be copying or waiting */
+        if (r->copying) {
+            tdp__stage_copy_cancel(l->tx_stage, &r->copy); /* waits for the stream */
+            r->copying = false;
+            l->copies--;
+        }
+        if (r->bn == NULL)
+            waitq_remove(l, r);
+        else
+            r->bn->busy = false;
+        r->bn = NULL;
+    }
+    bool staged = r->staged;
     rec_give(l, r);
     l->outstanding--;
     if (tell)
         l->up->sent(l->owner, l, user, st);
+    if (staged && !l->closed)
+        tx_pump(l); /* a bounce is free */
     link_maybe_free(l);
 }
 
 static const tdp__ctl_carrier carrier = {
     .frame = on_frame,
     .payload = on_payload,
+    .landing = on_landing,
     .sent = on_sent,
 };
 
@@ -295,14 +497,102 @@ static tdp_err schema_out(struct tdp__link *l, const tdp_schema *sc, uint64_t se
     return TDP_OK;
 }
 
+/* Bytes [0, landed) of a staged send's bounce are in: they may be written. */
+static void tx_progress(tdp__stage_copy *c, size_t landed)
+{
+    tx_rec *r = c->arg;
+    tdp__ctl_plane_give(r->l->carry, r->id, NULL, landed);
+}
+
+/* A staged send's device->bounce copy is over. */
+static void tx_copied(tdp__stage_copy *c, tdp_err st)
+{
+    tx_rec *r = c->arg;
+    struct tdp__link *l = r->l;
+    r->copying = false;
+    l->copies--;
+    if (st == TDP_OK) {
+        /* even on a closed link: frames queued after it (a BYE) wait for its bytes */
+        tdp__ctl_plane_give(l->carry, r->id, NULL, r->td->nbytes);
+    } else if (!l->closed) {
+        /* its header may be out: the stream cannot go on */
+        l->up->failed(l->owner, l, st == TDP_ECUDA ? TDP_ECUDA : TDP_ECONNRESET,
+                      "cannot stage a GPU payload through host memory");
+    }
+    link_maybe_free(l);
+}
+
+/* Staged sends waiting in order take a free bounce and start their copy. */
+static void tx_pump(struct tdp__link *l)
+{
+    while (l->waitq != NULL && !l->closed) {
+        tx_rec *r = l->waitq;
+        bounce *b = NULL;
+        for (uint32_t i = 0; i < l->ntxb && b == NULL; i++)
+            if (!l->txb[i].busy)
+                b = &l->txb[i];
+        if (b == NULL)
+            return; /* both are being written: the first one's sent brings this back */
+        tdp_err rc = bounce_fit(b, r->td->nbytes);
+        if (rc == TDP_OK) {
+            r->copy = (tdp__stage_copy){.done = tx_copied, .progress = tx_progress, .arg = r};
+            rc = tdp__stage_copy_start(l->tx_stage, &r->copy, b->p, r->td->data, r->td->nbytes,
+                                       r->td->nbytes, STAGE_CHUNK, STAGE_INFLIGHT);
+        }
+        if (rc != TDP_OK) {
+            l->up->failed(l->owner, l, rc, "cannot stage a GPU payload through host memory");
+            return;
+        }
+        l->waitq = r->next_wait;
+        if (l->waitq == NULL)
+            l->waitq_tail = NULL;
+        r->next_wait = NULL;
+        b->busy = true;
+        r->bn = b;
+        r->copying = true;
+        l->copies++;
+        tdp__ctl_plane_give(l->carry, r->id, b->p, 0);
+    }
+}
+
+/*
+ * A GPU payload: its DATA is queued held (the header may go, the payload
+ * and every frame after it wait), and its copy into a bounce starts as
+ * soon as one is free.
+ */
+static tdp_err send_staged(struct tdp__link *l, tx_rec *r, const tdp_am_hdr *h)
+{
+    tdp_err rc = tdp__ctl_plane_send_held(l->ctl, h, r, &r->id);
+    if (rc != TDP_OK)
+        return rc;
+    r->staged = true;
+    r->l = l;
+    if (l->waitq_tail != NULL)
+        l->waitq_tail->next_wait = r;
+    else
+        l->waitq = r;
+    l->waitq_tail = r;
+    l->outstanding++;
+    tx_pump(l);
+    return TDP_OK;
+}
+
 static tdp_err t_send(tdp__link *l, const tdp__tx *tx)
 {
     if (!l->started || l->closed)
         return TDP_ECONNRESET;
     tdp_td *td = tx->td;
-    if (td->device.type != TDP_DEVICE_CPU)
+    bool staged = td->device.type == TDP_DEVICE_CUDA;
+    if (!staged && td->device.type != TDP_DEVICE_CPU)
         return TDP_ENOTSUP; /* the session checks plane.mem first */
+    if (staged && l->sum_on) {
+        /* host code never reads device memory, and the sum goes before the bytes */
+        tdp_log_warn("the payload checksum covers host memory only: cannot send device memory");
+        return TDP_ENOTSUP;
+    }
     tdp_err rc;
+    if (staged && (rc = stage_ready(l, td->device.index)) != TDP_OK)
+        return rc;
     if (tx->schema != NULL && (rc = schema_out(l, tx->schema, tx->seq, 0, false)) != TDP_OK)
         return rc;
     tx_rec *r = rec_take(l);
@@ -316,6 +606,12 @@ static tdp_err t_send(tdp__link *l, const tdp__tx *tx)
                     .hash = tdp_schema_hash(td->schema),
                     .length = td->nbytes,
                     .arg = tx->credit};
+    if (staged && td->nbytes > 0) {
+        rc = send_staged(l, r, &h);
+        if (rc != TDP_OK)
+            rec_give(l, r);
+        return rc;
+    }
     if (l->sum_on) {
         h.flags |= TDP_AM_F_SUM;
         h.sum = tdp__sum_tx(td->data, td->nbytes, tx->seq);
@@ -344,9 +640,10 @@ static tdp_err t_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
 }
 
 /*
- * Nothing to make on the send side (the kernel reads the application's
- * buffer); the SCHEMA goes flagged TDP_AM_F_PREPARE so that the receiver
- * builds its storage, faulted in, and answers READY.
+ * Nothing to make on the send side for host memory (the kernel reads the
+ * application's buffer); a GPU layout gets its stream and its bounces.
+ * The SCHEMA goes flagged TDP_AM_F_PREPARE so that the receiver builds
+ * its storage (faulted in; a GPU layout's bounces too) and answers READY.
  */
 static tdp_err t_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
                          bool *await)
@@ -356,11 +653,21 @@ static tdp_err t_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
         return TDP_EAGAIN;
     if (l->closed)
         return TDP_ECONNRESET;
-    if (tdp_schema_device(sc).type != TDP_DEVICE_CPU)
+    tdp_device dev = tdp_schema_device(sc);
+    tdp_err rc = TDP_OK;
+    if (dev.type == TDP_DEVICE_CUDA) {
+        rc = stage_ready(l, dev.index);
+        for (uint32_t i = 0; rc == TDP_OK && i < l->ntxb; i++)
+            if (!l->txb[i].busy)
+                rc = bounce_fit(&l->txb[i], tdp_schema_total_bytes(sc));
+        if (rc != TDP_OK)
+            return rc;
+    } else if (dev.type != TDP_DEVICE_CPU) {
         return TDP_ENOTSUP;
+    }
     if (!send_schema || !l->peer_ready)
         return TDP_OK;
-    tdp_err rc = schema_out(l, sc, seq, TDP_AM_F_PREPARE, true);
+    rc = schema_out(l, sc, seq, TDP_AM_F_PREPARE, true);
     if (rc == TDP_OK)
         *sent = *await = true;
     return rc;
@@ -410,13 +717,6 @@ static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     return TDP_OK;
 }
 
-/* GPU payloads go by the other planes (staged by ucx, or cuda-ipc). */
-static tdp_err t_link_device(tdp__link *l, int cuda_device)
-{
-    (void)l;
-    return cuda_device >= 0 ? TDP_ENOTSUP : TDP_OK;
-}
-
 static tdp_err t_hello_fill(tdp__link *l, tdp_hello *h)
 {
     (void)l;
@@ -432,6 +732,17 @@ static tdp_err t_link_start(tdp__link *l, const tdp__link_peer *peer)
     if (rc != TDP_OK)
         return rc;
     l->ctl = peer->ctl;
+    l->carry = peer->ctl->carry;
+    l->ntxb = peer->peer_depth < 2 ? 1 : TX_BOUNCES;
+    l->cuda_device = peer->cuda_device;
+    if (l->cuda_device >= 0 && l->cuda_device < tdp__cuda_device_count()) {
+        /* the context and the streams now, not in the first GPU message */
+        if ((rc = tdp__cuda_ctx_set(l->cuda_device)) != TDP_OK ||
+            (rc = stage_ready(l, l->cuda_device)) != TDP_OK) {
+            tdp__ctl_uncarry(peer->ctl, l);
+            return rc;
+        }
+    }
     l->sum_on = peer->checksum;
     l->peer_ready = peer->hello->ready == TDP_READY_V1;
     l->max_json = peer->max_json_bytes;
@@ -441,14 +752,21 @@ static tdp_err t_link_start(tdp__link *l, const tdp__link_peer *peer)
 
 static bool t_link_busy(const tdp__link *l)
 {
-    return l->outstanding > 0;
+    return l->outstanding > 0 || l->copies > 0;
 }
 
 static void link_destroy(void *arg)
 {
     struct tdp__link *l = arg;
-    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+    /* no copy is queued any more (link_maybe_free): the bounces may go */
+    tdp__stage_free(l->tx_stage);
+    tdp__stage_free(l->rx_stage);
+    for (uint32_t i = 0; i < TX_BOUNCES; i++)
+        bounce_free(&l->txb[i]);
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
         slot_drop(&l->rx[i]);
+        bounce_free(&l->rx[i].b);
+    }
     tdp_schema_unref(l->rx_schema);
     tdp__free(l->json);
     tdp__free(l->recs);
@@ -458,7 +776,7 @@ static void link_destroy(void *arg)
 /* A closed link goes once the carrier has accounted for every frame it queued. */
 static void link_maybe_free(struct tdp__link *l)
 {
-    if (!l->closed || l->outstanding > 0 || l->reap.queued)
+    if (!l->closed || l->outstanding > 0 || l->copies > 0 || l->reap.queued)
         return;
     tdp__reap_later(l->loop, &l->reap, link_destroy, l);
 }
@@ -472,22 +790,30 @@ static void t_link_close(tdp__link *l, bool peer_gone)
     if (l->ctl != NULL)
         tdp__ctl_uncarry(l->ctl, l); /* a payload still due is read and dropped */
     l->ctl = NULL;
-    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
-        l->rx[i].filling = false;
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++) {
+        rx_slot *s = &l->rx[i];
+        if (s->copying) { /* a receive nobody will take: its copy goes (waits for the stream) */
+            tdp__stage_copy_cancel(l->rx_stage, &s->copy);
+            s->copying = false;
+            l->copies--;
+        }
+        s->filling = false;
+    }
+    /* staged sends go on: the frames queued after them (a BYE) wait for their bytes */
     link_maybe_free(l);
 }
 
 const tdp__plane_ops tdp__plane_tcp = {
     .name = "tcp",
     .id = TDP_PLANE_TCP,
-    .mem = TDP__MEM_HOST,
+    .mem = TDP__MEM_HOST | TDP__MEM_CUDA_STAGED, /* device buffers are copied through bounces */
     .link_mem = NULL,
     .hello_fill = t_hello_fill,
     .proven_fill = NULL,
     .hello_check = NULL,
     .usable = NULL,
     .usable_link = NULL,
-    .link_device = t_link_device,
+    .link_device = NULL,
     .link_new = t_link_new,
     .link_start = t_link_start,
     .link_close = t_link_close,
