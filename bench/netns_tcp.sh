@@ -5,8 +5,10 @@
 # (bench/raw_tcp.py), RUNS rounds interleaved. RATE: a tbf rate limit on
 # both ends (e.g. 4gbit) or none (default); SIZE default 1MB, COUNT 1000,
 # RUNS 3. Each VAR=value after -- is one more tdpipe variant (e.g.
-# UCX_TCP_RX_SEG_SIZE=256k) beside the defaults; plane:NAME is one with
-# --plane NAME on both sides (plane:tcp: the tcp plane instead of UCX). Needs root; tdpipe recv
+# UCX_TCP_RX_SEG_SIZE=256k) beside the defaults, all on the ucx plane
+# (--plane ucx: between two namespaces without RDMA the tcp plane is the
+# default); plane:NAME is one with --plane NAME on both sides (plane:tcp:
+# the tcp plane instead of UCX). Needs root; tdpipe recv
 # checks every message's pattern, which raw TCP does not.
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -43,7 +45,7 @@ for r in $(seq "$RUNS"); do
             echo "$r raw TCP: $(tail -n1 "$WORK/rr.out")"
             continue
         fi
-        opt=() envv=$v
+        opt=(--plane ucx) envv=$v # UCX over TCP (between namespaces the default is the tcp plane)
         if [[ $v == plane:* ]]; then
             opt=(--plane "${v#plane:}")
             envv=DEFAULTS=1

@@ -4,6 +4,8 @@
 # pair, shaped with tc) ends cleanly on both sides, every time: the sender
 # tears its UCX endpoint down right after its BYE, and the receiver must
 # still report "producer closed", not a reset (it once did, 2 times in 6).
+# Then the same with no --plane: the tcp plane, chosen by default between
+# two network stacks without RDMA, ends as cleanly.
 #
 # Needs root, `ip netns` and `tc`; exits 77 (skipped) without them. The
 # namespaces, the veth pair and 10.205.N.1/30, .2/30 are its own (the other
@@ -26,12 +28,23 @@ done
 
 # ctest keeps UCX on loopback for the other tests; this one crosses the veth
 export UCX_TLS=tcp UCX_NET_DEVICES=all
-for i in $(seq "$RUNS"); do
+# the last runs name no plane: between two network stacks, with no RDMA
+# device on either side, the HELLOs choose the tcp plane
+DEFAULT_RUNS=${DEFAULT_RUNS:-2}
+want_default=tcp
+[[ -n $(ls /sys/class/infiniband 2>/dev/null) ]] && want_default=ucx
+for i in $(seq $((RUNS + DEFAULT_RUNS))); do
+    plane=(--plane ucx)
+    want=ucx
+    if [[ $i -gt $RUNS ]]; then
+        plane=()
+        want=$want_default
+    fi
     # emptied here, not by the background job's redirection: that one may
     # run after the wait below has read the previous run's line
     : >"$WORK/recv.out"
     ip netns exec "$NS_A" timeout 60 "$TDPIPE" recv --bind "$ADDR_A" --port 17901 \
-        --plane ucx >"$WORK/recv.out" 2>"$WORK/recv.err" &
+        "${plane[@]}" >"$WORK/recv.out" 2>"$WORK/recv.err" &
     rpid=$!
     BG_PIDS+=("$rpid")
     for _ in $(seq 100); do
@@ -39,17 +52,18 @@ for i in $(seq "$RUNS"); do
         sleep 0.1
     done
     src=0
-    ip netns exec "$NS_B" timeout 60 "$TDPIPE" send "$ADDR_A:17901" --plane ucx \
+    ip netns exec "$NS_B" timeout 60 "$TDPIPE" send "$ADDR_A:17901" "${plane[@]}" \
         --size 10MB --count 20 --quiet >"$WORK/send.out" 2>"$WORK/send.err" || src=$?
     rrc=0
     wait "$rpid" || rrc=$?
-    if [[ $src -ne 0 || $rrc -ne 0 ]] || ! grep -q "end: producer closed" "$WORK/recv.out"; then
-        echo "FAIL: run $i: send exit $src, recv exit $rrc"
+    if [[ $src -ne 0 || $rrc -ne 0 ]] || ! grep -q "end: producer closed" "$WORK/recv.out" ||
+        ! grep -q "plane $want," "$WORK/recv.out"; then
+        echo "FAIL: run $i: send exit $src, recv exit $rrc, plane ${want} expected"
         sed 's/^/  /' "$WORK/send.out" "$WORK/send.err" "$WORK/recv.out" "$WORK/recv.err"
         FAILS=$((FAILS + 1))
     else
         echo "run $i: $(tail -n1 "$WORK/recv.out")"
     fi
 done
-echo "test_netns_clean_end: $((RUNS - FAILS)) of $RUNS clean"
+echo "test_netns_clean_end: $((RUNS + DEFAULT_RUNS - FAILS)) of $((RUNS + DEFAULT_RUNS)) clean"
 [[ $FAILS -eq 0 ]]

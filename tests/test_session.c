@@ -334,6 +334,87 @@ static void test_registry_full(void **state)
 }
 
 /*
+ * The tcp plane's choice rule (plane_tcp.c, t_usable_link): usable when a
+ * side offers it alone (asked for it), or by default for a peer on
+ * another host when both HELLOs say TCP is their way off the host (no
+ * RDMA device). Both sides apply the same test to the same two HELLOs.
+ */
+static void tcp_peer(tdp_hello *h, const uint8_t *planes, uint32_t n, const uint8_t *rec)
+{
+    *h = (tdp_hello){.planes = planes, .nplanes = n};
+    if (rec != NULL)
+        assert_int_equal(tdp_hello_add_rec(h, TDP_HX_TCP, rec, 1), TDP_OK);
+}
+
+static void test_tcp_plane_choice_rule(void **state)
+{
+    (void)state;
+    const tdp__plane_ops *o = tdp__plane_by_id(TDP_PLANE_TCP);
+    assert_non_null(o);
+    assert_non_null(o->usable_link);
+    /* before ucx in the registry: where both are usable, tcp is chosen */
+    size_t pos_tcp = 99, pos_ucx = 99;
+    for (size_t i = 0; tdp__plane_at(i) != NULL; i++) {
+        if (tdp__plane_at(i)->id == TDP_PLANE_TCP)
+            pos_tcp = i;
+        if (tdp__plane_at(i)->id == TDP_PLANE_UCX)
+            pos_ucx = i;
+    }
+    assert_true(pos_tcp < pos_ucx);
+
+    tdp_loop *loop;
+    assert_int_equal(tdp_loop_new(NULL, &loop), TDP_OK);
+    static const tdp__plane_up up = {0};
+    tdp__link *all, *alone;
+    assert_int_equal(o->link_new(loop, NULL, &up, &all), TDP_OK);
+    assert_int_equal(o->link_new(loop, NULL, &up, &alone), TDP_OK);
+    const uint8_t every[] = {TDP_PLANE_SHM, TDP_PLANE_TCP, TDP_PLANE_UCX};
+    const uint8_t only[] = {TDP_PLANE_TCP};
+    tdp_hello mine;
+    tcp_peer(&mine, every, 3, NULL);
+    assert_int_equal(o->hello_fill(all, &mine), TDP_OK);
+    const tdp_hx_rec *r = tdp_hello_rec(&mine, TDP_HX_TCP);
+    assert_non_null(r);
+    assert_int_equal(r->len, 1);
+    bool off_host = (r->val[0] & TDP_TCP_OFF_HOST) != 0; /* no RDMA device on this machine */
+    tdp_hello mine1;
+    tcp_peer(&mine1, only, 1, NULL);
+    assert_int_equal(o->hello_fill(alone, &mine1), TDP_OK);
+
+    const uint8_t tcp_only = TDP_TCP_OFF_HOST, rdma = 0, unknown_bits = 0xfe | TDP_TCP_OFF_HOST;
+    tdp_hello peer;
+    /* by default: another host, both without RDMA */
+    tcp_peer(&peer, every, 3, &tcp_only);
+    assert_false(o->usable_link(all, &peer, true)); /* same host: shm, else ucx */
+    assert_int_equal(o->usable_link(all, &peer, false), off_host);
+    tcp_peer(&peer, every, 3, &unknown_bits); /* bits not known are ignored */
+    assert_int_equal(o->usable_link(all, &peer, false), off_host);
+    tcp_peer(&peer, every, 3, &rdma); /* the peer has RDMA: ucx */
+    assert_false(o->usable_link(all, &peer, false));
+    tcp_peer(&peer, every, 3, NULL); /* a peer that does not say: ucx */
+    assert_false(o->usable_link(all, &peer, false));
+    /* asked for, by either side: usable anywhere */
+    tcp_peer(&peer, only, 1, NULL);
+    assert_true(o->usable_link(all, &peer, true));
+    tcp_peer(&peer, every, 3, &rdma);
+    assert_true(o->usable_link(alone, &peer, true));
+    /* this side does not offer it */
+    tcp_peer(&peer, only, 1, &tcp_only);
+    assert_false(o->usable_link(NULL, &peer, false));
+    /* the record is one byte */
+    const uint8_t two[2] = {1, 0};
+    peer = (tdp_hello){.planes = every, .nplanes = 3};
+    assert_int_equal(tdp_hello_add_rec(&peer, TDP_HX_TCP, two, 2), TDP_OK);
+    assert_int_equal(o->hello_check(&peer), TDP_EPROTO);
+    tcp_peer(&peer, every, 3, &tcp_only);
+    assert_int_equal(o->hello_check(&peer), TDP_OK);
+
+    o->link_close(all, false);
+    o->link_close(alone, false);
+    tdp_loop_free(loop); /* the closed links go with it */
+}
+
+/*
  * A link that carries host memory only is never handed a device buffer:
  * the send ends with TDP_ENOTSUP, the plane sees nothing, the pipe goes on.
  * The peer's HELLO caps reach the plane.
@@ -1562,6 +1643,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hello_opens_on_fake, setup, teardown),
         cmocka_unit_test_setup_teardown(test_registry_full, setup, teardown),
+        cmocka_unit_test(test_tcp_plane_choice_rule),
         cmocka_unit_test_setup_teardown(test_memory_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_plane_record_malformed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hello_no_common_plane, setup, teardown),

@@ -12,8 +12,8 @@ static const tdp__plane_ops *const built[] = {
     &tdp__plane_cuda_ipc, /* offered only by a pipe that names a GPU */
     &tdp__plane_shm,
 #endif
+    &tdp__plane_tcp, /* other hosts where TCP is the only way (usable_link), or when asked for */
     &tdp__plane_ucx, /* any peer */
-    &tdp__plane_tcp, /* chosen only when asked for */
 };
 #define NBUILT (sizeof(built) / sizeof(built[0]))
 

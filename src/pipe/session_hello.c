@@ -117,19 +117,23 @@ void tdp__pipe_send_hello(tdp_pipe *p)
     uint32_t n = 0;
     if (p->state == PIPE_DEAD)
         return;
-    /* the planes still in the running: all, or the one the peer's HELLO picked */
+    /* the planes still in the running: all, or the one the peer's HELLO
+     * picked; listed before the planes fill their records, which may
+     * depend on it (the tcp plane: whether it was asked for) */
+    for (int i = 0; i < p->ncand; i++)
+        if (p->links[i] != NULL)
+            ids[n++] = p->cand[i]->id;
+    h.planes = ids;
+    h.nplanes = n;
     for (int i = 0; i < p->ncand; i++) {
         if (p->links[i] == NULL)
             continue;
-        ids[n++] = p->cand[i]->id;
         tdp_err rc = p->cand[i]->hello_fill(p->links[i], &h);
         if (rc != TDP_OK) {
             tdp__pipe_fail(p, rc, "cannot describe a data plane");
             return;
         }
     }
-    h.planes = ids;
-    h.nplanes = n;
     /* a reconnected stream goes on where it was: the peer is told from where
      * (the link's start, not send_seq now: a dialer may open, and send, on
      * the peer's HELLO before its own connect event has sent this one) */

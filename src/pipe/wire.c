@@ -112,7 +112,8 @@ static bool planes_ok(const uint8_t *ids, size_t n)
 bool tdp_wire_hx_is_plane(uint16_t type)
 {
     return type == TDP_HX_UCX_ADDR || type == TDP_HX_UCX_LOCAL_ADDR || type == TDP_HX_SHM ||
-           type == TDP_HX_CUDA_IPC || type == TDP_HX_UCX_CHUNKS || type == TDP_HX_UCX_BATCH;
+           type == TDP_HX_CUDA_IPC || type == TDP_HX_UCX_CHUNKS || type == TDP_HX_UCX_BATCH ||
+           type == TDP_HX_TCP;
 }
 
 static bool rec_ok(uint16_t type, uint32_t len)
@@ -277,6 +278,9 @@ tdp_err tdp_wire_hello_encode(uint8_t *out, const tdp_hello *h)
     const tdp_hx_rec *bat = tdp_hello_rec(h, TDP_HX_UCX_BATCH);
     if (bat != NULL)
         memcpy(hx_put(&p, TDP_HX_UCX_BATCH, bat->len), bat->val, bat->len);
+    const tdp_hx_rec *tcp = tdp_hello_rec(h, TDP_HX_TCP);
+    if (tcp != NULL)
+        memcpy(hx_put(&p, TDP_HX_TCP, tcp->len), tcp->val, tcp->len);
     return TDP_OK;
 }
 
@@ -297,6 +301,7 @@ static tdp_err hx_decode(tdp_hello *h, uint16_t type, uint16_t flags, const uint
     case TDP_HX_CUDA_IPC:
     case TDP_HX_UCX_CHUNKS:
     case TDP_HX_UCX_BATCH:
+    case TDP_HX_TCP:
         /* a plane's: framed here, read and checked by the plane */
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
     case TDP_HX_AUTH:

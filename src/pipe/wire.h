@@ -100,7 +100,11 @@ enum tdp_hx_type {
      * layouts may have more than recv_depth messages in flight (tdp__window) */
     TDP_HX_WINDOW = 13,
     TDP_HX_UCX_BATCH = 14, /* u8 version: the ucx plane reads BATCH frames */
+    TDP_HX_TCP = 15,       /* u8 flags (TDP_TCP_*): the tcp plane's */
 };
+
+/* TDP_HX_TCP's flags (unknown bits ignored). */
+#define TDP_TCP_OFF_HOST 1u /* TCP is the sender's way to other hosts: it has no RDMA device */
 
 /* TDP_HX_READY's value: the one version of READY and prepared SCHEMAs. */
 #define TDP_READY_V1 1u

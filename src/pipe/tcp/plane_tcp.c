@@ -24,6 +24,8 @@
  * (the credit rides in arg; TDP_AM_F_SUM when the checksum is in force),
  * CREDIT. The header's token is 0: the socket names the pipe.
  */
+#include <dirent.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,6 +123,8 @@ struct tdp__link {
     uint32_t ntxb;
     tx_rec *waitq, *waitq_tail; /* staged sends waiting for a bounce, in order */
     uint32_t copies;            /* stage copies in flight */
+    uint8_t rec;                /* this side's TDP_HX_TCP flags, as sent */
+    bool asked;                 /* this side offered this plane alone */
 };
 
 /* ---- staging ---------------------------------------------------------------------- */
@@ -717,11 +721,66 @@ static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     return TDP_OK;
 }
 
+/* ---- choice --------------------------------------------------------------------- */
+
+/*
+ * Whether this host has an RDMA device (InfiniBand, RoCE, iWARP: anything
+ * under /sys/class/infiniband), over which UCX moves more than TCP can.
+ * Looked at once per process.
+ */
+static bool have_rdma(void)
+{
+    static _Atomic int seen; /* 0: not looked yet, 1: none, 2: some */
+    int v = atomic_load_explicit(&seen, memory_order_relaxed);
+    if (v == 0) {
+        v = 1;
+        DIR *d = opendir("/sys/class/infiniband");
+        struct dirent *e;
+        while (d != NULL && v == 1 && (e = readdir(d)) != NULL)
+            if (e->d_name[0] != '.')
+                v = 2;
+        if (d != NULL)
+            closedir(d);
+        atomic_store_explicit(&seen, v, memory_order_relaxed);
+    }
+    return v == 2;
+}
+
+/* Whether a HELLO's plane list is this plane alone: its side asked for it. */
+static bool only_tcp(const tdp_hello *h)
+{
+    return h->nplanes == 1 && h->planes != NULL && h->planes[0] == TDP_PLANE_TCP;
+}
+
 static tdp_err t_hello_fill(tdp__link *l, tdp_hello *h)
 {
-    (void)l;
-    (void)h;
-    return TDP_OK; /* the plane's id in the HELLO's list says all */
+    l->rec = have_rdma() ? 0 : TDP_TCP_OFF_HOST;
+    l->asked = only_tcp(h);
+    return tdp_hello_add_rec(h, TDP_HX_TCP, &l->rec, 1);
+}
+
+static tdp_err t_hello_check(const tdp_hello *peer)
+{
+    const tdp_hx_rec *r = tdp_hello_rec(peer, TDP_HX_TCP);
+    return r == NULL || r->len == 1 ? TDP_OK : TDP_EPROTO;
+}
+
+/*
+ * Usable when a side asked for it (offered it alone), or by default for a
+ * peer on another host (or in another network namespace) when neither
+ * side has RDMA: then UCX would run over TCP, and this plane moves more
+ * over TCP than UCX does (docs/planes.md). Both sides read both HELLOs'
+ * lists and records the same way, so both give the same answer.
+ */
+static bool t_usable_link(const tdp__link *mine, const tdp_hello *peer, bool same_host)
+{
+    if (mine == NULL)
+        return false;
+    if (mine->asked || only_tcp(peer))
+        return true;
+    const tdp_hx_rec *r = tdp_hello_rec(peer, TDP_HX_TCP);
+    uint8_t theirs = r != NULL && r->len == 1 ? r->val[0] : 0;
+    return !same_host && (mine->rec & theirs & TDP_TCP_OFF_HOST) != 0;
 }
 
 static tdp_err t_link_start(tdp__link *l, const tdp__link_peer *peer)
@@ -810,9 +869,9 @@ const tdp__plane_ops tdp__plane_tcp = {
     .link_mem = NULL,
     .hello_fill = t_hello_fill,
     .proven_fill = NULL,
-    .hello_check = NULL,
+    .hello_check = t_hello_check,
     .usable = NULL,
-    .usable_link = NULL,
+    .usable_link = t_usable_link,
     .link_device = NULL,
     .link_new = t_link_new,
     .link_start = t_link_start,
