@@ -20,6 +20,8 @@
  * lost) before the carrier frees itself.
  */
 #include <errno.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -75,6 +77,7 @@ struct tdp__ctl_carry {
     tdp__reap done; /* reports on a later turn (or when the loop goes) */
     bool in_done;
     bool in_rx; /* carry_progress is on the stack */
+    int lowat;  /* the socket's SO_RCVLOWAT as last set (0: never set, the kernel's 1) */
 };
 
 static cq_ent *ent(struct tdp__ctl_carry *k, uint32_t i)
@@ -451,6 +454,50 @@ static bool parse(struct tdp__ctl_carry *k)
     return false;
 }
 
+/*
+ * The receive low-water mark while a large payload is due: LOWAT_KIB, or
+ * TDPIPE_TCP_LOWAT_KIB (0: never set; 4..65536), read once per process.
+ */
+#define LOWAT_KIB 512
+static int lowat_cap(void)
+{
+    static _Atomic int cap = -1;
+    int c = atomic_load_explicit(&cap, memory_order_relaxed);
+    if (c < 0) {
+        c = LOWAT_KIB * 1024;
+        const char *e = getenv("TDPIPE_TCP_LOWAT_KIB");
+        char *end = NULL;
+        long v = e != NULL ? strtol(e, &end, 10) : -1;
+        if (e != NULL && end != e && *end == '\0' && (v == 0 || (v >= 4 && v <= 65536)))
+            c = (int)v * 1024;
+        atomic_store_explicit(&cap, c, memory_order_relaxed);
+    }
+    return c;
+}
+
+/*
+ * Before the loop sleeps on the socket: while at least the cap of a
+ * payload is still due, the socket wakes it (SO_RCVLOWAT) only once that
+ * much has come in, not for every segment, and each read then takes a
+ * large piece. Back to 1 for what is left under the cap (so the last bytes
+ * and the next header wake it). One system call when the mark changes:
+ * about two a large message. A dead peer still wakes it (a socket's end or
+ * error is readable whatever the mark). docs/planes.md, "The tcp plane".
+ */
+static void set_lowat(struct tdp__ctl_carry *k)
+{
+    int cap = lowat_cap();
+    if (cap <= 0)
+        return;
+    int want = 1;
+    if (k->left >= (uint64_t)cap)
+        want = cap;
+    if (want == (k->lowat == 0 ? 1 : k->lowat))
+        return;
+    if (setsockopt(k->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0)
+        k->lowat = want;
+}
+
 /* Read and handle what the socket holds, up to RX_ROUNDS reads; returns the reads. */
 static unsigned rx(struct tdp__ctl_carry *k)
 {
@@ -492,8 +539,10 @@ static unsigned rx(struct tdp__ctl_carry *k)
         }
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            set_lowat(k);
             break;
+        }
         /* end of stream or a reset: the peer is gone (a BYE came first if it said one) */
         if (k->c != NULL)
             tdp__ctl_fail(k->c, TDP_ECONNRESET);
