@@ -22,8 +22,9 @@ bash "$ROOT/bench/run.sh" --build "$BUILD" --plane shm --sizes 1KB,64KB --rounds
     exit 1
 }
 grep -q "^goals" "$OUT/table.txt" || { cat "$OUT/table.txt"; exit 1; }
-# first sends, plain and prepared, one line per size with its verdict
-[[ $(grep -cE "^(1000|64000) .* (met|NOT met)$" "$OUT/table.txt") -eq 2 ]] ||
+# first sends, plain and prepared, one line per size (the verdict is for
+# 100 MB and up: these small sizes show "-")
+[[ $(grep -cE "^(1000|64000) .* -$" "$OUT/table.txt") -eq 2 ]] ||
     { cat "$OUT/table.txt"; exit 1; }
 # the fan-in step: its table and JSON (4 producers, 1 MB, both baselines)
 grep -q "^fan-in, plane" "$OUT/table.txt" || { cat "$OUT/table.txt"; exit 1; }
