@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -160,11 +161,16 @@ static void arm_write(struct tdp__ctl_carry *k)
         k->wr_armed = true;
 }
 
-/* The handshake's own bytes still wait in the bufferevent: ours go after them. */
+/*
+ * The handshake's own bytes still wait in the bufferevent, or our HELLO is
+ * not even queued yet (a dialer may read the listener's HELLO, and open,
+ * before its own connect event sends its HELLO): ours go after them, when
+ * the bufferevent has written them (bev_written_cb).
+ */
 static bool bev_pending(const struct tdp__ctl_carry *k)
 {
     return k->c != NULL && k->c->bev != NULL &&
-           evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0;
+           (!k->c->nonce_sent || evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0);
 }
 
 /*
@@ -507,6 +513,14 @@ static unsigned rx(struct tdp__ctl_carry *k)
             return did + 1;
         ssize_t r;
         bool direct = k->left >= DIRECT_MIN && k->rbeg == k->rend;
+        if (direct && round == 0 && k->lowat > 1 && k->left >= (uint64_t)k->lowat) {
+            /* a loop that busy-polls asks the socket (lockless) before it
+             * reads: as for one that sleeps, a read once a mark's worth is
+             * in, not a read per segment fighting the sender for the lock */
+            struct pollfd pfd = {.fd = k->fd, .events = POLLIN};
+            if (poll(&pfd, 1, 0) == 0)
+                return did;
+        }
         if (direct) {
             uint8_t *dst = k->into != NULL ? k->into : k->rb;
             uint64_t cap = k->into != NULL ? IOV_MAX_LEN : k->rcap;
@@ -539,15 +553,14 @@ static unsigned rx(struct tdp__ctl_carry *k)
         }
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            set_lowat(k);
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             break;
-        }
         /* end of stream or a reset: the peer is gone (a BYE came first if it said one) */
         if (k->c != NULL)
             tdp__ctl_fail(k->c, TDP_ECONNRESET);
         return did + 1;
     }
+    set_lowat(k); /* more to read: the mark must suit what is left */
     return did;
 }
 
