@@ -170,7 +170,9 @@ void tdp__pipe_send_hello(tdp_pipe *p)
 
 static void on_ctl_connected(void *owner)
 {
-    tdp__pipe_send_hello(owner);
+    tdp_pipe *p = owner;
+    if (!p->ctl.nonce_sent) /* not already sent on the peer's HELLO (on_ctl_hello) */
+        tdp__pipe_send_hello(p);
 }
 
 /*
@@ -298,6 +300,18 @@ static void on_ctl_hello(void *owner, const tdp_hello *h)
     tdp_pipe *p = owner;
     if (p->state != PIPE_CONNECTING)
         return;
+    /*
+     * A dialer may read the listener's HELLO before its own connect event
+     * has sent its HELLO: it goes now, listing every plane still in the
+     * running, before the choice, which reads what the planes put in it
+     * (the tcp plane's record), so that both sides choose from the same
+     * two HELLOs.
+     */
+    if (!p->ctl.nonce_sent) {
+        tdp__pipe_send_hello(p);
+        if (p->state != PIPE_CONNECTING)
+            return;
+    }
     const tdp__plane_ops *po;
     for (size_t i = 0; (po = tdp__plane_at(i)) != NULL; i++) {
         /* each plane reads its own records (wire.c only framed them) */

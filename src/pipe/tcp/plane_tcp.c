@@ -701,6 +701,8 @@ tdp_err tdp__tcp_rogue(tdp__link *l, const uint8_t *am, size_t al, const void *p
 
 /* ---- links ------------------------------------------------------------------------ */
 
+static bool have_rdma(void);
+
 static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, tdp__link **out)
 {
     struct tdp__link *l = tdp__calloc(1, sizeof(*l));
@@ -717,6 +719,7 @@ static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->loop = loop;
     l->owner = owner;
     l->up = up;
+    l->rec = have_rdma() ? 0 : TDP_TCP_OFF_HOST; /* as hello_fill sends it */
     *out = l;
     return TDP_OK;
 }
