@@ -466,6 +466,25 @@ static bool on_thread(const tdp_loop *loop)
     return false;
 }
 
+void tdp__loop_unpost_task(tdp_loop *loop, tdp__task *t)
+{
+    pthread_mutex_lock(&loop->lock);
+    tdp__task *prev = NULL;
+    for (tdp__task *x = loop->head; x != NULL; prev = x, x = x->next) {
+        if (x != t)
+            continue;
+        if (prev != NULL)
+            prev->next = x->next;
+        else
+            loop->head = x->next;
+        if (loop->tail == x)
+            loop->tail = prev;
+        x->next = NULL;
+        break;
+    }
+    pthread_mutex_unlock(&loop->lock);
+}
+
 void tdp__loop_post_task(tdp_loop *loop, tdp__task *t)
 {
     static const struct timeval zero = {0, 0};

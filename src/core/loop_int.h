@@ -17,6 +17,8 @@ typedef struct tdp__task {
 
 /* Queue t to run on the loop thread; thread-safe; never allocates. */
 void tdp__loop_post_task(tdp_loop *loop, tdp__task *t);
+/* Take t out of the queue if it is there, unrun (the loop being freed: its owner goes). */
+void tdp__loop_unpost_task(tdp_loop *loop, tdp__task *t);
 
 struct event_base *tdp__loop_base(tdp_loop *loop);
 

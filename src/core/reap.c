@@ -20,6 +20,9 @@ static void reaper_pre_fini(void *ext)
         if (rp->head != NULL)
             rp->head->prev = NULL;
         r->queued = false;
+        /* its task must not stay queued: the object that holds it goes now,
+         * and the loop's free walks what is still queued */
+        tdp__loop_unpost_task(r->loop, &r->task);
         r->fn(r->arg);
     }
 }

@@ -257,6 +257,14 @@ static void rop_cb(tdp_op *op, void *arg)
         post_recv(pr);
         return;
     }
+    if (rc != TDP_OK) {
+        /* counted before the LEAVE can be received: the stats agree with the stream */
+        pthread_mutex_lock(&f->mtx);
+        f->st.producers_now--;
+        if (rc != TDP_ECLOSED)
+            f->st.producers_failed++;
+        pthread_mutex_unlock(&f->mtx);
+    }
     pthread_mutex_lock(&f->lk);
     if (rc == TDP_OK) {
         pr->kind = TDP_FANIN_MSG;
@@ -268,11 +276,6 @@ static void rop_cb(tdp_op *op, void *arg)
     ready_push(f, pr);
     pthread_mutex_unlock(&f->lk);
     if (rc != TDP_OK) {
-        pthread_mutex_lock(&f->mtx);
-        f->st.producers_now--;
-        if (rc != TDP_ECLOSED)
-            f->st.producers_failed++;
-        pthread_mutex_unlock(&f->mtx);
         tdp_log_debug("fanin: producer %llu (%s) ended: %s", (unsigned long long)pr->id, pr->peer,
                       tdp_strerror(rc));
     }
@@ -379,15 +382,16 @@ static void on_accept(tdp_pipe *p, tdp_err status, void *arg)
     if (f->all != NULL)
         f->all->prev = pr;
     f->all = pr;
+    /* counted before the JOIN can be received: the stats agree with the stream */
+    pthread_mutex_lock(&f->mtx);
+    f->st.producers_now++;
+    f->st.producers_total++;
+    pthread_mutex_unlock(&f->mtx);
     pthread_mutex_lock(&f->lk);
     f->nactive++;
     pr->kind = TDP_FANIN_JOIN; /* its first receive is posted when the JOIN goes out */
     ready_push(f, pr);
     pthread_mutex_unlock(&f->lk);
-    pthread_mutex_lock(&f->mtx);
-    f->st.producers_now++;
-    f->st.producers_total++;
-    pthread_mutex_unlock(&f->mtx);
     tdp_log_debug("fanin: producer %llu joined from %s", (unsigned long long)pr->id, pr->peer);
     dispatch(f);
 }
