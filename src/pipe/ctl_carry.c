@@ -20,15 +20,15 @@
  * lost) before the carrier frees itself.
  */
 #include <errno.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <poll.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
 #include "ctl_int.h"
 #include "../core/alloc.h"
+#include "../core/env.h"
 #include "../core/log.h"
 #include "../core/loop_int.h"
 #include "../core/reap.h"
@@ -162,15 +162,15 @@ static void arm_write(struct tdp__ctl_carry *k)
 }
 
 /*
- * The handshake's own bytes still wait in the bufferevent, or our HELLO is
- * not even queued yet (a dialer may read the listener's HELLO, and open,
- * before its own connect event sends its HELLO): ours go after them, when
- * the bufferevent has written them (bev_written_cb).
+ * The handshake's own bytes still wait in the bufferevent (our HELLO is
+ * always queued before a plane starts: session_hello.c, on_ctl_hello):
+ * ours go after them, when the bufferevent has written them
+ * (bev_written_cb).
  */
 static bool bev_pending(const struct tdp__ctl_carry *k)
 {
     return k->c != NULL && k->c->bev != NULL &&
-           (!k->c->nonce_sent || evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0);
+           evbuffer_get_length(bufferevent_get_output(k->c->bev)) > 0;
 }
 
 /*
@@ -311,6 +311,31 @@ tdp_err tdp__ctl_plane_send(tdp__ctl *c, const tdp_am_hdr *h, const void *payloa
     return tdp__ctl_plane_send_raw(c, am, al, payload, h->length, cookie, now);
 }
 
+/*
+ * Queue a PLANE frame (its AM header am, al bytes; payload NULL: held) and
+ * write it now, or at the end of the loop's turn; *id (if asked) names it.
+ */
+static tdp_err queue_plane(struct tdp__ctl_carry *k, const uint8_t *am, size_t al,
+                           const void *payload, uint64_t len, void *cookie, bool now, uint64_t *id)
+{
+    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
+    memcpy(hdr + TDP_CTL_HDR_LEN, am, al);
+    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
+    uint64_t my = k->head_id + k->n;
+    tdp_err rc = enqueue(k, hdr, TDP_CTL_HDR_LEN + al, payload, len, cookie, false, CONTROL_ROOM);
+    if (rc != TDP_OK)
+        return rc;
+    if (id != NULL)
+        *id = my;
+    if (now) {
+        flush(k);
+    } else if (!k->dirty) {
+        k->dirty = true;
+        tdp__loop_kick(k->loop); /* the loop progresses its sources before it sleeps */
+    }
+    return TDP_OK;
+}
+
 tdp_err tdp__ctl_plane_send_held(tdp__ctl *c, const tdp_am_hdr *h, void *cookie, uint64_t *id)
 {
     struct tdp__ctl_carry *k = c->carry;
@@ -318,20 +343,9 @@ tdp_err tdp__ctl_plane_send_held(tdp__ctl *c, const tdp_am_hdr *h, void *cookie,
         return TDP_EINVAL;
     if (k == NULL || c->bev == NULL || c->bye_sent)
         return TDP_ECONNRESET;
-    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
-    size_t al = tdp_wire_am_encode(hdr + TDP_CTL_HDR_LEN, h);
-    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
-    uint64_t my = k->head_id + k->n;
-    tdp_err rc =
-        enqueue(k, hdr, TDP_CTL_HDR_LEN + al, NULL, h->length, cookie, false, CONTROL_ROOM);
-    if (rc != TDP_OK)
-        return rc;
-    *id = my;
-    if (!k->dirty) { /* its header goes with the turn's other frames */
-        k->dirty = true;
-        tdp__loop_kick(k->loop);
-    }
-    return TDP_OK;
+    uint8_t am[TDP_AM_HDR_MAX_LEN];
+    size_t al = tdp_wire_am_encode(am, h);
+    return queue_plane(k, am, al, NULL, h->length, cookie, false, id);
 }
 
 void tdp__ctl_plane_give(struct tdp__ctl_carry *k, uint64_t id, const void *payload, uint64_t avail)
@@ -355,19 +369,7 @@ tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const
         return TDP_ECONNRESET;
     if (len > 0 && payload == NULL)
         return TDP_EINVAL;
-    uint8_t hdr[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
-    memcpy(hdr + TDP_CTL_HDR_LEN, am, al);
-    tdp_wire_ctl_hdr_encode(hdr, TDP_CTL_PLANE, (uint32_t)al);
-    tdp_err rc = enqueue(k, hdr, TDP_CTL_HDR_LEN + al, payload, len, cookie, false, CONTROL_ROOM);
-    if (rc != TDP_OK)
-        return rc;
-    if (now) {
-        flush(k);
-    } else if (!k->dirty) {
-        k->dirty = true;
-        tdp__loop_kick(k->loop); /* the loop progresses its sources before it sleeps */
-    }
-    return TDP_OK;
+    return queue_plane(k, am, al, payload, len, cookie, now, NULL);
 }
 
 void tdp__ctl_carry_control(tdp__ctl *c, const uint8_t *frame, size_t len, bool bye)
@@ -470,12 +472,7 @@ static int lowat_cap(void)
     static _Atomic int cap = -1;
     int c = atomic_load_explicit(&cap, memory_order_relaxed);
     if (c < 0) {
-        c = LOWAT_KIB * 1024;
-        const char *e = getenv("TDPIPE_TCP_LOWAT_KIB");
-        char *end = NULL;
-        long v = e != NULL ? strtol(e, &end, 10) : -1;
-        if (e != NULL && end != e && *end == '\0' && (v == 0 || (v >= 4 && v <= 65536)))
-            c = (int)v * 1024;
+        c = (int)tdp__env_kib("TDPIPE_TCP_LOWAT_KIB", LOWAT_KIB << 10, 4, 65536, true);
         atomic_store_explicit(&cap, c, memory_order_relaxed);
     }
     return c;

@@ -65,6 +65,7 @@
 #include "shm.h"
 #include "shm_hello.h"
 #include "../cudaipc/cudaipc.h"
+#include "../../core/env.h"
 #include "../../core/alloc.h"
 #include "../../core/cuda.h"
 #include "../../core/log.h"
@@ -245,12 +246,7 @@ static size_t stage_chunk(void)
     static _Atomic size_t chunk;
     size_t c = atomic_load_explicit(&chunk, memory_order_relaxed);
     if (c == 0) {
-        c = 64u << 20;
-        const char *e = getenv("TDPIPE_STAGE_CHUNK_KIB");
-        char *end = NULL;
-        unsigned long v = e != NULL ? strtoul(e, &end, 10) : 0;
-        if (e != NULL && end != e && *end == '\0' && v >= 256 && v <= (64u << 10))
-            c = (size_t)v << 10;
+        c = tdp__env_kib("TDPIPE_STAGE_CHUNK_KIB", 64u << 20, 256, 64u << 10, false);
         atomic_store_explicit(&chunk, c, memory_order_relaxed);
     }
     return c;

@@ -8,13 +8,14 @@
  * session names, read in place. So a message costs what raw TCP costs:
  * one copy on each side, the kernel's. There is no second
  * connection, no second port and nothing to register; a dead peer is the
- * socket's end, as for the control channel. It is chosen only when a side
- * asks for it (tdp_pipe_opts.plane, --plane tcp): the registry lists it
- * after ucx. docs/planes.md.
+ * socket's end, as for the control channel. It is chosen by default for a
+ * peer on another host when neither side has an RDMA device (t_usable_link;
+ * the registry lists it before ucx), else only when a side asks for it
+ * (tdp_pipe_opts.plane, --plane tcp). docs/planes.md.
  *
  * GPU payloads are staged through page-locked host memory (stage.h), in
- * chunks that overlap the socket: a sender's DATA header goes at once and
- * its payload follows chunk by chunk as the device->host copy lands it in
+ * chunks that overlap the socket: a sender's DATA is queued held and goes,
+ * header and payload, chunk by chunk as the device->host copy lands it in
  * one of two send bounces (tdp__ctl_plane_send_held); a receiver's payload
  * is read into the slot's bounce and copied to the device chunk by chunk
  * as the reads land it, the message handed over when the last chunk is on
@@ -117,7 +118,6 @@ struct tdp__link {
     tdp__reap reap;
     /* staging (GPU payloads) */
     struct tdp__ctl_carry *carry; /* the frames' carrier: held payloads are given to it */
-    int cuda_device;
     tdp__stage *tx_stage, *rx_stage;
     bounce txb[TX_BOUNCES];
     uint32_t ntxb;
@@ -235,8 +235,6 @@ static tdp_err t_recv(tdp__link *l, void *desc, uint32_t slot, tdp_td **td)
         return rc;
     if (d->h->length != s->td->nbytes)
         return TDP_EMSGSIZE;
-    if (slot_staged(s) && s->copying)
-        return TDP_EINTERNAL; /* a slot is lent until its copy is over */
     s->lent = true;
     *td = s->td;
     if (d->h->length == 0)
@@ -270,7 +268,6 @@ static void rx_copied(tdp__stage_copy *c, tdp_err st)
 /* A DATA for staged slot s: its bytes go to the bounce, and from there as they come. */
 static tdp_err rx_stage_start(struct tdp__link *l, rx_slot *s)
 {
-    s->l = l;
     s->given = 0;
     s->copy = (tdp__stage_copy){.done = rx_copied, .arg = s};
     tdp_err rc = tdp__stage_copy_start(l->rx_stage, &s->copy, s->td->data, s->b.p, s->td->nbytes, 0,
@@ -719,7 +716,9 @@ static tdp_err t_link_new(tdp_loop *loop, void *owner, const tdp__plane_up *up, 
     l->loop = loop;
     l->owner = owner;
     l->up = up;
-    l->rec = have_rdma() ? 0 : TDP_TCP_OFF_HOST; /* as hello_fill sends it */
+    for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
+        l->rx[i].l = l;                          /* for the stage's callbacks */
+    l->rec = have_rdma() ? 0 : TDP_TCP_OFF_HOST; /* known before any HELLO, as sent */
     *out = l;
     return TDP_OK;
 }
@@ -757,7 +756,6 @@ static bool only_tcp(const tdp_hello *h)
 
 static tdp_err t_hello_fill(tdp__link *l, tdp_hello *h)
 {
-    l->rec = have_rdma() ? 0 : TDP_TCP_OFF_HOST;
     l->asked = only_tcp(h);
     return tdp_hello_add_rec(h, TDP_HX_TCP, &l->rec, 1);
 }
@@ -796,11 +794,10 @@ static tdp_err t_link_start(tdp__link *l, const tdp__link_peer *peer)
     l->ctl = peer->ctl;
     l->carry = peer->ctl->carry;
     l->ntxb = peer->peer_depth < 2 ? 1 : TX_BOUNCES;
-    l->cuda_device = peer->cuda_device;
-    if (l->cuda_device >= 0 && l->cuda_device < tdp__cuda_device_count()) {
+    int dev = peer->cuda_device;
+    if (dev >= 0 && dev < tdp__cuda_device_count()) {
         /* the context and the streams now, not in the first GPU message */
-        if ((rc = tdp__cuda_ctx_set(l->cuda_device)) != TDP_OK ||
-            (rc = stage_ready(l, l->cuda_device)) != TDP_OK) {
+        if ((rc = tdp__cuda_ctx_set(dev)) != TDP_OK || (rc = stage_ready(l, dev)) != TDP_OK) {
             tdp__ctl_uncarry(peer->ctl, l);
             return rc;
         }
