@@ -617,6 +617,7 @@ typedef struct fake_src {
     bool remove_self;
     struct fake_src *remove_other; /* removed by this one's first progress */
     struct fake_src *add_new;      /* added by this one's first progress */
+    volatile bool *done_on_events; /* set by a progress that reports events */
     char trace[64];                /* P progress, B busy arm, A armed, E arm error */
     int ntrace;
 } fake_src;
@@ -647,6 +648,8 @@ static unsigned fake_progress(void *arg)
         f->active_left--;
         n++;
     }
+    if (n > 0 && f->done_on_events != NULL)
+        *f->done_on_events = true;
     if (f->remove_other != NULL) {
         tdp__loop_source_remove(f->loop, f->remove_other->src);
         f->remove_other->src = NULL;
@@ -732,9 +735,10 @@ typedef struct idler {
     volatile bool *done; /* set by the queuing task, when given */
 } idler;
 
-static void idle_fn(void *arg)
+static bool idle_fn(void *arg)
 {
     atomic_fetch_add(&((idler *)arg)->runs, 1);
+    return false;
 }
 
 /* Queue the idle work twice (the second is a no-op) and, if asked, end a run_until. */
@@ -792,6 +796,77 @@ static void test_idle(void **state)
     call_on_loop(loop, kick_task, loop);
     sleep_ms(50);
     assert_int_equal(atomic_load(&d.runs), 2);
+    tdp_loop_free(loop);
+    assert_int_equal(live_small(), live);
+}
+
+/* Idle work that did something (true) or nothing (false), and a trace mark of its own. */
+typedef struct idle_tracer {
+    fake_src *f;
+    tdp__idle h;
+    bool acted;
+} idle_tracer;
+
+static bool idle_trace_fn(void *arg)
+{
+    idle_tracer *t = arg;
+    trace(t->f, 'I');
+    return t->acted;
+}
+
+static void queue_idle_tracer(void *arg)
+{
+    idle_tracer *t = arg;
+    tdp__loop_idle_add(t->f->loop, &t->h);
+}
+
+/*
+ * Before the loop sleeps: idle work that did nothing lets the sources be
+ * armed at once; idle work that did something (a send posted) gets its
+ * round of progress first.
+ */
+static void test_idle_then_arm(void **state)
+{
+    for (int acted = 0; acted < 2; acted++) {
+        uint64_t live = live_small();
+        tdp_loop *loop = new_loop(HOUR_MS);
+        volatile bool never = false;
+        fake_src f;
+        fake_init(&f, loop, false);
+        fake_add(&f);
+        idle_tracer t = {.f = &f, .acted = acted != 0};
+        t.h = (tdp__idle){.fn = idle_trace_fn, .arg = &t};
+        assert_int_equal(tdp_loop_post(loop, queue_idle_tracer, &t), TDP_OK);
+        assert_int_equal(tdp__loop_run_until(loop, &never, 100), TDP_ETIMEDOUT);
+        /* the first drain arms; the task queues the idle work, whose turn drains again */
+        assert_string_equal(f.trace, acted ? "PAPIPA" : "PAPIA");
+        tdp_loop_free(loop);
+        assert_int_equal(live_small(), live);
+    }
+}
+
+/*
+ * A blocking call whose work a progress completes returns at once: no
+ * second round of progress between the event and the caller (the next
+ * drive of the loop drains the rest before it sleeps).
+ */
+static void test_done_returns_at_once(void **state)
+{
+    uint64_t live = live_small();
+    tdp_loop *loop = new_loop(HOUR_MS);
+    volatile bool done = false;
+    fake_src f;
+    fake_init(&f, loop, false);
+    f.active_left = 2; /* events for two progress calls */
+    f.done_on_events = &done;
+    fake_add(&f);
+    assert_int_equal(tdp__loop_run_until(loop, &done, 5000), TDP_OK);
+    assert_string_equal(f.trace, "P");
+    /* the next wait drains what is left, then arms and sleeps */
+    done = false;
+    f.done_on_events = NULL;
+    assert_int_equal(tdp__loop_run_until(loop, &done, 50), TDP_ETIMEDOUT);
+    assert_string_equal(f.trace, "PPPA");
     tdp_loop_free(loop);
     assert_int_equal(live_small(), live);
 }
@@ -1339,6 +1414,8 @@ int main(void)
         cmocka_unit_test(test_source_remove_in_progress),
         cmocka_unit_test(test_ext_order),
         cmocka_unit_test(test_idle),
+        cmocka_unit_test(test_idle_then_arm),
+        cmocka_unit_test(test_done_returns_at_once),
         cmocka_unit_test(test_ucx_self),
         cmocka_unit_test(test_ucx_two_loops),
     };

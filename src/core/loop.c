@@ -260,10 +260,12 @@ void tdp__loop_idle_cancel(tdp_loop *loop, tdp__idle *h)
 /*
  * The loop is about to sleep: what waited for that runs now, one at a
  * time off idle_run (which cancel also searches). What a fn queues goes on
- * idle_head, for the next sleep.
+ * idle_head, for the next sleep. True when one of them did work that the
+ * sources must progress first.
  */
-static void run_idle(tdp_loop *loop)
+static bool run_idle(tdp_loop *loop)
 {
+    bool acted = false;
     loop->idle_run = loop->idle_head;
     loop->idle_head = NULL;
     loop->idle_running = true;
@@ -272,9 +274,11 @@ static void run_idle(tdp_loop *loop)
         loop->idle_run = h->next;
         h->queued = false;
         h->next = NULL;
-        h->fn(h->arg);
+        if (h->fn(h->arg))
+            acted = true;
     }
     loop->idle_running = false;
+    return acted;
 }
 
 /*
@@ -294,6 +298,11 @@ static void drain(tdp_loop *loop)
             if (progress_all(loop) == 0)
                 break;
             active = true;
+            /* the blocking call's work is done: it returns now, and the
+             * next drive of the loop drains the rest before it sleeps (a
+             * round of progress less between a message and its reply) */
+            if (loop->until_done != NULL && *loop->until_done)
+                break;
         }
         if (budget == 0) {
             schedule_again(loop);
@@ -321,8 +330,8 @@ static void drain(tdp_loop *loop)
         /* about to sleep; once per drain: what it queues again waits for the next sleep */
         if (!idled && loop->idle_head != NULL) {
             idled = true;
-            run_idle(loop);
-            continue; /* what it did may need progress before the loop sleeps */
+            if (run_idle(loop))
+                continue; /* what it did needs progress before the loop sleeps */
         }
         if (arm_all(loop) == 0)
             break;

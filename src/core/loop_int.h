@@ -83,10 +83,12 @@ void tdp__loop_kick(tdp_loop *loop);
  * gives back while it drains a burst). Intrusive: adding allocates
  * nothing; adding one already queued is a no-op; one fn adds again from
  * inside itself runs at the next sleep, not this one. Loop thread (or
- * the loop's holder).
+ * the loop's holder). fn returns true when it did work a source must
+ * progress before the loop sleeps (it posted a send); false, and the
+ * loop arms its sources at once, without another round of progress.
  */
 typedef struct tdp__idle {
-    void (*fn)(void *arg);
+    bool (*fn)(void *arg);
     void *arg;
     struct tdp__idle *next;
     bool queued;

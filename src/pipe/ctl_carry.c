@@ -250,8 +250,14 @@ static unsigned flush(struct tdp__ctl_carry *k)
             k->nw++;
         }
     }
-    if (k->nw > 0)
-        post_done(k);
+    /* what has left is reported by the source's next progress, before
+     * the loop sleeps (the kick); a detached carrier has no source left */
+    if (k->nw > 0) {
+        if (k->c != NULL && k->src != NULL)
+            tdp__loop_kick(k->loop);
+        else
+            post_done(k);
+    }
     /* bytes the socket did not take: on when it can (a held payload's
      * missing bytes are no reason: tdp__ctl_plane_give flushes) */
     if (!k->write_failed && writable_left(k))
@@ -505,9 +511,12 @@ static void set_lowat(struct tdp__ctl_carry *k)
 static unsigned rx(struct tdp__ctl_carry *k)
 {
     unsigned did = 0;
+    bool drained = false;
     for (int round = 0; round < RX_ROUNDS; round++) {
         if (!parse(k))
             return did + 1;
+        if (drained)
+            break; /* a short read emptied the socket: its fd says when more comes */
         ssize_t r;
         bool direct = k->left >= DIRECT_MIN && k->rbeg == k->rend;
         if (direct && round == 0 && k->lowat > 1 && k->left >= (uint64_t)k->lowat) {
@@ -525,6 +534,7 @@ static unsigned rx(struct tdp__ctl_carry *k)
             r = recv(k->fd, dst, want, MSG_DONTWAIT);
             if (r > 0) {
                 did++;
+                drained = (size_t)r < want;
                 if (k->into != NULL)
                     k->into += r;
                 k->left -= (uint64_t)r;
@@ -541,9 +551,11 @@ static unsigned rx(struct tdp__ctl_carry *k)
                 k->rend -= k->rbeg;
                 k->rbeg = 0;
             }
-            r = recv(k->fd, k->rb + k->rend, k->rcap - k->rend, MSG_DONTWAIT);
+            size_t room = k->rcap - k->rend;
+            r = recv(k->fd, k->rb + k->rend, room, MSG_DONTWAIT);
             if (r > 0) {
                 did++;
+                drained = (size_t)r < room;
                 k->rend += (size_t)r;
                 continue;
             }
@@ -570,11 +582,17 @@ static unsigned carry_progress(void *arg)
     k->in_rx = true;
     /* what has left is reported before what the peer says next is read: a
      * send is complete before the peer's answer to it (its BYE) arrives */
-    if (k->nw > 0)
+    bool reported = false;
+    if (k->nw > 0 && !k->in_done) {
         deliver(k);
+        reported = true;
+        did++;
+    }
     if (k->c != NULL && k->dirty)
         did += flush(k);
-    if (k->c != NULL)
+    /* a send completed: a blocking send's wait may end here, and the
+     * read waits for the next progress (the loop's, before it sleeps) */
+    if (k->c != NULL && !reported)
         did += rx(k);
     k->in_rx = false;
     return did;

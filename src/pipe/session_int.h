@@ -240,7 +240,7 @@ void tdp__pipe_up_data(void *owner, tdp__link *l, const tdp__frame *f, void *des
 void tdp__pipe_up_landed(void *owner, tdp__link *l, uint32_t slot, tdp_err st);
 /* Give the peer the credit this side owes. */
 void tdp__pipe_send_credit(tdp_pipe *p);
-void tdp__pipe_credit_idle(void *arg);
+bool tdp__pipe_credit_idle(void *arg);
 void tdp__pipe_deliver(tdp_pipe *p);
 /* A receive op (tdp__op_submit / tdp__op_run). */
 void tdp__pipe_recv_start(void *arg);

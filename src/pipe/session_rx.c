@@ -258,16 +258,17 @@ void tdp__pipe_send_credit(tdp_pipe *p)
  * Until then the peer sends on, its next DATA wakes this side, and a reply
  * carries the credit for free; this looks again at every sleep meanwhile.
  */
-void tdp__pipe_credit_idle(void *arg)
+bool tdp__pipe_credit_idle(void *arg)
 {
     tdp_pipe *p = arg;
     if (p->state != PIPE_OPEN || p->released == p->credit_sent)
-        return;
+        return false;
     if (!p->window_sent || p->rx_link - p->credit_sent >= p->depth) {
         tdp__pipe_send_credit(p);
-        return;
+        return true;
     }
     tdp__loop_idle_add(p->loop, &p->credit_idle);
+    return false;
 }
 
 /*
