@@ -515,8 +515,10 @@ static unsigned rx(struct tdp__ctl_carry *k)
     for (int round = 0; round < RX_ROUNDS; round++) {
         if (!parse(k))
             return did + 1;
-        if (drained)
-            break; /* a short read emptied the socket: its fd says when more comes */
+        if (drained && k->left == 0 && k->rbeg == k->rend)
+            break; /* a short read emptied the socket between frames: its fd
+                    * says when more comes (inside a frame, more is on its way:
+                    * read on) */
         ssize_t r;
         bool direct = k->left >= DIRECT_MIN && k->rbeg == k->rend;
         if (direct && round == 0 && k->lowat > 1 && k->left >= (uint64_t)k->lowat) {
