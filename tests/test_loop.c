@@ -845,54 +845,6 @@ static void test_idle_then_arm(void **state)
     }
 }
 
-static void *signal_later(void *arg)
-{
-    sleep_ms(30);
-    fake_signal(arg, 2);
-    return NULL;
-}
-
-/*
- * A blocking call woken from a sleep by the event that completes its work
- * returns at once: no second round of progress between the event and the
- * caller (the next drive of the loop drains the rest before it sleeps).
- * A drive that did not sleep (a stream keeps finding work) drains on
- * until nothing is left, as before.
- */
-static void test_done_returns_at_once(void **state)
-{
-    uint64_t live = live_small();
-    tdp_loop *loop = new_loop(HOUR_MS);
-    volatile bool done = false;
-    fake_src f;
-    fake_init(&f, loop, true);
-    f.done_on_events = &done;
-    fake_add(&f);
-    pthread_t th;
-    assert_int_equal(pthread_create(&th, NULL, signal_later, &f), 0);
-    assert_int_equal(tdp__loop_run_until(loop, &done, 5000), TDP_OK);
-    assert_int_equal(pthread_join(th, NULL), 0);
-    /* progress and arm, sleep, woken: one progress finds the event */
-    assert_string_equal(f.trace, "PAP");
-    /* the next wait drains what is left, then arms and sleeps */
-    done = false;
-    f.done_on_events = NULL;
-    assert_int_equal(tdp__loop_run_until(loop, &done, 50), TDP_ETIMEDOUT);
-    assert_string_equal(f.trace, "PAPPA");
-
-    /* not woken: the work done by the first progress, the drain goes on */
-    f.ntrace = 0;
-    memset(f.trace, 0, sizeof(f.trace));
-    done = false;
-    f.done_on_events = &done;
-    f.active_left = 2;
-    assert_int_equal(tdp__loop_run_until(loop, &done, 5000), TDP_OK);
-    assert_string_equal(f.trace, "PPP");
-    tdp_loop_free(loop);
-    fake_close(&f);
-    assert_int_equal(live_small(), live);
-}
-
 static tdp_loop *new_loop_opts(uint32_t safety_ms, uint32_t busy_poll_us)
 {
     tdp_loop_opts o = {
@@ -1437,7 +1389,6 @@ int main(void)
         cmocka_unit_test(test_ext_order),
         cmocka_unit_test(test_idle),
         cmocka_unit_test(test_idle_then_arm),
-        cmocka_unit_test(test_done_returns_at_once),
         cmocka_unit_test(test_ucx_self),
         cmocka_unit_test(test_ucx_two_loops),
     };

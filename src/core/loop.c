@@ -287,7 +287,7 @@ static bool run_idle(tdp_loop *loop)
  * waits for the again timer so other events get a turn. A busy arm means
  * events arrived since the last progress: progress them before sleeping.
  */
-static void drain(tdp_loop *loop, bool woken)
+static void drain(tdp_loop *loop)
 {
     uint32_t budget = loop->max_progress;
     bool active = false, idled = false;
@@ -298,12 +298,6 @@ static void drain(tdp_loop *loop, bool woken)
             if (progress_all(loop) == 0)
                 break;
             active = true;
-            /* woken from a sleep, and the blocking call's work is done: it
-             * returns now, and the next drive of the loop drains the rest
-             * before it sleeps (a round of progress less between a message
-             * and its reply; a stream, which rarely sleeps, drains as before) */
-            if (woken && loop->until_done != NULL && *loop->until_done)
-                break;
         }
         if (budget == 0) {
             schedule_again(loop);
@@ -343,7 +337,7 @@ static void drain(tdp_loop *loop, bool woken)
 
 static void efd_cb(evutil_socket_t fd, short what, void *arg)
 {
-    drain(arg, true);
+    drain(arg);
 }
 
 static void again_cb(evutil_socket_t fd, short what, void *arg)
@@ -351,12 +345,12 @@ static void again_cb(evutil_socket_t fd, short what, void *arg)
     tdp_loop *loop = arg;
 
     loop->again_pending = false;
-    drain(loop, false);
+    drain(loop);
 }
 
 static void safety_cb(evutil_socket_t fd, short what, void *arg)
 {
-    drain(arg, false);
+    drain(arg);
 }
 
 void tdp__loop_kick(tdp_loop *loop)
@@ -793,7 +787,7 @@ static void spin(tdp_loop *loop, volatile bool *done, uint64_t t0, uint64_t dead
         } else if (now - last > window) {
             /* idle for a whole window: arm the sources and sleep on their fds */
             loop->last_activity_ns = 0;
-            drain(loop, false);
+            drain(loop);
             return;
         }
     }
@@ -831,7 +825,7 @@ tdp_err tdp__loop_run_after(tdp_loop *loop, tdp_loop_fn fn, void *arg, volatile 
         event_del(loop->ev_again);
         loop->again_pending = false;
     }
-    drain(loop, false);
+    drain(loop);
     if (*done)
         goto out_release;
     if (loop->busy_poll_us > 0) {

@@ -584,17 +584,11 @@ static unsigned carry_progress(void *arg)
     k->in_rx = true;
     /* what has left is reported before what the peer says next is read: a
      * send is complete before the peer's answer to it (its BYE) arrives */
-    bool reported = false;
-    if (k->nw > 0 && !k->in_done) {
+    if (k->nw > 0)
         deliver(k);
-        reported = true;
-        did++;
-    }
     if (k->c != NULL && k->dirty)
         did += flush(k);
-    /* a send completed: a blocking send's wait may end here, and the
-     * read waits for the next progress (the loop's, before it sleeps) */
-    if (k->c != NULL && !reported)
+    if (k->c != NULL)
         did += rx(k);
     k->in_rx = false;
     return did;
