@@ -617,7 +617,6 @@ typedef struct fake_src {
     bool remove_self;
     struct fake_src *remove_other; /* removed by this one's first progress */
     struct fake_src *add_new;      /* added by this one's first progress */
-    volatile bool *done_on_events; /* set by a progress that reports events */
     char trace[64];                /* P progress, B busy arm, A armed, E arm error */
     int ntrace;
 } fake_src;
@@ -648,8 +647,6 @@ static unsigned fake_progress(void *arg)
         f->active_left--;
         n++;
     }
-    if (n > 0 && f->done_on_events != NULL)
-        *f->done_on_events = true;
     if (f->remove_other != NULL) {
         tdp__loop_source_remove(f->loop, f->remove_other->src);
         f->remove_other->src = NULL;

@@ -13,8 +13,9 @@
  *   - the socket is a loop source: readable wakes the loop, and a loop
  *     that busy-polls polls it.
  *
- * Completions (the plane's `sent`, the BYE's flush) come from a loop task,
- * never from inside the call that queued the frame. When the channel
+ * Completions (the plane's `sent`, the BYE's flush) come from the
+ * source's progress (before the source exists, and once detached, from a
+ * loop task), never from inside the call that queued the frame. When the channel
  * closes the carrier detaches: the socket is let go of, and the frames
  * still queued are reported (those wholly written as sent, the rest as
  * lost) before the carrier frees itself.
@@ -251,9 +252,10 @@ static unsigned flush(struct tdp__ctl_carry *k)
         }
     }
     /* what has left is reported by the source's next progress, before
-     * the loop sleeps (the kick); a detached carrier has no source left */
+     * the loop sleeps (the kick); without a source (not yet made, or
+     * detached) by a task */
     if (k->nw > 0) {
-        if (k->c != NULL && k->src != NULL)
+        if (k->src != NULL)
             tdp__loop_kick(k->loop);
         else
             post_done(k);
