@@ -1108,6 +1108,14 @@ test_bench_mem_fake() {
     done
     # the cuda-ipc plane lends device slots: a hand-off rate beside the plain sends
     expect_in bfake_cuda-ipc_loan out "hand-off"
+    # TDPIPE_CUDA_STATS: each process counts its CUDA calls and prints them at exit
+    run bfake_stats 120 env TDPIPE_CUDA=fake TDPIPE_CUDA_STATS=1 "$TDPIPE" bench --mem cuda \
+        --plane cuda-ipc --sizes 1KB --rounds 20 --quiet
+    expect_rc bfake_stats 0
+    expect_in bfake_stats err "tdpipe cuda stats (pid "
+    expect_in bfake_stats err "export calls "
+    expect_in bfake_stats err "import calls "
+    expect_in bfake_stats err "memcpy calls "
 }
 
 # ---- serve -----------------------------------------------------------------------

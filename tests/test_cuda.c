@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -195,6 +196,67 @@ static void test_sync_calls_done_on_return(void **state)
 
     assert_int_equal(tdp__cuda_fake_peek(host, got, 1), TDP_ECUDA); /* not device memory */
     tdp__cuda_free(d2);
+    tdp__cuda_free(d);
+}
+
+/* Each kind of call in its own line; "name calls N mean M us ...", or false. */
+static bool stat_of(const char *name, unsigned long long *calls, double *mean_us)
+{
+    char line[160], key[32];
+    for (int k = 0; k < 64; k++) { /* past the last kind: false */
+        if (!tdp__cuda_stats_line(k, line, sizeof(line)))
+            continue;
+        if (sscanf(line, "%31s calls %llu mean %lf us", key, calls, mean_us) == 3 &&
+            strcmp(key, name) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* TDPIPE_CUDA_STATS: each call through the layer counted and timed, the
+ * wait that follows a synchronous call on its own; nothing while off. */
+static void test_call_stats(void **state)
+{
+    (void)state;
+    unsigned long long calls = 0;
+    double mean = 0;
+    unsigned char host[64] = {0}, *d = NULL;
+    tdp__cuda_stats_enable(true);
+    tdp__cuda_stats_reset();
+    assert_false(stat_of("memcpy", &calls, &mean));
+    OK(tdp__cuda_malloc(0, sizeof(host), (void **)&d));
+    tdp__cuda_fake_set_delay_us(20000); /* the copy lands 20 ms later */
+    OK(tdp__cuda_memcpy(d, host, sizeof(host)));
+    OK(tdp__cuda_memcpy(host, d, sizeof(host)));
+    tdp__cuda_fake_set_delay_us(0);
+    assert_true(stat_of("malloc", &calls, &mean));
+    assert_int_equal(calls, 1);
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 2);
+    assert_true(stat_of("sync_default", &calls, &mean));
+    assert_int_equal(calls, 2);
+    assert_true(mean >= 10000.0); /* the wait for the late copy is counted where it happens */
+    assert_false(stat_of("event_query", &calls, &mean));
+    char line[160];
+    assert_false(tdp__cuda_stats_line(-1, line, sizeof(line)));
+    assert_false(tdp__cuda_stats_line(1000, line, sizeof(line)));
+    /* export_ is named without its underscore */
+    tdp__cuda_ipc h;
+    void *shared = NULL;
+    OK(tdp__cuda_malloc_shared(0, 4096, &shared));
+    OK(tdp__cuda_export(shared, &h));
+    assert_true(stat_of("export", &calls, &mean));
+    assert_int_equal(calls, 1);
+    if (h.fd >= 0)
+        close(h.fd);
+    tdp__cuda_free(shared);
+
+    tdp__cuda_stats_enable(false);
+    OK(tdp__cuda_memcpy(d, host, sizeof(host)));
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 2);
+    tdp__cuda_stats_reset();
+    assert_false(stat_of("memcpy", &calls, &mean));
     tdp__cuda_free(d);
 }
 
@@ -562,6 +624,7 @@ int main(void)
         cmocka_unit_test_setup(test_host_touch_faults, fake_setup),
         cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
         cmocka_unit_test_setup(test_sync_calls_done_on_return, fake_setup),
+        cmocka_unit_test_setup(test_call_stats, fake_setup),
         cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
         cmocka_unit_test_setup(test_host_func_makes_no_cuda_call, fake_setup),
         cmocka_unit_test_setup(test_events, fake_setup),

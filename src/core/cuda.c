@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <tdpipe/mem.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cuda_int.h"
 #include "log.h"
@@ -150,6 +152,104 @@ static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
     return true;
 }
 
+/*
+ * TDPIPE_CUDA_STATS=1: every call into the backend is counted and timed,
+ * and the process prints one line per kind of call to stderr when it
+ * exits (where a GPU pipe's time goes, on a machine without a profiler).
+ * Off, each call pays one relaxed load.
+ */
+#define STAT_OPS(X)                                                                                \
+    X(uuid)                                                                                        \
+    X(ctx_set) X(malloc) X(free) X(host_alloc) X(host_free) X(host_register) X(host_unregister)    \
+        X(stream_create) X(stream_destroy) X(stream_sync) X(memcpy_async) X(memcpy) X(memset)      \
+            X(sync_default) X(host_func) X(event_create) X(event_destroy) X(event_record)          \
+                X(event_query) X(event_sync) X(stream_wait) X(ptr_info) X(export_) X(import)       \
+                    X(import_close)
+#define STAT_ENUM(fn) ST_##fn,
+enum { STAT_OPS(STAT_ENUM) ST_COUNT };
+#define STAT_NAME(fn) #fn,
+static const char *const stat_name[ST_COUNT] = {STAT_OPS(STAT_NAME)};
+static struct {
+    _Atomic uint64_t calls, ns, max_ns;
+} stat[ST_COUNT];
+static _Atomic int stats_on = -1; /* -1: TDPIPE_CUDA_STATS not read yet */
+
+static void stats_print(void)
+{
+    char line[128];
+    for (int k = 0; k < ST_COUNT; k++) {
+        if (tdp__cuda_stats_line(k, line, sizeof(line)))
+            fprintf(stderr, "tdpipe cuda stats (pid %ld): %s\n", (long)getpid(), line);
+    }
+}
+
+static bool stats_enabled(void)
+{
+    int on = atomic_load_explicit(&stats_on, memory_order_relaxed);
+    if (on >= 0)
+        return on;
+    const char *env = getenv("TDPIPE_CUDA_STATS");
+    bool want = env != NULL && *env != '\0' && strcmp(env, "0") != 0;
+    int expect = -1;
+    if (atomic_compare_exchange_strong(&stats_on, &expect, want) && want)
+        atexit(stats_print);
+    return atomic_load(&stats_on) > 0;
+}
+
+void tdp__cuda_stats_enable(bool on)
+{
+    atomic_store(&stats_on, on);
+}
+
+static uint64_t stat_begin(void)
+{
+    if (!stats_enabled())
+        return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void stat_end(int k, uint64_t t0)
+{
+    if (t0 == 0)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t d = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec - t0;
+    atomic_fetch_add_explicit(&stat[k].calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&stat[k].ns, d, memory_order_relaxed);
+    uint64_t m = atomic_load_explicit(&stat[k].max_ns, memory_order_relaxed);
+    while (d > m && !atomic_compare_exchange_weak_explicit(
+                        &stat[k].max_ns, &m, d, memory_order_relaxed, memory_order_relaxed))
+        ;
+}
+
+bool tdp__cuda_stats_line(int k, char *buf, size_t n)
+{
+    if (k < 0 || k >= ST_COUNT)
+        return false;
+    uint64_t calls = atomic_load(&stat[k].calls);
+    if (calls == 0)
+        return false;
+    const char *name = stat_name[k];
+    size_t len = strlen(name);
+    snprintf(buf, n, "%-.*s calls %llu mean %.2f us max %.2f us total %.3f ms",
+             (int)(name[len - 1] == '_' ? len - 1 : len), name, (unsigned long long)calls,
+             (double)atomic_load(&stat[k].ns) / (double)calls / 1e3,
+             (double)atomic_load(&stat[k].max_ns) / 1e3, (double)atomic_load(&stat[k].ns) / 1e6);
+    return true;
+}
+
+void tdp__cuda_stats_reset(void)
+{
+    for (int k = 0; k < ST_COUNT; k++) {
+        atomic_store(&stat[k].calls, 0);
+        atomic_store(&stat[k].ns, 0);
+        atomic_store(&stat[k].max_ns, 0);
+    }
+}
+
 /* ops_, the backend for a call of fn; or return TDP_ENOTSUP where it has no
  * such call, TDP_ECUDA from inside a host function. */
 #define BACKEND_FOR(fn)                                                                            \
@@ -164,14 +264,20 @@ static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
 #define CALL(fn, ...)                                                                              \
     do {                                                                                           \
         BACKEND_FOR(fn);                                                                           \
-        return ops_->fn(__VA_ARGS__);                                                              \
+        uint64_t t_ = stat_begin();                                                                \
+        tdp_err rc_ = ops_->fn(__VA_ARGS__);                                                       \
+        stat_end(ST_##fn, t_);                                                                     \
+        return rc_;                                                                                \
     } while (0)
 
 #define CALL_VOID(fn, ...)                                                                         \
     do {                                                                                           \
         const tdp__cuda_ops *ops_ = be();                                                          \
-        if (ops_->fn != NULL && !refused_in_host_fn(ops_, #fn))                                    \
+        if (ops_->fn != NULL && !refused_in_host_fn(ops_, #fn)) {                                  \
+            uint64_t t_ = stat_begin();                                                            \
             ops_->fn(__VA_ARGS__);                                                                 \
+            stat_end(ST_##fn, t_);                                                                 \
+        }                                                                                          \
     } while (0)
 
 tdp_err tdp__cuda_device_uuid(int dev, uint8_t uuid[16])
@@ -284,8 +390,15 @@ tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_s
 #define CALL_SYNC(fn, ...)                                                                         \
     do {                                                                                           \
         BACKEND_FOR(fn);                                                                           \
+        uint64_t t_ = stat_begin();                                                                \
         tdp_err rc_ = ops_->fn(__VA_ARGS__);                                                       \
-        return rc_ == TDP_OK && ops_->sync_default != NULL ? ops_->sync_default() : rc_;           \
+        stat_end(ST_##fn, t_);                                                                     \
+        if (rc_ != TDP_OK || ops_->sync_default == NULL)                                           \
+            return rc_;                                                                            \
+        t_ = stat_begin();                                                                         \
+        rc_ = ops_->sync_default();                                                                \
+        stat_end(ST_sync_default, t_);                                                             \
+        return rc_;                                                                                \
     } while (0)
 
 tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n)
@@ -365,7 +478,10 @@ tdp_err tdp__cuda_ptr_get_info(const void *p, tdp__cuda_ptr_info *out)
         *out = (tdp__cuda_ptr_info){TDP__CUDA_PTR_HOST, -1};
         return TDP_OK;
     }
-    return ops->ptr_info(p, out);
+    uint64_t t = stat_begin();
+    tdp_err rc = ops->ptr_info(p, out);
+    stat_end(ST_ptr_info, t);
+    return rc;
 }
 
 tdp_err tdp__cuda_export(void *p, tdp__cuda_ipc *out)

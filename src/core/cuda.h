@@ -48,6 +48,15 @@ const char *tdp__cuda_describe(char *buf, size_t n);
  */
 tdp_err tdp__cuda_select(const char *spec);
 
+/*
+ * Call statistics (TDPIPE_CUDA_STATS=1, printed to stderr at exit):
+ * enable or disable them, reset them, and format the k-th kind of call
+ * (false where k is out of range or had no call).
+ */
+void tdp__cuda_stats_enable(bool on);
+void tdp__cuda_stats_reset(void);
+bool tdp__cuda_stats_line(int k, char *buf, size_t n);
+
 /* Devices usable now; 0 for none. Never fails. */
 int tdp__cuda_device_count(void);
 

@@ -76,6 +76,9 @@ static struct {
     DRV_VMM(DRV_FIELD)
 } drv;
 static bool have_vmm;
+/* TDPIPE_CUDA_VMM=0: memory made to be exported is ordinary device memory,
+ * shared by legacy IPC handles (a peer's fd handles are still imported) */
+static bool vmm_export = true;
 
 #define DRV_MAX_DEVICES 64
 static CUdevice devices[DRV_MAX_DEVICES];
@@ -117,6 +120,8 @@ static bool load_syms(void *lib, const char **why)
         have_vmm = false;
     DRV_VMM(DRV_LOAD_VMM)
 #undef DRV_LOAD_VMM
+    const char *env = getenv("TDPIPE_CUDA_VMM");
+    vmm_export = env == NULL || strcmp(env, "0") != 0;
     return true;
 }
 
@@ -241,7 +246,7 @@ static drv_vmm *vmm_take(CUdeviceptr p)
 static bool vmm_fd_supported(int dev)
 {
     int vmm = 0, fd = 0;
-    if (!have_vmm)
+    if (!have_vmm || !vmm_export)
         return false;
     if (drv.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                                  devices[dev]) != CUDA_SUCCESS ||
