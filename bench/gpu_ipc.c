@@ -23,11 +23,14 @@
  * the producer reads them back and checks them. --sync-copies: every
  * 8-byte copy is the synchronous call tdp_mem_copy makes (cuMemcpy from
  * or to pageable memory, then a wait for the default stream) instead of
- * page-locked memory, an async copy and a stream wait. Together they take
- * apart what a GPU ping-pong's small copies cost (docs/gpu.md).
+ * page-locked memory, an async copy and a stream wait. --device-writes:
+ * the 8 bytes are written into device memory by the device's front end
+ * (cuStreamWriteValue64, then a stream wait), not by a copy engine; reads
+ * stay copies. Together they take apart what a GPU ping-pong's small
+ * copies cost (docs/gpu.md).
  *
  *   tdp_gpu_ipc [--sizes LIST] [--rounds N] [--device D] [--both-ways]
- *               [--sync-copies] [--json]
+ *               [--sync-copies] [--device-writes] [--json]
  *
  * LIST: comma-separated byte counts (default 1000,1000000,100000000). The
  * payload size only sets the slot size (nothing but the 8 bytes is
@@ -89,10 +92,13 @@ typedef struct hello {
 } hello;
 #define F_BOTH 1u /* --both-ways */
 #define F_SYNC 2u /* --sync-copies */
+#define F_DEVW 4u /* --device-writes */
 
 /* 8 bytes to device memory, or back, as the flags say. */
 static bool put8(void *dst, uint64_t v, void *pin, tdp__cuda_stream *s, uint32_t flags)
 {
+    if (flags & F_DEVW)
+        return tdp__cuda_write_u64(dst, v, s) == TDP_OK && tdp__cuda_stream_sync(s) == TDP_OK;
     if (flags & F_SYNC)
         return tdp__cuda_memcpy(dst, &v, 8) == TDP_OK;
     memcpy(pin, &v, 8);
@@ -297,6 +303,8 @@ int main(int argc, char **argv)
             flags |= F_BOTH;
         else if (strcmp(argv[i], "--sync-copies") == 0)
             flags |= F_SYNC;
+        else if (strcmp(argv[i], "--device-writes") == 0)
+            flags |= F_DEVW;
         else
             nsizes = -1;
         if (nsizes < 1)
@@ -305,7 +313,7 @@ int main(int argc, char **argv)
     if (nsizes < 1 || rounds < 1) {
         fprintf(stderr,
                 "usage: %s [--sizes BYTES,...] [--rounds N (>= 1)] [--device D] [--both-ways] "
-                "[--sync-copies] [--json]\n",
+                "[--sync-copies] [--device-writes] [--json]\n",
                 argv[0]);
         return 2;
     }
@@ -346,8 +354,9 @@ int main(int argc, char **argv)
         return rc;
     if (json) {
         printf("{\"cuda\": \"%s\", \"rounds\": %d, \"both_ways\": %s, \"sync_copies\": %s, "
-               "\"results\": [",
-               what, rounds, flags & F_BOTH ? "true" : "false", flags & F_SYNC ? "true" : "false");
+               "\"device_writes\": %s, \"results\": [",
+               what, rounds, flags & F_BOTH ? "true" : "false", flags & F_SYNC ? "true" : "false",
+               flags & F_DEVW ? "true" : "false");
         for (int i = 0; i < nsizes; i++)
             printf("%s{\"bytes\": %" PRIu64 ", \"p50_us\": %.2f, \"mean_us\": %.2f, "
                    "\"import_us\": %.0f}",
@@ -356,7 +365,9 @@ int main(int argc, char **argv)
     } else {
         printf("# cuda: %s; %d ping-pongs per size, one-way = half%s%s\n", what, rounds,
                flags & F_BOTH ? "; answers written back the same way" : "",
-               flags & F_SYNC ? "; synchronous copies from pageable memory" : "");
+               flags & F_DEVW   ? "; writes by the device (no copy engine)"
+               : flags & F_SYNC ? "; synchronous copies from pageable memory"
+                                : "");
         printf("%-12s %10s %10s %12s\n", "bytes", "p50 us", "mean us", "import us");
         for (int i = 0; i < nsizes; i++)
             printf("%-12" PRIu64 " %10.2f %10.2f %12.0f\n", res[i].bytes, res[i].p50_us,

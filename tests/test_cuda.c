@@ -199,6 +199,31 @@ static void test_sync_calls_done_on_return(void **state)
     tdp__cuda_free(d);
 }
 
+/* A value written by the device: in stream order, late until the stream is
+ * waited for, 8-byte aligned device addresses only. */
+static void test_write_u64(void **state)
+{
+    (void)state;
+    uint64_t *d = NULL, got = 0;
+    tdp__cuda_stream *s = NULL;
+    OK(tdp__cuda_malloc(0, 64, (void **)&d));
+    OK(tdp__cuda_memset(d, 0, 64));
+    OK(tdp__cuda_stream_create(0, &s));
+    tdp__cuda_fake_set_delay_us(DELAY_US);
+    OK(tdp__cuda_write_u64(d + 1, 0x1122334455667788u, s));
+    OK(tdp__cuda_fake_peek(d + 1, &got, sizeof(got)));
+    assert_int_equal(got, 0); /* not there until the stream has passed it */
+    OK(tdp__cuda_stream_sync(s));
+    OK(tdp__cuda_fake_peek(d + 1, &got, sizeof(got)));
+    assert_int_equal(got, 0x1122334455667788u);
+    tdp__cuda_fake_set_delay_us(0);
+    assert_int_equal(tdp__cuda_write_u64((char *)d + 4, 1, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_u64(NULL, 1, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_u64(d, 1, NULL), TDP_EINVAL);
+    tdp__cuda_stream_destroy(s);
+    tdp__cuda_free(d);
+}
+
 /* Each kind of call in its own line; "name calls N mean M us ...", or false. */
 static bool stat_of(const char *name, unsigned long long *calls, double *mean_us)
 {
@@ -625,6 +650,7 @@ int main(void)
         cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
         cmocka_unit_test_setup(test_sync_calls_done_on_return, fake_setup),
         cmocka_unit_test_setup(test_call_stats, fake_setup),
+        cmocka_unit_test_setup(test_write_u64, fake_setup),
         cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
         cmocka_unit_test_setup(test_host_func_makes_no_cuda_call, fake_setup),
         cmocka_unit_test_setup(test_events, fake_setup),

@@ -160,11 +160,12 @@ static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
  */
 #define STAT_OPS(X)                                                                                \
     X(uuid)                                                                                        \
-    X(ctx_set) X(malloc) X(free) X(host_alloc) X(host_free) X(host_register) X(host_unregister)    \
+    X(ctx_set)                                                                                     \
+    X(malloc) X(free) X(host_alloc) X(host_free) X(host_register) X(host_unregister)               \
         X(stream_create) X(stream_destroy) X(stream_sync) X(memcpy_async) X(memcpy) X(memset)      \
-            X(sync_default) X(host_func) X(event_create) X(event_destroy) X(event_record)          \
-                X(event_query) X(event_sync) X(stream_wait) X(ptr_info) X(export_) X(import)       \
-                    X(import_close)
+            X(write_u64) X(sync_default) X(host_func) X(event_create) X(event_destroy)             \
+                X(event_record) X(event_query) X(event_sync) X(stream_wait) X(ptr_info) X(export_) \
+                    X(import) X(import_close)
 #define STAT_ENUM(fn) ST_##fn,
 enum { STAT_OPS(STAT_ENUM) ST_COUNT };
 #define STAT_NAME(fn) #fn,
@@ -376,6 +377,13 @@ tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_s
     if (n == 0)
         return TDP_OK;
     CALL(memcpy_async, dst, src, n, s);
+}
+
+tdp_err tdp__cuda_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+{
+    if (s == NULL || dst == NULL || ((uintptr_t)dst & 7u) != 0)
+        return TDP_EINVAL;
+    CALL(write_u64, dst, v, s);
 }
 
 /*

@@ -95,6 +95,13 @@ tdp_err tdp__cuda_stream_sync(tdp__cuda_stream *s);
  */
 tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
 
+/*
+ * Write v to the 8 aligned bytes at dst (device memory) in s's order,
+ * done by the device's front end rather than a copy engine
+ * (cuStreamWriteValue64). TDP_ENOTSUP where the backend cannot.
+ */
+tdp_err tdp__cuda_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s);
+
 /* A copy or fill that has finished when the call returns. */
 tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n);
 tdp_err tdp__cuda_memset(void *dptr, int byte, size_t n);

@@ -70,9 +70,13 @@
     X(cuMemExportToShareableHandle)                                                                \
     X(cuMemImportFromShareableHandle)
 
+/* Stream memory operations (optional: write_u64 is not offered without them). */
+#define DRV_MEMOPS(X) X(cuStreamWriteValue64)
+
 #define DRV_FIELD(name) __typeof__(&name) name;
 static struct {
     DRV_REQUIRED(DRV_FIELD)
+    DRV_MEMOPS(DRV_FIELD)
     DRV_VMM(DRV_FIELD)
 } drv;
 static bool have_vmm;
@@ -120,6 +124,9 @@ static bool load_syms(void *lib, const char **why)
         have_vmm = false;
     DRV_VMM(DRV_LOAD_VMM)
 #undef DRV_LOAD_VMM
+#define DRV_LOAD_OPT(name) *(void **)&drv.name = dlsym(lib, DRV_STR(name));
+    DRV_MEMOPS(DRV_LOAD_OPT)
+#undef DRV_LOAD_OPT
     const char *env = getenv("TDPIPE_CUDA_VMM");
     vmm_export = env == NULL || strcmp(env, "0") != 0;
     return true;
@@ -546,6 +553,18 @@ static tdp_err drv_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_
         "cuMemcpyAsync");
 }
 
+static tdp_err drv_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+{
+    if (drv.cuStreamWriteValue64 == NULL)
+        return TDP_ENOTSUP;
+    tdp_err rc = drv_ctx_set(s->dev);
+    if (rc != TDP_OK)
+        return rc;
+    return drv_err(drv.cuStreamWriteValue64(s->s, (CUdeviceptr)(uintptr_t)dst, (cuuint64_t)v,
+                                            CU_STREAM_WRITE_VALUE_DEFAULT),
+                   "cuStreamWriteValue64");
+}
+
 static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
 {
     tdp_err rc = ctx_any();
@@ -644,6 +663,7 @@ const tdp__cuda_ops tdp__cuda_driver_ops = {
     .stream_destroy = drv_stream_destroy,
     .stream_sync = drv_stream_sync,
     .memcpy_async = drv_memcpy_async,
+    .write_u64 = drv_write_u64,
     .memcpy = drv_memcpy,
     .memset = drv_memset,
     .sync_default = drv_sync_default,

@@ -426,7 +426,7 @@ struct tdp__cuda_event {
     uint64_t passed;   /* records the stream has passed */
 };
 
-typedef enum op_kind { OP_COPY, OP_SET, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
+typedef enum op_kind { OP_COPY, OP_SET, OP_WRITE64, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
 
 typedef struct fake_op {
     op_kind kind;
@@ -437,7 +437,8 @@ typedef struct fake_op {
     void *arg;
     tdp__cuda_event *ev;
     uint64_t gen;
-    int byte; /* OP_SET */
+    int byte;       /* OP_SET */
+    uint64_t value; /* OP_WRITE64 */
 } fake_op;
 
 /*
@@ -493,6 +494,10 @@ static void op_run(fake_op *op)
     case OP_SET:
         copy_delay();
         memset(op->dst, op->byte, op->n);
+        break;
+    case OP_WRITE64:
+        copy_delay();
+        memcpy(op->dst, &op->value, sizeof(op->value));
         break;
     case OP_HOST_FN:
         in_host_fn = true; /* no CUDA call from here (cuda.c refuses it) */
@@ -592,6 +597,20 @@ static tdp_err fake_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda
         return rc;
     op.dst = d;
     op.src = sp;
+    return enqueue(s, &op);
+}
+
+/* The device writes the value itself, late as a copy: dst must be device memory. */
+static tdp_err fake_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+{
+    fake_op op = {.kind = OP_WRITE64, .n = sizeof(v), .value = v};
+    if (fault_fires(TDP__CUDA_FAULT_COPY_FAIL_AT)) {
+        tdp_log_error("fake CUDA: a write of 8 bytes failed (injected)");
+        return TDP_ECUDA;
+    }
+    tdp_err rc = engine_addr(dst, sizeof(v), &op.dst);
+    if (rc != TDP_OK)
+        return rc;
     return enqueue(s, &op);
 }
 
@@ -771,6 +790,7 @@ const tdp__cuda_ops tdp__cuda_fake_ops = {
     .stream_destroy = fake_stream_destroy,
     .stream_sync = fake_stream_sync,
     .memcpy_async = fake_memcpy_async,
+    .write_u64 = fake_write_u64,
     .memcpy = fake_memcpy,
     .memset = fake_memset,
     .sync_default = fake_sync_default,
