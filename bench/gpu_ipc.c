@@ -98,7 +98,8 @@ typedef struct hello {
 static bool put8(void *dst, uint64_t v, void *pin, tdp__cuda_stream *s, uint32_t flags)
 {
     if (flags & F_DEVW)
-        return tdp__cuda_write_u64(dst, v, s) == TDP_OK && tdp__cuda_stream_sync(s) == TDP_OK;
+        return tdp__cuda_write_inline(dst, &v, 8, s) == TDP_OK &&
+               tdp__cuda_stream_sync(s) == TDP_OK;
     if (flags & F_SYNC)
         return tdp__cuda_memcpy(dst, &v, 8) == TDP_OK;
     memcpy(pin, &v, 8);

@@ -199,27 +199,48 @@ static void test_sync_calls_done_on_return(void **state)
     tdp__cuda_free(d);
 }
 
-/* A value written by the device: in stream order, late until the stream is
- * waited for, 8-byte aligned device addresses only. */
-static void test_write_u64(void **state)
+/* Bytes written by the device: in stream order, late until the stream is
+ * waited for, read from the source at the call; sizes and addresses in
+ * multiples of 4, at most TDP__CUDA_INLINE_MAX. */
+static void test_write_inline(void **state)
 {
     (void)state;
-    uint64_t *d = NULL, got = 0;
+    enum { M = 4096 };
+    unsigned char *d = NULL, src[M], got[M];
     tdp__cuda_stream *s = NULL;
-    OK(tdp__cuda_malloc(0, 64, (void **)&d));
-    OK(tdp__cuda_memset(d, 0, 64));
+    OK(tdp__cuda_malloc(0, M, (void **)&d));
+    OK(tdp__cuda_memset(d, 0, M));
     OK(tdp__cuda_stream_create(0, &s));
+    for (size_t i = 0; i < M; i++)
+        src[i] = (unsigned char)(i * 7 + 1);
     tdp__cuda_fake_set_delay_us(DELAY_US);
-    OK(tdp__cuda_write_u64(d + 1, 0x1122334455667788u, s));
-    OK(tdp__cuda_fake_peek(d + 1, &got, sizeof(got)));
-    assert_int_equal(got, 0); /* not there until the stream has passed it */
+    /* 4 bytes past an 8-byte boundary, an odd count of words: 32-bit head and tail */
+    OK(tdp__cuda_write_inline(d + 4, src, 1004, s));
+    memset(src, 0, 1004); /* read at the call: the source is the caller's again */
+    OK(tdp__cuda_fake_peek(d + 4, got, 1004));
+    assert_int_equal(got[0], 0);
     OK(tdp__cuda_stream_sync(s));
-    OK(tdp__cuda_fake_peek(d + 1, &got, sizeof(got)));
-    assert_int_equal(got, 0x1122334455667788u);
+    OK(tdp__cuda_fake_peek(d, got, 1012));
+    assert_int_equal(got[0], 0);
+    assert_int_equal(got[3], 0);
+    for (size_t i = 0; i < 1004; i++)
+        assert_int_equal(got[4 + i], (unsigned char)(i * 7 + 1));
+    assert_int_equal(got[1008], 0);
     tdp__cuda_fake_set_delay_us(0);
-    assert_int_equal(tdp__cuda_write_u64((char *)d + 4, 1, s), TDP_EINVAL);
-    assert_int_equal(tdp__cuda_write_u64(NULL, 1, s), TDP_EINVAL);
-    assert_int_equal(tdp__cuda_write_u64(d, 1, NULL), TDP_EINVAL);
+    /* the largest */
+    memset(src, 0x5a, M);
+    OK(tdp__cuda_write_inline(d + 2048, src, TDP__CUDA_INLINE_MAX, s));
+    OK(tdp__cuda_stream_sync(s));
+    OK(tdp__cuda_fake_peek(d + 2048, got, TDP__CUDA_INLINE_MAX + 4));
+    assert_int_equal(got[TDP__CUDA_INLINE_MAX - 1], 0x5a);
+    assert_int_equal(got[TDP__CUDA_INLINE_MAX], 0);
+    assert_int_equal(tdp__cuda_write_inline(d, src, TDP__CUDA_INLINE_MAX + 4, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(d + 2, src, 8, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(d, src, 6, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(d, src, 0, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(NULL, src, 8, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(d, NULL, 8, s), TDP_EINVAL);
+    assert_int_equal(tdp__cuda_write_inline(d, src, 8, NULL), TDP_EINVAL);
     tdp__cuda_stream_destroy(s);
     tdp__cuda_free(d);
 }
@@ -236,6 +257,63 @@ static bool stat_of(const char *name, unsigned long long *calls, double *mean_us
             return true;
     }
     return false;
+}
+
+/*
+ * tdp_mem_copy of a few bytes to the device: written by the device on the
+ * layer's stream, landed on return even when the device is late; the
+ * other way, or with inline writes off, a copy.
+ */
+static void test_mem_copy_small(void **state)
+{
+    (void)state;
+    unsigned long long calls = 0;
+    double mean = 0;
+    unsigned char host[64], got[64], *d = NULL;
+    OK(tdp__cuda_malloc(0, 4096, (void **)&d));
+    OK(tdp__cuda_memset(d, 0, 4096));
+    for (int i = 0; i < 64; i++)
+        host[i] = (unsigned char)(i + 100);
+    tdp__cuda_stats_enable(true);
+    tdp__cuda_stats_reset();
+    tdp__cuda_fake_set_delay_us(DELAY_US);
+    OK(tdp_mem_copy(d + 8, host, 32));
+    OK(tdp__cuda_fake_peek(d + 8, got, 32)); /* landed on return */
+    assert_memory_equal(got, host, 32);
+    tdp__cuda_fake_set_delay_us(0);
+    assert_true(stat_of("write_inline", &calls, &mean));
+    assert_int_equal(calls, 1);
+    assert_false(stat_of("memcpy", &calls, &mean));
+    OK(tdp_mem_copy(got, d + 8, 32)); /* back: a copy */
+    assert_memory_equal(got, host, 32);
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 1);
+    OK(tdp_mem_copy(d + 1, host, 32)); /* unaligned: a copy */
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 2);
+    tdp__cuda_inline_set(false);
+    OK(tdp_mem_copy(d + 512, host, 32));
+    tdp__cuda_inline_set(true);
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 3);
+    assert_true(stat_of("write_inline", &calls, &mean));
+    assert_int_equal(calls, 1);
+    OK(tdp__cuda_fake_peek(d + 512, got, 32));
+    assert_memory_equal(got, host, 32);
+    /* in a forked child (the fake survives fork): the layer's stream is made again */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        unsigned char c[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {0};
+        bool ok = tdp_mem_copy(d + 1024, c, 8) == TDP_OK &&
+                  tdp_mem_copy(b, d + 1024, 8) == TDP_OK && memcmp(b, c, 8) == 0;
+        _exit(ok ? 0 : 1);
+    }
+    int st = reap(pid);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    tdp__cuda_stats_enable(false);
+    tdp__cuda_free(d);
 }
 
 /* TDPIPE_CUDA_STATS: each call through the layer counted and timed, the
@@ -650,7 +728,8 @@ int main(void)
         cmocka_unit_test_setup(test_copy_is_late_until_sync, fake_setup),
         cmocka_unit_test_setup(test_sync_calls_done_on_return, fake_setup),
         cmocka_unit_test_setup(test_call_stats, fake_setup),
-        cmocka_unit_test_setup(test_write_u64, fake_setup),
+        cmocka_unit_test_setup(test_write_inline, fake_setup),
+        cmocka_unit_test_setup(test_mem_copy_small, fake_setup),
         cmocka_unit_test_setup(test_host_func_after_copies, fake_setup),
         cmocka_unit_test_setup(test_host_func_makes_no_cuda_call, fake_setup),
         cmocka_unit_test_setup(test_events, fake_setup),

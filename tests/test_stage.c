@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <tdpipe/loop.h>
@@ -413,6 +414,80 @@ static void test_small_polled(void **state)
     free(back2);
 }
 
+/* Calls of one kind through the CUDA layer so far (its statistics). */
+static unsigned long long calls_of(const char *name)
+{
+    char line[160], key[32];
+    unsigned long long n = 0;
+    for (int k = 0; k < 64; k++)
+        if (tdp__cuda_stats_line(k, line, sizeof(line)) &&
+            sscanf(line, "%31s calls %llu", key, &n) == 2 && strcmp(key, name) == 0)
+            return n;
+    return 0;
+}
+
+/*
+ * A small host-to-device copy is written by the device (no copy engine),
+ * lands whole and in order with the copies around it; a device-to-host
+ * one, an unaligned one, a big one, or any once inline writes are off,
+ * is a copy.
+ */
+static void test_small_inline(void **state)
+{
+    fixture *fx = *state;
+    size_t small = 1000, big = 1u << 20;
+    unsigned char *src = malloc(big), *back = calloc(1, big);
+    fill(src, big, 9);
+    unsigned char *dev;
+    OK(tdp__cuda_malloc(0, big, (void **)&dev));
+    OK(tdp__cuda_memset(dev, 0, big));
+    tdp__cuda_stats_enable(true);
+    tdp__cuda_stats_reset();
+    tdp__cuda_fake_set_delay_us(20000); /* late: the loop reports it only once it landed */
+    rec a, b, c, d, e;
+    rec_init(&a, 1);
+    rec_init(&b, 2);
+    OK(start(fx, &a, dev, src, small, small, 0, 0));
+    OK(start(fx, &b, back, dev, small, small, 0, 0)); /* back, after it */
+    wait_all(fx, 2);
+    OK(a.status);
+    OK(b.status);
+    assert_memory_equal(back, src, small);
+    assert_int_equal(calls_of("write_inline"), 1);
+    assert_int_equal(calls_of("memcpy_async"), 1); /* the copy back */
+    tdp__cuda_fake_set_delay_us(0);
+
+    /* unaligned, and past the largest: copies */
+    rec_init(&c, 3);
+    rec_init(&d, 4);
+    OK(start(fx, &c, dev + 1, src, small, small, 0, 0));
+    OK(start(fx, &d, dev + 4096, src, TDP__CUDA_INLINE_MAX + 4, TDP__CUDA_INLINE_MAX + 4, 0, 0));
+    ndone = 0;
+    wait_all(fx, 2);
+    OK(c.status);
+    OK(d.status);
+    assert_int_equal(calls_of("write_inline"), 1);
+    assert_int_equal(calls_of("memcpy_async"), 3);
+    OK(tdp__cuda_memcpy(back, dev + 1, small));
+    assert_memory_equal(back, src, small);
+
+    /* off: a copy again */
+    tdp__stage_set_inline(fx->st, false);
+    rec_init(&e, 5);
+    OK(start(fx, &e, dev, src + 8, small, small, 0, 0));
+    ndone = 0;
+    wait_all(fx, 1);
+    OK(e.status);
+    assert_int_equal(calls_of("write_inline"), 1);
+    assert_int_equal(calls_of("memcpy_async"), 4);
+    OK(tdp__cuda_memcpy(back, dev, small));
+    assert_memory_equal(back, src + 8, small);
+    tdp__cuda_stats_enable(false);
+    tdp__cuda_free(dev);
+    free(src);
+    free(back);
+}
+
 /* A zero-length copy completes through the loop too. */
 static void test_empty(void **state)
 {
@@ -488,6 +563,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_empty, setup, teardown),
         cmocka_unit_test_setup_teardown(test_small_polled, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_small_inline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_no_alloc, setup, teardown),
         cmocka_unit_test(test_no_device),
     };

@@ -161,11 +161,14 @@ static bool refused_in_host_fn(const tdp__cuda_ops *o, const char *what)
 #define STAT_OPS(X)                                                                                \
     X(uuid)                                                                                        \
     X(ctx_set)                                                                                     \
-    X(malloc) X(free) X(host_alloc) X(host_free) X(host_register) X(host_unregister)               \
-        X(stream_create) X(stream_destroy) X(stream_sync) X(memcpy_async) X(memcpy) X(memset)      \
-            X(write_u64) X(sync_default) X(host_func) X(event_create) X(event_destroy)             \
-                X(event_record) X(event_query) X(event_sync) X(stream_wait) X(ptr_info) X(export_) \
-                    X(import) X(import_close)
+    X(malloc)                                                                                      \
+    X(free)                                                                                        \
+    X(host_alloc)                                                                                  \
+    X(host_free)                                                                                   \
+    X(host_register) X(host_unregister) X(stream_create) X(stream_destroy) X(stream_sync)          \
+        X(memcpy_async) X(memcpy) X(memset) X(write_inline) X(sync_default) X(host_func)           \
+            X(event_create) X(event_destroy) X(event_record) X(event_query) X(event_sync)          \
+                X(stream_wait) X(ptr_info) X(export_) X(import) X(import_close)
 #define STAT_ENUM(fn) ST_##fn,
 enum { STAT_OPS(STAT_ENUM) ST_COUNT };
 #define STAT_NAME(fn) #fn,
@@ -379,11 +382,11 @@ tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_s
     CALL(memcpy_async, dst, src, n, s);
 }
 
-tdp_err tdp__cuda_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+tdp_err tdp__cuda_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
 {
-    if (s == NULL || dst == NULL || ((uintptr_t)dst & 7u) != 0)
+    if (s == NULL || dst == NULL || src == NULL || !tdp__cuda_inline_fits(dst, n))
         return TDP_EINVAL;
-    CALL(write_u64, dst, v, s);
+    CALL(write_inline, dst, src, n, s);
 }
 
 /*
@@ -512,6 +515,70 @@ void tdp__cuda_import_close(void *p)
 {
     if (p != NULL)
         CALL_VOID(import_close, p);
+}
+
+/* ---- small synchronous host-to-device writes ----------------------------- */
+
+/*
+ * One stream per device for them, made at the first, kept for the
+ * process (remade in a forked child, where the fake's engine is gone).
+ */
+#define INL_DEVS 64
+static struct {
+    pthread_mutex_t mu;
+    tdp__cuda_stream *s;
+    pid_t pid;
+} inl[INL_DEVS] = {[0 ... INL_DEVS - 1] = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+static _Atomic int inline_on = -1; /* -1: TDPIPE_CUDA_INLINE not read yet */
+
+bool tdp__cuda_inline_enabled(void)
+{
+    int on = atomic_load_explicit(&inline_on, memory_order_relaxed);
+    if (on < 0) {
+        const char *env = getenv("TDPIPE_CUDA_INLINE");
+        on = env == NULL || strcmp(env, "0") != 0;
+        atomic_store(&inline_on, on);
+    }
+    return on;
+}
+
+void tdp__cuda_inline_set(bool on)
+{
+    atomic_store(&inline_on, on);
+}
+
+tdp_err tdp__cuda_copy_small(void *dst, const void *src, size_t n)
+{
+    if (!tdp__cuda_inline_fits(dst, n) || src == NULL || !tdp__cuda_inline_enabled())
+        return TDP_ENOTSUP;
+    tdp__cuda_ptr_info di, si;
+    if (tdp__cuda_ptr_get_info(dst, &di) != TDP_OK || di.kind != TDP__CUDA_PTR_DEVICE ||
+        di.device < 0 || di.device >= INL_DEVS)
+        return TDP_ENOTSUP;
+    if (tdp__cuda_ptr_get_info(src, &si) != TDP_OK || si.kind == TDP__CUDA_PTR_DEVICE)
+        return TDP_ENOTSUP;
+    const tdp__cuda_ops *ops = be();
+    tdp_err rc = TDP_OK;
+    pthread_mutex_lock(&inl[di.device].mu);
+    if (inl[di.device].s == NULL || inl[di.device].pid != getpid()) {
+        inl[di.device].s = NULL;
+        rc = tdp__cuda_stream_create(di.device, &inl[di.device].s);
+        inl[di.device].pid = getpid();
+    }
+    /* after what the default stream holds, as a synchronous copy would be */
+    if (rc == TDP_OK && ops->sync_default != NULL) {
+        uint64_t t = stat_begin();
+        rc = ops->sync_default();
+        stat_end(ST_sync_default, t);
+    }
+    if (rc == TDP_OK)
+        rc = tdp__cuda_write_inline(dst, src, n, inl[di.device].s);
+    if (rc == TDP_OK)
+        rc = tdp__cuda_stream_sync(inl[di.device].s);
+    pthread_mutex_unlock(&inl[di.device].mu);
+    if (rc == TDP_ENOTSUP)
+        atomic_store(&inline_on, 0); /* the device cannot: copies from now on */
+    return rc;
 }
 
 /* ---- the public view ---------------------------------------------------- */

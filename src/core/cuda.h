@@ -96,11 +96,38 @@ tdp_err tdp__cuda_stream_sync(tdp__cuda_stream *s);
 tdp_err tdp__cuda_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
 
 /*
- * Write v to the 8 aligned bytes at dst (device memory) in s's order,
- * done by the device's front end rather than a copy engine
- * (cuStreamWriteValue64). TDP_ENOTSUP where the backend cannot.
+ * Write the n bytes at src (host memory, read during the call) to dst
+ * (device memory) in s's order, by the device's front end rather than a
+ * copy engine: 32- and 64-bit write-value operations in one batch
+ * (cuStreamBatchMemOp). For small host-to-device writes: on one GPU,
+ * copy-engine writes that alternate between two processes cost ~140 us
+ * each (an H200, docs/gpu.md), these do not. dst and n must be multiples
+ * of 4, n at most TDP__CUDA_INLINE_MAX (TDP_EINVAL otherwise).
+ * TDP_ENOTSUP where the device or backend cannot: copy instead.
  */
-tdp_err tdp__cuda_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s);
+#define TDP__CUDA_INLINE_MAX 2032u
+tdp_err tdp__cuda_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
+
+/*
+ * Whether small host-to-device writes go as tdp__cuda_write_inline: on
+ * unless TDPIPE_CUDA_INLINE=0, off once a device could not; set for tests.
+ */
+bool tdp__cuda_inline_enabled(void);
+void tdp__cuda_inline_set(bool on);
+
+/*
+ * A synchronous copy of n bytes from host to device memory as the device's
+ * own writes, on a stream of the layer's, after the default stream's work:
+ * TDP_OK once they landed; TDP_ENOTSUP where it does not apply (not host
+ * to device, too big, unaligned, inline writes off): copy instead.
+ */
+tdp_err tdp__cuda_copy_small(void *dst, const void *src, size_t n);
+
+/* Whether a copy of n bytes to dst could go as tdp__cuda_write_inline (size and alignment). */
+static inline bool tdp__cuda_inline_fits(const void *dst, size_t n)
+{
+    return n > 0 && n <= TDP__CUDA_INLINE_MAX && n % 4 == 0 && ((uintptr_t)dst & 3u) == 0;
+}
 
 /* A copy or fill that has finished when the call returns. */
 tdp_err tdp__cuda_memcpy(void *dst, const void *src, size_t n);

@@ -70,8 +70,8 @@
     X(cuMemExportToShareableHandle)                                                                \
     X(cuMemImportFromShareableHandle)
 
-/* Stream memory operations (optional: write_u64 is not offered without them). */
-#define DRV_MEMOPS(X) X(cuStreamWriteValue64)
+/* Stream memory operations (optional: write_inline is not offered without them). */
+#define DRV_MEMOPS(X) X(cuStreamBatchMemOp)
 
 #define DRV_FIELD(name) __typeof__(&name) name;
 static struct {
@@ -553,16 +553,71 @@ static tdp_err drv_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_
         "cuMemcpyAsync");
 }
 
-static tdp_err drv_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+/*
+ * Per device: 1 where 64-bit write-value operations are supported, 0 where
+ * only 32-bit ones are, -1 not asked yet; -2: batches refused (not again).
+ */
+static _Atomic int memops64[DRV_MAX_DEVICES];
+static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
+
+static void memops_init(void)
 {
-    if (drv.cuStreamWriteValue64 == NULL)
+    for (int i = 0; i < DRV_MAX_DEVICES; i++)
+        atomic_store(&memops64[i], -1);
+}
+
+static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
+{
+    (void)pthread_once(&memops_once, memops_init);
+    int w64 = atomic_load(&memops64[s->dev]);
+    if (drv.cuStreamBatchMemOp == NULL || w64 == -2)
         return TDP_ENOTSUP;
     tdp_err rc = drv_ctx_set(s->dev);
     if (rc != TDP_OK)
         return rc;
-    return drv_err(drv.cuStreamWriteValue64(s->s, (CUdeviceptr)(uintptr_t)dst, (cuuint64_t)v,
-                                            CU_STREAM_WRITE_VALUE_DEFAULT),
-                   "cuStreamWriteValue64");
+    if (w64 == -1) {
+        int v = 0;
+        if (drv.cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                                     devices[s->dev]) != CUDA_SUCCESS)
+            v = 0;
+        w64 = v ? 1 : 0;
+        atomic_store(&memops64[s->dev], w64);
+    }
+    /* at most 255 operations a batch: 64-bit words between a 32-bit head and tail */
+    CUstreamBatchMemOpParams ops[255];
+    unsigned k = 0;
+    const unsigned char *in = src;
+    CUdeviceptr d = (CUdeviceptr)(uintptr_t)dst;
+    size_t off = 0;
+    while (off < n) {
+        if (k == 255)
+            return TDP_ENOTSUP; /* only 32-bit operations here: too long for one batch */
+        memset(&ops[k], 0, sizeof(ops[k]));
+        ops[k].writeValue.address = d + off;
+        /* the first is fenced after the stream's earlier work; the rest need not be */
+        ops[k].writeValue.flags =
+            k == 0 ? CU_STREAM_WRITE_VALUE_DEFAULT : CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+        if (w64 == 1 && ((d + off) & 7u) == 0 && n - off >= 8) {
+            uint64_t v;
+            memcpy(&v, in + off, 8);
+            ops[k].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+            ops[k].writeValue.value64 = v;
+            off += 8;
+        } else {
+            uint32_t v;
+            memcpy(&v, in + off, 4);
+            ops[k].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+            ops[k].writeValue.value = v;
+            off += 4;
+        }
+        k++;
+    }
+    CUresult r = drv.cuStreamBatchMemOp(s->s, k, ops, 0);
+    if (r == CUDA_ERROR_NOT_SUPPORTED) {
+        atomic_store(&memops64[s->dev], -2); /* the caller copies: now and from now on */
+        return TDP_ENOTSUP;
+    }
+    return drv_err(r, "cuStreamBatchMemOp");
 }
 
 static tdp_err drv_memcpy(void *dst, const void *src, size_t n)
@@ -663,7 +718,7 @@ const tdp__cuda_ops tdp__cuda_driver_ops = {
     .stream_destroy = drv_stream_destroy,
     .stream_sync = drv_stream_sync,
     .memcpy_async = drv_memcpy_async,
-    .write_u64 = drv_write_u64,
+    .write_inline = drv_write_inline,
     .memcpy = drv_memcpy,
     .memset = drv_memset,
     .sync_default = drv_sync_default,

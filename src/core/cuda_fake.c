@@ -438,7 +438,8 @@ typedef struct fake_op {
     tdp__cuda_event *ev;
     uint64_t gen;
     int byte;       /* OP_SET */
-    uint64_t value; /* OP_WRITE64 */
+    uint64_t value; /* OP_WRITE64: its first n bytes */
+    bool lead;      /* OP_WRITE64: the first of its batch (the one that waits) */
 } fake_op;
 
 /*
@@ -495,9 +496,10 @@ static void op_run(fake_op *op)
         copy_delay();
         memset(op->dst, op->byte, op->n);
         break;
-    case OP_WRITE64:
-        copy_delay();
-        memcpy(op->dst, &op->value, sizeof(op->value));
+    case OP_WRITE64: /* 4 or 8 bytes: op->n; a batch is late once, as a copy */
+        if (op->lead)
+            copy_delay();
+        memcpy(op->dst, &op->value, op->n);
         break;
     case OP_HOST_FN:
         in_host_fn = true; /* no CUDA call from here (cuda.c refuses it) */
@@ -600,18 +602,28 @@ static tdp_err fake_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda
     return enqueue(s, &op);
 }
 
-/* The device writes the value itself, late as a copy: dst must be device memory. */
-static tdp_err fake_write_u64(void *dst, uint64_t v, tdp__cuda_stream *s)
+/*
+ * Written by the device itself, late as a copy, in 4- and 8-byte
+ * operations whose values are read from src now (as the driver's batch
+ * carries them); dst must lie inside one allocation.
+ */
+static tdp_err fake_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
 {
-    fake_op op = {.kind = OP_WRITE64, .n = sizeof(v), .value = v};
     if (fault_fires(TDP__CUDA_FAULT_COPY_FAIL_AT)) {
-        tdp_log_error("fake CUDA: a write of 8 bytes failed (injected)");
+        tdp_log_error("fake CUDA: a write of %zu bytes failed (injected)", n);
         return TDP_ECUDA;
     }
-    tdp_err rc = engine_addr(dst, sizeof(v), &op.dst);
-    if (rc != TDP_OK)
-        return rc;
-    return enqueue(s, &op);
+    char *d;
+    tdp_err rc = engine_addr(dst, n, &d);
+    const unsigned char *in = src;
+    for (size_t off = 0; rc == TDP_OK && off < n;) {
+        size_t w = n - off >= 8 && ((uintptr_t)(d + off) & 7u) == 0 ? 8 : 4;
+        fake_op op = {.kind = OP_WRITE64, .dst = d + off, .n = w, .lead = off == 0};
+        memcpy(&op.value, in + off, w);
+        rc = enqueue(s, &op);
+        off += w;
+    }
+    return rc;
 }
 
 /*
@@ -790,7 +802,7 @@ const tdp__cuda_ops tdp__cuda_fake_ops = {
     .stream_destroy = fake_stream_destroy,
     .stream_sync = fake_stream_sync,
     .memcpy_async = fake_memcpy_async,
-    .write_u64 = fake_write_u64,
+    .write_inline = fake_write_inline,
     .memcpy = fake_memcpy,
     .memset = fake_memset,
     .sync_default = fake_sync_default,

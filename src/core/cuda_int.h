@@ -22,8 +22,9 @@ typedef struct tdp__cuda_ops {
     tdp_err (*memcpy_async)(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
     tdp_err (*memcpy)(void *dst, const void *src, size_t n);
     tdp_err (*memset)(void *p, int byte, size_t n);
-    /* 8 bytes written on s by the device itself (no copy engine); NULL: not offered */
-    tdp_err (*write_u64)(void *dst, uint64_t v, tdp__cuda_stream *s);
+    /* n bytes of host memory, read now, written on s by the device itself (no copy
+     * engine); checked by the layer (aligned, at most TDP__CUDA_INLINE_MAX); NULL: not offered */
+    tdp_err (*write_inline)(void *dst, const void *src, size_t n, tdp__cuda_stream *s);
     /* wait for what memcpy and memset left on the default stream (the
      * driver's cuMemcpy and cuMemset may return before their bytes land) */
     tdp_err (*sync_default)(void);

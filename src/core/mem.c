@@ -223,6 +223,12 @@ tdp_err tdp_mem_copy(void *dst, const void *src, size_t n)
         memmove(dst, src, n);
         return TDP_OK;
     }
+    /* small, to the device: written by the device, not a copy engine (docs/gpu.md) */
+    if (n <= TDP__CUDA_INLINE_MAX) {
+        tdp_err rc = tdp__cuda_copy_small(dst, src, n);
+        if (rc != TDP_ENOTSUP)
+            return rc;
+    }
     return tdp__cuda_memcpy(dst, src, n);
 }
 

@@ -16,6 +16,13 @@
  * H100 where the copy itself takes 6-7 us (tdp_gpu_copy --lat); the poll
  * bounds what the loop gives up to that. A chunk not done in time gets its
  * host function as any other.
+ *
+ * A small copy from host to device memory is not given to a copy engine:
+ * its bytes go as the device's own write-value operations
+ * (tdp__cuda_write_inline). On one GPU, small copy-engine writes that
+ * alternate between two processes, as a staged ping-pong's copy-ins do,
+ * took ~140 us each on an H200; written by the device they do not wait
+ * for the other process (docs/gpu.md).
  */
 #include "stage.h"
 
@@ -46,6 +53,7 @@ struct tdp__stage {
     tdp__cuda_stream *stream;
     tdp__cuda_event *spin_ev; /* NULL: every chunk gets a host function */
     uint64_t spin_ns;         /* SPIN_NS; 0: no polling */
+    bool inline_ok;           /* small host-to-device copies written by the device */
     int efd;
     struct event *ev;
     unsigned cap;
@@ -110,7 +118,14 @@ static bool issue_chunk(tdp__stage *st, tdp__stage_copy *c)
     /* nothing queued before it: its end is the event's */
     bool idle = st->spin_ev != NULL && st->spin_ns > 0 && len <= SPIN_BYTES &&
                 atomic_load_explicit(&st->finished, memory_order_acquire) == st->issued;
-    tdp_err rc = tdp__cuda_memcpy_async(c->dst + c->issued, c->src + c->issued, len, st->stream);
+    tdp_err rc = TDP_ENOTSUP;
+    if (c->inline_h2d && st->inline_ok && tdp__cuda_inline_fits(c->dst + c->issued, len)) {
+        rc = tdp__cuda_write_inline(c->dst + c->issued, c->src + c->issued, len, st->stream);
+        if (rc == TDP_ENOTSUP)
+            st->inline_ok = false; /* the device cannot: copies from now on */
+    }
+    if (rc == TDP_ENOTSUP)
+        rc = tdp__cuda_memcpy_async(c->dst + c->issued, c->src + c->issued, len, st->stream);
     if (rc != TDP_OK) {
         c->status = rc;
         self_wake(st);
@@ -253,6 +268,7 @@ tdp_err tdp__stage_new(tdp_loop *loop, int dev, unsigned max_inflight, tdp__stag
     if (tdp__cuda_event_create(dev, &st->spin_ev) != TDP_OK)
         st->spin_ev = NULL; /* host functions alone */
     st->spin_ns = SPIN_NS;
+    st->inline_ok = tdp__cuda_inline_enabled();
     st->ev = event_new(tdp__loop_base(loop), st->efd, EV_READ | EV_PERSIST, on_wake, st);
     if (st->ev == NULL || event_add(st->ev, NULL) != 0) {
         rc = TDP_ENOMEM;
@@ -306,6 +322,14 @@ tdp_err tdp__stage_copy_start(tdp__stage *st, tdp__stage_copy *c, void *dst, con
     c->status = TDP_OK;
     c->active = true;
     c->next = NULL;
+    /* small and host to device: two pointer lookups, where a copy engine would cost more */
+    c->inline_h2d = false;
+    if (st->inline_ok && n > 0 && n <= TDP__CUDA_INLINE_MAX) {
+        tdp__cuda_ptr_info di, si;
+        c->inline_h2d =
+            tdp__cuda_ptr_get_info(dst, &di) == TDP_OK && di.kind == TDP__CUDA_PTR_DEVICE &&
+            tdp__cuda_ptr_get_info(src, &si) == TDP_OK && si.kind != TDP__CUDA_PTR_DEVICE;
+    }
     if (st->tail != NULL)
         st->tail->next = c;
     else
@@ -340,6 +364,11 @@ void tdp__stage_copy_cancel(tdp__stage *st, tdp__stage_copy *c)
     if (queued)
         (void)tdp__cuda_stream_sync(st->stream);
     pump(st); /* copies behind c may go now */
+}
+
+void tdp__stage_set_inline(tdp__stage *st, bool on)
+{
+    st->inline_ok = on;
 }
 
 void tdp__stage_set_spin_ns(tdp__stage *st, uint64_t ns)

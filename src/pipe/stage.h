@@ -51,6 +51,7 @@ struct tdp__stage_copy {
     unsigned max_inflight, inflight;
     tdp_err status;
     bool active;
+    bool inline_h2d; /* host to device, small: written by the device, no copy engine */
     tdp__stage_copy *next;
 };
 
@@ -103,6 +104,13 @@ void tdp__stage_copy_cancel(tdp__stage *st, tdp__stage_copy *c);
  * gets a host function (default 40 us; 0: never polled). For tests.
  */
 void tdp__stage_set_spin_ns(tdp__stage *st, uint64_t ns);
+/*
+ * Whether small host-to-device copies (at most TDP__CUDA_INLINE_MAX bytes)
+ * go as the device's own writes (tdp__cuda_write_inline; default on, off
+ * by itself where the device cannot) rather than through a copy engine.
+ * For tests and measurements.
+ */
+void tdp__stage_set_inline(tdp__stage *st, bool on);
 /* The stage's stream (for an event or a wait ordered after its copies). */
 tdp__cuda_stream *tdp__stage_stream(const tdp__stage *st);
 int tdp__stage_device(const tdp__stage *st);
