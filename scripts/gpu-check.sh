@@ -22,6 +22,8 @@
 #      CPU-side stream wait per message; PyTorch's CUDA IPC through
 #      torch.multiprocessing, bench/torch_cuda_ipc.py, where torch has
 #      CUDA), and prints one table with tdpipe's ratios to them;
+#   5a. 1 KB on each plane with small host-to-device writes done by the
+#      device (the default) and by the copy engine (TDPIPE_CUDA_INLINE=0);
 #   5b. on the host side, what 2 vCPUs could not show: the fan-out hand-off
 #      from idle to 1 and 4 consumers against the wake-up floor
 #      (tdp_fanout_bench --floor), and 100 MB first sends with and without
@@ -129,7 +131,8 @@ $B/bench/tdp_gpu_ipc --sizes 1000,1000000,100000000 --rounds 1000 --json >"$OUT/
 cat "$OUT/ipc_floor.json"
 # the floor with the answer written back through the consumer's own pool, and
 # with synchronous copies from pageable memory (as the bench's control words)
-for f in --both-ways --sync-copies "--both-ways --sync-copies"; do
+for f in --both-ways --sync-copies "--both-ways --sync-copies" --device-writes \
+    "--both-ways --device-writes"; do
     # shellcheck disable=SC2086
     $B/bench/tdp_gpu_ipc --sizes 1000 --rounds 1000 $f 2>&1 | sed -n '1p;3p' | sed 's/^/  /'
 done
@@ -167,6 +170,15 @@ for plane in cuda-ipc shm ucx tcp; do
     echo "  $plane:"
     TDPIPE_BENCH_PHASES=1 timeout 60 "$TDPIPE" bench --quiet --mem cuda --plane "$plane" \
         --sizes 1KB --rounds 2000 2>&1 | grep "per ping" | sed 's/^tdpipe bench: /    /'
+done
+
+say "small host-to-device writes by the device (default) and by the copy engine (TDPIPE_CUDA_INLINE=0), 1 KB p50"
+for plane in cuda-ipc shm ucx tcp; do
+    for inl in 1 0; do
+        r=$(TDPIPE_CUDA_INLINE=$inl timeout 60 "$TDPIPE" bench --quiet --mem cuda --plane "$plane" \
+            --sizes 1KB --rounds 2000 2>&1 | grep '^1.00 KB' | awk '{print "p50", $8, "us, p99", $10, "us"}')
+        echo "  $plane, TDPIPE_CUDA_INLINE=$inl: ${r:-failed}"
+    done
 done
 
 say "UCX over TCP, 100 MB: device vs host"

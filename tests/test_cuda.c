@@ -300,6 +300,18 @@ static void test_mem_copy_small(void **state)
     assert_int_equal(calls, 1);
     OK(tdp__cuda_fake_peek(d + 512, got, 32));
     assert_memory_equal(got, host, 32);
+    /* refused by the device: copied, and copies from then on */
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_INLINE_REFUSED_AT, 1);
+    OK(tdp_mem_copy(d + 768, host, 32));
+    OK(tdp__cuda_fake_peek(d + 768, got, 32));
+    assert_memory_equal(got, host, 32);
+    assert_false(tdp__cuda_inline_enabled());
+    OK(tdp_mem_copy(d + 800, host, 32));
+    assert_true(stat_of("write_inline", &calls, &mean));
+    assert_int_equal(calls, 2);
+    assert_true(stat_of("memcpy", &calls, &mean));
+    assert_int_equal(calls, 5);
+    tdp__cuda_inline_set(true);
     /* in a forked child (the fake survives fork): the layer's stream is made again */
     pid_t pid = fork();
     assert_true(pid >= 0);

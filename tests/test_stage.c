@@ -471,6 +471,25 @@ static void test_small_inline(void **state)
     OK(tdp__cuda_memcpy(back, dev + 1, small));
     assert_memory_equal(back, src, small);
 
+    /* refused by the device (nothing queued): copied instead, and not tried again */
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_INLINE_REFUSED_AT, 1);
+    rec f, g;
+    rec_init(&f, 6);
+    rec_init(&g, 7);
+    OK(start(fx, &f, dev + 8192, src + 4, small, small, 0, 0));
+    OK(start(fx, &g, dev + 12288, src + 12, small, small, 0, 0));
+    ndone = 0;
+    wait_all(fx, 2);
+    OK(f.status);
+    OK(g.status);
+    assert_int_equal(calls_of("write_inline"), 2); /* the refused one, then none */
+    assert_int_equal(calls_of("memcpy_async"), 5);
+    OK(tdp__cuda_memcpy(back, dev + 8192, small));
+    assert_memory_equal(back, src + 4, small);
+    OK(tdp__cuda_memcpy(back, dev + 12288, small));
+    assert_memory_equal(back, src + 12, small);
+    tdp__stage_set_inline(fx->st, true);
+
     /* off: a copy again */
     tdp__stage_set_inline(fx->st, false);
     rec_init(&e, 5);
@@ -478,8 +497,8 @@ static void test_small_inline(void **state)
     ndone = 0;
     wait_all(fx, 1);
     OK(e.status);
-    assert_int_equal(calls_of("write_inline"), 1);
-    assert_int_equal(calls_of("memcpy_async"), 4);
+    assert_int_equal(calls_of("write_inline"), 2);
+    assert_int_equal(calls_of("memcpy_async"), 6);
     OK(tdp__cuda_memcpy(back, dev, small));
     assert_memory_equal(back, src + 8, small);
     tdp__cuda_stats_enable(false);

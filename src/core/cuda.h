@@ -187,10 +187,11 @@ void tdp__cuda_import_close(void *dptr);
 /* ---- the fake's fault injection (also from env, see docs/gpu.md) -------- */
 
 typedef enum tdp__cuda_fault {
-    TDP__CUDA_FAULT_OOM_AT = 0,          /* the Nth allocation fails: TDP_ENOMEM */
-    TDP__CUDA_FAULT_COPY_FAIL_AT = 1,    /* the Nth copy fails: TDP_ECUDA */
-    TDP__CUDA_FAULT_KILL_AFTER_COPY = 2, /* SIGKILL once the Nth copy completed */
-    TDP__CUDA_FAULT_COUNT = 3,
+    TDP__CUDA_FAULT_OOM_AT = 0,            /* the Nth allocation fails: TDP_ENOMEM */
+    TDP__CUDA_FAULT_COPY_FAIL_AT = 1,      /* the Nth copy fails: TDP_ECUDA */
+    TDP__CUDA_FAULT_KILL_AFTER_COPY = 2,   /* SIGKILL once the Nth copy completed */
+    TDP__CUDA_FAULT_INLINE_REFUSED_AT = 3, /* the Nth device write is refused: TDP_ENOTSUP */
+    TDP__CUDA_FAULT_COUNT = 4,
 } tdp__cuda_fault;
 
 /*

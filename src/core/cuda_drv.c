@@ -594,9 +594,10 @@ static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_
             return TDP_ENOTSUP; /* only 32-bit operations here: too long for one batch */
         memset(&ops[k], 0, sizeof(ops[k]));
         ops[k].writeValue.address = d + off;
-        /* the first is fenced after the stream's earlier work; the rest need not be */
-        ops[k].writeValue.flags =
-            k == 0 ? CU_STREAM_WRITE_VALUE_DEFAULT : CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+        /* fenced after the stream's earlier work: the v2 API (cuStreamBatchMemOp_v2)
+         * has no unfenced write (CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER is refused
+         * as an invalid value, as an H200 did) */
+        ops[k].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
         if (w64 == 1 && ((d + off) & 7u) == 0 && n - off >= 8) {
             uint64_t v;
             memcpy(&v, in + off, 8);
@@ -613,11 +614,17 @@ static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_
         k++;
     }
     CUresult r = drv.cuStreamBatchMemOp(s->s, k, ops, 0);
-    if (r == CUDA_ERROR_NOT_SUPPORTED) {
-        atomic_store(&memops64[s->dev], -2); /* the caller copies: now and from now on */
-        return TDP_ENOTSUP;
-    }
-    return drv_err(r, "cuStreamBatchMemOp");
+    if (r == CUDA_SUCCESS)
+        return TDP_OK;
+    /*
+     * Refused (nothing was queued): the caller copies, now and from now on
+     * on this device. Said once; a wrong write is never the outcome.
+     */
+    if (atomic_exchange(&memops64[s->dev], -2) != -2)
+        tdp_log_warn("cuStreamBatchMemOp refused %u writes on device %d (CUDA error %d): small "
+                     "host-to-device writes go through the copy engine",
+                     k, s->dev, (int)r);
+    return TDP_ENOTSUP;
 }
 
 static tdp_err drv_memcpy(void *dst, const void *src, size_t n)

@@ -98,6 +98,8 @@ static void env_once(void)
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, env_uint("TDPIPE_FAKE_CUDA_COPY_FAIL_AT"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY,
                           env_uint("TDPIPE_FAKE_CUDA_KILL_AFTER_COPY"));
+    tdp__cuda_fake_inject(TDP__CUDA_FAULT_INLINE_REFUSED_AT,
+                          env_uint("TDPIPE_FAKE_CUDA_INLINE_REFUSED_AT"));
 }
 
 static int fake_init(unsigned n, const char **why)
@@ -609,6 +611,8 @@ static tdp_err fake_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda
  */
 static tdp_err fake_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
 {
+    if (fault_fires(TDP__CUDA_FAULT_INLINE_REFUSED_AT))
+        return TDP_ENOTSUP; /* as a driver that refuses the batch: nothing queued */
     if (fault_fires(TDP__CUDA_FAULT_COPY_FAIL_AT)) {
         tdp_log_error("fake CUDA: a write of %zu bytes failed (injected)", n);
         return TDP_ECUDA;
