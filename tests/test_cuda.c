@@ -217,8 +217,11 @@ static void test_write_inline(void **state)
     /* 4 bytes past an 8-byte boundary, an odd count of words: 32-bit head and tail */
     OK(tdp__cuda_write_inline(d + 4, src, 1004, s));
     memset(src, 0, 1004); /* read at the call: the source is the caller's again */
+#ifndef UNDER_TSAN
+    /* a reader that does not wait sees the old bytes (TSan calls this read a race) */
     OK(tdp__cuda_fake_peek(d + 4, got, 1004));
     assert_int_equal(got[0], 0);
+#endif
     OK(tdp__cuda_stream_sync(s));
     OK(tdp__cuda_fake_peek(d, got, 1012));
     assert_int_equal(got[0], 0);
