@@ -16,7 +16,6 @@
 #include <sodium.h>
 
 #include "ctl.h"
-#include "ctl_int.h"
 #include "../core/alloc.h"
 #include "../core/log.h"
 #include "../core/loop_int.h"
@@ -498,7 +497,7 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
         evbuffer_drain(in, total);
         if (c->carry != NULL) {
             /* the frame that chose the tcp plane: what follows is the carrier's */
-            tdp__ctl_carry_take(c, in);
+            c->carry_ops->take(c, in);
             return;
         }
     }
@@ -554,7 +553,7 @@ void tdp__ctl_pump(tdp__ctl *c)
     if (c->bev == NULL || c->reading)
         return;
     if (c->carry != NULL) {
-        tdp__ctl_carry_pump(c);
+        c->carry_ops->pump(c);
         return;
     }
     struct evbuffer *in = bufferevent_get_input(c->bev);
@@ -636,7 +635,7 @@ void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r)
         return;
     tdp_wire_ready_encode(buf, r);
     if (c->carry != NULL)
-        tdp__ctl_carry_control(c, buf, sizeof(buf), false);
+        c->carry_ops->control(c, buf, sizeof(buf), false);
     else
         bufferevent_write(c->bev, buf, sizeof(buf));
 }
@@ -649,7 +648,7 @@ void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
     tdp_wire_bye_encode(buf, b);
     c->bye_sent = true;
     if (c->carry != NULL) {
-        tdp__ctl_carry_control(c, buf, sizeof(buf), true);
+        c->carry_ops->control(c, buf, sizeof(buf), true);
         return;
     }
     bufferevent_setcb(c->bev, read_cb, bye_written_cb, event_cb, c);
@@ -667,7 +666,7 @@ void tdp__ctl_close(tdp__ctl *c)
     if (c->bev == NULL)
         return;
     if (c->carry != NULL)
-        tdp__ctl_carry_detach(c); /* before the socket closes */
+        c->carry_ops->detach(c); /* before the socket closes */
     /* a BYE still queued goes out now: freeing would drop it */
     struct evbuffer *out = bufferevent_get_output(c->bev);
     size_t n = evbuffer_get_length(out);

@@ -7,6 +7,7 @@
 #ifndef TDP_PIPE_CTL_H
 #define TDP_PIPE_CTL_H
 
+#include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <stdbool.h>
@@ -97,6 +98,7 @@ typedef struct tdp__ctl {
     size_t held_len;
     bool reading;                          /* read_frames is on the stack */
     struct tdp__ctl_carry *carry;          /* carrying the tcp plane (tdp__ctl_carry) */
+    const struct tdp__ctl_carry_ops *carry_ops; /* its calls, set with carry (below) */
     uint8_t my_nonce[TDP_HELLO_NONCE_LEN]; /* of the HELLO we sent */
     bool nonce_sent;
     /*
@@ -229,5 +231,31 @@ void tdp__ctl_refusals_free(tdp__refusals *rs);
 /* getaddrinfo into out[0..max); *count written. */
 tdp_err tdp__resolve(const char *host, uint16_t port, bool passive, struct sockaddr_storage *out,
                      socklen_t *outlen, int max, int *count);
+
+/* ---- between ctl.c and ctl_carry.c (the channel's own two files) ---------- */
+
+/* ctl.c: end the channel with why (a BYE first for a protocol error); up->closed. */
+void tdp__ctl_fail(tdp__ctl *c, tdp_err why);
+/* ctl.c: a READY or BYE frame's payload; false when the channel ended meanwhile. */
+bool tdp__ctl_small(tdp__ctl *c, uint16_t type, const uint8_t *pl, size_t len);
+
+/* ctl.c: the bufferevent reads no more; written(bev, c) when its output has drained. */
+void tdp__ctl_bev_written(tdp__ctl *c, bufferevent_data_cb written);
+
+/*
+ * What ctl.c calls of the carrier, through c->carry_ops (set by
+ * tdp__ctl_carry with c->carry): ctl.c names nothing of ctl_carry.c, so
+ * the two files depend one way.
+ */
+typedef struct tdp__ctl_carry_ops {
+    /* the bytes after the frame that started the carrying */
+    void (*take)(tdp__ctl *c, struct evbuffer *in);
+    /* read what the socket holds now */
+    void (*pump)(tdp__ctl *c);
+    /* queue a READY or BYE frame (whole, header included) and write it */
+    void (*control)(tdp__ctl *c, const uint8_t *frame, size_t len, bool bye);
+    /* the channel closes: stop, report what is queued, let go of the socket */
+    void (*detach)(tdp__ctl *c);
+} tdp__ctl_carry_ops;
 
 #endif

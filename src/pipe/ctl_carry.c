@@ -27,12 +27,16 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#include "ctl_int.h"
 #include "../core/alloc.h"
 #include "../core/env.h"
 #include "../core/log.h"
 #include "../core/loop_int.h"
 #include "../core/reap.h"
+#include "ctl.h"
+
+static void carry_take(tdp__ctl *c, struct evbuffer *in);
+static void carry_detach(tdp__ctl *c);
+static const tdp__ctl_carry_ops ctl_calls;
 
 #define RX_BUF       (64u * 1024u) /* the receive buffer: headers and small payloads */
 #define DIRECT_MIN   4096u         /* a payload at least this long left is read in place */
@@ -380,7 +384,7 @@ tdp_err tdp__ctl_plane_send_raw(tdp__ctl *c, const uint8_t *am, size_t al, const
     return queue_plane(k, am, al, payload, len, cookie, now, NULL);
 }
 
-void tdp__ctl_carry_control(tdp__ctl *c, const uint8_t *frame, size_t len, bool bye)
+static void carry_control(tdp__ctl *c, const uint8_t *frame, size_t len, bool bye)
 {
     struct tdp__ctl_carry *k = c->carry;
     if (enqueue(k, frame, len, NULL, 0, NULL, bye, 0) != TDP_OK) {
@@ -598,7 +602,7 @@ static unsigned carry_progress(void *arg)
 
 static const tdp__source_ops carry_ops = {.progress = carry_progress, .arm = NULL};
 
-void tdp__ctl_carry_pump(tdp__ctl *c)
+static void carry_pump(tdp__ctl *c)
 {
     (void)carry_progress(c->carry);
 }
@@ -632,15 +636,16 @@ tdp_err tdp__ctl_carry(tdp__ctl *c, const tdp__ctl_carrier *up, void *arg)
         return rc;
     }
     c->carry = k;
+    c->carry_ops = &ctl_calls;
     /* the bufferevent reads no more; it still writes what the handshake left */
     bufferevent_disable(c->bev, EV_READ);
     tdp__ctl_bev_written(c, bev_written_cb);
     if (!c->reading)
-        tdp__ctl_carry_take(c, bufferevent_get_input(c->bev));
+        carry_take(c, bufferevent_get_input(c->bev));
     return TDP_OK;
 }
 
-void tdp__ctl_carry_take(tdp__ctl *c, struct evbuffer *in)
+static void carry_take(tdp__ctl *c, struct evbuffer *in)
 {
     struct tdp__ctl_carry *k = c->carry;
     size_t n = evbuffer_get_length(in);
@@ -670,7 +675,7 @@ void tdp__ctl_uncarry(tdp__ctl *c, void *arg)
     k->tell = false;
 }
 
-void tdp__ctl_carry_detach(tdp__ctl *c)
+static void carry_detach(tdp__ctl *c)
 {
     struct tdp__ctl_carry *k = c->carry;
     flush(k); /* a BYE queued last goes out if the socket takes it */
@@ -687,3 +692,10 @@ void tdp__ctl_carry_detach(tdp__ctl *c)
     /* the rest is reported, then the carrier goes: always from a task */
     post_done(k);
 }
+
+static const tdp__ctl_carry_ops ctl_calls = {
+    .take = carry_take,
+    .pump = carry_pump,
+    .control = carry_control,
+    .detach = carry_detach,
+};
