@@ -98,7 +98,13 @@ TDP_API uint64_t tdp_mem_total_allocs(void);
  * either way (as cudaMemcpyDefault). Synchronous: the bytes are in place when
  * it returns, for every stream and process (the driver's own copy may return
  * before they reach the device; this waits for them), so a loaned slot or a
- * device buffer filled with it may be sent at once. TDP_ECUDA when the
+ * device buffer filled with it may be sent at once. A small copy from host
+ * to device memory (at most 2032 bytes, address and size multiples of 4)
+ * is written by the device itself rather than a copy engine, on a stream
+ * of the library's, after the work of the default stream: on one GPU such
+ * writes do not wait for another process's copies (docs/gpu.md);
+ * TDPIPE_CUDA_INLINE=0 makes it a copy. Work the application queued on its
+ * own streams must be finished first, as for a send. TDP_ECUDA when the
  * driver fails, TDP_EINVAL for NULL.
  */
 TDP_API tdp_err tdp_mem_copy(void *dst, const void *src, size_t n);
