@@ -547,23 +547,30 @@ void tdp__cuda_inline_set(bool on)
     atomic_store(&inline_on, on);
 }
 
+bool tdp__cuda_inline_h2d(const void *dst, const void *src, size_t n, int *dev)
+{
+    tdp__cuda_ptr_info di, si;
+    if (src == NULL || !tdp__cuda_inline_fits(dst, n) || !tdp__cuda_inline_enabled() ||
+        tdp__cuda_ptr_get_info(dst, &di) != TDP_OK || di.kind != TDP__CUDA_PTR_DEVICE ||
+        tdp__cuda_ptr_get_info(src, &si) != TDP_OK || si.kind == TDP__CUDA_PTR_DEVICE)
+        return false;
+    if (dev != NULL)
+        *dev = di.device;
+    return true;
+}
+
 tdp_err tdp__cuda_copy_small(void *dst, const void *src, size_t n)
 {
-    if (!tdp__cuda_inline_fits(dst, n) || src == NULL || !tdp__cuda_inline_enabled())
-        return TDP_ENOTSUP;
-    tdp__cuda_ptr_info di, si;
-    if (tdp__cuda_ptr_get_info(dst, &di) != TDP_OK || di.kind != TDP__CUDA_PTR_DEVICE ||
-        di.device < 0 || di.device >= INL_DEVS)
-        return TDP_ENOTSUP;
-    if (tdp__cuda_ptr_get_info(src, &si) != TDP_OK || si.kind == TDP__CUDA_PTR_DEVICE)
+    int d = -1;
+    if (!tdp__cuda_inline_h2d(dst, src, n, &d) || d < 0 || d >= INL_DEVS)
         return TDP_ENOTSUP;
     const tdp__cuda_ops *ops = be();
     tdp_err rc = TDP_OK;
-    pthread_mutex_lock(&inl[di.device].mu);
-    if (inl[di.device].s == NULL || inl[di.device].pid != getpid()) {
-        inl[di.device].s = NULL;
-        rc = tdp__cuda_stream_create(di.device, &inl[di.device].s);
-        inl[di.device].pid = getpid();
+    pthread_mutex_lock(&inl[d].mu);
+    if (inl[d].s == NULL || inl[d].pid != getpid()) {
+        inl[d].s = NULL;
+        rc = tdp__cuda_stream_create(d, &inl[d].s);
+        inl[d].pid = getpid();
     }
     /* after what the default stream holds, as a synchronous copy would be */
     if (rc == TDP_OK && ops->sync_default != NULL) {
@@ -572,10 +579,10 @@ tdp_err tdp__cuda_copy_small(void *dst, const void *src, size_t n)
         stat_end(ST_sync_default, t);
     }
     if (rc == TDP_OK)
-        rc = tdp__cuda_write_inline(dst, src, n, inl[di.device].s);
+        rc = tdp__cuda_write_inline(dst, src, n, inl[d].s);
     if (rc == TDP_OK)
-        rc = tdp__cuda_stream_sync(inl[di.device].s);
-    pthread_mutex_unlock(&inl[di.device].mu);
+        rc = tdp__cuda_stream_sync(inl[d].s);
+    pthread_mutex_unlock(&inl[d].mu);
     if (rc == TDP_ENOTSUP)
         atomic_store(&inline_on, 0); /* the device cannot: copies from now on */
     return rc;

@@ -116,6 +116,14 @@ bool tdp__cuda_inline_enabled(void);
 void tdp__cuda_inline_set(bool on);
 
 /*
+ * Whether a copy of n bytes from src to dst goes as the device's own
+ * writes: inline writes on, n and dst fit (tdp__cuda_inline_fits), dst in
+ * device memory and src not; *dev (may be NULL) is dst's device then. Two
+ * pointer lookups.
+ */
+bool tdp__cuda_inline_h2d(const void *dst, const void *src, size_t n, int *dev);
+
+/*
  * A synchronous copy of n bytes from host to device memory as the device's
  * own writes, on a stream of the layer's, after the default stream's work:
  * TDP_OK once they landed; TDP_ENOTSUP where it does not apply (not host

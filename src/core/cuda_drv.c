@@ -553,35 +553,25 @@ static tdp_err drv_memcpy_async(void *dst, const void *src, size_t n, tdp__cuda_
         "cuMemcpyAsync");
 }
 
-/*
- * Per device: 1 where 64-bit write-value operations are supported, 0 where
- * only 32-bit ones are, -1 not asked yet; -2: batches refused (not again).
- */
-static _Atomic int memops64[DRV_MAX_DEVICES];
-static pthread_once_t memops_once = PTHREAD_ONCE_INIT;
-
-static void memops_init(void)
-{
-    for (int i = 0; i < DRV_MAX_DEVICES; i++)
-        atomic_store(&memops64[i], -1);
-}
+/* Per device, what its write-value operations are (0 until asked). */
+enum { MEMOPS_UNKNOWN, MEMOPS_32, MEMOPS_64, MEMOPS_REFUSED };
+static _Atomic int memops[DRV_MAX_DEVICES];
 
 static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_stream *s)
 {
-    (void)pthread_once(&memops_once, memops_init);
-    int w64 = atomic_load(&memops64[s->dev]);
-    if (drv.cuStreamBatchMemOp == NULL || w64 == -2)
+    int kind = atomic_load(&memops[s->dev]);
+    if (drv.cuStreamBatchMemOp == NULL || kind == MEMOPS_REFUSED)
         return TDP_ENOTSUP;
     tdp_err rc = drv_ctx_set(s->dev);
     if (rc != TDP_OK)
         return rc;
-    if (w64 == -1) {
+    if (kind == MEMOPS_UNKNOWN) {
         int v = 0;
         if (drv.cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
                                      devices[s->dev]) != CUDA_SUCCESS)
             v = 0;
-        w64 = v ? 1 : 0;
-        atomic_store(&memops64[s->dev], w64);
+        kind = v ? MEMOPS_64 : MEMOPS_32;
+        atomic_store(&memops[s->dev], kind);
     }
     /* at most 255 operations a batch: 64-bit words between a 32-bit head and tail */
     CUstreamBatchMemOpParams ops[255];
@@ -598,7 +588,7 @@ static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_
          * has no unfenced write (CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER is refused
          * as an invalid value, as an H200 did) */
         ops[k].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-        if (w64 == 1 && ((d + off) & 7u) == 0 && n - off >= 8) {
+        if (kind == MEMOPS_64 && ((d + off) & 7u) == 0 && n - off >= 8) {
             uint64_t v;
             memcpy(&v, in + off, 8);
             ops[k].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -620,7 +610,7 @@ static tdp_err drv_write_inline(void *dst, const void *src, size_t n, tdp__cuda_
      * Refused (nothing was queued): the caller copies, now and from now on
      * on this device. Said once; a wrong write is never the outcome.
      */
-    if (atomic_exchange(&memops64[s->dev], -2) != -2)
+    if (atomic_exchange(&memops[s->dev], MEMOPS_REFUSED) != MEMOPS_REFUSED)
         tdp_log_warn("cuStreamBatchMemOp refused %u writes on device %d (CUDA error %d): small "
                      "host-to-device writes go through the copy engine",
                      k, s->dev, (int)r);

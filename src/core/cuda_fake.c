@@ -428,7 +428,7 @@ struct tdp__cuda_event {
     uint64_t passed;   /* records the stream has passed */
 };
 
-typedef enum op_kind { OP_COPY, OP_SET, OP_WRITE64, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
+typedef enum op_kind { OP_COPY, OP_SET, OP_WRITE_VALUE, OP_HOST_FN, OP_RECORD, OP_WAIT } op_kind;
 
 typedef struct fake_op {
     op_kind kind;
@@ -440,8 +440,8 @@ typedef struct fake_op {
     tdp__cuda_event *ev;
     uint64_t gen;
     int byte;       /* OP_SET */
-    uint64_t value; /* OP_WRITE64: its first n bytes */
-    bool lead;      /* OP_WRITE64: the first of its batch (the one that waits) */
+    uint64_t value; /* OP_WRITE_VALUE: its first n bytes */
+    bool lead;      /* OP_WRITE_VALUE: the first of its batch (the one that waits) */
 } fake_op;
 
 /*
@@ -498,7 +498,7 @@ static void op_run(fake_op *op)
         copy_delay();
         memset(op->dst, op->byte, op->n);
         break;
-    case OP_WRITE64: /* 4 or 8 bytes: op->n; a batch is late once, as a copy */
+    case OP_WRITE_VALUE: /* 4 or 8 bytes: op->n; a batch is late once, as a copy */
         if (op->lead)
             copy_delay();
         memcpy(op->dst, &op->value, op->n);
@@ -622,7 +622,7 @@ static tdp_err fake_write_inline(void *dst, const void *src, size_t n, tdp__cuda
     const unsigned char *in = src;
     for (size_t off = 0; rc == TDP_OK && off < n;) {
         size_t w = n - off >= 8 && ((uintptr_t)(d + off) & 7u) == 0 ? 8 : 4;
-        fake_op op = {.kind = OP_WRITE64, .dst = d + off, .n = w, .lead = off == 0};
+        fake_op op = {.kind = OP_WRITE_VALUE, .dst = d + off, .n = w, .lead = off == 0};
         memcpy(&op.value, in + off, w);
         rc = enqueue(s, &op);
         off += w;

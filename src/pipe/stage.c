@@ -323,13 +323,7 @@ tdp_err tdp__stage_copy_start(tdp__stage *st, tdp__stage_copy *c, void *dst, con
     c->active = true;
     c->next = NULL;
     /* small and host to device: two pointer lookups, where a copy engine would cost more */
-    c->inline_h2d = false;
-    if (st->inline_ok && n > 0 && n <= TDP__CUDA_INLINE_MAX) {
-        tdp__cuda_ptr_info di, si;
-        c->inline_h2d =
-            tdp__cuda_ptr_get_info(dst, &di) == TDP_OK && di.kind == TDP__CUDA_PTR_DEVICE &&
-            tdp__cuda_ptr_get_info(src, &si) == TDP_OK && si.kind != TDP__CUDA_PTR_DEVICE;
-    }
+    c->inline_h2d = st->inline_ok && tdp__cuda_inline_h2d(dst, src, n, NULL);
     if (st->tail != NULL)
         st->tail->next = c;
     else
