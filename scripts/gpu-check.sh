@@ -28,8 +28,9 @@
 #      from idle to 1 and 4 consumers against the wake-up floor
 #      (tdp_fanout_bench --floor), and 100 MB first sends with and without
 #      huge pages;
-#   6. last, runs one bench per plane under compute-sanitizer memcheck
-#      (where installed), so a slow sanitizer cannot keep the figures out.
+#   6. last, runs one bench per plane under compute-sanitizer memcheck,
+#      side by side with 3 (neither gives figures), so a slow sanitizer
+#      cannot keep the figures out. It ends with the seconds each stage took.
 # Every stage has a time limit.
 # Meant to finish in under 5 minutes on a 16-core machine. Exit status:
 # non-zero when a stage failed (every stage runs regardless).
@@ -43,7 +44,7 @@
 #     --out    where the JSON and logs go (default build-gpu/gpu-check)
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 1
 
 FULL=0 QUICK=0 FAKE=0 OUT=
 while [[ $# -gt 0 ]]; do
@@ -68,7 +69,12 @@ mkdir -p "$OUT"
 JOBS=$(nproc 2>/dev/null || echo 4)
 FAILED=()
 T0=$SECONDS
-say() { printf '\n== %s (%ds)\n' "$*" $((SECONDS - T0)); }
+STAGES=() STAGE_AT=()
+say() { # a stage begins: its name, and the seconds since the start
+    printf '\n== %s (%ds)\n' "$*" $((SECONDS - T0))
+    STAGES+=("$*")
+    STAGE_AT+=($((SECONDS - T0)))
+}
 
 say "build"
 gen=()
@@ -148,7 +154,9 @@ else
     esac
 fi
 
-SIZES=1KB,1MB,100MB,1GB
+# 1 GB goes in a run of its own with few rounds (its target is only that it
+# completes; default rounds move ~60 GB per plane and memory kind)
+SIZES=1KB,1MB,100MB
 [[ $QUICK -eq 1 ]] && SIZES=1KB,1MB
 bench() { # name, then bench arguments
     local name=$1
@@ -161,9 +169,12 @@ bench() { # name, then bench arguments
 say "bench --mem cuda, each plane"
 for plane in $("$TDPIPE" version | sed -n 's/^planes: *//p' | tr ',' ' '); do
     [[ $plane == auto ]] && continue
-    bench "cuda_$plane" --mem cuda --plane "$plane" --sizes "$SIZES"
-    # cuda-ipc is offered only by pipes that name a GPU: no host-memory run
-    [[ $plane == cuda-ipc ]] || bench "cpu_$plane" --mem cpu --plane "$plane" --sizes "$SIZES"
+    for mem in cuda cpu; do
+        # cuda-ipc is offered only by pipes that name a GPU: no host-memory run
+        [[ $plane == cuda-ipc && $mem == cpu ]] && continue
+        bench "${mem}_$plane" --mem "$mem" --plane "$plane" --sizes "$SIZES"
+        [[ $QUICK -eq 1 ]] || bench "big_${mem}_$plane" --mem "$mem" --plane "$plane" --sizes 1GB --rounds 4
+    done
 done
 say "where a 1 KB ping-pong's time goes, each side (TDPIPE_BENCH_PHASES)"
 for plane in cuda-ipc shm ucx tcp; do
@@ -221,11 +232,17 @@ say "table"
 python3 - "$OUT" "$QUICK" <<'EOF'
 import glob, json, os, sys
 out, quick = sys.argv[1], sys.argv[2] == "1"
-def load(name):
+def load1(name):
     try:
         return json.load(open(os.path.join(out, name + '.json')))
     except (OSError, ValueError):
         return None
+def load(name):
+    """A run's JSON, with the rows of its 1 GB run (big_NAME) added."""
+    d, big = load1(name), load1('big_' + name)
+    if d and big:
+        d = dict(d, results=d.get('results', []) + big.get('results', []))
+    return d or big
 copy = load('copy') or {}
 h2d = copy.get('h2d_pinned_gbps')
 print('copy limits (100 MB): ' + ', '.join('%s %.1f GB/s' % (k[:-5], v)
@@ -348,44 +365,75 @@ verdict('cuda-ipc, first send of 100 MB: x a steady one',
               max(r['latency_us']['p50'], steady_us(r)) if r else None), 2.0, False)
 EOF
 
-say "Python: GPU tests and the GPU example"
+say "side by side: the Python GPU tests and example; compute-sanitizer memcheck, bench --mem cuda at 1 MB on each plane"
+# Neither gives figures, so they share the machine: the Python stage (most
+# of it a child process per fake-device case) and one sanitized bench per
+# plane run at once, and their results are printed in this order after.
 # the interpreter CMake built the package for (FindPython's cache entry)
 PY=$(grep -m1 -E '^_?Python3_EXECUTABLE:' "$B/CMakeCache.txt" | cut -d= -f2-)
-if [[ ! -d $B/python/tdpipe || -z $PY ]]; then
-    echo "  the Python package was not built here (no Python development files): skipped"
-else
+PY_RUN=0
+if [[ -d $B/python/tdpipe && -n $PY ]]; then
+    PY_RUN=1
     # the fake-device cases pick their backend themselves; the torch CUDA
     # cases and the example skip (saying why) without torch's CUDA, or on
-    # the fake (torch's device pointers are not the fake's memory)
-    PYTHONPATH=$B/python PYTHONDONTWRITEBYTECODE=1 timeout 200 "$PY" -m pytest -q -rs \
-        -p no:cacheprovider tests/python/test_gpu.py \
-        tests/python/test_examples.py::test_gpu_dataloader_example \
-        >"$OUT/python_gpu.log" 2>&1 || FAILED+=(python_gpu)
-    echo "  $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
-    grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/  /'
-    [[ ${#FAILED[@]} -gt 0 && ${FAILED[-1]} == python_gpu ]] && tail -15 "$OUT/python_gpu.log" | sed 's/^/  | /'
+    # the fake (torch's device pointers are not the fake's memory).
+    # pytest-xdist, where that Python has it, spreads the cases over 4 workers.
+    xdist=()
+    "$PY" -c 'import xdist' >/dev/null 2>&1 && xdist=(-n 4)
+    (
+        PYTHONPATH=$B/python PYTHONDONTWRITEBYTECODE=1 timeout 200 "$PY" -m pytest -q -rs \
+            -p no:cacheprovider "${xdist[@]}" tests/python/test_gpu.py \
+            tests/python/test_examples.py::test_gpu_dataloader_example \
+            >"$OUT/python_gpu.log" 2>&1
+        echo $? >"$OUT/python_gpu.rc"
+    ) &
 fi
-
-say "compute-sanitizer memcheck: bench --mem cuda, cuda-ipc, shm, ucx and tcp, 1 MB"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+MC_PLANES=(cuda-ipc shm ucx tcp)
+if [[ $FAKE -eq 0 && -n $CS ]]; then
+    for plane in "${MC_PLANES[@]}"; do
+        (
+            timeout 150 "$CS" --tool memcheck --error-exitcode 9 --target-processes all \
+                "$TDPIPE" bench --mem cuda --plane "$plane" --sizes 1MB --rounds 50 \
+                >"$OUT/memcheck_$plane.log" 2>&1
+            echo $? >"$OUT/memcheck_$plane.rc"
+        ) &
+    done
+fi
+wait
+
+echo "  Python:"
+if [[ $PY_RUN -eq 0 ]]; then
+    echo "    the Python package was not built here (no Python development files): skipped"
+else
+    echo "    $PY: $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' 2>&1 | tail -1)"
+    grep -E "passed|failed|error|SKIPPED|Timeout" "$OUT/python_gpu.log" | sed 's/^/    /'
+    if [[ $(cat "$OUT/python_gpu.rc" 2>/dev/null) != 0 ]]; then
+        FAILED+=(python_gpu)
+        tail -15 "$OUT/python_gpu.log" | sed 's/^/    | /'
+    fi
+fi
+echo "  compute-sanitizer memcheck:"
 if [[ $FAKE -eq 1 ]]; then
-    echo "  the fake device: skipped"
-elif [[ -n $CS ]]; then
-    for plane in cuda-ipc shm ucx tcp; do
-        if timeout 90 "$CS" --tool memcheck --error-exitcode 9 --target-processes all \
-            "$TDPIPE" bench --mem cuda --plane "$plane" --sizes 1MB --rounds 50 \
-            >"$OUT/memcheck_$plane.log" 2>&1; then
-            echo "  $plane: $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_$plane.log" || echo clean)"
+    echo "    the fake device: skipped"
+elif [[ -z $CS ]]; then
+    echo "    compute-sanitizer not found: skipped"
+else
+    for plane in "${MC_PLANES[@]}"; do
+        if [[ $(cat "$OUT/memcheck_$plane.rc" 2>/dev/null) == 0 ]]; then
+            echo "    $plane: $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_$plane.log" || echo clean)"
         else
             FAILED+=("memcheck_$plane")
-            tail -20 "$OUT/memcheck_$plane.log"
+            tail -20 "$OUT/memcheck_$plane.log" | sed 's/^/    | /'
         fi
     done
-else
-    echo "  compute-sanitizer not found: skipped"
 fi
 
 say "done"
+echo "  seconds per stage:"
+for ((k = 0; k + 1 < ${#STAGES[@]}; k++)); do
+    printf '    %5d  %s\n' $((STAGE_AT[k + 1] - STAGE_AT[k])) "${STAGES[k]:0:90}"
+done
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "gpu-check: FAILED: ${FAILED[*]} (logs in $OUT)"
     exit 1

@@ -190,6 +190,7 @@ static int setup(void **state)
     (void)state;
     OK(tdp__cuda_select("fake"));
     tdp__cuda_fake_set_delay_us(300); /* copies land well after they are queued */
+    tdp__cuda_fake_set_register_ms(0);
     for (int f = 0; f < TDP__CUDA_FAULT_COUNT; f++)
         tdp__cuda_fake_inject((tdp__cuda_fault)f, 0);
     return 0;
@@ -313,6 +314,9 @@ static void test_setup_at_connect(void **state)
             OK(tdp_pipe_send(e.cli, td, TMO));
             OK(tdp_pipe_recv(e.srv, TMO, &got));
             assert_true(holds(got, 1));
+            /* the pools' pins run on threads of their own for a while */
+            for (int i = 0; i < 200 && count_threads() - at_open != 2; i++)
+                usleep(5 * 1000);
             assert_int_equal(count_threads() - at_open, 2);
             tdp_pipe_release(e.srv, got);
             tdp_td_unref(td);
@@ -321,6 +325,72 @@ static void test_setup_at_connect(void **state)
         env_down(&e);
     }
     assert_int_equal(grown[1] - grown[0], 2);
+}
+
+/*
+ * Page-locking a pool is slow (449 ms for a 100 MB layout's pools on an
+ * H200): a pool made by a send, or announced with one, is pinned on a
+ * thread of its own while the message's copies go at pageable speed, in
+ * both processes. A prepare waits for its pool's pinning (off the path).
+ * A pipe closed while pins are running waits for them before the memory
+ * goes (ASan, TSan).
+ */
+static int64_t now_ms(void);
+
+#define PIN_MS 1500
+static void test_send_while_pinning(void **state)
+{
+    (void)state;
+    tdp__cuda_fake_set_register_ms(PIN_MS);
+    tdp_schema *sc = schema_of(3 << 20, CUDA0), *sc2 = schema_of(5 << 20, CUDA0);
+    tdp_td *td, *td2, *got;
+    OK(tdp_td_new(sc, &td));
+    OK(tdp_td_new(sc2, &td2));
+    for (int round = 0; round < 2; round++) {
+        env e;
+        env_up(&e, true, NULL);
+        uint64_t landed = tdp__cuda_pins_landed();
+        int64_t t0 = now_ms();
+        fill(td, 1);
+        OK(tdp_pipe_send(e.cli, td, TMO));
+        OK(tdp_pipe_recv(e.srv, TMO, &got));
+        int64_t took = now_ms() - t0;
+        assert_true(holds(got, 1));
+        tdp_pipe_release(e.srv, got);
+        print_message("first GPU message, pools pinning for %d ms: %lld ms\n", PIN_MS,
+                      (long long)took);
+        assert_true(took < PIN_MS); /* it waited for neither side's pinning */
+        assert_true(tdp__cuda_pins_landed() < landed + 2);
+        if (round == 0) { /* the pins land; the next messages use them */
+            for (int i = 0; i < 500 && tdp__cuda_pins_landed() < landed + 2; i++)
+                usleep(10 * 1000);
+            assert_int_equal(tdp__cuda_pins_landed(), landed + 2);
+            for (int i = 2; i < 6; i++) {
+                fill(td, (uint64_t)i);
+                OK(tdp_pipe_send(e.cli, td, TMO));
+                OK(tdp_pipe_recv(e.srv, TMO, &got));
+                assert_true(holds(got, (uint64_t)i));
+                tdp_pipe_release(e.srv, got);
+            }
+            /* a prepared layout: the prepare returns with its pool pinned */
+            t0 = now_ms();
+            OK(tdp_pipe_prepare(e.cli, sc2, TMO));
+            took = now_ms() - t0;
+            assert_true(took >= PIN_MS - 50);
+            fill(td2, 7);
+            OK(tdp_pipe_send(e.cli, td2, TMO));
+            OK(tdp_pipe_recv(e.srv, TMO, &got));
+            assert_true(holds(got, 7));
+            tdp_pipe_release(e.srv, got);
+        }
+        /* round 1: closed with both pins still running */
+        env_down(&e);
+    }
+    tdp__cuda_fake_set_register_ms(0);
+    tdp_td_unref(td);
+    tdp_td_unref(td2);
+    tdp_schema_unref(sc);
+    tdp_schema_unref(sc2);
 }
 
 /*
@@ -707,6 +777,7 @@ int main(void)
         cmocka_unit_test_setup(test_setup_at_connect, setup),
         cmocka_unit_test_setup(test_pipelined, setup),
         cmocka_unit_test_setup(test_prepared_pool_pinned_ahead, setup),
+        cmocka_unit_test_setup(test_send_while_pinning, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

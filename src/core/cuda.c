@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "cuda_int.h"
+#include "alloc.h"
 #include "log.h"
 
 /*
@@ -349,6 +350,91 @@ tdp_err tdp__cuda_host_unregister(void *p)
     if (p == NULL)
         return TDP_EINVAL;
     CALL(host_unregister, p);
+}
+
+struct tdp__cuda_pin {
+    void *p;
+    size_t size;
+    pthread_t th;
+    bool joined;
+    _Atomic int state; /* 0 pinning, 1 pinned, 2 failed */
+};
+
+static _Atomic uint64_t pins_landed;
+
+uint64_t tdp__cuda_pins_landed(void)
+{
+    return atomic_load_explicit(&pins_landed, memory_order_relaxed);
+}
+
+static void *pin_main(void *arg)
+{
+    tdp__cuda_pin *r = arg;
+    tdp_err rc = tdp__cuda_host_register(r->p, r->size);
+    if (rc != TDP_OK)
+        tdp_log_debug("cuda: %zu bytes at %p not page-locked (%s): copies stay at pageable speed",
+                      r->size, r->p, tdp_strerror(rc));
+    if (rc == TDP_OK)
+        atomic_fetch_add_explicit(&pins_landed, 1, memory_order_relaxed);
+    atomic_store_explicit(&r->state, rc == TDP_OK ? 1 : 2, memory_order_release);
+    return NULL;
+}
+
+tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out)
+{
+    if (out == NULL)
+        return TDP_EINVAL;
+    *out = NULL;
+    if (p == NULL || size == 0)
+        return TDP_EINVAL;
+    tdp__cuda_pin *r = tdp__calloc(1, sizeof(*r));
+    if (r == NULL)
+        return TDP_ENOMEM;
+    r->p = p;
+    r->size = size;
+    atomic_init(&r->state, 0);
+    bool started = false;
+    pthread_attr_t at;
+    if (!now && pthread_attr_init(&at) == 0) {
+        (void)pthread_attr_setstacksize(&at, 256u << 10);
+        started = pthread_create(&r->th, &at, pin_main, r) == 0;
+        pthread_attr_destroy(&at);
+    }
+    if (!started) { /* now, or no thread: pinned on this one */
+        r->joined = true;
+        tdp_err rc = tdp__cuda_host_register(p, size);
+        if (rc != TDP_OK) {
+            tdp__free(r);
+            return rc;
+        }
+        atomic_fetch_add_explicit(&pins_landed, 1, memory_order_relaxed);
+        atomic_store_explicit(&r->state, 1, memory_order_relaxed);
+    }
+    *out = r;
+    return TDP_OK;
+}
+
+bool tdp__cuda_pin_ready(tdp__cuda_pin *r)
+{
+    return r != NULL && atomic_load_explicit(&r->state, memory_order_acquire) == 1;
+}
+
+void tdp__cuda_pin_wait(tdp__cuda_pin *r)
+{
+    if (r != NULL && !r->joined) {
+        (void)pthread_join(r->th, NULL);
+        r->joined = true;
+    }
+}
+
+void tdp__cuda_pin_end(tdp__cuda_pin *r)
+{
+    if (r == NULL)
+        return;
+    tdp__cuda_pin_wait(r);
+    if (atomic_load_explicit(&r->state, memory_order_acquire) == 1)
+        (void)tdp__cuda_host_unregister(r->p);
+    tdp__free(r);
 }
 
 tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out)

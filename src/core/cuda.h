@@ -82,6 +82,25 @@ void tdp__cuda_host_free(void *p);
 tdp_err tdp__cuda_host_register(void *p, size_t size);
 tdp_err tdp__cuda_host_unregister(void *p);
 
+/*
+ * A host range page-locked for as long as a pool lives, at once (now) or
+ * on a thread of its own, for memory a message may need before the driver
+ * is done pinning it (cuMemHostRegister of 800 MB took 449 ms on an H200):
+ * copies that touch it meanwhile go at pageable speed. tdp__cuda_pin
+ * returns the error of a registration made at once (now, or where no
+ * thread could start); tdp__cuda_pin_ready says without blocking whether it
+ * has landed; tdp__cuda_pin_wait waits for it; tdp__cuda_pin_end waits,
+ * undoes a registration that landed and frees it (before the memory
+ * goes; NULL is allowed). One thread at a time per pin.
+ */
+typedef struct tdp__cuda_pin tdp__cuda_pin;
+tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out);
+bool tdp__cuda_pin_ready(tdp__cuda_pin *r);
+void tdp__cuda_pin_wait(tdp__cuda_pin *r);
+void tdp__cuda_pin_end(tdp__cuda_pin *r);
+/* Pins that have landed in this process so far (tests, stats). */
+uint64_t tdp__cuda_pins_landed(void);
+
 /* Streams: work queued on one completes in order. */
 tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out);
 void tdp__cuda_stream_destroy(tdp__cuda_stream *s); /* waits for its work */
@@ -210,6 +229,8 @@ void tdp__cuda_fake_inject(tdp__cuda_fault f, unsigned n);
 
 /* Delay of each fake copy, in microseconds (TDPIPE_FAKE_CUDA_DELAY_US). */
 void tdp__cuda_fake_set_delay_us(unsigned us);
+/* Fake: each host registration takes this long (a slow cuMemHostRegister). */
+void tdp__cuda_fake_set_register_ms(unsigned ms);
 
 /* Tests: n bytes at fake device address p as they are now, without waiting
  * for any stream (TDP_ECUDA when p is not the fake's device memory). */

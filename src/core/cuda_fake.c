@@ -49,6 +49,7 @@ static fake_dev_mem *dev_mems;
 static fake_host_mem *host_mems;
 static _Atomic unsigned ndev;
 static _Atomic unsigned delay_us;
+static _Atomic unsigned register_ms; /* each host registration takes this long */
 static _Atomic unsigned fault_left[TDP__CUDA_FAULT_COUNT];
 
 /* True when the armed count of fault f reaches zero with this call. */
@@ -73,6 +74,11 @@ void tdp__cuda_fake_set_delay_us(unsigned us)
     atomic_store(&delay_us, us);
 }
 
+void tdp__cuda_fake_set_register_ms(unsigned ms)
+{
+    atomic_store(&register_ms, ms);
+}
+
 static unsigned env_uint(const char *name)
 {
     const char *s = getenv(name);
@@ -94,6 +100,7 @@ static void env_once(void)
     /* a forked child may find the default stream's lock taken by a thread it lacks */
     pthread_atfork(NULL, NULL, dflt_forget);
     atomic_store(&delay_us, env_uint("TDPIPE_FAKE_CUDA_DELAY_US"));
+    atomic_store(&register_ms, env_uint("TDPIPE_FAKE_CUDA_REGISTER_MS"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_OOM_AT, env_uint("TDPIPE_FAKE_CUDA_OOM_AT"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_COPY_FAIL_AT, env_uint("TDPIPE_FAKE_CUDA_COPY_FAIL_AT"));
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY,
@@ -351,6 +358,12 @@ static void fake_host_free(void *p)
 
 static tdp_err fake_host_register(void *p, size_t size)
 {
+    unsigned ms = atomic_load(&register_ms);
+    if (ms > 0) {
+        struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
     return host_add(p, size, false);
 }
 

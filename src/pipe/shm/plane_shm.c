@@ -149,7 +149,7 @@ struct tx_pool {
     uint64_t stride;
     tx_slot *slots;
     tx_pool *next;   /* older generations still out */
-    bool registered; /* page-locked with the CUDA driver (GPU copies) */
+    tdp__cuda_pin *pin; /* page-locked with the CUDA driver (GPU copies), or being */
     bool populated;  /* its slots' pages faulted in (s_prepare) */
 };
 
@@ -188,8 +188,8 @@ struct rx_pool {
     uint32_t gen, nslots, nheld;
     uint64_t stride;
     rx_slot *slots;
-    rx_pool *next;   /* retired generations with slots still held */
-    bool registered; /* page-locked with the CUDA driver (GPU copies) */
+    rx_pool *next;      /* retired generations with slots still held */
+    tdp__cuda_pin *pin; /* page-locked with the CUDA driver (GPU copies), or being */
 };
 
 /* An announcement read from the socket, waiting for its DATA. */
@@ -202,7 +202,7 @@ typedef struct pend_msg {
     /* the first pool pending is opened as it comes, the others at their DATA */
     tdp__dpool *dp;    /* DPOOL: imported */
     tdp__shm_seg *seg; /* POOL: mapped */
-    bool registered;   /* seg page-locked (with a stage) */
+    tdp__cuda_pin *pin; /* seg page-locked (with a stage), or being */
 } pend_msg;
 
 /* A send that came before the socket was up. */
@@ -376,28 +376,27 @@ static _Atomic uint64_t rx_pools_mapped, pools_pinned;
 
 /*
  * Page-lock a pool's mapping once, so the link's GPU copies run at pinned
- * speed straight from or into the slots (pageable memory would make the
- * driver bounce them through its own buffers, synchronously). Failure only
- * costs speed.
+ * speed straight from or into the slots (pageable memory makes the driver
+ * bounce them through its own buffers, synchronously). now: before this
+ * returns (a prepare, off the messages' path); else on a thread of its own
+ * (a pool made by a send, or announced with one): cuMemHostRegister of a
+ * 100 MB layout's 8 slots took 449 ms on an H200, and the copies of the
+ * messages that come meanwhile go at pageable speed rather than wait for
+ * it. Failure only costs speed. NULL for a device pool.
  */
-static bool seg_register(tdp__shm_seg *seg)
+static tdp__cuda_pin *seg_pin(tdp__shm_seg *seg, bool now)
 {
     if (seg == NULL)
-        return false; /* a device pool */
+        return NULL; /* a device pool */
+    tdp__cuda_pin *pin = NULL;
     tdp_err rc =
-        tdp__cuda_host_register(tdp__shm_seg_base(seg), tdp__shm_seg_geom(seg)->total_bytes);
+        tdp__cuda_pin_new(tdp__shm_seg_base(seg), tdp__shm_seg_geom(seg)->total_bytes, now, &pin);
     if (rc != TDP_OK)
         tdp_log_debug("shm: pool not page-locked (%s): GPU copies go at pageable speed",
                       tdp_strerror(rc));
     else
         atomic_fetch_add_explicit(&pools_pinned, 1, memory_order_relaxed);
-    return rc == TDP_OK;
-}
-
-static void seg_unregister(tdp__shm_seg *seg, bool registered)
-{
-    if (registered && seg != NULL)
-        (void)tdp__cuda_host_unregister(tdp__shm_seg_base(seg));
+    return pin;
 }
 
 /* Slot i of a pool's memory (either side's), host or device. */
@@ -409,9 +408,9 @@ static void *pool_mem(const tdp__shm_seg *seg, const tdp__dpool *dp, uint64_t st
 }
 
 /* A pool's memory and slot table go (either side's, its last reference gone). */
-static void pool_mem_free(tdp__shm_seg *seg, bool registered, tdp__dpool *dp, void *slots)
+static void pool_mem_free(tdp__shm_seg *seg, tdp__cuda_pin *pin, tdp__dpool *dp, void *slots)
 {
-    seg_unregister(seg, registered);
+    tdp__cuda_pin_end(pin); /* before the mapping goes */
     tdp__shm_seg_close(seg);
     tdp__dpool_unref(dp);
     tdp__free(slots);
@@ -421,7 +420,7 @@ static void tx_pool_unref(tx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
-    pool_mem_free(p->seg, p->registered, p->dp, p->slots);
+    pool_mem_free(p->seg, p->pin, p->dp, p->slots);
     tdp__free(p);
 }
 
@@ -453,7 +452,7 @@ static void rx_pool_unref(rx_pool *p)
 {
     if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) != 1)
         return;
-    pool_mem_free(p->seg, p->registered, p->dp, p->slots);
+    pool_mem_free(p->seg, p->pin, p->dp, p->slots);
     tdp__free(p);
 }
 
@@ -534,11 +533,11 @@ static tdp_err link_stage(struct tdp__link *l, int dev)
     if (rc != TDP_OK)
         return rc;
     for (tx_pool *p = l->grp->pool; p != NULL; p = p->next)
-        if (!p->registered)
-            p->registered = seg_register(p->seg);
+        if (p->pin == NULL)
+            p->pin = seg_pin(p->seg, false);
     for (rx_pool *p = l->rpool; p != NULL; p = p->next)
-        if (!p->registered)
-            p->registered = seg_register(p->seg);
+        if (p->pin == NULL)
+            p->pin = seg_pin(p->seg, false);
     return TDP_OK;
 }
 
@@ -884,7 +883,7 @@ static tdp_err tx_pool_grow(struct tdp__link *l, uint64_t bytes, int dev)
     for (uint32_t i = 0; i < n; i++)
         p->slots[i] = (tx_slot){.pool = p, .idx = i};
     if (l->stage != NULL)
-        p->registered = seg_register(p->seg);
+        p->pin = seg_pin(p->seg, false); /* s_prepare waits for it */
     p->next = g->pool;
     g->pool = p;
     g->stale = false;
@@ -1494,7 +1493,7 @@ static tdp_err rx_map_pool(struct tdp__link *l, pend_msg *pm)
     }
     atomic_fetch_add_explicit(&rx_pools_mapped, 1, memory_order_relaxed);
     pm->seg = seg;
-    pm->registered = l->stage != NULL && seg_register(seg);
+    pm->pin = l->stage != NULL ? seg_pin(seg, false) : NULL;
     return TDP_OK;
 }
 
@@ -1670,6 +1669,7 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
         pm->nfds = 0;
         pm->dp = NULL;
         pm->seg = NULL;
+        pm->pin = NULL;
         l->pend_head = (l->pend_head + 1) % l->pend_cap;
         l->npend--;
         if (cur.m.type == MSG_POOL || cur.m.type == MSG_DPOOL) {
@@ -1678,7 +1678,7 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             if (p == NULL) {
                 close_fds(cur.fds, cur.nfds);
                 tdp__dpool_unref(cur.dp);
-                seg_unregister(cur.seg, cur.registered);
+                tdp__cuda_pin_end(cur.pin);
                 tdp__shm_seg_close(cur.seg);
                 return TDP_ENOMEM;
             }
@@ -1687,14 +1687,14 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
                 rc = rx_open_dpool(&cur, p);
             } else if (cur.seg != NULL || (rc = rx_map_pool(l, &cur)) == TDP_OK) {
                 p->seg = cur.seg; /* mapped when it came, or now */
-                p->registered = cur.registered;
+                p->pin = cur.pin;
                 p->nslots = tdp__shm_seg_geom(p->seg)->nslots;
                 p->stride = tdp__shm_seg_geom(p->seg)->slot_bytes;
             }
             rx_slot *slots = rc == TDP_OK ? tdp__alloc_array(p->nslots, sizeof(*slots)) : NULL;
             if (slots == NULL) {
                 tdp__dpool_unref(cur.dp); /* not taken */
-                seg_unregister(p->seg, p->registered);
+                tdp__cuda_pin_end(p->pin);
                 tdp__shm_seg_close(p->seg);
                 tdp__dpool_unref(p->dp);
                 tdp__free(p);
@@ -1705,8 +1705,8 @@ static tdp_err apply_pending(struct tdp__link *l, uint64_t seq)
             p->slots = slots;
             for (uint32_t i = 0; i < p->nslots; i++)
                 slots[i].pool = p;
-            if (l->stage != NULL && !p->registered)
-                p->registered = seg_register(p->seg);
+            if (l->stage != NULL && p->pin == NULL)
+                p->pin = seg_pin(p->seg, false);
             /* keep the superseded pool in the list while it has slots out */
             rx_pool *old = l->rpool;
             p->next = old;
@@ -2427,7 +2427,8 @@ static void link_teardown(struct tdp__link *l)
         close_fds(pm->fds, pm->nfds);
         tdp__dpool_unref(pm->dp);
         pm->dp = NULL;
-        seg_unregister(pm->seg, pm->registered);
+        tdp__cuda_pin_end(pm->pin);
+        pm->pin = NULL;
         tdp__shm_seg_close(pm->seg);
         pm->seg = NULL;
     }
@@ -2696,6 +2697,8 @@ static tdp_err s_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
         return rc;
     tx_pool *p = l->grp->pool;
     bool fits = tx_pool_fits(l, total, pdev);
+    if (fits && gpu)
+        tdp__cuda_pin_wait(p->pin); /* the first message copies at pinned speed */
     if (fits && p->seg != NULL && !p->populated) {
         /* the slots the sends the credit allows at once take first (tx_pick): the
          * rest of the pool (loans, sends behind them) faults in as it is used */
