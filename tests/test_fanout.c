@@ -1358,6 +1358,85 @@ static void test_close_stuck_consumer(void **state)
     assert_int_equal(then, TDP_ECONNRESET);
 }
 
+/*
+ * Drop-oldest on the shm plane: consumers that stop receiving at different
+ * points, each holding its receive depth of slots of the shared pool, do
+ * not stop one that keeps up — sent as copies or as loans (whose slots the
+ * sends waiting for a laggard's credit hold too). The slots the laggards
+ * hold are not written meanwhile, and they go on when they receive again.
+ */
+static void shm_drop_stalled(bool loan)
+{
+    enum { STALL_A = 4, STALL_B = 8, N = 24, MORE = 4 };
+    tdp_fanout_opts fo;
+    tdp_fanout_opts_default(&fo);
+    fo.slow = TDP_FANOUT_DROP_OLDEST;
+    env e;
+    env_up(&e, &fo);
+    dial_bare(&e, 3, 4); /* 0 and 1 stall, 2 keeps up */
+    tdp_schema *s = host_bytes_schema(NBYTES);
+    tdp_td *held[2][4];
+    int nheld[2] = {0, 0};
+    for (uint64_t i = 1; i <= N + MORE; i++) {
+        tdp_td *td;
+        tdp_err rc = loan ? TDP_EAGAIN : tdp_td_new(s, &td);
+        for (int64_t end = mono_ms() + 5000; rc == TDP_EAGAIN && mono_ms() < end; usleep(1000))
+            rc = tdp_fanout_loan(e.fo, s, &td); /* EAGAIN while the sockets come up */
+        assert_int_equal(rc, TDP_OK);
+        fill(td, i);
+        assert_int_equal(tdp_fanout_send(e.fo, td, 5000), TDP_OK);
+        tdp_td_unref(td);
+        if (i == N + 1) /* the laggards let go of what they held */
+            for (int c = 0; c < 2; c++)
+                for (int k = 0; k < nheld[c]; k++) {
+                    assert_int_equal(check(held[c][k]), (uint64_t)(c * STALL_A + k + 1));
+                    tdp_pipe_release(e.c[c].pipe, held[c][k]);
+                }
+        tdp_td *got;
+        assert_int_equal(tdp_pipe_recv(e.c[2].pipe, TMO, &got), TDP_OK);
+        assert_int_equal(check(got), i);
+        tdp_pipe_release(e.c[2].pipe, got);
+        for (int c = 0; c < 2 && i <= N; c++) {
+            if ((c == 0 && i > STALL_A) || (c == 1 && i > STALL_B))
+                continue; /* stalled */
+            assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got), TDP_OK);
+            assert_int_equal(check(got), i);
+            if (i > (uint64_t)(c * STALL_A))
+                held[c][nheld[c]++] = got;
+            else
+                tdp_pipe_release(e.c[c].pipe, got);
+        }
+    }
+    /* the laggards receive again: what they still queue, in order, up to the last */
+    for (int c = 0; c < 2; c++) {
+        uint64_t last = 0;
+        while (last != N + MORE) {
+            tdp_td *got;
+            assert_int_equal(tdp_pipe_recv(e.c[c].pipe, TMO, &got), TDP_OK);
+            uint64_t seq = check(got);
+            assert_true(seq > last);
+            last = seq;
+            tdp_pipe_release(e.c[c].pipe, got);
+        }
+    }
+    tdp_fanout_peer_stats ps[MAXC];
+    assert_int_equal(tdp_fanout_stats_get(e.fo, NULL, ps, MAXC), 3);
+    assert_int_equal(ps[2].drops, 0);
+    assert_int_equal(ps[2].msgs_sent, N + MORE);
+    assert_int_equal(ps[2].status, TDP_OK);
+    bare_down(&e);
+    tdp_schema_unref(s);
+}
+
+static void test_shm_drop_stalled(void **state)
+{
+    (void)state;
+    if (!on_shm())
+        skip();
+    shm_drop_stalled(false);
+    shm_drop_stalled(true);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -1375,6 +1454,7 @@ int main(void)
         cmocka_unit_test(test_close_consumers_closed_first),
         cmocka_unit_test(test_close_consumers_freed_first),
         cmocka_unit_test(test_close_stuck_consumer),
+        cmocka_unit_test(test_shm_drop_stalled),
     };
     if (getenv("TDP_TEST_FILTER") != NULL)
         cmocka_set_test_filter(getenv("TDP_TEST_FILTER"));

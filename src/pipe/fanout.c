@@ -509,6 +509,47 @@ static tdp_err one_copy(tdp_fanout *fo, tdp_td *td, tdp_td **out)
     return TDP_OK;
 }
 
+/*
+ * Drop-oldest: the group's slots are all held by consumers that lag while
+ * a consumer that gets new messages could take more. The producer runs at
+ * the pace of the fastest, so the group gets a fresh pool (the laggards
+ * keep the slots they hold in the old one) and a loan of it for sc.
+ * TDP_EAGAIN: every such consumer holds its window (wait for it).
+ */
+static tdp_err restock(tdp_fanout *fo, tdp_schema *sc, tdp_td **loan)
+{
+    for (uint32_t i = 0; i < fo->o.max_consumers; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (!c->shared || c->state != C_LIVE)
+            continue;
+        tdp__link *l = tdp__session_link(c->pipe);
+        if (tdp__shm_group_restock(l, sc) == TDP_OK && tdp__shm_group_loan(l, sc, loan) == TDP_OK)
+            return TDP_OK;
+    }
+    return TDP_EAGAIN;
+}
+
+static bool drop_for_slot(tdp_fanout *fo);
+
+/*
+ * one_copy, and with drop-oldest, when no slot of the group is free: the
+ * oldest messages only laggards hold go, then a fresh pool if laggards
+ * still hold every slot.
+ */
+static tdp_err one_copy_drop(tdp_fanout *fo, tdp_td *td, tdp_td **out)
+{
+    tdp_err rc = one_copy(fo, td, out);
+    if (rc != TDP_EAGAIN || fo->o.slow != TDP_FANOUT_DROP_OLDEST)
+        return rc;
+    while (rc == TDP_EAGAIN && drop_for_slot(fo))
+        rc = one_copy(fo, td, out);
+    if (rc == TDP_EAGAIN && restock(fo, tdp_td_schema(td), out) == TDP_OK) {
+        memcpy(tdp_td_data(*out), tdp_td_data(td), tdp_td_nbytes(td));
+        rc = TDP_OK;
+    }
+    return rc;
+}
+
 typedef struct loan_call {
     tdp_fanout *fo;
     tdp_schema *sc;
@@ -516,15 +557,30 @@ typedef struct loan_call {
     tdp_err rc;
 } loan_call;
 
+/* A loan of the group: TDP_EAGAIN none free, TDP_ENOENT no group. */
+static tdp_err loan_any(tdp_fanout *fo, tdp_schema *sc, tdp_td **out)
+{
+    tdp_err rc = TDP_ENOENT;
+    for (uint32_t i = 0; i < fo->o.max_consumers && rc != TDP_OK && rc != TDP_EAGAIN; i++) {
+        fo_consumer *c = &fo->cons[i];
+        if (c->shared && c_holds(c))
+            rc = tdp__shm_group_loan(tdp__session_link(c->pipe), sc, out);
+    }
+    return rc;
+}
+
 static void loan_task(void *arg)
 {
     loan_call *a = arg;
     tdp_fanout *fo = a->fo;
-    a->rc = TDP_ENOENT;
-    for (uint32_t i = 0; i < fo->o.max_consumers && a->rc != TDP_OK && a->rc != TDP_EAGAIN; i++) {
-        fo_consumer *c = &fo->cons[i];
-        if (c->shared && c_holds(c))
-            a->rc = tdp__shm_group_loan(tdp__session_link(c->pipe), a->sc, a->out);
+    a->rc = loan_any(fo, a->sc, a->out);
+    if (a->rc == TDP_EAGAIN && fo->o.mode == TDP_FANOUT_BROADCAST &&
+        fo->o.slow == TDP_FANOUT_DROP_OLDEST) {
+        /* as a send would: laggards lose their oldest, or the group a fresh pool */
+        while (a->rc == TDP_EAGAIN && drop_for_slot(fo))
+            a->rc = loan_any(fo, a->sc, a->out);
+        if (a->rc == TDP_EAGAIN)
+            a->rc = restock(fo, a->sc, a->out);
     }
     if (a->rc != TDP_OK && a->rc != TDP_EAGAIN)
         a->rc = tdp_td_new(a->sc, a->out); /* no group: an ordinary buffer */
@@ -580,9 +636,7 @@ static void admit(tdp_fanout *fo)
         tdp_td *td = NULL;
         if (!bcast)
             td = tdp_td_ref(fo->waitq.head->td);
-        else if (one_copy(fo, fo->waitq.head->td, &td) != TDP_OK &&
-                 (fo->o.slow != TDP_FANOUT_DROP_OLDEST || !drop_for_slot(fo) ||
-                  one_copy(fo, fo->waitq.head->td, &td) != TDP_OK)) {
+        else if (one_copy_drop(fo, fo->waitq.head->td, &td) != TDP_OK) {
             /* the group's slots are all held: a release (a consumer's
              * credit) wakes us; the group's links all ask to hear of one */
             fo->want_wake = true;

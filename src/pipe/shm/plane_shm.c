@@ -3024,6 +3024,24 @@ tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out)
     return tx_lend(l->grp->pool, s, sc, out);
 }
 
+tdp_err tdp__shm_group_restock(tdp__link *l, tdp_schema *sc)
+{
+    if (l == NULL || l->bit == 0 || l->failed || l->closed || l->grp->pool == NULL)
+        return TDP_EINVAL;
+    if (l->sock < 0 || !l->proven)
+        return TDP_EAGAIN;
+    if (tx_pick(l->grp->pool) != NULL)
+        return TDP_OK;
+    uint32_t mine = 0;
+    for (const tx_pool *p = l->grp->pool; p != NULL; p = p->next)
+        for (uint32_t i = 0; i < p->nslots; i++)
+            mine += (p->slots[i].held & l->bit) != 0;
+    if (mine >= tx_win(l, tdp_schema_total_bytes(sc)) || tx_pools_pending(l) > l->peer_depth)
+        return TDP_EAGAIN;
+    l->grp->stale = true;
+    return TDP_OK;
+}
+
 bool tdp__shm_link_up(const tdp__link *l)
 {
     return l != NULL && l->sock >= 0 && l->proven;

@@ -82,6 +82,18 @@ uint64_t tdp__shm_link_peer_window(const tdp__link *l);
 tdp_err tdp__shm_group_loan(tdp__link *l, tdp_schema *sc, tdp_td **out);
 
 /*
+ * No slot of l's group is free, and l holds fewer slots than its peer may
+ * have in flight for layout sc: the other links' peers hold them. Mark the
+ * group's pool stale, so that the next tdp__shm_group_loan on l makes a
+ * fresh one (announced to l's peer; the old one goes once its slots are
+ * released), as for parked slots: for a sender that must not wait for
+ * peers that lag (a fan-out's drop-oldest). TDP_OK: marked (or a slot is
+ * free); TDP_EAGAIN: l itself holds its window, or its peer cannot take
+ * one more announcement now; TDP_EINVAL: not a link of a group.
+ */
+tdp_err tdp__shm_group_restock(tdp__link *l, tdp_schema *sc);
+
+/*
  * Whether l's socket to its peer is up and proven: until then a loan of
  * its group is refused (TDP_EAGAIN) and no release can come to end that.
  */
