@@ -466,6 +466,9 @@ static void free_task(void *arg)
     if (f->reap != NULL)
         event_free(f->reap);
     f->reap = NULL;
+    /* a reap a receive posted, not run yet (a loop stopped): the loop must
+     * not run it once f is gone */
+    tdp__loop_unpost_task(f->loop, &f->reap_task);
 }
 
 static void fanin_release(tdp_fanin *f)
@@ -667,12 +670,21 @@ static void close_task(void *arg)
     dispatch(f); /* receives waiting on an empty stream end now */
 }
 
+/* The listener, taken once: closes may race each other (any thread). */
+static tdp_listener *take_listener(tdp_fanin *f)
+{
+    pthread_mutex_lock(&f->lk);
+    tdp_listener *lis = f->lis;
+    f->lis = NULL;
+    pthread_mutex_unlock(&f->lk);
+    return lis;
+}
+
 void tdp_fanin_close(tdp_fanin *f)
 {
     if (f == NULL)
         return;
-    tdp_listener_free(f->lis); /* handshakes under way are dropped */
-    f->lis = NULL;
+    tdp_listener_free(take_listener(f)); /* handshakes under way are dropped */
     tdp__call_on_loop(f->loop, close_task, f);
 }
 
@@ -684,8 +696,8 @@ void tdp_fanin_free(tdp_fanin *f)
         tdp_log_error("tdp_fanin_free: called on the loop thread; the fan-in is leaked");
         return;
     }
-    tdp_listener_free(f->lis); /* no more producers: handshakes under way are dropped */
-    f->lis = NULL;
+    /* no more producers: handshakes under way are dropped */
+    tdp_listener_free(take_listener(f));
     tdp__call_on_loop(f->loop, free_task, f);
     fanin_release(f);
 }
