@@ -167,6 +167,12 @@ void tdp__pipe_up_data(void *owner, tdp__link *l, const tdp__frame *f, void *des
         tdp__pipe_proto_fail(p, TDP_EPROTO, "data frame out of sequence");
         return;
     }
+    if (p->peer_bye && f->seq > p->peer_last_seq) {
+        /* its BYE named its last: a payload after it that never comes
+         * would hold the pipe open with nothing left to end it */
+        tdp__pipe_proto_fail(p, TDP_EPROTO, "data frame after the peer's BYE");
+        return;
+    }
     if (f->length != tdp_schema_total_bytes(p->rx_schema)) {
         tdp__pipe_proto_fail(p, TDP_EMSGSIZE, "data length differs from the schema's size");
         return;

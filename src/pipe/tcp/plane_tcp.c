@@ -314,14 +314,20 @@ static tdp_err on_frame(void *arg, const tdp_am_hdr *h, uint8_t **into)
         return TDP_OK;
     case TDP_AM_SCHEMA:
         if (h->length > l->max_json) {
+            /* the session's verdict (TDP_EMSGSIZE, the peer told in a BYE),
+             * not the channel's: its failure would read as a vanished peer;
+             * the JSON that follows is read and dropped */
             tdp_log_info("tcp plane: a %llu-byte schema, over this side's limit of %llu",
                          (unsigned long long)h->length, (unsigned long long)l->max_json);
-            return TDP_ELIMIT;
+            l->up->failed(l->owner, l, TDP_EMSGSIZE, "schema over this side's limits");
+            return TDP_OK;
         }
         if (h->length > l->json_cap) {
             uint8_t *nb = tdp__realloc(l->json, (size_t)h->length);
-            if (nb == NULL)
-                return TDP_ENOMEM;
+            if (nb == NULL) {
+                l->up->failed(l->owner, l, TDP_ENOMEM, "no memory for a schema");
+                return TDP_OK;
+            }
             l->json = nb;
             l->json_cap = (size_t)h->length;
         }
