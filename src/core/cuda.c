@@ -414,11 +414,6 @@ tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out)
     return TDP_OK;
 }
 
-bool tdp__cuda_pin_ready(tdp__cuda_pin *r)
-{
-    return r != NULL && atomic_load_explicit(&r->state, memory_order_acquire) == 1;
-}
-
 void tdp__cuda_pin_wait(tdp__cuda_pin *r)
 {
     if (r != NULL && !r->joined) {

@@ -86,16 +86,15 @@ tdp_err tdp__cuda_host_unregister(void *p);
  * A host range page-locked for as long as a pool lives, at once (now) or
  * on a thread of its own, for memory a message may need before the driver
  * is done pinning it (cuMemHostRegister of 800 MB took 449 ms on an H200):
- * copies that touch it meanwhile go at pageable speed. tdp__cuda_pin
+ * copies that touch it meanwhile go at pageable speed. tdp__cuda_pin_new
  * returns the error of a registration made at once (now, or where no
- * thread could start); tdp__cuda_pin_ready says without blocking whether it
- * has landed; tdp__cuda_pin_wait waits for it; tdp__cuda_pin_end waits,
- * undoes a registration that landed and frees it (before the memory
- * goes; NULL is allowed). One thread at a time per pin.
+ * thread could start); tdp__cuda_pin_wait waits for it to land;
+ * tdp__cuda_pin_end waits, undoes a registration that landed and frees
+ * the pin (before the memory goes). Both take NULL. One thread at a time
+ * per pin.
  */
 typedef struct tdp__cuda_pin tdp__cuda_pin;
 tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out);
-bool tdp__cuda_pin_ready(tdp__cuda_pin *r);
 void tdp__cuda_pin_wait(tdp__cuda_pin *r);
 void tdp__cuda_pin_end(tdp__cuda_pin *r);
 /* Pins that have landed in this process so far (tests, stats). */
