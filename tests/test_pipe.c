@@ -27,6 +27,7 @@
 #include "test_skip.h"
 #include "test_rogue_am.h"
 #include "test_util.h"
+#include "test_ctl_frame.h"
 
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
@@ -2246,30 +2247,6 @@ static tdp_err auth_try(const char *srv_secret, const char *cli_secret, tdp_err 
     return rc;
 }
 
-/* Read one whole control frame (bounded wait); its length, or -1. */
-static ssize_t read_frame(int fd, uint8_t *buf, size_t cap)
-{
-    size_t got = 0, want = TDP_CTL_HDR_LEN;
-    int64_t end = mono_ms() + 5000;
-    while (got < want && mono_ms() < end) {
-        ssize_t n = recv(fd, buf + got, want - got, MSG_DONTWAIT);
-        if (n == 0)
-            return -1;
-        if (n < 0) {
-            usleep(1000);
-            continue;
-        }
-        got += (size_t)n;
-        if (got == TDP_CTL_HDR_LEN) {
-            tdp_ctl_hdr h;
-            if (tdp_wire_ctl_hdr_decode(buf, &h) != TDP_OK || TDP_CTL_HDR_LEN + h.length > cap)
-                return -1;
-            want = TDP_CTL_HDR_LEN + h.length;
-        }
-    }
-    return got == want ? (ssize_t)got : -1;
-}
-
 /*
  * Both sides with the same secret: a working pipe. Wrong, missing on either
  * side: TDP_EAUTH at once, and no pipe on the listener's side. A stranger
@@ -2323,7 +2300,7 @@ static void test_auth(void **state)
                              .sin_port = htons(tdp_listener_port(l))};
     assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
     static uint8_t buf[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
-    ssize_t n = read_frame(fd, buf, sizeof(buf));
+    ssize_t n = read_ctl_frame(fd, buf, sizeof(buf), 5000);
     assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
     buf[TDP_CTL_HDR_LEN + 56] ^= 1; /* the nonce's first byte */
     assert_int_equal(send(fd, buf, (size_t)n, MSG_NOSIGNAL), n); /* its HELLO, echoed */
@@ -2333,7 +2310,7 @@ static void test_auth(void **state)
     uint8_t forged[TDP_CTL_HDR_LEN + TDP_AUTH_TAG_LEN], tag[TDP_AUTH_TAG_LEN] = {0};
     tdp_wire_auth_encode(forged, tag);
     assert_int_equal(send(fd, forged, sizeof(forged), MSG_NOSIGNAL), (ssize_t)sizeof(forged));
-    n = read_frame(fd, buf, sizeof(buf));
+    n = read_ctl_frame(fd, buf, sizeof(buf), 5000);
     assert_int_equal(n, TDP_CTL_HDR_LEN + TDP_BYE_LEN);
     tdp_bye bye;
     assert_int_equal(tdp_wire_bye_decode(buf + TDP_CTL_HDR_LEN, TDP_BYE_LEN, &bye), TDP_OK);

@@ -51,6 +51,7 @@
 #include "pipe/shm/shm_hello.h"
 #include "pipe/wire.h"
 #include "test_util.h"
+#include "test_ctl_frame.h"
 
 #define TMO 20000
 
@@ -119,30 +120,6 @@ static uint64_t live_bytes(void)
     return t;
 }
 
-/* Read one whole control frame within ms; its length, or -1. */
-static ssize_t read_frame(int fd, uint8_t *buf, size_t cap, int64_t ms)
-{
-    size_t got = 0, want = TDP_CTL_HDR_LEN;
-    int64_t end = mono_ms() + ms;
-    while (got < want && mono_ms() < end) {
-        ssize_t n = recv(fd, buf + got, want - got, MSG_DONTWAIT);
-        if (n == 0)
-            return -1;
-        if (n < 0) {
-            usleep(1000);
-            continue;
-        }
-        got += (size_t)n;
-        if (got == TDP_CTL_HDR_LEN) {
-            tdp_ctl_hdr h;
-            if (tdp_wire_ctl_hdr_decode(buf, &h) != TDP_OK || TDP_CTL_HDR_LEN + h.length > cap)
-                return -1;
-            want = TDP_CTL_HDR_LEN + h.length;
-        }
-    }
-    return got == want ? (ssize_t)got : -1;
-}
-
 typedef struct attacker {
     int fd;
     uint8_t hello[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN]; /* the listener's, as read */
@@ -160,7 +137,7 @@ static void attacker_hello_as(attacker *a, uint16_t port, bool proven)
     struct sockaddr_in sa = {
         .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK), .sin_port = htons(port)};
     assert_int_equal(connect(a->fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    ssize_t n = read_frame(a->fd, a->hello, sizeof(a->hello), 5000);
+    ssize_t n = read_ctl_frame(a->fd, a->hello, sizeof(a->hello), 5000);
     assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
     assert_int_equal(
         tdp_wire_hello_decode(a->hello + TDP_CTL_HDR_LEN, (size_t)n - TDP_CTL_HDR_LEN, &a->h),
@@ -206,7 +183,7 @@ static int attacker_bye(attacker *a, int64_t ms, bool *proof)
 {
     uint8_t buf[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
     for (;;) {
-        ssize_t n = read_frame(a->fd, buf, sizeof(buf), ms);
+        ssize_t n = read_ctl_frame(a->fd, buf, sizeof(buf), ms);
         if (n < 0)
             return 0;
         tdp_ctl_hdr h;

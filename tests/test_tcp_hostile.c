@@ -26,6 +26,7 @@
 #include "pipe/plane.h"
 #include "pipe/wire.h"
 #include "test_util.h"
+#include "test_ctl_frame.h"
 
 #define TMO 10000
 
@@ -38,29 +39,6 @@ typedef struct raw {
     uint8_t hello[TDP_CTL_HDR_LEN + TDP_HELLO_MAX_LEN];
 } raw;
 
-static ssize_t read_frame(int fd, uint8_t *buf, size_t cap, int64_t ms)
-{
-    size_t got = 0, want = TDP_CTL_HDR_LEN;
-    int64_t end = mono_ms() + ms;
-    while (got < want && mono_ms() < end) {
-        ssize_t n = recv(fd, buf + got, want - got, MSG_DONTWAIT);
-        if (n == 0)
-            return -1;
-        if (n < 0) {
-            usleep(1000);
-            continue;
-        }
-        got += (size_t)n;
-        if (got == TDP_CTL_HDR_LEN) {
-            tdp_ctl_hdr h;
-            if (tdp_wire_ctl_hdr_decode(buf, &h) != TDP_OK || TDP_CTL_HDR_LEN + h.length > cap)
-                return -1;
-            want = TDP_CTL_HDR_LEN + h.length;
-        }
-    }
-    return got == want ? (ssize_t)got : -1;
-}
-
 static void raw_up(raw *r, const tdp_pipe_opts *so)
 {
     memset(r, 0, sizeof(*r));
@@ -72,7 +50,7 @@ static void raw_up(raw *r, const tdp_pipe_opts *so)
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK),
                              .sin_port = htons(tdp_listener_port(r->l))};
     assert_int_equal(connect(r->fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    ssize_t n = read_frame(r->fd, r->hello, sizeof(r->hello), 5000);
+    ssize_t n = read_ctl_frame(r->fd, r->hello, sizeof(r->hello), 5000);
     assert_true(n > (ssize_t)TDP_CTL_HDR_LEN);
     assert_int_equal(
         tdp_wire_hello_decode(r->hello + TDP_CTL_HDR_LEN, (size_t)n - TDP_CTL_HDR_LEN, &r->h),
@@ -154,7 +132,7 @@ static int raw_bye(raw *r, int64_t ms)
 {
     uint8_t buf[TDP_CTL_HDR_LEN + TDP_AM_HDR_MAX_LEN];
     for (;;) {
-        ssize_t n = read_frame(r->fd, buf, sizeof(buf), ms);
+        ssize_t n = read_ctl_frame(r->fd, buf, sizeof(buf), ms);
         if (n < 0)
             return 1;
         tdp_ctl_hdr h;
