@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include "cuda_int.h"
-#include "alloc.h"
 #include "log.h"
 
 /*
@@ -387,7 +386,7 @@ tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out)
     *out = NULL;
     if (p == NULL || size == 0)
         return TDP_EINVAL;
-    tdp__cuda_pin *r = tdp__calloc(1, sizeof(*r));
+    tdp__cuda_pin *r = calloc(1, sizeof(*r)); /* not per message */
     if (r == NULL)
         return TDP_ENOMEM;
     r->p = p;
@@ -404,7 +403,7 @@ tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out)
         r->joined = true;
         tdp_err rc = tdp__cuda_host_register(p, size);
         if (rc != TDP_OK) {
-            tdp__free(r);
+            free(r);
             return rc;
         }
         atomic_fetch_add_explicit(&pins_landed, 1, memory_order_relaxed);
@@ -429,7 +428,7 @@ void tdp__cuda_pin_end(tdp__cuda_pin *r)
     tdp__cuda_pin_wait(r);
     if (atomic_load_explicit(&r->state, memory_order_acquire) == 1)
         (void)tdp__cuda_host_unregister(r->p);
-    tdp__free(r);
+    free(r);
 }
 
 tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out)
