@@ -687,6 +687,7 @@ static void test_proven(void **state)
 
     /* what belongs in HELLO is refused; unknown records as in HELLO */
     const uint8_t one[1] = {1}, d4[4] = {2, 0, 0, 0}, junk[3] = {1, 2, 3};
+    const uint8_t w8[8] = {0, 0, 1, 0, 0, 0, 0, 0}, r8[8] = {5, 0, 0, 0, 0, 0, 0, 0};
     const struct {
         uint16_t type, flags;
         const uint8_t *v;
@@ -698,6 +699,9 @@ static void test_proven(void **state)
         {TDP_HX_WANT_DEPTH, 0, d4, 4, TDP_EPROTO},
         {TDP_HX_CHECKSUM, 0, one, 1, TDP_EPROTO},
         {TDP_HX_PROVEN, 0, one, 1, TDP_EPROTO},
+        {TDP_HX_READY, 0, one, 1, TDP_EPROTO},
+        {TDP_HX_WINDOW, 0, w8, 8, TDP_EPROTO}, /* flow control: the proofs cover it in HELLO */
+        {TDP_HX_RESUME, TDP_HX_CRITICAL, r8, 8, TDP_EPROTO},
         {0, 0, one, 1, TDP_EPROTO},
         {TDP_HX_UCX_LOCAL_ADDR, 0, NULL, 0, TDP_EPROTO}, /* an empty plane record */
         {4000, 0, junk, 3, TDP_OK},                      /* unknown: skipped */

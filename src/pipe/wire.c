@@ -498,15 +498,23 @@ tdp_err tdp_wire_proven_encode(uint8_t *out, const tdp_hello *h)
     return TDP_OK;
 }
 
-/* A PROVEN record: a plane's, not already in the HELLO; what else is known belongs there. */
+/*
+ * A PROVEN record: a plane's, not already in the HELLO. Every other record
+ * this side knows belongs in the HELLO, which the proofs cover (PROVEN is
+ * not covered): only an unknown one is skipped (or refused, if critical).
+ * Asked of the decoder itself, so that a record type added later is
+ * refused here too.
+ */
 static tdp_err proven_rec(tdp_hello *h, uint16_t type, uint16_t flags, const uint8_t *v,
                           uint32_t vlen)
 {
     if (tdp_wire_hx_is_plane(type))
         return tdp_hello_add_rec(h, type, v, vlen) == TDP_OK ? TDP_OK : TDP_EPROTO;
-    if (type == 0 || type <= TDP_HX_PROVEN || type == TDP_HX_READY)
-        return TDP_EPROTO;
-    return hx_decode(h, type, flags, v, vlen); /* unknown: skipped, or critical */
+    tdp_hello probe = {0};
+    if (hx_decode(&probe, type, flags, v, vlen) != TDP_OK ||
+        (probe.nskipped == 0 && probe.unknown_critical == 0))
+        return TDP_EPROTO; /* 0, malformed, or a known record: HELLO's */
+    return hx_decode(h, type, flags, v, vlen);
 }
 
 tdp_err tdp_wire_proven_decode(const uint8_t *in, size_t len, tdp_hello *h)
