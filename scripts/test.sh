@@ -187,8 +187,8 @@ stage_asan() {
 # process-wide count replaces malloc, which TSan must own.
 # UCX_MEM_EVENTS=no: UCX's memory hooks patch the allocator's symbols
 # under TSan's interceptors and crash the process before main.
-TSAN_TESTS='^test_(pipe_.*|prepare.*|fanin_.*|fanout_.*|window_.*|server|loop|shm|cuda|cuda_ipc|stage|gpu_shm|checksum_.*|preauth|ucx_chunks)$'
-TSAN_TARGETS=(test_pipe test_prepare test_pipe_alloc test_fanin test_fanout test_window test_server test_loop test_shm test_cuda test_cuda_ipc test_stage test_gpu_shm test_checksum test_preauth test_ucx_chunks)
+TSAN_TESTS='^test_(pipe_.*|prepare.*|fanin_.*|fanout_.*|window_.*|server|loop|shm|cuda|cuda_ipc|stage|gpu_shm|gpu_pin|checksum_.*|preauth|ucx_chunks)$'
+TSAN_TARGETS=(test_pipe test_prepare test_pipe_alloc test_fanin test_fanout test_window test_server test_loop test_shm test_cuda test_cuda_ipc test_stage test_gpu_shm test_gpu_pin test_checksum test_preauth test_ucx_chunks)
 
 stage_tsan() {
     export UCX_MEM_EVENTS=${UCX_MEM_EVENTS:-no}

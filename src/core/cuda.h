@@ -228,7 +228,8 @@ void tdp__cuda_fake_inject(tdp__cuda_fault f, unsigned n);
 
 /* Delay of each fake copy, in microseconds (TDPIPE_FAKE_CUDA_DELAY_US). */
 void tdp__cuda_fake_set_delay_us(unsigned us);
-/* Fake: each host registration takes this long (a slow cuMemHostRegister). */
+/* Fake: each host registration or pinned allocation takes this long (ms), as
+ * cuMemHostRegister / cuMemHostAlloc of hundreds of MB do. */
 void tdp__cuda_fake_set_register_ms(unsigned ms);
 
 /* Tests: n bytes at fake device address p as they are now, without waiting

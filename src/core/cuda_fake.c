@@ -326,8 +326,20 @@ static fake_host_mem *host_take(void *p)
     return h;
 }
 
+/* Page-locking takes register_ms (a registration, or a pinned allocation). */
+static void pin_delay(void)
+{
+    unsigned ms = atomic_load(&register_ms);
+    if (ms > 0) {
+        struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+}
+
 static tdp_err fake_host_alloc(size_t size, void **out)
 {
+    pin_delay();
     if (fault_fires(TDP__CUDA_FAULT_OOM_AT)) {
         tdp_log_debug("fake CUDA: out of pinned memory (injected)");
         return TDP_ENOMEM;
@@ -358,12 +370,7 @@ static void fake_host_free(void *p)
 
 static tdp_err fake_host_register(void *p, size_t size)
 {
-    unsigned ms = atomic_load(&register_ms);
-    if (ms > 0) {
-        struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-        }
-    }
+    pin_delay();
     return host_add(p, size, false);
 }
 

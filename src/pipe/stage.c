@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <event2/event.h>
+#include <tdpipe/mem.h>
 
 #include "../core/alloc.h"
 #include "../core/log.h"
@@ -388,4 +389,25 @@ unsigned tdp__stage_inflight(const tdp__stage *st)
 unsigned tdp__stage_inflight_max(const tdp__stage *st)
 {
     return st->inflight_max;
+}
+
+tdp_err tdp__stage_host_alloc(size_t size, bool now, void **p, tdp__cuda_pin **pin)
+{
+    *pin = NULL;
+    if (size == 0)
+        size = 1;
+    tdp_err rc = tdp_mem_alloc(TDP_MEM_HOST, 0, size, 4096, p);
+    if (rc != TDP_OK)
+        return rc;
+    if ((rc = tdp__cuda_pin_new(*p, size, now, pin)) != TDP_OK)
+        tdp_log_debug("stage: a %zu-byte bounce not page-locked (%s): its copies go at pageable "
+                      "speed",
+                      size, tdp_strerror(rc));
+    return TDP_OK;
+}
+
+void tdp__stage_host_free(void *p, tdp__cuda_pin *pin)
+{
+    tdp__cuda_pin_end(pin); /* before the memory goes */
+    tdp_mem_free(TDP_MEM_HOST, p);
 }

@@ -115,6 +115,18 @@ void tdp__stage_set_inline(tdp__stage *st, bool on);
 tdp__cuda_stream *tdp__stage_stream(const tdp__stage *st);
 int tdp__stage_device(const tdp__stage *st);
 
+/*
+ * Host memory a link stages GPU payloads through (its bounces): page
+ * aligned, page-locked at once (now: a prepare, off the messages' path) or
+ * on a thread of its own (made by a layout's first message, whose copies
+ * meanwhile go at pageable speed rather than wait: page-locking hundreds
+ * of MB takes hundreds of ms). *pin NULL where it could not be pinned:
+ * the memory works, copies at pageable speed. Freed with
+ * tdp__stage_host_free (waits for the pin first).
+ */
+tdp_err tdp__stage_host_alloc(size_t size, bool now, void **p, tdp__cuda_pin **pin);
+void tdp__stage_host_free(void *p, tdp__cuda_pin *pin);
+
 /* Chunks queued now, and the most ever queued at once. */
 unsigned tdp__stage_inflight(const tdp__stage *st);
 unsigned tdp__stage_inflight_max(const tdp__stage *st);

@@ -58,6 +58,7 @@
 typedef struct bounce {
     void *p;
     size_t cap;
+    tdp__cuda_pin *pin; /* page-locked, or being (tdp__stage_host_alloc) */
     bool busy;
 } bounce;
 
@@ -134,17 +135,18 @@ static void link_maybe_free(struct tdp__link *l);
 static void bounce_free(bounce *b)
 {
     if (b->p != NULL)
-        tdp_mem_free(TDP_MEM_HOST_PINNED, b->p);
+        tdp__stage_host_free(b->p, b->pin);
     *b = (bounce){0};
 }
 
-/* At least need bytes of page-locked memory in b (b not busy). */
-static tdp_err bounce_fit(bounce *b, size_t need)
+/* At least need bytes of page-locked memory in b (b not busy): at once for a
+ * prepare (now), else in the background (tdp__stage_host_alloc). */
+static tdp_err bounce_fit(bounce *b, size_t need, bool now)
 {
     if (b->p != NULL && b->cap >= need)
         return TDP_OK;
     bounce_free(b);
-    tdp_err rc = tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, need > 0 ? need : 1, 0, &b->p);
+    tdp_err rc = tdp__stage_host_alloc(need, now, &b->p, &b->pin);
     if (rc == TDP_OK)
         b->cap = need;
     return rc;
@@ -201,7 +203,7 @@ static tdp_err slot_build(struct tdp__link *l, rx_slot *s)
     /* the stream and the bounce with the layout, not with its first message */
     if ((rc = stage_ready(l, dev.index)) != TDP_OK)
         return rc;
-    return bounce_fit(&s->b, (size_t)s->store->cap);
+    return bounce_fit(&s->b, (size_t)s->store->cap, l->populate);
 }
 
 static tdp_err t_rx_schema(tdp__link *l, tdp_schema *sc, uint32_t depth)
@@ -540,7 +542,7 @@ static void tx_pump(struct tdp__link *l)
                 b = &l->txb[i];
         if (b == NULL)
             return; /* both are being written: the first one's sent brings this back */
-        tdp_err rc = bounce_fit(b, r->td->nbytes);
+        tdp_err rc = bounce_fit(b, r->td->nbytes, false);
         if (rc == TDP_OK) {
             r->copy = (tdp__stage_copy){.done = tx_copied, .progress = tx_progress, .arg = r};
             rc = tdp__stage_copy_start(l->tx_stage, &r->copy, b->p, r->td->data, r->td->nbytes,
@@ -666,7 +668,7 @@ static tdp_err t_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
         rc = stage_ready(l, dev.index);
         for (uint32_t i = 0; rc == TDP_OK && i < l->ntxb; i++)
             if (!l->txb[i].busy)
-                rc = bounce_fit(&l->txb[i], tdp_schema_total_bytes(sc));
+                rc = bounce_fit(&l->txb[i], tdp_schema_total_bytes(sc), true);
         if (rc != TDP_OK)
             return rc;
     } else if (dev.type != TDP_DEVICE_CPU) {

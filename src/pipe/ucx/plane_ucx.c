@@ -68,6 +68,7 @@ typedef struct shared_ep {
 typedef struct bounce {
     void *p;
     size_t cap;
+    tdp__cuda_pin *pin; /* page-locked, or being (tdp__stage_host_alloc) */
     ucp_mem_h memh;
     bool busy;
 } bounce;
@@ -773,20 +774,23 @@ static void bounce_free(struct tdp__link *l, bounce *b)
 {
     if (b->memh != NULL)
         ucp_mem_unmap(l->x->ucx->context[l->wi], b->memh);
-    tdp_mem_free(TDP_MEM_HOST_PINNED, b->p);
+    if (b->p != NULL)
+        tdp__stage_host_free(b->p, b->pin);
     *b = (bounce){0};
 }
 
 /*
  * At least `need` bytes of registered page-locked memory in b: made (or
- * grown) when a layout is first sent or received, never per message.
+ * grown) when a layout is first sent or received, never per message;
+ * page-locked at once for a prepare (now), else in the background
+ * (tdp__stage_host_alloc).
  */
-static tdp_err bounce_fit(struct tdp__link *l, bounce *b, size_t need)
+static tdp_err bounce_fit(struct tdp__link *l, bounce *b, size_t need, bool now)
 {
     if (b->p != NULL && b->cap >= need)
         return TDP_OK;
     bounce_free(l, b);
-    tdp_err rc = tdp_mem_alloc(TDP_MEM_HOST_PINNED, 0, need, 0, &b->p);
+    tdp_err rc = tdp__stage_host_alloc(need, now, &b->p, &b->pin);
     if (rc != TDP_OK)
         return rc;
     b->cap = need;
@@ -882,7 +886,7 @@ static tdp_err rx_buf_build(struct tdp__link *l, rx_buf *b)
         return rc;
     if ((rc = stage_ready(l, dev.index)) != TDP_OK)
         return rc;
-    if ((rc = bounce_fit(l, &b->rb, b->store->cap)) != TDP_OK)
+    if ((rc = bounce_fit(l, &b->rb, b->store->cap, l->rx_populate)) != TDP_OK)
         return rc;
     /* room for a chunked message at the smallest chunk size a peer may use:
      * made with the layout, so no receive allocates */
@@ -1576,7 +1580,7 @@ static bounce *bounce_take(struct tdp__link *l, size_t need, tdp_err *rc)
         bounce *b = &l->txb[i];
         if (b->busy)
             continue;
-        if ((*rc = bounce_fit(l, b, need)) != TDP_OK)
+        if ((*rc = bounce_fit(l, b, need, false)) != TDP_OK)
             return NULL;
         b->busy = true;
         return b;
@@ -1793,7 +1797,7 @@ static tdp_err tx_stage_ready(struct tdp__link *l, const ticket *t)
     tdp_err rc = stage_ready(l, t->td->device.index);
     for (uint32_t i = 0; rc == TDP_OK && t->send_schema && i < l->ntxb; i++)
         if (!l->txb[i].busy)
-            rc = bounce_fit(l, &l->txb[i], t->td->nbytes);
+            rc = bounce_fit(l, &l->txb[i], t->td->nbytes, false);
     return rc;
 }
 
@@ -2665,7 +2669,7 @@ static tdp_err u_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
         tdp_err rc = stage_ready(l, dev.index);
         for (uint32_t i = 0; rc == TDP_OK && i < l->ntxb; i++)
             if (!l->txb[i].busy)
-                rc = bounce_fit(l, &l->txb[i], tdp_schema_total_bytes(sc));
+                rc = bounce_fit(l, &l->txb[i], tdp_schema_total_bytes(sc), true);
         if (rc != TDP_OK)
             return rc;
     }
