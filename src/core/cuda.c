@@ -359,11 +359,16 @@ struct tdp__cuda_pin {
     _Atomic int state; /* 0 pinning, 1 pinned, 2 failed */
 };
 
-static _Atomic uint64_t pins_landed;
+static _Atomic uint64_t pins_landed, pins_running;
 
 uint64_t tdp__cuda_pins_landed(void)
 {
     return atomic_load_explicit(&pins_landed, memory_order_relaxed);
+}
+
+uint64_t tdp__cuda_pins_running(void)
+{
+    return atomic_load_explicit(&pins_running, memory_order_relaxed);
 }
 
 static void *pin_main(void *arg)
@@ -376,6 +381,7 @@ static void *pin_main(void *arg)
     if (rc == TDP_OK)
         atomic_fetch_add_explicit(&pins_landed, 1, memory_order_relaxed);
     atomic_store_explicit(&r->state, rc == TDP_OK ? 1 : 2, memory_order_release);
+    atomic_fetch_sub_explicit(&pins_running, 1, memory_order_relaxed);
     return NULL;
 }
 
@@ -396,7 +402,10 @@ tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out)
     pthread_attr_t at;
     if (!now && pthread_attr_init(&at) == 0) {
         (void)pthread_attr_setstacksize(&at, 256u << 10);
+        atomic_fetch_add_explicit(&pins_running, 1, memory_order_relaxed);
         started = pthread_create(&r->th, &at, pin_main, r) == 0;
+        if (!started)
+            atomic_fetch_sub_explicit(&pins_running, 1, memory_order_relaxed);
         pthread_attr_destroy(&at);
     }
     if (!started) { /* now, or no thread: pinned on this one */

@@ -97,8 +97,10 @@ typedef struct tdp__cuda_pin tdp__cuda_pin;
 tdp_err tdp__cuda_pin_new(void *p, size_t size, bool now, tdp__cuda_pin **out);
 void tdp__cuda_pin_wait(tdp__cuda_pin *r);
 void tdp__cuda_pin_end(tdp__cuda_pin *r);
-/* Pins that have landed in this process so far (tests, stats). */
+/* Pins that have landed in this process so far, and those still running
+ * on their threads (tests, stats). */
 uint64_t tdp__cuda_pins_landed(void);
+uint64_t tdp__cuda_pins_running(void);
 
 /* Streams: work queued on one completes in order. */
 tdp_err tdp__cuda_stream_create(int dev, tdp__cuda_stream **out);
