@@ -837,6 +837,83 @@ static void test_hostile_fds(void **state)
     tdp__shm_seg_close(p);
 }
 
+/*
+ * A sealed memfd on hugetlbfs (MFD_HUGETLB) looks like a shmem one (it
+ * takes the same seals and maps writable), but its pages come from the
+ * host's pool of huge pages: once mapped, the producer can punch a hole
+ * (which no seal but F_SEAL_WRITE forbids) and take the pool's last page,
+ * and the consumer's next read there dies of SIGBUS. Refused, whether or
+ * not this host has huge pages free to give it a real header.
+ */
+static void test_hostile_hugetlb(void **state)
+{
+    (void)state;
+    const uint64_t huge = 2u << 20;
+    tdp__shm_geom g; /* two slots, slot 1 in the file's second huge page */
+    assert_int_equal(tdp__shm_geom_compute(2, huge - 4096, 0, &g), TDP_OK);
+    assert_int_equal(g.total_bytes, 2 * huge);
+    int fd = memfd_create("hostile-huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (fd < 0) {
+        print_message("no hugetlbfs memfd here (%s): nothing to check\n", strerror(errno));
+        return;
+    }
+    assert_int_equal(ftruncate(fd, (off_t)g.total_bytes), 0);
+    /* the header, when a huge page is free for it (allocated first: no fault here) */
+    bool header = fallocate(fd, 0, 0, (off_t)huge) == 0;
+    if (header) {
+        tdp__shm_hdr h = {.magic = TDP__SHM_MAGIC,
+                          .version = TDP__SHM_VERSION,
+                          .generation = 7,
+                          .nslots = g.nslots,
+                          .ring_cap = g.ring_cap,
+                          .slot_bytes = g.slot_bytes,
+                          .ring_off = {g.ring_off[0], g.ring_off[1]},
+                          .slots_off = g.slots_off,
+                          .total_bytes = g.total_bytes};
+        void *b = mmap(NULL, (size_t)huge, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        assert_true(b != MAP_FAILED);
+        memcpy(b, &h, sizeof(h));
+        munmap(b, (size_t)huge);
+    }
+    bool both = header && fallocate(fd, 0, (off_t)huge, (off_t)huge) == 0;
+    print_message("hugetlbfs memfd %s\n", both     ? "with its header and both pages"
+                                          : header ? "with its header"
+                                                   : "without a header (no huge page free)");
+    assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    int e1 = eventfd(0, EFD_CLOEXEC), e2 = eventfd(0, EFD_CLOEXEC);
+    assert_true(e1 >= 0 && e2 >= 0);
+    tdp__shm_seg *c = NULL;
+    tdp_err rc = tdp__shm_seg_map(fd, e1, e2, 7, 0, &c);
+    if (rc == TDP_OK) {
+        if (both) {
+            /* what the producer can do now: the consumer reads slot 1 in a child */
+            int hog = memfd_create("hog", MFD_CLOEXEC | MFD_HUGETLB);
+            if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)huge,
+                          (off_t)huge) == 0 &&
+                hog >= 0 && ftruncate(hog, (off_t)huge) == 0 &&
+                fallocate(hog, 0, 0, (off_t)huge) == 0) {
+                pid_t pid = fork();
+                if (pid == 0) {
+                    signal(SIGBUS, SIG_DFL);
+                    _exit(*(volatile uint8_t *)tdp__shm_seg_slot(c, 1));
+                }
+                int st = reap(pid, 5000);
+                print_message("the consumer's read of slot 1: %s\n",
+                              WIFSIGNALED(st) ? strsignal(WTERMSIG(st)) : "fine");
+            }
+            if (hog >= 0)
+                close(hog);
+        }
+        tdp__shm_seg_close(c); /* closes the three fds */
+        fail_msg("a segment on hugetlbfs was mapped");
+    }
+    assert_int_equal(rc, TDP_EPROTO);
+    assert_null(c);
+    close(fd);
+    close(e1);
+    close(e2);
+}
+
 static void test_hostile_ring(void **state)
 {
     (void)state;
@@ -1175,6 +1252,7 @@ int main(void)
         cmocka_unit_test(test_producer_killed),
         cmocka_unit_test(test_hostile_header),
         cmocka_unit_test(test_hostile_fds),
+        cmocka_unit_test(test_hostile_hugetlb),
         cmocka_unit_test(test_hostile_ring),
         cmocka_unit_test(test_fd_passing),
         cmocka_unit_test(test_fd_passing_errors),

@@ -36,8 +36,8 @@
  *    while being read: anything to be validated (a schema, a length) is
  *    copied out first;
  *  - the fds received must be what they claim: a memfd (F_GET_SEALS works)
- *    and two eventfds (a socket or pipe as a doorbell could raise SIGPIPE
- *    or block);
+ *    on shmem, not hugetlbfs (see below), and two eventfds (a socket or
+ *    pipe as a doorbell could raise SIGPIPE or block);
  *  - only a process of our own uid can hold the other end of the Unix
  *    socket (SO_PEERCRED, both ways). Anyone of that uid who learns the
  *    abstract name can connect, so the plane should prove the peer (e.g. a
@@ -48,7 +48,10 @@
  * before it is shared, and the consumer refuses a segment without those
  * seals. A mapping can then never extend past the file's end, whatever the
  * producer does later, and the pages live as long as any mapping or fd does:
- * the consumer keeps reading slots it holds after the producer died. The
+ * the consumer keeps reading slots it holds after the producer died. A
+ * memfd on hugetlbfs (MFD_HUGETLB) is refused although it takes the same
+ * seals: the producer could punch a hole in it and take the host's last
+ * free huge page, and the consumer's read there would raise SIGBUS. The
  * producer also sets F_SEAL_SEAL, so the consumer cannot add a seal (a write
  * seal) that would lock the producer out. A dead peer is not seen through
  * the segment or the doorbells: the plane watches the socket (or the

@@ -9,7 +9,9 @@
 #include <sys/mman.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
+#include <linux/magic.h>
 
 #include "../../core/alloc.h"
 #include "../../core/log.h"
@@ -252,6 +254,15 @@ tdp_err tdp__shm_seg_map(int memfd, int data_efd, int release_efd, uint32_t gene
 #endif
     if (seals & write_seals)
         return refuse("the memfd is sealed against writing (seals %#x)", (unsigned)seals);
+    /* shmem only: a hugetlbfs memfd takes the same seals, but its pages come
+     * from the host's pool of huge pages, and a read of one the producer
+     * punched out while that pool is empty raises SIGBUS */
+    struct statfs sf;
+    if (fstatfs(memfd, &sf) != 0)
+        return refuse("fstatfs: %s", strerror(errno));
+    if (sf.f_type != TMPFS_MAGIC)
+        return refuse("the memfd is not shared memory (file system %#llx)",
+                      (unsigned long long)sf.f_type);
 
     struct stat st;
     if (fstat(memfd, &st) != 0)
