@@ -25,6 +25,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -796,13 +797,92 @@ static void test_growing_loans(void **state)
     tdp_loop_free(sl);
 }
 
+/* ---- a control segment out of bounds ----------------------------------------------- */
+
+/*
+ * This program is linked with --wrap=close: every close of the library
+ * comes here, and one of a descriptor that is not open (closed twice: the
+ * second close would hit whatever another thread opened meanwhile) counts.
+ */
+static atomic_int closed_twice;
+
+int __real_close(int fd);
+int __wrap_close(int fd);
+int __wrap_close(int fd)
+{
+    int rc = __real_close(fd);
+    if (rc != 0 && errno == EBADF && fd >= 0)
+        atomic_fetch_add(&closed_twice, 1);
+    return rc;
+}
+
+typedef struct rogue_ctl {
+    tdp__link *l;
+    uint32_t ring_cap;
+    tdp_err rc;
+} rogue_ctl;
+
+static void rogue_ctl_task(void *arg)
+{
+    rogue_ctl *r = arg;
+    r->rc = tdp__shm_rogue_ctl(r->l, r->ring_cap);
+}
+
+/*
+ * A same-user sender's first message on the shm socket is a CTL whose
+ * rings are larger than this side's depth asks for: a valid segment,
+ * mapped, then refused. The link ends with TDP_EPROTO and each of the
+ * three fds that came with it is closed once.
+ */
+static void test_ctl_rings_too_large(void **state)
+{
+    (void)state;
+    tdp_loop *sl, *cl;
+    tdp_listener *l;
+    tdp_pipe_opts o;
+    tdp_pipe_opts_default(&o);
+    o.recv_depth = 4;
+    o.plane = TDP_PLANE_SHM;
+    assert_int_equal(tdp_loop_new(NULL, &sl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(sl), TDP_OK);
+    assert_int_equal(tdp_loop_new(NULL, &cl), TDP_OK);
+    assert_int_equal(tdp_loop_start_thread(cl), TDP_OK);
+    assert_int_equal(tdp_listener_new(sl, "127.0.0.1", 0, &o, NULL, NULL, &l), TDP_OK);
+    tdp_pipe *c, *p;
+    assert_int_equal(tdp_pipe_connect(cl, "127.0.0.1", tdp_listener_port(l), &o, &c), TDP_OK);
+    assert_int_equal(tdp_listener_accept(l, TMO, &p), TDP_OK);
+    if (tdp_pipe_plane(c) != TDP_PLANE_SHM) {
+        print_message("not the shm plane: nothing to do\n");
+        goto out;
+    }
+    int before = atomic_load(&closed_twice);
+    /* rings of 4096: the most depth 4 (with its window) asks for is 256 */
+    rogue_ctl r = {.l = tdp__session_link(c), .ring_cap = 4096, .rc = TDP_EINVAL};
+    for (int k = 0; k < 1000 && r.rc == TDP_EINVAL; k++) { /* the shm proof may be on its way */
+        tdp__call_on_loop(cl, rogue_ctl_task, &r);
+        if (r.rc == TDP_EINVAL)
+            usleep(1000);
+    }
+    assert_int_equal(r.rc, TDP_OK);
+    tdp_td *got;
+    assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_EPROTO);
+    assert_int_equal(atomic_load(&closed_twice), before);
+out:
+    tdp_pipe_free(c);
+    tdp_pipe_free(p);
+    tdp_listener_free(l);
+    tdp_loop_free(cl);
+    tdp_loop_free(sl);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_preauth_ucx),   cmocka_unit_test(test_preauth_ucx_server),
-        cmocka_unit_test(test_preauth_shm),   cmocka_unit_test(test_preauth_many),
-        cmocka_unit_test(test_pool_flood),    cmocka_unit_test(test_schema_flood),
-        cmocka_unit_test(test_growing_loans), cmocka_unit_test(test_preauth_proven),
+        cmocka_unit_test(test_preauth_ucx),         cmocka_unit_test(test_preauth_ucx_server),
+        cmocka_unit_test(test_preauth_shm),         cmocka_unit_test(test_preauth_many),
+        cmocka_unit_test(test_pool_flood),          cmocka_unit_test(test_schema_flood),
+        cmocka_unit_test(test_growing_loans),       cmocka_unit_test(test_preauth_proven),
+        cmocka_unit_test(test_ctl_rings_too_large),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1497,14 +1497,18 @@ static tdp_err rx_map_pool(struct tdp__link *l, pend_msg *pm)
     return TDP_OK;
 }
 
+/* Map the peer's control segment. Its three fds are the segment's, or closed. */
 static tdp_err rx_map_ctl(struct tdp__link *l, const shm_msg *m, int *fds)
 {
-    if (l->rx_ctl != NULL || m->gen != 0)
-        return TDP_EPROTO;
     tdp__shm_seg *seg;
-    tdp_err rc = tdp__shm_seg_map(fds[0], fds[1], fds[2], 0, 64u << 20, &seg);
-    if (rc != TDP_OK)
+    tdp_err rc = l->rx_ctl != NULL || m->gen != 0
+                     ? TDP_EPROTO
+                     : tdp__shm_seg_map(fds[0], fds[1], fds[2], 0, 64u << 20, &seg);
+    if (rc != TDP_OK) {
+        close_fds(fds, 3);
         return rc;
+    }
+    /* from here on the segment owns the fds: closing it closes them */
     uint32_t want = 1;
     while (want < 2 * pool_slots(rx_win(l, 1)))
         want <<= 1;
@@ -1575,9 +1579,7 @@ static tdp_err sock_read_one(struct tdp__link *l)
         return TDP_EPROTO;
     }
     if (m.type == MSG_CTL) {
-        rc = rx_map_ctl(l, &m, fds);
-        if (rc != TDP_OK)
-            close_fds(fds, nfds);
+        rc = rx_map_ctl(l, &m, fds); /* the fds are the segment's, or closed */
         return rc == TDP_OK ? TDP_OK : TDP_EPROTO;
     }
     /* POOL and SCHEMA wait for their DATA, in order, and only so many */
@@ -2870,6 +2872,19 @@ tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t 
         fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0)
         rc = msg_send(l, &m, NULL, 0, &fd, 1);
     close(fd);
+    return rc;
+}
+
+tdp_err tdp__shm_rogue_ctl(tdp__link *l, uint32_t ring_cap)
+{
+    if (l == NULL || l->sock < 0 || !l->proven || l->tx_ctl != NULL)
+        return TDP_EINVAL;
+    tdp__shm_seg *seg;
+    tdp_err rc = tdp__shm_seg_create(0, 1, TDP__SHM_PAGE, ring_cap, &seg);
+    if (rc != TDP_OK)
+        return rc;
+    rc = announce_seg(l, MSG_CTL, seg, 0);
+    tdp__shm_seg_close(seg);
     return rc;
 }
 

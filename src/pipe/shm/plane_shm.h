@@ -30,6 +30,13 @@ tdp_err tdp__shm_rogue_data(tdp__link *l, const tdp__shm_desc *d, const char *js
 tdp_err tdp__shm_rogue_announce(tdp__link *l, bool pool, uint64_t seq, uint64_t bytes);
 
 /*
+ * Act as a hostile sender on link l (whose socket is up and which has not
+ * sent yet): announce a control segment whose rings hold ring_cap
+ * descriptors, whatever this side's depth asks for.
+ */
+tdp_err tdp__shm_rogue_ctl(tdp__link *l, uint32_t ring_cap);
+
+/*
  * Act as a hostile cuda-ipc sender on l: make a device pool of `bytes` on
  * dev and announce it for `seq` as `nslots` slots of `stride` bytes on the
  * device with UUID uuid (NULL: dev's), whatever the truth. keep: the pool
