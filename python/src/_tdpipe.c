@@ -157,6 +157,50 @@ static int timeout_ms(PyObject *o, int64_t *out)
     return 0;
 }
 
+/*
+ * Waits with no bound, or a long one, are made in slices so that a signal
+ * is seen (Ctrl-C while a consumer waits for a producer): between slices
+ * the GIL is taken back and PyErr_CheckSignals runs the handlers, and an
+ * exception one raises (KeyboardInterrupt) ends the wait. Only for calls
+ * whose timeout leaves everything as it was (recv, accept: the operation is
+ * withdrawn, the next call takes what comes).
+ */
+#define WAIT_SLICE_MS 100
+
+typedef tdp_err (*wait_fn)(void *ctx, int64_t ms);
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/*
+ * fn(ctx, slice) until it returns something other than TDP_ETIMEDOUT or ms
+ * (-1: none) has passed. With the GIL held; released during each slice.
+ * Returns -1 with an exception set when a signal handler raised one.
+ */
+static int wait_sliced(wait_fn fn, void *ctx, int64_t ms, tdp_err *rc)
+{
+    int64_t deadline = ms >= 0 ? mono_ms() + ms : -1;
+    for (;;) {
+        int64_t step = WAIT_SLICE_MS;
+        int last = 0;
+        if (deadline >= 0) {
+            int64_t left = deadline - mono_ms();
+            if (left <= WAIT_SLICE_MS) {
+                step = left > 0 ? left : 0;
+                last = 1;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS *rc = fn(ctx, step);
+        Py_END_ALLOW_THREADS if (*rc != TDP_ETIMEDOUT || last) return 0;
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
 /* Fill pipe options from a dict of keyword options (unknown keys: TypeError). */
 static int parse_opts(PyObject *d, tdp_pipe_opts *o)
 {
@@ -1171,6 +1215,17 @@ static PyObject *pipe_lent_td(PipeObject *self, tdp_td *t, uint64_t seq)
     return (PyObject *)o;
 }
 
+typedef struct recv_ctx {
+    tdp_pipe *p;
+    tdp_td **t;
+} recv_ctx;
+
+static tdp_err recv_slice(void *ctx, int64_t ms)
+{
+    recv_ctx *r = ctx;
+    return tdp_pipe_recv(r->p, ms, r->t);
+}
+
 static PyObject *pipe_recv(PipeObject *self, PyObject *args)
 {
     PyObject *to = NULL;
@@ -1182,14 +1237,26 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
     tdp_pipe *p = self->pipe;
     tdp_pipe_stats st = {0};
     self->busy = 1;
+    recv_ctx rx = {p, &t};
+    int sig = wait_sliced(recv_slice, &rx, ms, &rc);
     /*
      * Queries made off the loop thread wait for it (they run there), so
      * they are made without the GIL too: the loop thread may need it.
      */
-    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_recv(p, ms, &t);
-    if (rc == TDP_OK || rc == TDP_ECHECKSUM)
-        tdp_pipe_stats_get(p, &st);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    if (sig == 0 && (rc == TDP_OK || rc == TDP_ECHECKSUM)) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &st);
+        Py_END_ALLOW_THREADS
+    }
+    self->busy = 0;
+    if (sig < 0) {
+        /* interrupted between slices: nothing was taken; at depth 1 the
+         * first slice gave the previous message back */
+        if (self->depth == 1 && self->last_lent != NULL) {
+            self->last_lent->released = 1;
+            self->last_lent = NULL;
+        }
+        return NULL;
+    }
     if (st.resumed_from != 0 && st.resumed_from != self->resumed_seen) {
         self->resumed_seen = st.resumed_from; /* a new link's stream goes on from there */
         self->recv_seq = st.resumed_from - 1;
@@ -1478,6 +1545,17 @@ static PyObject *listener_listen(PyObject *cls, PyObject *args)
     return (PyObject *)lo;
 }
 
+typedef struct accept_ctx {
+    tdp_listener *l;
+    tdp_pipe **p;
+} accept_ctx;
+
+static tdp_err accept_slice(void *ctx, int64_t ms)
+{
+    accept_ctx *a = ctx;
+    return tdp_listener_accept(a->l, ms, a->p);
+}
+
 static PyObject *listener_accept(ListenerObject *self, PyObject *args)
 {
     PyObject *to = NULL;
@@ -1494,8 +1572,11 @@ static PyObject *listener_accept(ListenerObject *self, PyObject *args)
     tdp_err rc;
     tdp_listener *l = self->l;
     self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS rc = tdp_listener_accept(l, ms, &p);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    accept_ctx ax = {l, &p};
+    int sig = wait_sliced(accept_slice, &ax, ms, &rc);
+    self->busy = 0;
+    if (sig < 0)
+        return NULL;
     if (rc != TDP_OK)
         return raise_tdp(rc, "accept");
     return (PyObject *)pipe_new_obj(p, self->depth, self->on_thread);

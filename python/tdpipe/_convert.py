@@ -172,6 +172,11 @@ def _leaf_info(x):
             dev = "cuda:%d" % x.device.index
         if not x.is_contiguous():
             x = x.contiguous()
+        if x.is_conj() or x.is_neg():
+            # a lazy conjugate or negative view (x.conj(), x.conj().imag):
+            # its memory holds the values before the conjugation or
+            # negation, which only the bit says to apply; materialize them
+            x = x.resolve_conj().resolve_neg()
         name = _DTYPE_NAME.get(x.dtype)
         if name is None:
             name = _DTYPE_NAME[x.dtype] = str(x.dtype)

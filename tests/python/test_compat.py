@@ -670,3 +670,24 @@ def test_large_asend_gathers_into_pool_slots_and_held_messages_stay_intact():
         rx.abort()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_lazy_conjugate_and_negative_views_send_their_values(pair):
+    """x.conj() and x.conj().imag are lazy views (torch's conj and neg bits):
+    their memory holds the values before the conjugation or negation.
+    What arrives is what the tensor reads as, on send and consolidate."""
+    tx, rx = pair
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    d = {"conj": z.conj(), "neg": z.conj().imag, "plain": torch.ones(2)}
+    assert d["conj"].is_conj() and d["neg"].is_neg()
+    want = {k: v.resolve_conj().resolve_neg().clone() for k, v in d.items()}
+    tx.send(d, timeout=10)
+    with rx.recv(timeout=10) as m:
+        for k in want:
+            assert torch.equal(m[k], want[k]), (k, m[k], want[k])
+    c = tdpipe.consolidate(d)
+    for k in want:
+        assert torch.equal(c[k], want[k]), (k, c[k], want[k])
+    tx.send(c, timeout=10)
+    with rx.recv(timeout=10) as m:
+        assert torch.equal(m["conj"], want["conj"]) and torch.equal(m["neg"], want["neg"])

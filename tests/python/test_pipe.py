@@ -1,5 +1,8 @@
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -491,3 +494,43 @@ def test_prepare_after_close_raises():
         with pytest.raises(tdpipe.Error):
             tx.prepare({"x": torch.zeros(4)}, timeout=5)
         rx.close(5)
+
+
+_INTERRUPT = r"""
+import os, signal, sys, threading, time, torch, tdpipe
+call, loop = sys.argv[1], sys.argv[2]
+lst = tdpipe.listen("127.0.0.1", 0, loop=loop)
+tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
+rx = lst.accept(timeout=20)
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    rx.recv() if call == "recv" else lst.accept()
+    print("returned")
+except KeyboardInterrupt:
+    print("interrupted after %.2f s" % (time.monotonic() - t0))
+# the pipe and the listener stay usable after the interrupted wait
+tx.send({"x": torch.arange(3)}, timeout=10)
+with rx.recv(timeout=10) as m:
+    assert m["x"].tolist() == [0, 1, 2]
+tx2 = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
+lst.accept(timeout=10).abort()
+tx2.abort()
+tx.close(5)
+rx.abort()
+lst.close()
+print("usable")
+"""
+
+
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+@pytest.mark.parametrize("call", ["recv", "accept"])
+def test_blocking_wait_without_timeout_is_interrupted_by_ctrl_c(call, loop):
+    """A recv() or accept() with no timeout (`for msg in pipe`, a consumer
+    waiting for its producer) ends with KeyboardInterrupt at Ctrl-C (SIGINT),
+    as Python's own blocking calls do, and leaves the pipe usable."""
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT, call, loop], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "interrupted after" in r.stdout, r.stdout + r.stderr
+    assert "usable" in r.stdout
