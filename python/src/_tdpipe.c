@@ -660,7 +660,7 @@ typedef struct PipeObject {
     TdObject *last_lent;
     /* The Schema object of the last message received, reused while it holds. */
     SchemaObject *recv_schema;
-    int busy; /* a blocking call is under way (the C API allows one at a time) */
+    int busy_tx, busy_rx; /* a blocking send (or prepare, close) / receive is under way */
     /* seq of the last message recv() handed out, and the last resume it saw:
      * stats' msgs_recv also counts messages that landed and wait (a window) */
     uint64_t recv_seq, resumed_seen;
@@ -1070,20 +1070,28 @@ static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth, int on_thread)
     o->on_thread = on_thread;
     o->last_lent = NULL;
     o->recv_schema = NULL;
-    o->busy = 0;
+    o->busy_tx = o->busy_rx = 0;
     o->recv_seq = 0;
     o->resumed_seen = 0;
     return o;
 }
 
-static int pipe_check(PipeObject *self)
+/*
+ * A blocking call may start: the pipe is there and no other thread is in a
+ * blocking call of the same direction on it (rx: a receive; else a send,
+ * a prepare). A send on one thread and a receive on another may run at
+ * once, as the C calls may.
+ */
+static int pipe_check(PipeObject *self, bool rx)
 {
     if (self->pipe == NULL) {
         raise_tdp(TDP_ECANCELED, "pipe freed");
         return -1;
     }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
+    if (rx ? self->busy_rx : self->busy_tx) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        rx ? "another thread is in a blocking receive on this pipe"
+                           : "another thread is in a blocking send on this pipe");
         return -1;
     }
     return 0;
@@ -1120,7 +1128,7 @@ static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
     PyObject *to = NULL;
     int64_t ms;
     if (!PyArg_ParseTuple(args, "O!|O", &TdType, &td, &to) || timeout_ms(to, &ms) < 0 ||
-        pipe_check(self) < 0)
+        pipe_check(self, false) < 0)
         return NULL;
     if (td->expired || td->released) {
         td_check_live(td);
@@ -1129,9 +1137,9 @@ static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
     tdp_err rc;
     tdp_pipe *p = self->pipe;
     tdp_td *t = td->td;
-    self->busy = 1;
+    self->busy_tx = 1;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send(p, t, ms);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    Py_END_ALLOW_THREADS self->busy_tx = 0;
     if (rc != TDP_OK)
         return raise_tdp(rc, "send");
     Py_RETURN_NONE;
@@ -1144,7 +1152,7 @@ static PyObject *pipe_send_gather(PipeObject *self, PyObject *args)
     PyObject *ptrs, *to = NULL;
     int64_t ms;
     if (!PyArg_ParseTuple(args, "O!O|O", &SchemaType, &sch, &ptrs, &to) ||
-        timeout_ms(to, &ms) < 0 || pipe_check(self) < 0)
+        timeout_ms(to, &ms) < 0 || pipe_check(self, false) < 0)
         return NULL;
     PyObject *f = PySequence_Fast(ptrs, "ptrs");
     if (f == NULL)
@@ -1173,9 +1181,9 @@ static PyObject *pipe_send_gather(PipeObject *self, PyObject *args)
     tdp_err rc;
     tdp_pipe *p = self->pipe;
     tdp_schema *s = sch->s;
-    self->busy = 1;
+    self->busy_tx = 1;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send_gather(p, s, (const void *const *)v, ms);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    Py_END_ALLOW_THREADS self->busy_tx = 0;
     if (v != small)
         PyMem_Free(v);
     Py_DECREF(f);
@@ -1230,13 +1238,13 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
 {
     PyObject *to = NULL;
     int64_t ms;
-    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0 || pipe_check(self) < 0)
+    if (!PyArg_ParseTuple(args, "|O", &to) || timeout_ms(to, &ms) < 0 || pipe_check(self, true) < 0)
         return NULL;
     tdp_err rc;
     tdp_td *t = NULL;
     tdp_pipe *p = self->pipe;
     tdp_pipe_stats st = {0};
-    self->busy = 1;
+    self->busy_rx = 1;
     recv_ctx rx = {p, &t};
     int sig = wait_sliced(recv_slice, &rx, ms, &rc);
     /*
@@ -1247,7 +1255,7 @@ static PyObject *pipe_recv(PipeObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS tdp_pipe_stats_get(p, &st);
         Py_END_ALLOW_THREADS
     }
-    self->busy = 0;
+    self->busy_rx = 0;
     if (sig < 0) {
         /* interrupted between slices: nothing was taken; at depth 1 the
          * first slice gave the previous message back */
@@ -1280,14 +1288,14 @@ static PyObject *pipe_prepare(PipeObject *self, PyObject *args)
     PyObject *to = NULL;
     int64_t ms;
     if (!PyArg_ParseTuple(args, "O!|O", &SchemaType, &sc, &to) || timeout_ms(to, &ms) < 0 ||
-        pipe_check(self) < 0)
+        pipe_check(self, false) < 0)
         return NULL;
     tdp_err rc;
     tdp_pipe *p = self->pipe;
     tdp_schema *s = sc->s;
-    self->busy = 1;
+    self->busy_tx = 1;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_prepare(p, s, ms);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    Py_END_ALLOW_THREADS self->busy_tx = 0;
     if (rc != TDP_OK)
         return raise_tdp(rc, "prepare");
     Py_RETURN_NONE;
@@ -1320,15 +1328,15 @@ static PyObject *pipe_close(PipeObject *self, PyObject *args)
         return NULL;
     if (self->pipe == NULL)
         Py_RETURN_NONE;
-    if (self->busy) {
+    if (self->busy_tx || self->busy_rx) {
         PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
         return NULL;
     }
     tdp_err rc;
     tdp_pipe *p = self->pipe;
-    self->busy = 1;
+    self->busy_tx = self->busy_rx = 1;
     Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_close(p, ms);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    Py_END_ALLOW_THREADS self->busy_tx = self->busy_rx = 0;
     if (rc != TDP_OK && rc != TDP_ECLOSED)
         return raise_tdp(rc, "close");
     Py_RETURN_NONE;
@@ -1360,7 +1368,7 @@ static void pipe_free_now(PipeObject *self)
 
 static PyObject *pipe_free_m(PipeObject *self, PyObject *unused)
 {
-    if (self->busy) {
+    if (self->busy_tx || self->busy_rx) {
         PyErr_SetString(PyExc_RuntimeError, "another thread is in a blocking call on this pipe");
         return NULL;
     }
@@ -1704,7 +1712,7 @@ static PyObject *op_start_recv(OpObject *self, PyObject *arg)
         return NULL;
     }
     PipeObject *p = (PipeObject *)arg;
-    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
+    if (op_check_idle(self, p) < 0 || pipe_check(p, true) < 0)
         return NULL;
     if (p->depth == 1 && p->last_lent != NULL) {
         /* the receive releases the previous message */
@@ -1725,7 +1733,7 @@ static PyObject *op_start_send(OpObject *self, PyObject *args)
     TdObject *td;
     if (!PyArg_ParseTuple(args, "O!O!", &PipeType, &p, &TdType, &td))
         return NULL;
-    if (op_check_idle(self, p) < 0 || pipe_check(p) < 0)
+    if (op_check_idle(self, p) < 0 || pipe_check(p, false) < 0)
         return NULL;
     Py_INCREF(p);
     Py_INCREF(td);

@@ -297,6 +297,64 @@ def test_forward_received_message():
             p.close(5)
 
 
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+def test_send_and_recv_on_two_threads(loop):
+    """One pipe, a blocking send on one thread and a blocking receive on
+    another at the same time (python.md: one call each); a second blocking
+    receive at once is refused."""
+    n = 200
+    with listen(loop=loop) as lst:
+        a = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
+        b = lst.accept(timeout=10)
+        errors, got = [], []
+
+        def echo():  # b: every message back
+            try:
+                for _ in range(n):
+                    m = b.recv(timeout=20)
+                    v = m["i"].clone()
+                    m.release()
+                    b.send({"i": v}, timeout=20)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        def send_all():
+            try:
+                for i in range(n):
+                    a.send({"i": torch.tensor([i])}, timeout=20)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        def recv_all():
+            try:
+                for _ in range(n):
+                    m = a.recv(timeout=20)
+                    got.append(m["i"].item())
+                    m.release()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=f) for f in (echo, recv_all, send_all)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors
+        assert got == list(range(n))
+        # two blocking receives at once on one pipe: the second is refused
+        second = []
+        t = threading.Thread(target=lambda: second.append(
+            pytest.raises(tdpipe.TimeoutError, a.recv, timeout=1.0)))
+        t.start()
+        time.sleep(0.3)
+        with pytest.raises(RuntimeError):
+            a.recv(timeout=0.1)
+        t.join(10)
+        assert second
+        a.close(5)
+        b.close(5)
+
+
 def test_blocking_recv_releases_gil():
     with listen() as lst:
         tx = tdpipe.connect("127.0.0.1", lst.port)
