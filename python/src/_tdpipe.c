@@ -147,6 +147,10 @@ static int timeout_ms(PyObject *o, int64_t *out)
     double s = PyFloat_AsDouble(o);
     if (s == -1.0 && PyErr_Occurred())
         return -1;
+    if (s != s) {
+        PyErr_SetString(PyExc_ValueError, "timeout is NaN (seconds, or None for no limit)");
+        return -1;
+    }
     if (s < 0) {
         *out = -1;
         return 0;

@@ -239,6 +239,9 @@ def flatten(obj):
     schema, its hash and the buffer) does not depend on insertion order: a
     dict with its keys reordered sends the same schema. key is hashable and
     equal for equal layouts."""
+    if not _is_mapping(obj):
+        raise TypeError("a message is a mapping of names to tensors (a dict or a TensorDict), "
+                        "not %s" % type(obj).__name__)
     nodes, tensors, values, addrs, keep, devs = [], [], [], [], [], []
     meta = _node_meta(obj)
     if meta is not None:

@@ -355,6 +355,21 @@ def test_send_and_recv_on_two_threads(loop):
         b.close(5)
 
 
+def test_send_of_a_non_mapping_and_nan_timeout_are_clear_errors():
+    with listen() as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        rx = lst.accept(timeout=10)
+        for bad in ([1, 2], "abc", None, torch.zeros(3)):
+            with pytest.raises(TypeError, match="mapping"):
+                tx.send(bad, timeout=5)
+        with pytest.raises(ValueError, match="NaN"):
+            rx.recv(timeout=float("nan"))
+        tx.send({"i": torch.tensor([7])}, timeout=5)  # the pipe goes on
+        assert rx.recv(timeout=5)["i"].item() == 7
+        tx.close(5)
+        rx.close(5)
+
+
 def test_blocking_recv_releases_gil():
     with listen() as lst:
         tx = tdpipe.connect("127.0.0.1", lst.port)
