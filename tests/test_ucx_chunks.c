@@ -27,7 +27,6 @@
 #include "core/loop_int.h"
 #include "pipe/op.h"
 #include "pipe/session.h"
-#include "pipe/session_int.h"
 #include "pipe/ucx/plane_ucx.h"
 #include "pipe/wire.h"
 #include "test_rogue_am.h"
@@ -96,13 +95,10 @@ typedef struct env {
     tdp_pipe *srv, *cli;
 } env;
 
-/* linger_ms: 0 for the default */
-static void env_up_linger(env *e, int linger_ms)
+static void env_up(env *e)
 {
     tdp_pipe_opts o;
     dev_opts(&o);
-    if (linger_ms > 0)
-        o.linger_ms = linger_ms;
     memset(e, 0, sizeof(*e));
     assert_int_equal(tdp_loop_new(NULL, &e->sl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &e->cl), TDP_OK);
@@ -113,11 +109,6 @@ static void env_up_linger(env *e, int linger_ms)
                      TDP_OK);
     assert_int_equal(tdp_listener_accept(e->l, TMO, &e->srv), TDP_OK);
     assert_int_equal(tdp_pipe_plane(e->srv), TDP_PLANE_UCX);
-}
-
-static void env_up(env *e)
-{
-    env_up_linger(e, 0);
 }
 
 static void env_down(env *e)
@@ -369,70 +360,6 @@ static void test_hostile_chunks(void **state)
         hostile(k, TDP_EPROTO);
 }
 
-/*
- * A peer that says BYE naming a chunked message whose DATA frame came and
- * whose CHUNKs never do (it keeps its socket and endpoint open): the
- * message announced never lands, so the pipe ends at the linger deadline
- * with TDP_ECONNRESET instead of staying open with a receive that can
- * never complete.
- */
-typedef struct bye_req {
-    tdp_pipe *p;
-    uint64_t last_seq;
-} bye_req;
-
-static void bye_task(void *arg)
-{
-    bye_req *r = arg;
-    tdp_bye b = {.last_seq = r->last_seq, .reason = TDP_OK};
-    tdp__ctl_send_bye(&r->p->ctl, &b);
-}
-
-static void test_bye_mid_chunks(void **state)
-{
-    enum { LINGER = 300, WAIT = 5000 };
-    env e;
-    env_up_linger(&e, LINGER);
-    warm_up(&e);
-    tdp_schema *s = bytes_schema(2 * MIB + MIB / 2 + 5, true);
-    const size_t n = tdp_schema_total_bytes(s);
-    size_t jl;
-    const char *json = tdp_schema_json(s, &jl);
-    uint64_t tok = tdp__ucx_link_peer_token(tdp__session_link(e.cli));
-    uint64_t hash = tdp_schema_hash(s);
-    uint8_t *bytes = calloc(1, MIB);
-    assert_non_null(bytes);
-    const uint8_t desc[8] = {0, 0, 0x10, 0}; /* chunks of 1 MiB */
-
-    tdp_am_hdr h = {
-        .type = TDP_AM_SCHEMA, .token = tok, .seq = 1, .hash = hash, .length = jl, .arg = n};
-    rogue_send(&e, &h, json, jl);
-    h = (tdp_am_hdr){.type = TDP_AM_DATA,
-                     .flags = TDP_AM_F_CHUNKED,
-                     .token = tok,
-                     .seq = 1,
-                     .hash = hash,
-                     .length = n};
-    rogue_send(&e, &h, desc, sizeof(desc));
-    /* the first of its three chunks, then nothing more */
-    h = (tdp_am_hdr){
-        .type = TDP_AM_CHUNK, .token = tok, .seq = 1, .hash = hash, .length = MIB, .arg = 0};
-    rogue_send(&e, &h, bytes, MIB);
-    bye_req br = {.p = e.cli, .last_seq = 1};
-    tdp__call_on_loop(e.cl, bye_task, &br);
-
-    tdp_td *got = NULL;
-    int64_t t0 = mono_ms();
-    tdp_err rc = tdp_pipe_recv(e.srv, WAIT, &got);
-    int64_t dt = mono_ms() - t0;
-    print_message("BYE with its chunks missing: %s after %" PRId64 " ms\n", tdp_errname(rc), dt);
-    assert_int_equal(rc, TDP_ECONNRESET);
-    assert_true(dt < WAIT);
-    free(bytes);
-    tdp_schema_unref(s);
-    env_down(&e);
-}
-
 /* ---- a sender killed between chunks ------------------------------------------- */
 
 #define KILL_SIZE (64 * MIB)
@@ -513,7 +440,6 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_chunked_roundtrip), cmocka_unit_test(test_chunked_late_copies),
         cmocka_unit_test(test_threshold),         cmocka_unit_test(test_older_peer),
         cmocka_unit_test(test_hostile_chunks),    cmocka_unit_test(test_killed_mid_chunks),
-        cmocka_unit_test(test_bye_mid_chunks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

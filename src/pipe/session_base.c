@@ -182,8 +182,7 @@ void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg)
     }
     if (p->state == PIPE_CONNECTING) {
         tdp__pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
-    } else if (p->state == PIPE_OPEN && p->peer_bye && !tdp__pipe_peer_done(p)) {
-        /* a frame or a payload still missing (a chunked message's CHUNKs) */
+    } else if (p->state == PIPE_OPEN && p->peer_bye && p->rx_seq < p->peer_last_seq) {
         tdp__pipe_fail(p, TDP_ECONNRESET, "messages announced in BYE never arrived");
     } else if (p->state == PIPE_OPEN && p->link_failed) {
         tdp__pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
