@@ -20,6 +20,7 @@
 #include <tdpipe/tdpipe.h>
 
 #include "core/cuda.h"
+#include "test_gpu_util.h"
 #include "test_util.h"
 
 #define OK(x)  assert_int_equal((x), TDP_OK)
@@ -27,46 +28,6 @@
 #define DEPTH  2
 #define PIN_MS 1000
 #define CUDA0  ((tdp_device){TDP_DEVICE_CUDA, 0})
-
-static tdp_schema *schema_of(uint64_t n)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    int64_t shape[] = {(int64_t)n};
-    OK(tdp_schema_builder_new(&b));
-    OK(tdp_schema_builder_set_device(b, CUDA0));
-    OK(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, shape));
-    OK(tdp_schema_builder_finish(b, &s, NULL, 0));
-    tdp_schema_builder_free(b);
-    return s;
-}
-
-static void pattern(unsigned char *p, size_t n, uint64_t tag)
-{
-    for (size_t i = 0; i < n; i++)
-        p[i] = (unsigned char)(i * 7u + tag * 13u + (i >> 12));
-}
-
-static void fill(tdp_td *td, uint64_t tag)
-{
-    size_t n = tdp_td_nbytes(td);
-    unsigned char *h = malloc(n);
-    pattern(h, n, tag);
-    OK(tdp__cuda_memcpy(tdp_td_data(td), h, n));
-    free(h);
-}
-
-static bool holds(const tdp_td *td, uint64_t tag)
-{
-    size_t n = tdp_td_nbytes(td);
-    unsigned char *want = malloc(n), *got = malloc(n);
-    pattern(want, n, tag);
-    OK(tdp__cuda_memcpy(got, tdp_td_data(td), n));
-    bool same = memcmp(want, got, n) == 0;
-    free(want);
-    free(got);
-    return same;
-}
 
 typedef struct env {
     tdp_loop *sl, *cl;
@@ -107,11 +68,11 @@ static int64_t one(env *e, tdp_td *td, uint64_t tag)
 {
     tdp_td *got = NULL;
     int64_t t0 = mono_ms();
-    fill(td, tag);
+    gpu_fill(td, tag);
     OK(tdp_pipe_send(e->cli, td, TMO));
     OK(tdp_pipe_recv(e->srv, TMO, &got));
     int64_t took = mono_ms() - t0;
-    assert_true(holds(got, tag));
+    assert_true(gpu_holds(got, tag));
     tdp_pipe_release(e->srv, got);
     return took;
 }
@@ -119,7 +80,7 @@ static int64_t one(env *e, tdp_td *td, uint64_t tag)
 static void run(tdp_plane plane)
 {
     tdp__cuda_fake_set_register_ms(PIN_MS);
-    tdp_schema *sc = schema_of(3 << 20), *sc2 = schema_of(5 << 20);
+    tdp_schema *sc = gpu_schema_of(3 << 20, CUDA0), *sc2 = gpu_schema_of(5 << 20, CUDA0);
     tdp_td *td, *td2;
     OK(tdp_td_new(sc, &td));
     OK(tdp_td_new(sc2, &td2));

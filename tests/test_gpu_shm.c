@@ -25,6 +25,7 @@
 
 #include "core/cuda.h"
 #include "pipe/shm/plane_shm.h"
+#include "test_gpu_util.h"
 
 #define OK(x) assert_int_equal((x), TDP_OK)
 #define TMO   20000
@@ -32,55 +33,6 @@
 #define DEPTH 4
 #define BIG   (9u << 20) /* three staging chunks */
 #define CUDA0 ((tdp_device){TDP_DEVICE_CUDA, 0})
-
-static tdp_schema *schema_of(uint64_t n, tdp_device dev)
-{
-    tdp_schema_builder *b;
-    tdp_schema *s = NULL;
-    int64_t shape[] = {(int64_t)n};
-    OK(tdp_schema_builder_new(&b));
-    OK(tdp_schema_builder_set_device(b, dev));
-    OK(tdp_schema_builder_tensor(b, "x", TDP_UINT8, 1, shape));
-    OK(tdp_schema_builder_finish(b, &s, NULL, 0));
-    tdp_schema_builder_free(b);
-    return s;
-}
-
-static void pattern(unsigned char *p, size_t n, uint64_t tag)
-{
-    for (size_t i = 0; i < n; i++)
-        p[i] = (unsigned char)(i * 7u + tag * 13u + (i >> 12));
-}
-
-/* Fill a tensordict (host or device) with the pattern for tag. */
-static void fill(tdp_td *td, uint64_t tag)
-{
-    size_t n = tdp_td_nbytes(td);
-    if (tdp_td_device(td).type == TDP_DEVICE_CPU) {
-        pattern(tdp_td_data(td), n, tag);
-        return;
-    }
-    unsigned char *h = malloc(n);
-    pattern(h, n, tag);
-    OK(tdp__cuda_memcpy(tdp_td_data(td), h, n));
-    free(h);
-}
-
-/* Whether td holds the pattern for tag (device memory read through a copy). */
-static bool holds(const tdp_td *td, uint64_t tag)
-{
-    size_t n = tdp_td_nbytes(td);
-    unsigned char *want = malloc(n), *got = malloc(n);
-    pattern(want, n, tag);
-    if (tdp_td_device(td).type == TDP_DEVICE_CPU)
-        memcpy(got, tdp_td_data(td), n);
-    else
-        OK(tdp__cuda_memcpy(got, tdp_td_data(td), n));
-    bool same = memcmp(want, got, n) == 0;
-    free(want);
-    free(got);
-    return same;
-}
 
 /* ---- two loops on their threads, one shm pipe --------------------------------- */
 
@@ -145,7 +97,7 @@ static void *sender_main(void *arg)
     sender *s = arg;
     for (int i = 0; i < s->count && s->rc == TDP_OK; i++) {
         tdp_td *td = s->tds[s->plan[i]];
-        fill(td, (uint64_t)i + 1);
+        gpu_fill(td, (uint64_t)i + 1);
         s->rc = tdp_pipe_send(s->pipe, td, TMO);
     }
     if (s->rc == TDP_OK)
@@ -169,7 +121,7 @@ static void exchange(env *e, tdp_td **tds, const int *plan, int count, const tdp
             fail_msg("message %d: %s", i, tdp_strerror(rc));
         assert_int_equal(tdp_td_device(got).type, want_dev[plan[i]].type);
         assert_int_equal(tdp_td_nbytes(got), tdp_td_nbytes(tds[plan[i]]));
-        if (!holds(got, (uint64_t)i + 1))
+        if (!gpu_holds(got, (uint64_t)i + 1))
             fail_msg("message %d: bytes differ", i);
         /* hold up to DEPTH - 1 at once: landings must not wait for releases */
         if (held[i % (DEPTH - 1)] != NULL)
@@ -202,7 +154,7 @@ static void test_gpu_to_gpu(void **state)
     (void)state;
     env e;
     env_up(&e, true, NULL);
-    tdp_schema *small = schema_of(1000, CUDA0), *big = schema_of(BIG, CUDA0);
+    tdp_schema *small = gpu_schema_of(1000, CUDA0), *big = gpu_schema_of(BIG, CUDA0);
     tdp_td *tds[2];
     OK(tdp_td_new(small, &tds[0]));
     OK(tdp_td_new(big, &tds[1]));
@@ -226,7 +178,7 @@ static void test_override_host_to_gpu(void **state)
         env e;
         tdp_device cuda = CUDA0;
         env_up(&e, named == 1, &cuda);
-        tdp_schema *sc = schema_of(300000, TDP_DEVICE_CPU_INIT);
+        tdp_schema *sc = gpu_schema_of(300000, TDP_DEVICE_CPU_INIT);
         tdp_td *tds[1];
         OK(tdp_td_new(sc, &tds[0]));
         int plan[NMSG] = {0};
@@ -245,7 +197,7 @@ static void test_override_gpu_to_host(void **state)
     env e;
     tdp_device cpu = TDP_DEVICE_CPU_INIT;
     env_up(&e, true, &cpu);
-    tdp_schema *sc = schema_of(BIG, CUDA0);
+    tdp_schema *sc = gpu_schema_of(BIG, CUDA0);
     tdp_td *tds[1];
     OK(tdp_td_new(sc, &tds[0]));
     int plan[NMSG / 2] = {0};
@@ -262,8 +214,8 @@ static void test_schema_change(void **state)
     (void)state;
     env e;
     env_up(&e, true, NULL);
-    tdp_schema *sc[4] = {schema_of(1000, CUDA0), schema_of(5u << 20, CUDA0),
-                         schema_of(4000, TDP_DEVICE_CPU_INIT), schema_of(BIG + 5, CUDA0)};
+    tdp_schema *sc[4] = {gpu_schema_of(1000, CUDA0), gpu_schema_of(5u << 20, CUDA0),
+                         gpu_schema_of(4000, TDP_DEVICE_CPU_INIT), gpu_schema_of(BIG + 5, CUDA0)};
     tdp_td *tds[4];
     for (int i = 0; i < 4; i++)
         OK(tdp_td_new(sc[i], &tds[i]));
@@ -306,14 +258,14 @@ static void test_setup_at_connect(void **state)
         env_up(&e, named == 1, NULL);
         grown[named] = count_threads() - before;
         if (named == 0) {
-            tdp_schema *sc = schema_of(1000, CUDA0);
+            tdp_schema *sc = gpu_schema_of(1000, CUDA0);
             tdp_td *td, *got;
             OK(tdp_td_new(sc, &td));
             int at_open = count_threads();
-            fill(td, 1);
+            gpu_fill(td, 1);
             OK(tdp_pipe_send(e.cli, td, TMO));
             OK(tdp_pipe_recv(e.srv, TMO, &got));
-            assert_true(holds(got, 1));
+            assert_true(gpu_holds(got, 1));
             /* the pools' pins run on threads of their own for a while */
             for (int i = 0; i < 200 && count_threads() - at_open != 2; i++)
                 usleep(5 * 1000);
@@ -342,7 +294,7 @@ static void test_send_while_pinning(void **state)
 {
     (void)state;
     tdp__cuda_fake_set_register_ms(PIN_MS);
-    tdp_schema *sc = schema_of(3 << 20, CUDA0), *sc2 = schema_of(5 << 20, CUDA0);
+    tdp_schema *sc = gpu_schema_of(3 << 20, CUDA0), *sc2 = gpu_schema_of(5 << 20, CUDA0);
     tdp_td *td, *td2, *got;
     OK(tdp_td_new(sc, &td));
     OK(tdp_td_new(sc2, &td2));
@@ -351,11 +303,11 @@ static void test_send_while_pinning(void **state)
         env_up(&e, true, NULL);
         uint64_t landed = tdp__cuda_pins_landed();
         int64_t t0 = now_ms();
-        fill(td, 1);
+        gpu_fill(td, 1);
         OK(tdp_pipe_send(e.cli, td, TMO));
         OK(tdp_pipe_recv(e.srv, TMO, &got));
         int64_t took = now_ms() - t0;
-        assert_true(holds(got, 1));
+        assert_true(gpu_holds(got, 1));
         tdp_pipe_release(e.srv, got);
         print_message("first GPU message, pools pinning for %d ms: %lld ms\n", PIN_MS,
                       (long long)took);
@@ -366,10 +318,10 @@ static void test_send_while_pinning(void **state)
                 usleep(10 * 1000);
             assert_int_equal(tdp__cuda_pins_landed(), landed + 2);
             for (int i = 2; i < 6; i++) {
-                fill(td, (uint64_t)i);
+                gpu_fill(td, (uint64_t)i);
                 OK(tdp_pipe_send(e.cli, td, TMO));
                 OK(tdp_pipe_recv(e.srv, TMO, &got));
-                assert_true(holds(got, (uint64_t)i));
+                assert_true(gpu_holds(got, (uint64_t)i));
                 tdp_pipe_release(e.srv, got);
             }
             /* a prepared layout: the prepare returns with its pool pinned */
@@ -377,10 +329,10 @@ static void test_send_while_pinning(void **state)
             OK(tdp_pipe_prepare(e.cli, sc2, TMO));
             took = now_ms() - t0;
             assert_true(took >= PIN_MS - 50);
-            fill(td2, 7);
+            gpu_fill(td2, 7);
             OK(tdp_pipe_send(e.cli, td2, TMO));
             OK(tdp_pipe_recv(e.srv, TMO, &got));
-            assert_true(holds(got, 7));
+            assert_true(gpu_holds(got, 7));
             tdp_pipe_release(e.srv, got);
         }
         /* round 1: closed with both pins still running */
@@ -405,7 +357,7 @@ static void test_prepared_pool_pinned_ahead(void **state)
     env e;
     env_up(&e, true, NULL);
     uint64_t mapped = tdp__shm_rx_pools_mapped(), pinned = tdp__shm_pools_pinned();
-    tdp_schema *sc = schema_of(3 << 20, CUDA0);
+    tdp_schema *sc = gpu_schema_of(3 << 20, CUDA0);
     tdp_td *td, *got;
     OK(tdp_td_new(sc, &td));
     OK(tdp_pipe_prepare(e.cli, sc, TMO));
@@ -416,10 +368,10 @@ static void test_prepared_pool_pinned_ahead(void **state)
         usleep(10 * 1000);
     assert_int_equal(tdp__shm_rx_pools_mapped(), mapped + 1);
     assert_int_equal(tdp__shm_pools_pinned(), pinned + 2); /* the sender's and the receiver's */
-    fill(td, 9);
+    gpu_fill(td, 9);
     OK(tdp_pipe_send(e.cli, td, TMO));
     OK(tdp_pipe_recv(e.srv, TMO, &got));
-    assert_true(holds(got, 9));
+    assert_true(gpu_holds(got, 9));
     assert_int_equal(tdp__shm_rx_pools_mapped(), mapped + 1); /* nothing more at the message */
     assert_int_equal(tdp__shm_pools_pinned(), pinned + 2);
     tdp_pipe_release(e.srv, got);
@@ -437,7 +389,7 @@ static void test_no_alloc(void **state)
     tdp__cuda_fake_set_delay_us(0);
     const uint64_t sizes[] = {70000, BIG};
     for (int k = 0; k < 2; k++) {
-        tdp_schema *sc = schema_of(sizes[k], CUDA0);
+        tdp_schema *sc = gpu_schema_of(sizes[k], CUDA0);
         tdp_td *td;
         OK(tdp_td_new(sc, &td));
         uint64_t before = 0;
@@ -446,13 +398,13 @@ static void test_no_alloc(void **state)
             if (i == WARM)
                 before = tdp_mem_total_allocs();
             if (i < 3) /* not in the measured part: fill copies through malloc */
-                fill(td, (uint64_t)i + 1);
+                gpu_fill(td, (uint64_t)i + 1);
             OK(tdp_pipe_send(e.cli, td, TMO));
             tdp_td *got;
             OK(tdp_pipe_recv(e.srv, TMO, &got));
             assert_int_equal(tdp_td_device(got).type, TDP_DEVICE_CUDA);
             if (i < 3)
-                assert_true(holds(got, (uint64_t)i + 1));
+                assert_true(gpu_holds(got, (uint64_t)i + 1));
             tdp_pipe_release(e.srv, got);
         }
         uint64_t after = tdp_mem_total_allocs();
@@ -507,13 +459,13 @@ static void child_sender(int rfd)
     if (tdp_loop_new(NULL, &loop) != TDP_OK ||
         tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p) != TDP_OK)
         _exit(11);
-    tdp_schema *sc = schema_of(100000, CUDA0);
+    tdp_schema *sc = gpu_schema_of(100000, CUDA0);
     tdp_td *td;
     if (tdp_td_new(sc, &td) != TDP_OK)
         _exit(12);
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY, 4);
     for (int i = 0; i < 4; i++) {
-        fill(td, (uint64_t)i + 1);
+        gpu_fill(td, (uint64_t)i + 1);
         if (tdp_pipe_send(p, td, TMO) != TDP_OK)
             _exit(13);
         char ack;
@@ -538,13 +490,13 @@ static void child_streamer(int rfd)
     if (tdp_loop_new(NULL, &loop) != TDP_OK ||
         tdp_pipe_connect(loop, "127.0.0.1", port, &o, &p) != TDP_OK)
         _exit(11);
-    tdp_schema *sc = schema_of(BIG, CUDA0);
+    tdp_schema *sc = gpu_schema_of(BIG, CUDA0);
     tdp_td *td;
     if (tdp_td_new(sc, &td) != TDP_OK)
         _exit(12);
     tdp__cuda_fake_inject(TDP__CUDA_FAULT_KILL_AFTER_COPY, 3);
     tdp__cuda_fake_set_delay_us(20000); /* the parent sees the first chunks first */
-    fill(td, 1);
+    gpu_fill(td, 1);
     (void)tdp_pipe_send(p, td, TMO);
     _exit(14);
 }
@@ -570,7 +522,7 @@ static void child_receiver(int rfd)
         tdp_td *got;
         if (tdp_pipe_recv(p, TMO, &got) != TDP_OK)
             _exit(13);
-        if (!holds(got, (uint64_t)i + 1))
+        if (!gpu_holds(got, (uint64_t)i + 1))
             _exit(15);
     }
     _exit(14);
@@ -581,7 +533,7 @@ static void still_usable(void)
 {
     env e;
     env_up(&e, true, NULL);
-    tdp_schema *sc = schema_of(5000, CUDA0);
+    tdp_schema *sc = gpu_schema_of(5000, CUDA0);
     tdp_td *td;
     OK(tdp_td_new(sc, &td));
     int plan[2] = {0, 0};
@@ -634,7 +586,7 @@ static void test_sender_killed(void **state)
     listen_for(wfd, &loop, &l, &p, true);
     tdp_td *got;
     OK(tdp_pipe_recv(p, TMO, &got));
-    assert_true(holds(got, 1));
+    assert_true(gpu_holds(got, 1));
     assert_int_equal(write(wfd, "k", 1), 1);
     close(wfd);
     assert_int_equal(tdp_pipe_recv(p, TMO, &got), TDP_ECONNRESET);
@@ -658,13 +610,13 @@ static void test_receiver_killed(void **state)
     tdp_pipe *p;
     listen_for(wfd, &loop, &l, &p, false);
     close(wfd);
-    tdp_schema *sc = schema_of(100000, CUDA0);
+    tdp_schema *sc = gpu_schema_of(100000, CUDA0);
     tdp_td *td;
     OK(tdp_td_new(sc, &td));
     tdp_err rc = TDP_OK;
     int sent = 0;
     for (int i = 0; i < 6 && rc == TDP_OK; i++) {
-        fill(td, (uint64_t)i + 1);
+        gpu_fill(td, (uint64_t)i + 1);
         if ((rc = tdp_pipe_send(p, td, TMO)) == TDP_OK)
             sent++;
     }
@@ -719,14 +671,14 @@ static void test_streamer_killed(void **state)
 static int64_t one_message_ms(env *e, tdp_td *td, unsigned delay_ms, uint64_t tag)
 {
     tdp_td *got;
-    fill(td, tag);
+    gpu_fill(td, tag);
     tdp__cuda_fake_set_delay_us(delay_ms * 1000u);
     int64_t t0 = now_ms();
     OK(tdp_pipe_send(e->cli, td, TMO));
     OK(tdp_pipe_recv(e->srv, TMO, &got));
     int64_t ms = now_ms() - t0;
     tdp__cuda_fake_set_delay_us(0);
-    assert_true(holds(got, tag));
+    assert_true(gpu_holds(got, tag));
     tdp_pipe_release(e->srv, got);
     return ms;
 }
@@ -744,7 +696,7 @@ static void test_pipelined(void **state)
     enum { D_MS = 300 };
     env e;
     env_up(&e, true, NULL);
-    tdp_schema *sc = schema_of(5u * (4u << 20), CUDA0);
+    tdp_schema *sc = gpu_schema_of(5u * (4u << 20), CUDA0);
     tdp_td *td;
     OK(tdp_td_new(sc, &td));
     int64_t base = one_message_ms(&e, td, 0, 1);
