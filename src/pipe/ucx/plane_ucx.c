@@ -2550,7 +2550,14 @@ static void link_destroy(struct tdp__link *l)
 
 static void link_reap(void *arg)
 {
-    link_destroy(arg);
+    struct tdp__link *l = arg;
+    if (l->reqs > 0) {
+        /* UCX holds something posted since the reap was queued: its
+         * callback frees the link (link_maybe_free), never before it */
+        tdp_log_debug("ucx link: %u requests still in UCX at its reap: it waits for them", l->reqs);
+        return;
+    }
+    link_destroy(l);
 }
 
 /* A closed link goes once UCX has let go of everything it holds. */
