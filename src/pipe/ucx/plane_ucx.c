@@ -50,6 +50,7 @@ typedef struct shared_ep {
     bool peer_mode;
     bool failed;
     bool peer_gone; /* a link's control channel saw the peer die */
+    bool closing;   /* unused, on closing_eps: its close waits for UCX to return */
     uint32_t refs;
     ucp_worker_h w;
     struct tdp__link *solo; /* the one link of a private worker's endpoint */
@@ -281,6 +282,8 @@ struct ucx_ext {
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
     shared_ep *eps, *dead_eps;
+    shared_ep *closing_eps; /* unused, to be closed once UCX returns (ep_unref) */
+    tdp__reap close_reap;
     struct stray *strays;
     void **closing; /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
@@ -331,6 +334,7 @@ static void track_close(ucx_ext *x, void *req)
 static void rx_buf_drop(struct tdp__link *l, rx_buf *b);
 static void unlink_ep(shared_ep **list, shared_ep *e);
 static void link_drop_own(struct tdp__link *l);
+static void close_deferred(void *arg);
 
 /*
  * Before the workers go: let endpoint closes finish (destroying a worker
@@ -342,6 +346,7 @@ static void ext_pre_fini(void *ext)
 {
     ucx_ext *x = ext;
     int64_t end = tdp__now_ms() + 1000;
+    close_deferred(x); /* the reaper ran them already, unless it had no memory */
     tdp__loop_source_remove(x->loop, x->flush_src);
     x->flush_src = NULL;
     for (;;) {
@@ -487,8 +492,8 @@ static void ext_free_unregistered(ucx_ext *x)
 static bool ext_in_use(void *arg)
 {
     const ucx_ext *x = arg;
-    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->nclosing > 0 ||
-           x->strays != NULL;
+    return x->links != NULL || x->eps != NULL || x->dead_eps != NULL || x->closing_eps != NULL ||
+           x->nclosing > 0 || x->strays != NULL;
 }
 
 static tdp_err ext_get(tdp_loop *loop, ucx_ext **out)
@@ -630,7 +635,7 @@ static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
 {
     shared_ep *e = arg;
     ucx_ext *x = e->x;
-    if (e->failed)
+    if (e->failed || e->closing) /* no link left on one closing: its close is queued */
         return;
     e->failed = true;
     unlink_ep(&x->eps, e); /* new links to that peer get a fresh endpoint */
@@ -705,12 +710,10 @@ static tdp_err ep_acquire(struct tdp__link *l, const void *addr, size_t alen)
     return TDP_OK;
 }
 
-static void ep_unref(shared_ep *e)
+/* Close an endpoint nobody uses any more (never from inside a UCX callback: ep_unref). */
+static void ep_close(shared_ep *e)
 {
-    if (--e->refs > 0)
-        return;
     ucx_ext *x = e->x;
-    unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
         /* in peer-failure mode a forced close releases everything at once
@@ -733,6 +736,42 @@ static void ep_unref(shared_ep *e)
     tdp__loop_kick(x->loop);
     tdp__free(e->addr);
     tdp__free(e);
+}
+
+/* The endpoints whose close waited for UCX to return (ep_unref). */
+static void close_deferred(void *arg)
+{
+    ucx_ext *x = arg;
+    while (x->closing_eps != NULL) {
+        shared_ep *e = x->closing_eps;
+        x->closing_eps = e->next;
+        ep_close(e);
+    }
+}
+
+static void ep_unref(shared_ep *e)
+{
+    if (--e->refs > 0)
+        return;
+    ucx_ext *x = e->x;
+    unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
+    if (x->ucx->progressing > 0 && e->solo == NULL) {
+        /*
+         * Inside a UCX callback (a frame refused from its active-message
+         * handler, a peer's failure): a forced close there lets UCX 1.13's
+         * TCP transport reset the receive buffer of the very connection
+         * whose message it is still parsing, which it then releases again
+         * (a crash in uct_tcp_iface_progress). Close once UCX has returned.
+         * A link's own worker's endpoint (solo) is closed now: its link
+         * waits for that close (link_drop_own).
+         */
+        e->closing = true;
+        e->next = x->closing_eps;
+        x->closing_eps = e;
+        tdp__reap_later(x->loop, &x->close_reap, close_deferred, x);
+        return;
+    }
+    ep_close(e);
 }
 
 /* ---- GPU payloads on a UCX without CUDA --------------------------------------- */
