@@ -668,6 +668,11 @@ typedef struct PipeObject {
     /* seq of the last message recv() handed out, and the last resume it saw:
      * stats' msgs_recv also counts messages that landed and wait (a window) */
     uint64_t recv_seq, resumed_seen;
+    /* sends with no timeout (send_forever): the op, the gather buffer, and
+     * whether a send interrupted by a signal may still be in flight on it */
+    tdp_op *txop;
+    tdp_td *gtd;
+    int tx_orphan;
 } PipeObject;
 
 static TdObject *td_new_obj(tdp_td *td) /* takes a new reference on td */
@@ -1077,6 +1082,9 @@ static PipeObject *pipe_new_obj(tdp_pipe *p, uint32_t depth, int on_thread)
     o->busy_tx = o->busy_rx = 0;
     o->recv_seq = 0;
     o->resumed_seen = 0;
+    o->txop = NULL;
+    o->gtd = NULL;
+    o->tx_orphan = 0;
     return o;
 }
 
@@ -1126,6 +1134,65 @@ static PyObject *pipe_connect(PyObject *cls, PyObject *args)
     return (PyObject *)pipe_new_obj(p, o.recv_depth, on_thread);
 }
 
+static tdp_err op_wait_slice(void *ctx, int64_t ms)
+{
+    return tdp_op_wait((tdp_op *)ctx, ms);
+}
+
+/*
+ * A send with no timeout, which Ctrl-C must be able to end: started on the
+ * pipe's own op and waited for in slices (a blocking send cannot be, since
+ * one that times out after the transport took it is still delivered). At
+ * a signal the send stays in flight and may still be delivered; the op
+ * keeps td (and what it wraps) until it completes, and the next send
+ * waits for it first. Returns -1 with the signal's exception set.
+ */
+static int send_forever(PipeObject *self, tdp_td *t, tdp_err *rc)
+{
+    if (self->txop == NULL && (*rc = tdp_op_new(NULL, NULL, &self->txop)) != TDP_OK)
+        return 0;
+    tdp_op *op = self->txop;
+    if (self->tx_orphan) {
+        if (wait_sliced(op_wait_slice, op, -1, rc) < 0)
+            return -1;
+        self->tx_orphan = 0; /* how it ended: a failed pipe fails this send too */
+    }
+    tdp_pipe *p = self->pipe;
+    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(p, t, op);
+        Py_END_ALLOW_THREADS
+    } else {
+        tdp_pipe_send_async(p, t, op);
+    }
+    if (wait_sliced(op_wait_slice, op, -1, rc) < 0) {
+        self->tx_orphan = 1;
+        return -1;
+    }
+    return 0;
+}
+
+/* The gather of send_gather into the pipe's own buffer for send_forever (host memory). */
+static tdp_err gather_into(PipeObject *self, tdp_schema *s, const void *const *v, uint32_t n)
+{
+    if (self->gtd == NULL || tdp_td_schema(self->gtd) != s) {
+        tdp_td *td;
+        tdp_err rc = tdp_td_new(s, &td);
+        if (rc != TDP_OK)
+            return rc;
+        tdp_td_unref(self->gtd);
+        self->gtd = td;
+    }
+    tdp_err rc;
+    tdp_td *g = self->gtd;
+    if (tdp_td_nbytes(g) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS rc = fill_leaves(g, v, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = fill_leaves(g, v, n);
+    }
+    return rc;
+}
+
 static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
 {
     TdObject *td;
@@ -1142,8 +1209,15 @@ static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
     tdp_pipe *p = self->pipe;
     tdp_td *t = td->td;
     self->busy_tx = 1;
-    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send(p, t, ms);
-    Py_END_ALLOW_THREADS self->busy_tx = 0;
+    if (ms < 0) {
+        int sig = send_forever(self, t, &rc);
+        self->busy_tx = 0;
+        if (sig < 0)
+            return NULL;
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send(p, t, ms);
+        Py_END_ALLOW_THREADS self->busy_tx = 0;
+    }
     if (rc != TDP_OK)
         return raise_tdp(rc, "send");
     Py_RETURN_NONE;
@@ -1186,11 +1260,24 @@ static PyObject *pipe_send_gather(PipeObject *self, PyObject *args)
     tdp_pipe *p = self->pipe;
     tdp_schema *s = sch->s;
     self->busy_tx = 1;
-    Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send_gather(p, s, (const void *const *)v, ms);
-    Py_END_ALLOW_THREADS self->busy_tx = 0;
+    int sig = 0;
+    if (ms < 0) {
+        /* the previous send from that buffer is over first (gather_into rewrites it) */
+        if (self->tx_orphan && self->txop != NULL &&
+            (sig = wait_sliced(op_wait_slice, self->txop, -1, &rc)) == 0)
+            self->tx_orphan = 0;
+        if (sig == 0 && (rc = gather_into(self, s, (const void *const *)v, (uint32_t)n)) == TDP_OK)
+            sig = send_forever(self, self->gtd, &rc);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = tdp_pipe_send_gather(p, s, (const void *const *)v, ms);
+        Py_END_ALLOW_THREADS
+    }
+    self->busy_tx = 0;
     if (v != small)
         PyMem_Free(v);
     Py_DECREF(f);
+    if (sig < 0)
+        return NULL;
     if (rc != TDP_OK)
         return raise_tdp(rc, "send");
     Py_RETURN_NONE;
@@ -1368,6 +1455,11 @@ static void pipe_free_now(PipeObject *self)
     if (caller)
         pump_caller_loop();
     Py_END_ALLOW_THREADS
+        /* the free completed a send still in flight on it (TDP_ECANCELED) */
+        tdp_op_free(self->txop);
+    self->txop = NULL;
+    tdp_td_unref(self->gtd);
+    self->gtd = NULL;
 }
 
 static PyObject *pipe_free_m(PipeObject *self, PyObject *unused)
@@ -2274,6 +2366,17 @@ static PyObject *fanin_listen(PyObject *cls, PyObject *args)
     return (PyObject *)fo;
 }
 
+typedef struct fanin_recv_ctx {
+    tdp_fanin *f;
+    tdp_fanin_msg *m;
+} fanin_recv_ctx;
+
+static tdp_err fanin_recv_slice(void *ctx, int64_t ms)
+{
+    fanin_recv_ctx *r = ctx;
+    return tdp_fanin_recv(r->f, ms, r->m);
+}
+
 static PyObject *fanin_recv(FanInObject *self, PyObject *args)
 {
     PyObject *to = NULL;
@@ -2286,10 +2389,13 @@ static PyObject *fanin_recv(FanInObject *self, PyObject *args)
     }
     tdp_fanin_msg m;
     tdp_err rc;
-    tdp_fanin *f = self->f;
     self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS rc = tdp_fanin_recv(f, ms, &m);
-    Py_END_ALLOW_THREADS self->busy = 0;
+    fanin_recv_ctx rx = {self->f, &m};
+    /* a timed-out slice takes nothing: Ctrl-C between slices loses no item */
+    int sig = wait_sliced(fanin_recv_slice, &rx, ms, &rc);
+    self->busy = 0;
+    if (sig < 0)
+        return NULL;
     if (rc != TDP_OK)
         return raise_tdp(rc, "recv");
     return fanin_item(self, &m);

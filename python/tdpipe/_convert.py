@@ -722,6 +722,16 @@ def unpack(td, plan, as_, cls):
         if conv is None:
             dt, shape, off, nb = plan.leaves[i]
             v = DLPackArray(td, i, dt, shape, off, nb, plan.device)
+        elif conv is _to_torch:
+            try:
+                v = _to_torch(caps[i], is_bool)
+            except (RuntimeError, TypeError, BufferError) as e:
+                dt = str(plan.leaves[i][0]).rpartition(".")[2]
+                key_path = parent + "." + key if parent else key
+                raise TypeError(
+                    "leaf %r is %s, which this PyTorch (%s) cannot hold (%s): receive "
+                    "it with as_='numpy' or as_='dlpack'" % (key_path, dt, torch.__version__, e)
+                ) from e
         else:
             v = conv(caps[i], is_bool)
         d = dicts[parent]

@@ -132,3 +132,40 @@ def test_fanin_dataloader_example():
                        capture_output=True, text=True, timeout=180, env=os.environ.copy())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3 workers, 60 steps" in r.stdout, r.stdout
+
+
+_INTERRUPT = r"""
+import os, signal, sys, threading, time, torch, tdpipe
+with tdpipe.FanIn("127.0.0.1", events=True) as fan:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        fan.recv()
+        print("returned")
+    except KeyboardInterrupt:
+        print("interrupted after %.2f s" % (time.monotonic() - t0))
+    # nothing was lost: a producer that comes now is the stream's first item
+    p = tdpipe.connect("127.0.0.1", fan.port, connect_timeout=10)
+    p.send({"x": torch.arange(3)}, timeout=10)
+    p.close()
+    kinds = []
+    while len(kinds) < 3:
+        it = fan.recv(timeout=10)
+        kinds.append(it.kind)
+        if it.kind == "msg":
+            assert it.data["x"].tolist() == [0, 1, 2]
+            it.release()
+    assert kinds == ["join", "msg", "leave"], kinds
+print("usable")
+"""
+
+
+def test_blocking_recv_without_timeout_is_interrupted_by_ctrl_c():
+    """fan.recv() with no timeout (`for item in fan`, a trainer waiting for
+    its workers) ends with KeyboardInterrupt at Ctrl-C and takes nothing:
+    the fan-in goes on."""
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "interrupted after" in r.stdout, r.stdout + r.stderr
+    assert "usable" in r.stdout

@@ -569,6 +569,28 @@ def test_prepare_after_close_raises():
         rx.close(5)
 
 
+def test_uint64_leaf_as_torch_is_a_clear_error_or_a_tensor():
+    """A uint64 leaf: a torch tensor where this PyTorch has the dtype, else a
+    TypeError naming the leaf and the way out (as_='numpy'), not DLPack's
+    bare RuntimeError; the pipe goes on either way."""
+    with listen() as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        rx = lst.accept(timeout=10)
+        big = np.array([1, 2**63 + 5], dtype=np.uint64)
+        tx.send({"a": {"u": big}, "i": np.arange(2)}, timeout=5)
+        if hasattr(torch, "uint64"):
+            with rx.recv(timeout=5) as m:
+                assert m["a"]["u"].dtype == torch.uint64
+        else:
+            with pytest.raises(TypeError, match=r"'a\.u' is uint64.*as_='numpy'"):
+                rx.recv(timeout=5)
+        tx.send({"a": {"u": big}, "i": np.arange(2)}, timeout=5)
+        with rx.recv(timeout=5, as_="numpy") as m:
+            assert m["a"]["u"].tolist() == big.tolist()
+        tx.close(5)
+        rx.close(5)
+
+
 _INTERRUPT = r"""
 import os, signal, sys, threading, time, torch, tdpipe
 call, loop = sys.argv[1], sys.argv[2]
@@ -604,6 +626,62 @@ def test_blocking_wait_without_timeout_is_interrupted_by_ctrl_c(call, loop):
     as Python's own blocking calls do, and leaves the pipe usable."""
     r = subprocess.run([sys.executable, "-c", _INTERRUPT, call, loop], capture_output=True,
                        text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "interrupted after" in r.stdout, r.stdout + r.stderr
+    assert "usable" in r.stdout
+
+
+_SEND_INTERRUPT = r"""
+import os, signal, sys, threading, time, numpy as np, tdpipe
+loop, gather = sys.argv[1], sys.argv[2] == "gather"
+lst = tdpipe.listen("127.0.0.1", 0, loop=loop, as_="numpy")
+tx = tdpipe.connect("127.0.0.1", lst.port, loop=loop)
+rx = lst.accept(timeout=20)
+def msg(i):
+    a = np.full(1 << 20, i, dtype=np.int32)  # 4 MB: past any small-message window
+    return {"a": a, "b": np.array([i])} if gather else {"a": a}
+sent = 0
+for i in range(64):  # fill what the receiver's credit allows, never receiving
+    try:
+        tx.send(msg(sent), timeout=1)
+        sent += 1
+    except TimeoutError:
+        break
+else:
+    sys.exit("the sender never ran out of credit")
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    tx.send(msg(sent))
+    print("returned")
+except KeyboardInterrupt:
+    print("interrupted after %.2f s" % (time.monotonic() - t0))
+# the interrupted send is still in flight: it comes, in order, then the next
+got = []
+for k in range(sent + 1):
+    with rx.recv(timeout=10) as m:
+        got.append(int(m["a"][0]))
+        assert (m["a"] == got[-1]).all()
+tx.send(msg(sent + 1))
+with rx.recv(timeout=10) as m:
+    got.append(int(m["a"][0]))
+assert got == list(range(sent + 2)), got
+tx.close(5)
+rx.close(5)
+lst.close()
+print("usable")
+"""
+
+
+@pytest.mark.parametrize("loop", ["caller", "thread"])
+@pytest.mark.parametrize("path", ["gather", "whole"])
+def test_blocking_send_without_timeout_is_interrupted_by_ctrl_c(path, loop):
+    """A send() with no timeout, held by a receiver that takes nothing, ends
+    with KeyboardInterrupt at Ctrl-C. The interrupted message may still go
+    (it was handed to the pipe); it is never duplicated or reordered, and
+    the pipe goes on."""
+    r = subprocess.run([sys.executable, "-c", _SEND_INTERRUPT, loop, path],
+                       capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "interrupted after" in r.stdout, r.stdout + r.stderr
     assert "usable" in r.stdout
