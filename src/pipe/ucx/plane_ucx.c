@@ -50,7 +50,10 @@ typedef struct shared_ep {
     bool peer_mode;
     bool failed;
     bool peer_gone; /* a link's control channel saw the peer die */
-    bool closing;   /* unused, on closing_eps: its close waits for UCX to return */
+    bool closing;   /* unused, on closing_eps: its close waits (ep_unref) */
+    bool flushed;   /* the flush before its forced close ended (or was not needed) */
+    void *flush_req;
+    int64_t flush_deadline;
     uint32_t refs;
     ucp_worker_h w;
     struct tdp__link *solo; /* the one link of a private worker's endpoint */
@@ -334,7 +337,7 @@ static void track_close(ucx_ext *x, void *req)
 static void rx_buf_drop(struct tdp__link *l, rx_buf *b);
 static void unlink_ep(shared_ep **list, shared_ep *e);
 static void link_drop_own(struct tdp__link *l);
-static void close_deferred(void *arg);
+static void close_deferred_now(ucx_ext *x, bool all);
 
 /*
  * Before the workers go: let endpoint closes finish (destroying a worker
@@ -346,7 +349,7 @@ static void ext_pre_fini(void *ext)
 {
     ucx_ext *x = ext;
     int64_t end = tdp__now_ms() + 1000;
-    close_deferred(x); /* the reaper ran them already, unless it had no memory */
+    close_deferred_now(x, true); /* flushes still under way end with the close */
     tdp__loop_source_remove(x->loop, x->flush_src);
     x->flush_src = NULL;
     for (;;) {
@@ -738,40 +741,100 @@ static void ep_close(shared_ep *e)
     tdp__free(e);
 }
 
-/* The endpoints whose close waited for UCX to return (ep_unref). */
-static void close_deferred(void *arg)
+/* How long a closing endpoint's flush may take before it is closed anyway. */
+#define EP_FLUSH_MS 1000
+
+static void ep_flush_cb(void *req, ucs_status_t st, void *user)
 {
-    ucx_ext *x = arg;
-    while (x->closing_eps != NULL) {
-        shared_ep *e = x->closing_eps;
-        x->closing_eps = e->next;
+    shared_ep *e = user;
+    (void)st; /* failed or not, the forced close comes next */
+    ucp_request_free(req);
+    e->flush_req = NULL;
+    e->flushed = true;
+    tdp__loop_kick(e->x->loop); /* flush_progress closes it */
+}
+
+/*
+ * The endpoints whose close waits: for UCX to return (ep_unref), and for
+ * their flush, or its deadline. all: the loop goes, close every one now.
+ * Never inside a UCX callback.
+ */
+static void close_deferred_now(ucx_ext *x, bool all)
+{
+    int64_t now = all ? 0 : tdp__now_ms();
+    for (shared_ep **pp = &x->closing_eps; *pp != NULL;) {
+        shared_ep *e = *pp;
+        if (!all && !e->flushed && now < e->flush_deadline) {
+            pp = &e->next;
+            continue;
+        }
+        *pp = e->next;
+        if (e->flush_req != NULL) { /* the deadline: the close takes it over */
+            ucp_request_free(e->flush_req);
+            e->flush_req = NULL;
+        }
         ep_close(e);
     }
 }
 
+static void close_deferred(void *arg)
+{
+    ucx_ext *x = arg;
+    if (x->ucx->progressing == 0)
+        close_deferred_now(x, false);
+}
+
+/*
+ * An endpoint nobody uses any more is closed, forced (peer-failure mode),
+ * but not at once:
+ * - not inside a UCX callback (a frame refused from its active-message
+ *   handler, a peer's failure): there a forced close lets UCX 1.13's TCP
+ *   transport reset the receive buffer of the very connection whose
+ *   message it is still parsing, which it then releases again (a crash in
+ *   uct_tcp_iface_progress);
+ * - not while its wireup is under way: a forced close then purges the
+ *   reply UCX still has to send, which UCX 1.13 asserts never happens
+ *   (ucp_request_send_state_ff: "got REP message"; the assertion is gone
+ *   from UCX 1.14). So it is flushed first, for at most EP_FLUSH_MS, unless
+ *   its peer is known gone.
+ * A link's own worker's endpoint (solo) is closed now: its link waits for
+ * that close (link_drop_own).
+ */
 static void ep_unref(shared_ep *e)
 {
     if (--e->refs > 0)
         return;
     ucx_ext *x = e->x;
     unlink_ep(e->failed ? &x->dead_eps : &x->eps, e);
-    if (x->ucx->progressing > 0 && e->solo == NULL) {
-        /*
-         * Inside a UCX callback (a frame refused from its active-message
-         * handler, a peer's failure): a forced close there lets UCX 1.13's
-         * TCP transport reset the receive buffer of the very connection
-         * whose message it is still parsing, which it then releases again
-         * (a crash in uct_tcp_iface_progress). Close once UCX has returned.
-         * A link's own worker's endpoint (solo) is closed now: its link
-         * waits for that close (link_drop_own).
-         */
-        e->closing = true;
-        e->next = x->closing_eps;
-        x->closing_eps = e;
-        tdp__reap_later(x->loop, &x->close_reap, close_deferred, x);
+    if (e->solo != NULL) {
+        ep_close(e);
         return;
     }
-    ep_close(e);
+    e->flushed = true;
+    e->flush_req = NULL;
+    if (e->peer_mode && !e->failed && !e->peer_gone) {
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+            .cb.send = ep_flush_cb,
+            .user_data = e,
+        };
+        e->flushed = false;
+        e->flush_deadline = tdp__now_ms() + EP_FLUSH_MS;
+        void *r = ucp_ep_flush_nbx(e->ep, &prm);
+        if (r == NULL || UCS_PTR_IS_ERR(r))
+            e->flushed = true;
+        else if (!e->flushed) /* else its callback ran already and freed it */
+            e->flush_req = r;
+    }
+    if (e->flushed && x->ucx->progressing == 0) {
+        ep_close(e);
+        return;
+    }
+    e->closing = true;
+    e->next = x->closing_eps;
+    x->closing_eps = e;
+    if (e->flushed)
+        tdp__reap_later(x->loop, &x->close_reap, close_deferred, x);
 }
 
 /* ---- GPU payloads on a UCX without CUDA --------------------------------------- */
@@ -2068,6 +2131,8 @@ static unsigned flush_progress(void *arg)
 {
     ucx_ext *x = arg;
     unsigned n = 0;
+    if (x->closing_eps != NULL && x->ucx->progressing == 0)
+        close_deferred_now(x, false); /* flushed, or past their deadline */
     while (x->dirty != NULL) {
         struct tdp__link *l = x->dirty;
         x->dirty = l->next_dirty;
