@@ -19,6 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 #include <cmocka.h>
+#include <event2/bufferevent.h>
+#include <sys/socket.h>
 
 #include <tdpipe/pipe.h>
 #include <tdpipe/tdpipe.h>
@@ -27,6 +29,7 @@
 #include "core/loop_int.h"
 #include "pipe/op.h"
 #include "pipe/session.h"
+#include "pipe/session_int.h"
 #include "pipe/ucx/plane_ucx.h"
 #include "pipe/wire.h"
 #include "test_rogue_am.h"
@@ -360,6 +363,65 @@ static void test_hostile_chunks(void **state)
         hostile(k, TDP_EPROTO);
 }
 
+/* ---- a peer that never reads its control socket -------------------------------- */
+
+/* On a pipe's loop: stop reading its control socket, and let the kernel hold little. */
+static void deaf_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    int one = 1;
+    bufferevent_disable(p->ctl.bev, EV_READ);
+    (void)setsockopt(bufferevent_getfd(p->ctl.bev), SOL_SOCKET, SO_RCVBUF, &one, sizeof(one));
+}
+
+static void small_sndbuf_task(void *arg)
+{
+    tdp_pipe *p = arg;
+    int one = 1;
+    (void)setsockopt(bufferevent_getfd(p->ctl.bev), SOL_SOCKET, SO_SNDBUF, &one, sizeof(one));
+}
+
+/*
+ * A peer that sends the same prepared SCHEMA over and over and never reads
+ * its control socket: each one is answered by a READY that cannot leave.
+ * The receiver ends the pipe with TDP_ELIMIT once 64 KiB of them wait,
+ * instead of queueing 32 bytes per frame without a bound.
+ */
+static void test_ready_flood(void **state)
+{
+    (void)state;
+    enum { MAX_FRAMES = 100000 };
+    env e;
+    env_up(&e);
+    warm_up(&e);
+    tdp__call_on_loop(e.cl, deaf_task, e.cli);
+    tdp__call_on_loop(e.sl, small_sndbuf_task, e.srv);
+    tdp_schema *s = bytes_schema(64, false);
+    size_t jl;
+    const char *json = tdp_schema_json(s, &jl);
+    tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
+                    .flags = TDP_AM_F_PREPARE,
+                    .token = tdp__ucx_link_peer_token(tdp__session_link(e.cli)),
+                    .seq = 1,
+                    .hash = tdp_schema_hash(s),
+                    .length = jl,
+                    .arg = tdp_schema_total_bytes(s)};
+    int sent = 0;
+    while (sent < MAX_FRAMES && tdp_pipe_status(e.srv) == TDP_OK) {
+        for (int k = 0; k < 100; k++, sent++)
+            rogue_send(&e, &h, json, jl);
+    }
+    /* the last ones may still be in UCX's hands: the verdict within the time */
+    for (int i = 0; i < 5000 && tdp_pipe_status(e.srv) == TDP_OK; i++)
+        usleep(1000);
+    print_message("%d prepared SCHEMAs, unanswered: the receiver's pipe %s\n", sent,
+                  tdp_errname(tdp_pipe_status(e.srv)));
+    assert_int_equal(tdp_pipe_status(e.srv), TDP_ELIMIT);
+    assert_true(sent > 1000); /* not before READYs could pile up */
+    tdp_schema_unref(s);
+    env_down(&e);
+}
+
 /* ---- a sender killed between chunks ------------------------------------------- */
 
 #define KILL_SIZE (64 * MIB)
@@ -440,6 +502,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_chunked_roundtrip), cmocka_unit_test(test_chunked_late_copies),
         cmocka_unit_test(test_threshold),         cmocka_unit_test(test_older_peer),
         cmocka_unit_test(test_hostile_chunks),    cmocka_unit_test(test_killed_mid_chunks),
+        cmocka_unit_test(test_ready_flood),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

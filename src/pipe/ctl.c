@@ -640,6 +640,13 @@ void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r)
         bufferevent_write(c->bev, buf, sizeof(buf));
 }
 
+size_t tdp__ctl_backlog(const tdp__ctl *c)
+{
+    if (c->bev == NULL || c->carry != NULL)
+        return 0; /* the carrier's ring is bounded: it drops what does not fit */
+    return evbuffer_get_length(bufferevent_get_output(c->bev));
+}
+
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b)
 {
     uint8_t buf[TDP_CTL_HDR_LEN + TDP_BYE_LEN];

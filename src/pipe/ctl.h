@@ -124,6 +124,8 @@ tdp_err tdp__ctl_accept(tdp__ctl *c, evutil_socket_t fd, const struct sockaddr *
 tdp_err tdp__ctl_send_hello(tdp__ctl *c, const tdp_hello *h);
 /* Queue a READY (only to a peer whose HELLO carried TDP_HX_READY). */
 void tdp__ctl_send_ready(tdp__ctl *c, const tdp_ready *r);
+/* Bytes queued for the socket that the kernel has not taken yet (0 when carried). */
+size_t tdp__ctl_backlog(const tdp__ctl *c);
 /* Queue BYE once; up->bye_flushed when it has left. */
 void tdp__ctl_send_bye(tdp__ctl *c, const tdp_bye *b);
 bool tdp__ctl_open(const tdp__ctl *c);

@@ -102,10 +102,24 @@ bool tdp__prep_ready(tdp_pipe *p, const tdp_ready *r)
     return true;
 }
 
+/*
+ * What a peer may leave unread on the control socket before its prepared
+ * layouts are refused: about 2000 READYs beyond what the kernel holds. An
+ * honest peer reads each READY before its next prepare; one that never
+ * reads would make this side queue 32 bytes per prepared SCHEMA, unbounded.
+ */
+#define READY_BACKLOG_MAX (64u * 1024u)
+
 void tdp__prep_schema_in(tdp_pipe *p, const tdp__frame *f)
 {
     if (!f->prepare)
         return;
+    if (tdp__ctl_backlog(&p->ctl) > READY_BACKLOG_MAX) {
+        tdp__pipe_proto_fail(p, TDP_ELIMIT,
+                             "prepared layouts keep coming and the peer does not read its "
+                             "control socket");
+        return;
+    }
     p->prep_rx_n++;
     if (p->peer_ready) {
         tdp_ready r = {.hash = f->hash, .count = p->prep_rx_n};
