@@ -877,6 +877,19 @@ static tdp_err fill_leaves(tdp_td *td, const void *const *src, uint32_t n)
 /* Copies of this many bytes or more are made without the GIL. */
 #define FILL_NOGIL_BYTES (64u * 1024u)
 
+/* fill_leaves, a large or device copy without the GIL (held on entry). */
+static tdp_err fill_leaves_gil(tdp_td *td, const void *const *src, uint32_t n)
+{
+    tdp_err rc;
+    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES || tdp_td_device(td).type != TDP_DEVICE_CPU) {
+        Py_BEGIN_ALLOW_THREADS rc = fill_leaves(td, src, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = fill_leaves(td, src, n);
+    }
+    return rc;
+}
+
 /*
  * fill(ptrs): copy tensor leaf i from address ptrs[i] (host memory). The
  * caller keeps the source leaves alive for the call; a large copy is made
@@ -911,13 +924,7 @@ static PyObject *td_fill(TdObject *self, PyObject *arg)
         }
     }
     Py_DECREF(f);
-    tdp_err rc;
-    if (tdp_td_nbytes(td) >= FILL_NOGIL_BYTES || tdp_td_device(td).type != TDP_DEVICE_CPU) {
-        Py_BEGIN_ALLOW_THREADS rc = fill_leaves(td, v, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        rc = fill_leaves(td, v, n);
-    }
+    tdp_err rc = fill_leaves_gil(td, v, n);
     if (v != small)
         PyMem_Free(v);
     if (rc != TDP_OK)
@@ -1134,6 +1141,22 @@ static PyObject *pipe_connect(PyObject *cls, PyObject *args)
     return (PyObject *)pipe_new_obj(p, o.recv_depth, on_thread);
 }
 
+/*
+ * Start a send. A large one without the GIL: starting runs the send's first
+ * steps here when the loop is idle, the copy into a shared-memory slot
+ * among them. A small one keeps it (dropping and taking the GIL would cost
+ * more than the copy).
+ */
+static void start_send(tdp_pipe *p, tdp_td *t, tdp_op *op)
+{
+    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(p, t, op);
+        Py_END_ALLOW_THREADS
+    } else {
+        tdp_pipe_send_async(p, t, op);
+    }
+}
+
 static tdp_err op_wait_slice(void *ctx, int64_t ms)
 {
     return tdp_op_wait((tdp_op *)ctx, ms);
@@ -1147,23 +1170,25 @@ static tdp_err op_wait_slice(void *ctx, int64_t ms)
  * keeps td (and what it wraps) until it completes, and the next send
  * waits for it first. Returns -1 with the signal's exception set.
  */
+/* A send a signal interrupted is over (its outcome: a failed pipe fails the next send too). */
+static int tx_settle(PipeObject *self, tdp_err *rc)
+{
+    if (!self->tx_orphan)
+        return 0;
+    if (wait_sliced(op_wait_slice, self->txop, -1, rc) < 0)
+        return -1;
+    self->tx_orphan = 0;
+    return 0;
+}
+
 static int send_forever(PipeObject *self, tdp_td *t, tdp_err *rc)
 {
     if (self->txop == NULL && (*rc = tdp_op_new(NULL, NULL, &self->txop)) != TDP_OK)
         return 0;
+    if (tx_settle(self, rc) < 0)
+        return -1;
     tdp_op *op = self->txop;
-    if (self->tx_orphan) {
-        if (wait_sliced(op_wait_slice, op, -1, rc) < 0)
-            return -1;
-        self->tx_orphan = 0; /* how it ended: a failed pipe fails this send too */
-    }
-    tdp_pipe *p = self->pipe;
-    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(p, t, op);
-        Py_END_ALLOW_THREADS
-    } else {
-        tdp_pipe_send_async(p, t, op);
-    }
+    start_send(self->pipe, t, op);
     if (wait_sliced(op_wait_slice, op, -1, rc) < 0) {
         self->tx_orphan = 1;
         return -1;
@@ -1182,15 +1207,7 @@ static tdp_err gather_into(PipeObject *self, tdp_schema *s, const void *const *v
         tdp_td_unref(self->gtd);
         self->gtd = td;
     }
-    tdp_err rc;
-    tdp_td *g = self->gtd;
-    if (tdp_td_nbytes(g) >= FILL_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS rc = fill_leaves(g, v, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        rc = fill_leaves(g, v, n);
-    }
-    return rc;
+    return fill_leaves_gil(self->gtd, v, n);
 }
 
 static PyObject *pipe_send_td(PipeObject *self, PyObject *args)
@@ -1263,9 +1280,7 @@ static PyObject *pipe_send_gather(PipeObject *self, PyObject *args)
     int sig = 0;
     if (ms < 0) {
         /* the previous send from that buffer is over first (gather_into rewrites it) */
-        if (self->tx_orphan && self->txop != NULL &&
-            (sig = wait_sliced(op_wait_slice, self->txop, -1, &rc)) == 0)
-            self->tx_orphan = 0;
+        sig = tx_settle(self, &rc);
         if (sig == 0 && (rc = gather_into(self, s, (const void *const *)v, (uint32_t)n)) == TDP_OK)
             sig = send_forever(self, self->gtd, &rc);
     } else {
@@ -1837,21 +1852,7 @@ static PyObject *op_start_send(OpObject *self, PyObject *args)
     self->td = td;
     self->pending = 1;
     self->is_recv = 0;
-    /*
-     * A large send without the GIL: starting runs the send's first steps
-     * here when the loop is idle, the copy into a shared-memory slot among
-     * them. The completion callback only writes the eventfd. A small one
-     * keeps it (dropping and taking the GIL would cost more than the copy).
-     */
-    tdp_pipe *pp = p->pipe;
-    tdp_td *t = td->td;
-    tdp_op *op = self->op;
-    if (tdp_td_nbytes(t) >= FILL_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS tdp_pipe_send_async(pp, t, op);
-        Py_END_ALLOW_THREADS
-    } else {
-        tdp_pipe_send_async(pp, t, op);
-    }
+    start_send(p->pipe, td->td, self->op); /* its callback only writes the eventfd */
     Py_RETURN_NONE;
 }
 

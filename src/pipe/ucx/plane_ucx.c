@@ -50,7 +50,6 @@ typedef struct shared_ep {
     bool peer_mode;
     bool failed;
     bool peer_gone; /* a link's control channel saw the peer die */
-    bool closing;   /* unused, on closing_eps: its close waits (ep_unref) */
     bool flushed;   /* the flush before its forced close ended (or was not needed) */
     void *flush_req;
     int64_t flush_deadline;
@@ -285,8 +284,7 @@ struct ucx_ext {
     struct tdp__link **tab; /* token low half -> link */
     uint32_t cap;
     shared_ep *eps, *dead_eps;
-    shared_ep *closing_eps; /* unused, to be closed once UCX returns (ep_unref) */
-    tdp__reap close_reap;
+    shared_ep *closing_eps; /* unused (refs 0), closed by flush_progress (ep_unref) */
     struct stray *strays;
     void **closing; /* endpoint closes still in progress */
     uint32_t nclosing, capclosing;
@@ -638,7 +636,7 @@ static void shared_ep_err(void *arg, ucp_ep_h ep, ucs_status_t st)
 {
     shared_ep *e = arg;
     ucx_ext *x = e->x;
-    if (e->failed || e->closing) /* no link left on one closing: its close is queued */
+    if (e->failed || e->refs == 0) /* none left: closing (ep_unref), its links gone */
         return;
     e->failed = true;
     unlink_ep(&x->eps, e); /* new links to that peer get a fresh endpoint */
@@ -777,13 +775,6 @@ static void close_deferred_now(ucx_ext *x, bool all)
     }
 }
 
-static void close_deferred(void *arg)
-{
-    ucx_ext *x = arg;
-    if (x->ucx->progressing == 0)
-        close_deferred_now(x, false);
-}
-
 /*
  * An endpoint nobody uses any more is closed, forced (peer-failure mode),
  * but not at once:
@@ -830,11 +821,9 @@ static void ep_unref(shared_ep *e)
         ep_close(e);
         return;
     }
-    e->closing = true;
     e->next = x->closing_eps;
     x->closing_eps = e;
-    if (e->flushed)
-        tdp__reap_later(x->loop, &x->close_reap, close_deferred, x);
+    tdp__loop_kick(x->loop); /* flush_progress closes it once UCX has returned */
 }
 
 /* ---- GPU payloads on a UCX without CUDA --------------------------------------- */
