@@ -98,10 +98,13 @@ typedef struct env {
     tdp_pipe *srv, *cli;
 } env;
 
-static void env_up(env *e)
+/* linger_ms: 0 for the default */
+static void env_up_linger(env *e, int linger_ms)
 {
     tdp_pipe_opts o;
     dev_opts(&o);
+    if (linger_ms > 0)
+        o.linger_ms = linger_ms;
     memset(e, 0, sizeof(*e));
     assert_int_equal(tdp_loop_new(NULL, &e->sl), TDP_OK);
     assert_int_equal(tdp_loop_new(NULL, &e->cl), TDP_OK);
@@ -112,6 +115,11 @@ static void env_up(env *e)
                      TDP_OK);
     assert_int_equal(tdp_listener_accept(e->l, TMO, &e->srv), TDP_OK);
     assert_int_equal(tdp_pipe_plane(e->srv), TDP_PLANE_UCX);
+}
+
+static void env_up(env *e)
+{
+    env_up_linger(e, 0);
 }
 
 static void env_down(env *e)
@@ -422,6 +430,137 @@ static void test_ready_flood(void **state)
     env_down(&e);
 }
 
+/*
+ * A peer that says BYE naming a chunked message whose DATA frame came and
+ * whose CHUNKs never do (it keeps its socket and endpoint open): the
+ * message announced never lands, so the pipe ends at the linger deadline
+ * with TDP_ECONNRESET instead of staying open with a receive that can
+ * never complete.
+ */
+typedef struct bye_req {
+    tdp_pipe *p;
+    uint64_t last_seq;
+} bye_req;
+
+static void bye_task(void *arg)
+{
+    bye_req *r = arg;
+    tdp_bye b = {.last_seq = r->last_seq, .reason = TDP_OK};
+    tdp__ctl_send_bye(&r->p->ctl, &b);
+}
+
+/*
+ * A chunked message of three chunks (1 MiB, 1 MiB, the rest): SCHEMA,
+ * DATA and the first chunk from a rogue sender, then its BYE naming it.
+ */
+typedef struct bye_rig {
+    env e;
+    tdp_schema *s;
+    uint8_t *bytes;
+    uint64_t tok, hash;
+    size_t n;
+} bye_rig;
+
+static void bye_rig_up(bye_rig *r, int linger_ms)
+{
+    env_up_linger(&r->e, linger_ms);
+    warm_up(&r->e);
+    r->s = bytes_schema(2 * MIB + MIB / 2 + 5, true);
+    r->n = tdp_schema_total_bytes(r->s);
+    size_t jl;
+    const char *json = tdp_schema_json(r->s, &jl);
+    r->tok = tdp__ucx_link_peer_token(tdp__session_link(r->e.cli));
+    r->hash = tdp_schema_hash(r->s);
+    r->bytes = calloc(1, MIB);
+    assert_non_null(r->bytes);
+    const uint8_t desc[8] = {0, 0, 0x10, 0}; /* chunks of 1 MiB */
+
+    tdp_am_hdr h = {.type = TDP_AM_SCHEMA,
+                    .token = r->tok,
+                    .seq = 1,
+                    .hash = r->hash,
+                    .length = jl,
+                    .arg = r->n};
+    rogue_send(&r->e, &h, json, jl);
+    h = (tdp_am_hdr){.type = TDP_AM_DATA,
+                     .flags = TDP_AM_F_CHUNKED,
+                     .token = r->tok,
+                     .seq = 1,
+                     .hash = r->hash,
+                     .length = r->n};
+    rogue_send(&r->e, &h, desc, sizeof(desc));
+    h = (tdp_am_hdr){
+        .type = TDP_AM_CHUNK, .token = r->tok, .seq = 1, .hash = r->hash, .length = MIB, .arg = 0};
+    rogue_send(&r->e, &h, r->bytes, MIB);
+    bye_req br = {.p = r->e.cli, .last_seq = 1};
+    tdp__call_on_loop(r->e.cl, bye_task, &br);
+}
+
+/* chunk i (1 or 2) of the rig's message */
+static void bye_rig_chunk(bye_rig *r, int i)
+{
+    size_t off = (size_t)i * MIB;
+    size_t len = r->n - off < MIB ? r->n - off : MIB;
+    tdp_am_hdr h = {.type = TDP_AM_CHUNK,
+                    .token = r->tok,
+                    .seq = 1,
+                    .hash = r->hash,
+                    .length = len,
+                    .arg = off};
+    rogue_send(&r->e, &h, r->bytes, len);
+}
+
+static void bye_rig_down(bye_rig *r)
+{
+    free(r->bytes);
+    tdp_schema_unref(r->s);
+    env_down(&r->e);
+}
+
+static void test_bye_mid_chunks(void **state)
+{
+    (void)state;
+    enum { LINGER = 300, WAIT = 5000 };
+    bye_rig r;
+    bye_rig_up(&r, LINGER); /* the first of its three chunks, then nothing more */
+    tdp_td *got = NULL;
+    int64_t t0 = mono_ms();
+    tdp_err rc = tdp_pipe_recv(r.e.srv, WAIT, &got);
+    int64_t dt = mono_ms() - t0;
+    print_message("BYE with its chunks missing: %s after %" PRId64 " ms\n", tdp_errname(rc), dt);
+    assert_int_equal(rc, TDP_ECONNRESET);
+    assert_true(dt < WAIT);
+    bye_rig_down(&r);
+}
+
+/*
+ * The same BYE from a peer whose chunks are still on their way over a slow
+ * link: they come in longer than the linger in all, but never with a gap
+ * as long. The wait goes on while they come: the message is delivered
+ * whole, then the pipe ends cleanly.
+ */
+static void test_bye_slow_chunks(void **state)
+{
+    (void)state;
+    enum { LINGER = 400, GAP = 250, WAIT = 5000 };
+    bye_rig r;
+    bye_rig_up(&r, LINGER);
+    int64_t t0 = mono_ms();
+    usleep(GAP * 1000);
+    bye_rig_chunk(&r, 1);
+    usleep(GAP * 1000);
+    bye_rig_chunk(&r, 2);
+    tdp_td *got = NULL;
+    tdp_err rc = tdp_pipe_recv(r.e.srv, WAIT, &got);
+    print_message("BYE, then chunks %d ms apart (linger %d ms): %s after %" PRId64 " ms\n", GAP,
+                  LINGER, tdp_errname(rc), mono_ms() - t0);
+    assert_int_equal(rc, TDP_OK);
+    assert_int_equal(tdp_td_nbytes(got), r.n);
+    tdp_pipe_release(r.e.srv, got);
+    assert_int_equal(tdp_pipe_recv(r.e.srv, WAIT, &got), TDP_ECLOSED);
+    bye_rig_down(&r);
+}
+
 /* ---- a sender killed between chunks ------------------------------------------- */
 
 #define KILL_SIZE (64 * MIB)
@@ -502,7 +641,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_chunked_roundtrip), cmocka_unit_test(test_chunked_late_copies),
         cmocka_unit_test(test_threshold),         cmocka_unit_test(test_older_peer),
         cmocka_unit_test(test_hostile_chunks),    cmocka_unit_test(test_killed_mid_chunks),
-        cmocka_unit_test(test_ready_flood),
+        cmocka_unit_test(test_ready_flood),       cmocka_unit_test(test_bye_mid_chunks),
+        cmocka_unit_test(test_bye_slow_chunks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -110,8 +110,11 @@ typedef struct tdp_pipe_opts {
     /* Connect / handshake deadline, ms (default 10000). */
     int64_t connect_timeout_ms;
     /*
-     * After a clean BYE, how long to wait for messages still in flight, ms
-     * (default 5000).
+     * After a clean BYE, how long to wait for messages still in flight
+     * when nothing of them arrives, ms (default 5000): each DATA frame or
+     * part of a payload that lands starts the wait again, so a slow link
+     * still delivers everything, and a peer that sends nothing more ends
+     * the pipe (TDP_ECONNRESET) this long after the last it sent.
      */
     int64_t linger_ms;
     tdp_peer_mode peer_mode;

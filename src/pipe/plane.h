@@ -223,6 +223,14 @@ typedef struct tdp__plane_ops {
      */
     tdp_err (*prepare)(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_schema, bool *sent,
                        bool *await);
+    /*
+     * Optional: a running count that grows whenever part of a payload
+     * still in flight comes in (a chunk frame, a fetch landing). After the
+     * peer's BYE the session waits for what it announced as long as this
+     * (or the DATA count) keeps moving. NULL: a plane whose payloads come
+     * before the BYE, or land whole (tcp: the same socket; shm: in place).
+     */
+    uint64_t (*rx_progress)(const tdp__link *l);
 } tdp__plane_ops;
 
 extern const tdp__plane_ops tdp__plane_ucx;

@@ -182,7 +182,17 @@ void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg)
     }
     if (p->state == PIPE_CONNECTING) {
         tdp__pipe_fail(p, TDP_ETIMEDOUT, "connect/handshake deadline passed");
-    } else if (p->state == PIPE_OPEN && p->peer_bye && p->rx_seq < p->peer_last_seq) {
+    } else if (p->state == PIPE_OPEN && p->peer_bye && !tdp__pipe_peer_done(p)) {
+        /* a frame or a payload still missing (a chunked message's CHUNKs):
+         * what is on its way over a slow link keeps coming, so the wait
+         * goes on while anything lands; a peer that sends nothing more ends
+         * it */
+        uint64_t mark = tdp__pipe_rx_mark(p);
+        if (mark != p->linger_mark) {
+            p->linger_mark = mark;
+            tdp__pipe_arm_timer(p, p->opts.linger_ms);
+            return;
+        }
         tdp__pipe_fail(p, TDP_ECONNRESET, "messages announced in BYE never arrived");
     } else if (p->state == PIPE_OPEN && p->link_failed) {
         tdp__pipe_fail(p, TDP_ECONNRESET, "data plane failed and the peer said nothing");
@@ -190,6 +200,15 @@ void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg)
         tdp__pipe_fail(p, TDP_ETIMEDOUT, "close deadline passed");
         tdp__pipe_hang_up(p); /* the close gave up: nothing is waited for any more */
     }
+}
+
+/* What has landed so far: DATA frames taken, and parts of payloads in flight. */
+uint64_t tdp__pipe_rx_mark(const tdp_pipe *p)
+{
+    uint64_t m = p->rx_seq;
+    if (p->link != NULL && p->plane != NULL && p->plane->rx_progress != NULL)
+        m += p->plane->rx_progress(p->link);
+    return m;
 }
 
 /* Has everything the peer announced been delivered or lent? */

@@ -89,8 +89,12 @@ static void on_ctl_bye(void *owner, const tdp_bye *bye)
     tdp_op *op;
     while ((op = tdp__opq_pop(&p->sendq)) != NULL)
         tdp__op_complete(op, TDP_ECLOSED);
-    if (p->rx_seq < p->peer_last_seq)
+    /* what it announced has not all landed: a DATA frame still to come, or
+     * one whose payload (a rendezvous, a chunked message's CHUNKs) is */
+    if (!tdp__pipe_peer_done(p)) {
+        p->linger_mark = tdp__pipe_rx_mark(p);
         tdp__pipe_arm_timer(p, p->opts.linger_ms);
+    }
     tdp__pipe_deliver(p);
     tdp__pipe_end_if_peer_done(p);
 }

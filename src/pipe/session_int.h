@@ -142,6 +142,10 @@ struct tdp_pipe {
     uint32_t rx_inflight;
     bool peer_bye;
     uint64_t peer_last_seq;
+    /* after a BYE, what had landed when the linger was last armed
+     * (tdp__pipe_rx_mark): the linger ends the pipe only once nothing more
+     * has come for a whole linger_ms */
+    uint64_t linger_mark;
 
     /* releases from other threads, under w.mtx */
     tdp_td *rel[2 * TDP_MAX_DEPTH];
@@ -208,6 +212,7 @@ void tdp__pipe_hang_up(tdp_pipe *p);
 void tdp__pipe_maybe_tell_end(tdp_pipe *p);
 /* The pipe's one timer: the connect deadline, then the linger or close deadline. */
 void tdp__pipe_arm_timer(tdp_pipe *p, int64_t ms);
+uint64_t tdp__pipe_rx_mark(const tdp_pipe *p);
 void tdp__pipe_timer_del(tdp_pipe *p);
 void tdp__pipe_linger_cb(evutil_socket_t fd, short what, void *arg);
 /* Has everything the peer announced in its BYE been delivered or lent? */

@@ -247,6 +247,7 @@ struct tdp__link {
     bool peer_chunks;       /* the peer's HELLO has TDP_HX_UCX_CHUNKS version 1 */
     rx_buf *rx_open;        /* the chunked message whose CHUNK frames are still due */
     uint64_t chunked_tx, chunked_rx; /* messages sent / taken as CHUNK frames (for tests) */
+    uint64_t rx_progress;            /* CHUNK frames taken and fetches landed (ops.rx_progress) */
     bounce txb[2];          /* send bounces: a copy overlaps the previous transfer */
     uint32_t ntxb;          /* in use: min(peer depth, 2) */
     ticket *txq, *txq_tail; /* sends in order behind a staged one */
@@ -1276,6 +1277,7 @@ static void chunk_recv_cb(void *req, ucs_status_t st, size_t length, void *user)
     k->done = true;
     b->nheld--;
     l->reqs--;
+    l->rx_progress++;
     if (!l->closed && !b->chunk_failed)
         rx_chunks_settle(l, b);
     link_maybe_free(l);
@@ -1353,6 +1355,7 @@ static void rx_chunk_in(struct tdp__link *l, const tdp_am_hdr *h, void *data, si
     }
     rx_chunk *k = &b->ch[i];
     *k = (rx_chunk){.b = b, .len = length, .rc = TDP_OK, .seen = true};
+    l->rx_progress++;
     if (++b->nseen == b->nch)
         l->rx_open = NULL; /* every chunk announced: the next frame is a new message */
     rx_chunk_fetch(l, k, data, (char *)b->rb.p + h->arg, param);
@@ -2814,6 +2817,11 @@ static tdp_err u_prepare(tdp__link *l, tdp_schema *sc, uint64_t seq, bool send_s
     return TDP_OK;
 }
 
+static uint64_t u_rx_progress(const tdp__link *l)
+{
+    return l->rx_progress;
+}
+
 const tdp__plane_ops tdp__plane_ucx = {
     .name = "ucx",
     .id = TDP_PLANE_UCX,
@@ -2834,6 +2842,7 @@ const tdp__plane_ops tdp__plane_ucx = {
     .release = u_release,
     .loan = u_loan,
     .poll_credit = u_poll_credit,
+    .rx_progress = u_rx_progress,
 };
 
 ucp_ep_h tdp__ucx_link_ep(const tdp__link *l)
