@@ -137,8 +137,10 @@ static tdp_loop *get_loop(void)
     return g_loop;
 }
 
-/* Seconds (None: forever) to the library's milliseconds (-1: forever). */
-static int timeout_ms(PyObject *o, int64_t *out)
+/* Seconds (None: forever) to the library's milliseconds (-1: forever);
+ * negative: an error for a call's timeout (as Python's own waits), "none"
+ * for an option that documents it (neg_ok). */
+static int secs_to_ms(PyObject *o, int64_t *out, bool neg_ok)
 {
     if (o == NULL || o == Py_None) {
         *out = -1;
@@ -152,6 +154,13 @@ static int timeout_ms(PyObject *o, int64_t *out)
         return -1;
     }
     if (s < 0) {
+        if (!neg_ok) {
+            PyErr_Format(PyExc_ValueError,
+                         "timeout must be a non-negative number of seconds, or None for no "
+                         "limit (got %g)",
+                         s);
+            return -1;
+        }
         *out = -1;
         return 0;
     }
@@ -159,6 +168,18 @@ static int timeout_ms(PyObject *o, int64_t *out)
         s = 1e12;
     *out = (int64_t)(s * 1000.0 + 0.5);
     return 0;
+}
+
+/* A call's timeout: seconds >= 0, or None. */
+static int timeout_ms(PyObject *o, int64_t *out)
+{
+    return secs_to_ms(o, out, false);
+}
+
+/* An option's time: seconds, None or < 0 for none. */
+static int opt_ms(PyObject *o, int64_t *out)
+{
+    return secs_to_ms(o, out, true);
 }
 
 /*
@@ -242,16 +263,16 @@ static int parse_opts(PyObject *d, tdp_pipe_opts *o)
             }
             o->recv_window_bytes = n;
         } else if (!strcmp(key, "connect_timeout")) {
-            if (timeout_ms(v, &o->connect_timeout_ms) < 0)
+            if (opt_ms(v, &o->connect_timeout_ms) < 0)
                 return -1;
         } else if (!strcmp(key, "linger")) {
-            if (timeout_ms(v, &o->linger_ms) < 0)
+            if (opt_ms(v, &o->linger_ms) < 0)
                 return -1;
         } else if (!strcmp(key, "reconnect")) {
-            if (timeout_ms(v, &o->reconnect_ms) < 0)
+            if (opt_ms(v, &o->reconnect_ms) < 0)
                 return -1;
         } else if (!strcmp(key, "connect_wait")) {
-            if (timeout_ms(v, &o->connect_wait_ms) < 0)
+            if (opt_ms(v, &o->connect_wait_ms) < 0)
                 return -1;
             if (o->connect_wait_ms < 0)
                 o->connect_wait_ms = 0;
@@ -2050,7 +2071,7 @@ static int limit_ms(PyObject *o, int64_t *out)
 {
     if (o == NULL || o == Py_None)
         return 0;
-    return timeout_ms(o, out);
+    return opt_ms(o, out);
 }
 
 /*

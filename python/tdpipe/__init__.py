@@ -23,6 +23,7 @@ from . import _tdpipe
 from ._watch import loan_retry
 from .errors import (AuthError, CanceledError, ChecksumError, ClosedError, Error, PeerError,
                      ProtocolError, RefusedError, SchemaError, TimeoutError, error_for)
+from ._convert import check_as as _check_as
 from ._convert import Consolidated, DLPackArray, Message, SchemaCache, Unpacker, \
     consolidate, consolidated_check, producer_done as _producer_done, _is_mapping
 
@@ -173,6 +174,7 @@ class Pipe:
         self._sop = None
         self._sop_pending = False
         self._abuf = None  # asend's gather buffer, reused while its schema holds
+        self._held = None  # a received message its caller could not take (_unpack_held)
         self._abuf_schema = None
         self._aloans = 0  # asends gathered into a loaned slot (the tests read it)
         self._dbuf = None  # send's device gather buffer, reused while its schema holds
@@ -273,8 +275,8 @@ class Pipe:
         GPU; send synchronizes torch's current stream, other streams must be
         finished first. as_ (default: the pipe's) picks the leaves: "torch"
         or "dlpack" (DLPackArray, for a PyTorch without CUDA)."""
+        as_ = _check_as(as_ or self.as_)
         schema, _addrs, _keep = self._send_cache.get(like)
-        as_ = as_ or self.as_
         if as_ == "torch" and schema.device != "cpu" and _torch is not None and \
                 not _torch.cuda.is_available():
             # before a slot is taken: unpacking it would fail with a receive's advice
@@ -310,14 +312,32 @@ class Pipe:
         tensors", for the stream contract."""
         td, timeout = _as_timeout(td, timeout)
         device = _check_device(device)
+        as_ = _check_as(as_ or self.as_)  # before a message is taken
         self._gpu_reuse()
-        raw = _on_device(self._raw.recv(timeout), device)
+        raw = self._take_held()
+        raw = _on_device(raw if raw is not None else self._raw.recv(timeout), device)
         if td is None:
-            return self._lent(self._unpack(raw, as_ or self.as_))
+            return self._lent(self._unpack_held(raw, as_))
         try:
             return self._unpack.into(raw, td)
         finally:
             raw.release()
+
+    def _take_held(self):
+        raw, self._held = self._held, None
+        return raw
+
+    def _unpack_held(self, raw, as_):
+        """The message's leaves as as_ asks. Where they cannot be (a dtype
+        this PyTorch or NumPy lacks, a GPU message as NumPy arrays), the
+        error is raised and the message stays the next one any receive
+        returns, so that one with another as_ or device takes it: nothing
+        is lost."""
+        try:
+            return self._unpack(raw, as_)
+        except (TypeError, ValueError, RuntimeError):
+            self._held = raw
+            raise
 
     def release(self, msg):
         msg.release()
@@ -416,10 +436,12 @@ class Pipe:
         receives into td as recv(td) does."""
         _check_into(td)
         device = _check_device(device)
+        as_ = _check_as(as_ or self.as_)
         self._gpu_reuse()
-        raw = _on_device(await self._arecv_raw(), device)
+        raw = self._take_held()
+        raw = _on_device(raw if raw is not None else await self._arecv_raw(), device)
         if td is None:
-            return self._lent(self._unpack(raw, as_ or self.as_))
+            return self._lent(self._unpack_held(raw, as_))
         try:
             return self._unpack.into(raw, td)
         finally:
@@ -610,6 +632,7 @@ def connect(host, port, *, as_="torch", loop="caller", **opts):
     the calling thread, the fastest for blocking use; "thread": the pipe
     runs on the library's loop thread, which keeps a depth-N receive ring
     filling between calls and lets asyncio wait on an eventfd."""
+    _check_as(as_)
     return Pipe(_tdpipe.Pipe.connect(host, int(port), _opts(opts), _loop_flag(loop)), as_)
 
 
@@ -632,6 +655,7 @@ class Listener:
     """Accepts pipes. ``port`` is the port bound (listen with port 0)."""
 
     def __init__(self, host, port=0, *, as_="torch", loop="caller", **opts):
+        _check_as(as_)
         self._raw = _tdpipe.Listener.listen(host, int(port), _opts(opts), _loop_flag(loop))
         self.as_ = as_
         self._bg_accept = None
@@ -761,6 +785,7 @@ class Server:
     def __init__(self, host, port, handler, *, as_="torch", on_close=None,
                  max_clients=None, max_pending=None, max_per_source=None,
                  idle_timeout=None, handshake_timeout=None, **opts):
+        _check_as(as_)
         self._handler = handler
         self._with_id = _takes_two(handler)
         self.as_ = as_

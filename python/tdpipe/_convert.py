@@ -680,6 +680,19 @@ def _to_numpy(cap, is_bool):
     return a.view(np.bool_) if is_bool and a.dtype != np.bool_ else a
 
 
+AS_KINDS = ("torch", "numpy", "dlpack")
+
+
+def check_as(as_):
+    """as_ checked before anything is received or lent: a typo never costs
+    a message."""
+    if as_ not in AS_KINDS:
+        raise ValueError("as_ must be 'torch', 'numpy' or 'dlpack', got %r" % (as_,))
+    if as_ == "torch" and torch is None:
+        raise ImportError("as_='torch' needs PyTorch (or use as_='numpy' or as_='dlpack')")
+    return as_
+
+
 def _gpu_check(as_, device):
     """A GPU buffer becomes torch CUDA tensors or DLPackArrays, never
     NumPy arrays (host memory only)."""
@@ -733,7 +746,14 @@ def unpack(td, plan, as_, cls):
                     "it with as_='numpy' or as_='dlpack'" % (key_path, dt, torch.__version__, e)
                 ) from e
         else:
-            v = conv(caps[i], is_bool)
+            try:
+                v = _to_numpy(caps[i], is_bool)
+            except (RuntimeError, TypeError, BufferError, AttributeError) as e:
+                dt = str(plan.leaves[i][0]).rpartition(".")[2]
+                key_path = parent + "." + key if parent else key
+                raise TypeError(
+                    "leaf %r is %s, which NumPy cannot hold (%s): receive it with "
+                    "as_='torch' or as_='dlpack'" % (key_path, dt, e)) from e
         d = dicts[parent]
         d[key] = v
         # the root is named None, not itself: no reference cycle, so a

@@ -9,7 +9,7 @@ Producers are ordinary pipes: tdpipe.connect(host, fan.port).send(...).
 """
 
 from . import _tdpipe
-from ._convert import Unpacker
+from ._convert import Unpacker, check_as
 from ._watch import EfdWatch
 from .errors import ClosedError
 
@@ -70,6 +70,7 @@ class FanIn(EfdWatch):
     def __init__(self, host="127.0.0.1", port=0, *, producers=None, events=False, as_="torch",
                  loop="thread", max_producers=0, max_memory=0, **opts):
         from . import _loop_flag, _opts
+        check_as(as_)
         kw = _opts(opts)
         if "depth" not in kw and "recv_depth" not in kw:
             kw["depth"] = 4
@@ -81,6 +82,7 @@ class FanIn(EfdWatch):
         self.left = 0
         self._unpack = {}  # producer id -> its Unpacker (each producer has its own schema)
         self._pending = False
+        self._held = None  # an item whose leaves as_ could not give (_item)
         self._watch = None  # (event loop, [waiting future]) while the fd is registered
 
     @property
@@ -97,7 +99,13 @@ class FanIn(EfdWatch):
             up = self._unpack.get(producer)
             if up is None:
                 up = self._unpack[producer] = Unpacker()
-            data = up(raw, self.as_)
+            try:
+                data = up(raw, self.as_)
+            except (TypeError, ValueError, RuntimeError):
+                # a dtype as_ cannot hold: the item stays the next one, for
+                # a receive after as_ is changed (nothing is lost)
+                self._held = t
+                raise
         elif kind == 2:
             self._unpack.pop(producer, None)
             self.left += 1
@@ -109,7 +117,8 @@ class FanIn(EfdWatch):
         """The next item (of any kind). ClosedError once the stream is over
         (after close(), or after `producers` have left), TimeoutError after
         `timeout` seconds."""
-        return self._item(self._raw.recv(timeout))
+        t, self._held = self._held, None
+        return self._item(t if t is not None else self._raw.recv(timeout))
 
     def __iter__(self):
         while True:
@@ -124,6 +133,9 @@ class FanIn(EfdWatch):
         """recv() for asyncio: waits on an eventfd the library's completion
         writes (loop.add_reader). A cancelled arecv leaves its receive
         pending; the next arecv takes its item."""
+        if self._held is not None:
+            t, self._held = self._held, None
+            return self._item(t)
         if not self._pending:
             self._raw.start_recv()
             self._pending = True

@@ -14,7 +14,7 @@ import asyncio
 import time
 
 from . import _tdpipe
-from ._convert import Consolidated, SchemaCache, Unpacker, consolidated_check, \
+from ._convert import Consolidated, SchemaCache, Unpacker, check_as, consolidated_check, \
     producer_done as _producer_done
 from ._watch import EfdWatch, loan_retry
 from .errors import TimeoutError
@@ -171,6 +171,7 @@ class FanOut(EfdWatch):
         gives every one of them without a copy; else an ordinary buffer.
         When every slot is held by a consumer this waits, polling, up to
         `timeout` seconds (None: forever), then raises TimeoutError."""
+        check_as(as_)
         schema = like if isinstance(like, _tdpipe.Schema) else self._cache.get(like)[0]
         td = loan_retry(self._raw, schema, timeout, "held by a consumer")
         return self._loan_unpack(td, as_, Consolidated)

@@ -169,3 +169,26 @@ def test_blocking_recv_without_timeout_is_interrupted_by_ctrl_c():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "interrupted after" in r.stdout, r.stdout + r.stderr
     assert "usable" in r.stdout
+
+
+def test_item_as_cannot_hold_stays_next():
+    """A leaf the fan-in's as_ cannot give (bfloat16 as NumPy): a TypeError
+    naming it, and the item is the next one after as_ is changed; a typo in
+    as_ is refused before anything listens."""
+    import pytest
+    with pytest.raises(ValueError, match="as_ must be"):
+        tdpipe.FanIn("127.0.0.1", as_="jax")
+    with tdpipe.FanIn("127.0.0.1", producers=1, as_="numpy") as fan:
+        p = tdpipe.connect("127.0.0.1", fan.port, connect_timeout=10)
+        p.send({"b": torch.full((2,), 2.5, dtype=torch.bfloat16)}, timeout=10)
+        p.send({"b": torch.full((2,), 3.5, dtype=torch.bfloat16)}, timeout=10)
+        p.close()
+        with pytest.raises(TypeError, match=r"'b' is bfloat16.*as_='torch'"):
+            assert fan.recv(timeout=10).kind == "join"
+            fan.recv(timeout=10)
+        fan.as_ = "torch"
+        got = []
+        for it in fan:
+            got.append((it.seq, it.data["b"].tolist()))
+            it.release()
+        assert got == [(1, [2.5, 2.5]), (2, [3.5, 3.5])]

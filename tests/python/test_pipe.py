@@ -364,6 +364,12 @@ def test_send_of_a_non_mapping_and_nan_timeout_are_clear_errors():
                 tx.send(bad, timeout=5)
         with pytest.raises(ValueError, match="NaN"):
             rx.recv(timeout=float("nan"))
+        # as Python's own waits (queue.get, socket.settimeout): not "forever"
+        for neg in (-1, -0.5):
+            with pytest.raises(ValueError, match="non-negative"):
+                rx.recv(timeout=neg)
+            with pytest.raises(ValueError, match="non-negative"):
+                tx.send({"i": torch.tensor([1])}, timeout=neg)
         tx.send({"i": torch.tensor([7])}, timeout=5)  # the pipe goes on
         assert rx.recv(timeout=5)["i"].item() == 7
         tx.close(5)
@@ -584,9 +590,60 @@ def test_uint64_leaf_as_torch_is_a_clear_error_or_a_tensor():
         else:
             with pytest.raises(TypeError, match=r"'a\.u' is uint64.*as_='numpy'"):
                 rx.recv(timeout=5)
-        tx.send({"a": {"u": big}, "i": np.arange(2)}, timeout=5)
+            # the message was not lost: the next receive, as NumPy, takes it
+            with rx.recv(timeout=5, as_="numpy") as m:
+                assert m["a"]["u"].tolist() == big.tolist()
+        tx.send({"a": {"u": big + 1}, "i": np.arange(2)}, timeout=5)
         with rx.recv(timeout=5, as_="numpy") as m:
-            assert m["a"]["u"].tolist() == big.tolist()
+            assert m["a"]["u"].tolist() == (big + 1).tolist()
+        tx.close(5)
+        rx.close(5)
+
+
+def test_bad_as_is_refused_before_a_message_is_taken():
+    """A typo in as_ is a ValueError before anything is received: the
+    message waiting is the next one a receive returns. Constructors refuse
+    it before they connect or listen."""
+    with listen(depth=4) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        rx = lst.accept(timeout=10)
+        tx.send({"x": torch.arange(3)}, timeout=5)
+        tx.send({"x": torch.arange(3) + 10}, timeout=5)
+        with pytest.raises(ValueError, match="as_ must be"):
+            rx.recv(timeout=5, as_="jax")
+        with pytest.raises(ValueError, match="as_ must be"):
+            rx.loan({"x": torch.arange(3)}, as_="jax")
+        with rx.recv(timeout=5) as m:
+            assert m["x"].tolist() == [0, 1, 2]
+        with rx.recv(timeout=5) as m:
+            assert m["x"].tolist() == [10, 11, 12]
+        tx.close(5)
+        rx.close(5)
+    for make in (lambda: tdpipe.listen("127.0.0.1", 0, as_="jax"),
+                 lambda: tdpipe.connect("127.0.0.1", 1, as_="jax"),
+                 lambda: tdpipe.FanIn("127.0.0.1", 0, as_="jax"),
+                 lambda: tdpipe.Server("127.0.0.1", 0, lambda r: None, as_="jax")):
+        with pytest.raises(ValueError, match="as_ must be"):
+            make()
+
+
+def test_leaf_numpy_cannot_hold_is_a_clear_error_and_stays_next():
+    """A bfloat16 leaf received as NumPy (which has no such dtype): a
+    TypeError naming the leaf and the way out, and the message is the next
+    one a receive returns (here as torch), not lost."""
+    with listen(depth=4) as lst:
+        tx = tdpipe.connect("127.0.0.1", lst.port)
+        rx = lst.accept(timeout=10)
+        tx.send({"n": {"b": torch.full((2,), 1.5, dtype=torch.bfloat16)}}, timeout=5)
+        tx.send({"x": torch.arange(3) + 20}, timeout=5)
+        for _ in range(2):  # asked again the same way: the same error, nothing lost
+            with pytest.raises(TypeError, match=r"'n\.b' is bfloat16.*as_='torch'"):
+                rx.recv(timeout=5, as_="numpy")
+        with rx.recv(timeout=5) as m:
+            assert m["n"]["b"].dtype == torch.bfloat16
+            assert m["n"]["b"].tolist() == [1.5, 1.5]
+        with rx.recv(timeout=5) as m:
+            assert m["x"].tolist() == [20, 21, 22]
         tx.close(5)
         rx.close(5)
 
