@@ -271,6 +271,24 @@ test_usage() {
     run badsize 10 "$TDPIPE" send --size 12XB 127.0.0.1:1
     expect_rc badsize 2
     expect_in badsize err "invalid size '12XB': unknown unit"
+    run size0 10 "$TDPIPE" send --size 0 127.0.0.1:1
+    expect_rc size0 2
+    expect_in size0 err "invalid size '0': at least 1 B"
+    # 0 ms would fail every wait at once: refused, -1 is "none"
+    for sub in "send 127.0.0.1:1" recv inspect; do
+        # shellcheck disable=SC2086 # the address is a separate word
+        run "tmo0_${sub%% *}" 10 "$TDPIPE" $sub --timeout 0
+        expect_rc "tmo0_${sub%% *}" 2
+        expect_in "tmo0_${sub%% *}" err "invalid timeout '0' (ms >= 1, or -1 for none)"
+    done
+    run maxmem0 10 "$TDPIPE" serve --max-memory 0
+    expect_rc maxmem0 2
+    expect_in maxmem0 err "invalid max-memory '0': no client could be served"
+    for h in --help -h; do
+        run "helphelp$h" 10 "$TDPIPE" help "$h"
+        expect_rc "helphelp$h" 0
+        expect_in "helphelp$h" out "usage: tdpipe"
+    done
     run bits 10 "$TDPIPE" send --size 1Mb 127.0.0.1:1
     expect_rc bits 2
     expect_in bits err "a lower-case b means bits"
@@ -496,6 +514,10 @@ test_sizes() {
     expect_rc odd_bench 0
     expect_in odd_bench out "1.00 KB            1004"
     expect_in odd_bench err "warning: --rounds 5 times 3 messages per throughput repeat"
+    # 1 KB: up to 64 in the receive window, 43 timed: a queue draining
+    run few_bench 30 "$TDPIPE" bench --sizes 1KB --rounds 50 --quiet
+    expect_rc few_bench 0
+    expect_in few_bench err "times 43 messages per throughput repeat at 1.00 KB, where up to 64 may be in flight"
 }
 
 test_ipv6() {

@@ -223,6 +223,7 @@ tdp_err tdp_bench_producers(int n, uint64_t size, int total, tdp_plane plane, bo
         dup2(from_child[1], STDOUT_FILENO);
         close(to_child[1]);
         close(from_child[0]);
+        tdp_cli_ucx_log_env();
         execv(child_argv[0], (char *const *)child_argv);
         _exit(127);
     }

@@ -89,7 +89,7 @@ bool tdp_cli_parse_timeout(const char *s, int64_t *ms)
         *ms = -1;
         return true;
     }
-    if (!tdp_cli_parse_u64(s, 0, TDP_CLI_TIMEOUT_MAX_MS, &v))
+    if (!tdp_cli_parse_u64(s, 1, TDP_CLI_TIMEOUT_MAX_MS, &v))
         return false;
     *ms = (int64_t)v;
     return true;

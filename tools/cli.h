@@ -64,8 +64,10 @@ bool tdp_cli_parse_u64(const char *s, uint64_t min, uint64_t max, uint64_t *out)
 bool tdp_cli_parse_double(const char *s, double *out);
 
 /*
- * Parse a timeout in milliseconds: 0..TDP_CLI_TIMEOUT_MAX_MS (about 31
+ * Parse a timeout in milliseconds: 1..TDP_CLI_TIMEOUT_MAX_MS (about 31
  * years, so that it still fits in nanoseconds), or -1 for "wait forever".
+ * 0 is refused: as a deadline it fails every wait at once, and a user who
+ * types it means "none" as often as "now".
  */
 #define TDP_CLI_TIMEOUT_MAX_MS 1000000000000ull
 bool tdp_cli_parse_timeout(const char *s, int64_t *ms);
@@ -373,6 +375,8 @@ void tdp_cli_error(const char *cmd, const char *fmt, ...) TDP_CHECK_FMT(2, 3);
 void tdp_cli_set_verbosity(int verbose);
 void tdp_cli_more_verbose(void);
 void tdp_cli_route_ucx_log(void);
+/* in a forked child before exec: UCX's log level as this process set it */
+void tdp_cli_ucx_log_env(void);
 
 /* ---- subcommands ---------------------------------------------------------- */
 

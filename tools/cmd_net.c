@@ -311,7 +311,8 @@ static int recv_parse(int argc, char **argv, recv_args *a)
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
-                return tdp_cli_usage_error("recv", "invalid timeout '%s' (ms, or -1)", optarg);
+                return tdp_cli_usage_error("recv", "invalid timeout '%s' (ms >= 1, or -1 for none)",
+                                           optarg);
             break;
         case OPT_NO_VERIFY:
             a->verify = false;
@@ -452,11 +453,12 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
     bool clean = r->end == TDP_OK || r->end == TDP_ECLOSED || r->signal != 0;
     uint64_t now = tdp_cli_now_ns();
     snprintf(end, sizeof(end), "interrupted (%s)", signal_name(r->signal));
-    const char *verify = !a->verify                       ? "off"
-                         : r->bad                          ? "FAILED"
-                         : r->checked == 0 && m->msgs > 0  ? "skipped (not the send pattern)"
-                         : r->checked < m->msgs            ? "ok (others skipped: not the send pattern)"
-                                                           : "ok";
+    const char *verify = !a->verify             ? "off"
+                         : r->bad               ? "FAILED"
+                         : m->msgs == 0         ? "none (nothing received)"
+                         : r->checked == 0      ? "skipped (not the send pattern)"
+                         : r->checked < m->msgs ? "ok (others skipped: not the send pattern)"
+                                                : "ok";
     const char *how = r->refused              ? "refused (the producer wants echoes)"
                       : r->dump_failed        ? "dump failed"
                       : r->signal != 0        ? end
@@ -470,10 +472,11 @@ static int recv_report(tdp_pipe *pipe, const recv_args *a, const tdp_cli_meter *
         json_object_set_new(o, "cmd", json_string("recv"));
         tdp_cli_meter_json(o, m, now);
         json_object_set_new(o, "verify",
-                            json_string(!a->verify                      ? "off"
-                                        : r->bad                        ? "failed"
-                                        : r->checked == 0 && m->msgs > 0 ? "skipped"
-                                                                         : "ok"));
+                            json_string(!a->verify        ? "off"
+                                        : r->bad          ? "failed"
+                                        : m->msgs == 0    ? "none"
+                                        : r->checked == 0 ? "skipped"
+                                                          : "ok"));
         json_object_set_new(o, "bad", json_integer((json_int_t)r->bad));
         json_object_set_new(o, "checked", json_integer((json_int_t)r->checked));
         json_object_set_new(o, "end", json_string(how));
@@ -597,9 +600,9 @@ static const char send_help[] =
     "free instead (a share each; their pattern check no longer lines up: run\n"
     "them with --no-verify).\n\n"
     "Options:\n"
-    "  -s, --size BYTES    payload size (default 1MB); units B, K/KB, M/MB, G/GB\n"
-    "                      (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n); rounded up to\n"
-    "                      a multiple of 4 (whole float32 elements)\n"
+    "  -s, --size BYTES    payload size, 1 B or more (default 1MB); units B, K/KB,\n"
+    "                      M/MB, G/GB (1000^n), Ki/KiB, Mi/MiB, Gi/GiB (1024^n);\n"
+    "                      rounded up to a multiple of 4 (whole float32 elements)\n"
     "  -n, --count N       messages to send (default 1000; 1 with --file)\n"
     "      --to HOST:PORT  one more receiver (repeat it: up to 64)\n"
     "      --distribute    with several receivers: each message to one that is free\n"
@@ -728,6 +731,8 @@ static int send_parse(int argc, char **argv, send_args *a)
             size_set = true;
             if (!tdp_cli_parse_size(optarg, &a->size, &why))
                 return tdp_cli_usage_error("send", "invalid size '%s': %s", optarg, why);
+            if (a->size == 0)
+                return tdp_cli_usage_error("send", "invalid size '%s': at least 1 B", optarg);
             if (tdp_cli_synth_bytes(a->size) > TDP_SCHEMA_DEFAULT_MAX_TOTAL_BYTES)
                 return tdp_cli_usage_error(
                     "send", "size '%s' is over the largest message a receiver takes, %s", optarg,
@@ -820,7 +825,8 @@ static int send_parse(int argc, char **argv, send_args *a)
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->timeout_ms))
-                return tdp_cli_usage_error("send", "invalid timeout '%s' (ms, or -1)", optarg);
+                return tdp_cli_usage_error("send", "invalid timeout '%s' (ms >= 1, or -1 for none)",
+                                           optarg);
             break;
         case 'q':
             a->quiet = true;
@@ -1418,7 +1424,8 @@ static int inspect_parse(int argc, char **argv, inspect_args *a)
             break;
         case 't':
             if (!tdp_cli_parse_timeout(optarg, &a->listen.timeout_ms))
-                return tdp_cli_usage_error("inspect", "invalid timeout '%s' (ms, or -1)", optarg);
+                return tdp_cli_usage_error(
+                    "inspect", "invalid timeout '%s' (ms >= 1, or -1 for none)", optarg);
             break;
         case OPT_VALUES: {
             /* "--values 4" as well as "--values=4": a number right after is its count */

@@ -212,7 +212,7 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             a->max_per_source = v == 0 ? UINT32_MAX : (uint32_t)v;
             break;
         case OPT_IDLE_TIMEOUT:
-            if (!tdp_cli_parse_timeout(optarg, &a->idle_timeout_ms) || a->idle_timeout_ms == 0)
+            if (!tdp_cli_parse_timeout(optarg, &a->idle_timeout_ms))
                 return tdp_cli_usage_error("serve", "invalid idle-timeout '%s' (ms > 0, or -1)",
                                            optarg);
             break;
@@ -227,9 +227,15 @@ static int serve_parse(int argc, char **argv, serve_args *a)
             const char *why = NULL;
             if (strcmp(optarg, "none") == 0)
                 a->max_memory = UINT64_MAX;
-            else if (!tdp_cli_parse_size(optarg, &a->max_memory, &why) || a->max_memory == 0)
+            else if (!tdp_cli_parse_size(optarg, &a->max_memory, &why))
                 return tdp_cli_usage_error("serve", "invalid max-memory '%s'%s%s (a size, or none)",
                                            optarg, why ? ": " : "", why ? why : "");
+            else if (a->max_memory == 0)
+                return tdp_cli_usage_error(
+                    "serve",
+                    "invalid max-memory '%s': no client could be served (a size of 1 B "
+                    "or more, or none for no cap)",
+                    optarg);
             break;
         }
         case OPT_KEEPALIVE:

@@ -212,20 +212,22 @@ static void summary(run *r)
 {
     const tdp_cli_fanin_args *a = r->a;
     uint64_t now = tdp_cli_now_ns(), el = now - r->m.start_ns;
-    const char *verify = !a->verify                         ? "off"
-                         : r->bad                           ? "FAILED"
-                         : r->checked == 0 && r->m.msgs > 0 ? "skipped (not the send pattern)"
-                                                            : "ok";
+    const char *verify = !a->verify        ? "off"
+                         : r->bad          ? "FAILED"
+                         : r->m.msgs == 0  ? "none (nothing received)"
+                         : r->checked == 0 ? "skipped (not the send pattern)"
+                                           : "ok";
     char line[256], rate[32];
     if (a->json) {
         json_t *o = json_object(), *ps = json_array();
         json_object_set_new(o, "cmd", json_string("recv"));
         tdp_cli_meter_json(o, &r->m, now);
         json_object_set_new(o, "verify",
-                            json_string(!a->verify                         ? "off"
-                                        : r->bad                           ? "failed"
-                                        : r->checked == 0 && r->m.msgs > 0 ? "skipped"
-                                                                           : "ok"));
+                            json_string(!a->verify        ? "off"
+                                        : r->bad          ? "failed"
+                                        : r->m.msgs == 0  ? "none"
+                                        : r->checked == 0 ? "skipped"
+                                                          : "ok"));
         json_object_set_new(o, "bad", json_integer((json_int_t)r->bad));
         json_object_set_new(o, "depth", json_integer(a->depth));
         json_object_set_new(o, "producers_joined", json_integer(r->joined));

@@ -41,14 +41,16 @@ static void usage(FILE *f)
                "Subcommands:\n");
     for (size_t i = 0; i < NSUB; i++)
         fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
-    fprintf(f, "\nGlobal options (before or after the subcommand):\n"
-               "  -v, --verbose   library log level: -v info, -vv debug, -vvv trace\n"
-               "  -h, --help      show this help\n"
-               "  -V, --version   same as 'tdpipe version'\n\n"
-               "Each subcommand takes --help ('tdpipe help SUBCOMMAND' says the same).\n\n"
-               "%s\n"
-               "Documentation: 'man tdpipe'; README.md, docs/ (docs/cli.md for this\n"
-               "command) and examples/, in the source tree and installed in\n%s\n",
+    fprintf(f,
+            "\nGlobal options:\n"
+            "  -v, --verbose   library log level: -v info, -vv debug, -vvv trace\n"
+            "                  (before or after the subcommand)\n"
+            "  -h, --help      show this help (after a subcommand: its own)\n"
+            "  -V, --version   same as 'tdpipe version' (before a subcommand)\n\n"
+            "Each subcommand takes --help ('tdpipe help SUBCOMMAND' says the same).\n\n"
+            "%s\n"
+            "Documentation: 'man tdpipe'; README.md, docs/ (docs/cli.md for this\n"
+            "command) and examples/, in the source tree and installed in\n%s\n",
             TDP_CLI_EXIT_HELP, doc_dir());
 }
 
@@ -105,6 +107,10 @@ static int run_help(int argc, char **argv)
     }
     if (strcmp(argv[1], "--list") == 0) {
         list_subcommands();
+        return TDP_EXIT_OK;
+    }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(stdout);
         return TDP_EXIT_OK;
     }
     const subcommand *sc = find_subcommand(argv[1]);

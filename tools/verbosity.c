@@ -19,17 +19,28 @@
  * loaded, so the value is set in its global options; nothing of UCX has
  * been initialised yet (the first loop does that).
  */
+static const char *ucx_level; /* what we set, for the programs bench starts */
+
 static void set_ucx_log_level(int verbose)
 {
     static const char *const levels[] = {"fatal", "warn", "info", "debug"};
-    static int user_set = -1; /* decided once: later calls see our own setenv */
     const char *level = levels[verbose < 0 ? 0 : verbose > 3 ? 3 : verbose];
-    if (user_set < 0)
-        user_set = getenv("UCX_LOG_LEVEL") != NULL;
-    if (user_set)
+    if (getenv("UCX_LOG_LEVEL") != NULL)
         return;
     ucs_global_opts_set_value("LOG_LEVEL", level);
-    setenv("UCX_LOG_LEVEL", level, 1); /* for the processes bench starts */
+    ucx_level = level;
+}
+
+/*
+ * In a child about to exec: the level in its environment, read as libucs
+ * loads there. Not set in this process's own environment: UCX would warn
+ * ("unused env variable") at each context it makes, its options having
+ * been read before.
+ */
+void tdp_cli_ucx_log_env(void)
+{
+    if (ucx_level != NULL)
+        setenv("UCX_LOG_LEVEL", ucx_level, 1);
 }
 
 /*
