@@ -3,7 +3,9 @@
  * real worker address cut short, a real one with bytes changed — must give
  * the victim a clean protocol error (BYE with TDP_EPROTO) and leave it
  * serving. Both directions: a hostile client against a listener, and a
- * hostile listener against a dialing client.
+ * hostile listener against a dialing client. The same-host worker's
+ * address travels in PROVEN, after the HELLOs: those cases offer PROVEN,
+ * read the victim's, and send the junk in their own.
  *
  * The victim runs in a child process, so a victim that dies (UCX aborts on
  * an address it cannot parse) shows up as a signal in its exit status
@@ -152,23 +154,11 @@ static uint8_t rng8(void)
     return (uint8_t)rng_state;
 }
 
-/*
- * A HELLO built from the victim's own (its real worker addresses are the
- * raw material), with one UCX record replaced by junk. `same_host` copies
- * the victim's host id so the same-host worker is the one attacked.
- */
-static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *len)
+/* The junk made from a real address (its raw material) into addr; its length. */
+static size_t junk_addr(const junk *j, const uint8_t *real, size_t rlen, uint8_t *addr, size_t cap)
 {
-    static uint8_t addr[TDP_MAX_UCX_ADDR];
-    static const uint8_t planes[] = {TDP_PLANE_UCX};
-    const tdp_hx_rec *any = tdp_hello_rec(victim, TDP_HX_UCX_ADDR);
-    const tdp_hx_rec *vr = j->local ? tdp_hello_rec(victim, TDP_HX_UCX_LOCAL_ADDR) : any;
-    assert_non_null(any);
-    assert_non_null(vr);
-    const uint8_t *real = vr->val;
-    size_t rlen = vr->len;
     size_t n = 0;
-    assert_true(rlen > 0 && rlen <= sizeof(addr));
+    assert_true(rlen > 0 && rlen <= cap);
     switch (j->kind) {
     case J_RANDOM:
         n = j->arg;
@@ -187,6 +177,23 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
             addr[j->arg] = j->kind == J_FLIP ? addr[j->arg] ^ j->val : j->val;
         break;
     }
+    return n;
+}
+
+/*
+ * A HELLO built from the victim's own (its real worker addresses are the
+ * raw material). Attacking the general worker: its UCX_ADDR replaced by
+ * junk, from another host. Attacking the same-host worker: the victim's
+ * host id and a good general address, and PROVEN offered, so that the
+ * victim makes its own worker and sends its address in a PROVEN frame;
+ * the junk then goes in this side's PROVEN (hostile_proven).
+ */
+static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *len)
+{
+    static uint8_t addr[TDP_MAX_UCX_ADDR];
+    static const uint8_t planes[] = {TDP_PLANE_UCX};
+    const tdp_hx_rec *any = tdp_hello_rec(victim, TDP_HX_UCX_ADDR);
+    assert_non_null(any);
     tdp_hello h = {
         .recv_depth = 1,
         .peer_mode = TDP_PEER_AUTO,
@@ -197,11 +204,12 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
         .nplanes = 1,
     };
     if (j->local) {
+        assert_int_equal(victim->proven, TDP_PROVEN_V1); /* a local socket: offered */
         memcpy(h.host_id, victim->host_id, TDP_HOST_ID_LEN);
-        /* a well-formed general address beside the junk */
-        h.recs[h.nrecs++] = *any;
-        h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_LOCAL_ADDR, (uint32_t)n, addr};
+        h.recs[h.nrecs++] = *any; /* a well-formed general address */
+        h.proven = TDP_PROVEN_V1;
     } else {
+        size_t n = junk_addr(j, any->val, any->len, addr, sizeof(addr));
         memset(h.host_id, 0xa5, TDP_HOST_ID_LEN); /* another host: the general worker */
         h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_ADDR, (uint32_t)n, addr};
     }
@@ -210,6 +218,61 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
     assert_non_null(out);
     assert_int_equal(tdp_wire_hello_encode(out, &h), TDP_OK);
     return out;
+}
+
+/* The victim's PROVEN frame (after our HELLO offering it): its records in *h. */
+static bool read_proven_frame(int fd, uint8_t **frame, tdp_hello *h)
+{
+    uint8_t hb[TDP_CTL_HDR_LEN];
+    tdp_ctl_hdr hdr;
+    int64_t deadline = mono_ms() + TMO;
+    if (!read_full(fd, hb, sizeof(hb), deadline) || tdp_wire_ctl_hdr_decode(hb, &hdr) != TDP_OK ||
+        hdr.type != TDP_CTL_PROVEN)
+        return false;
+    uint8_t *f = malloc(TDP_CTL_HDR_LEN + hdr.length + 1);
+    assert_non_null(f);
+    memset(h, 0, sizeof(*h));
+    if (!read_full(fd, f + TDP_CTL_HDR_LEN, hdr.length, deadline) ||
+        tdp_wire_proven_decode(f + TDP_CTL_HDR_LEN, hdr.length, h) != TDP_OK) {
+        free(f);
+        return false;
+    }
+    *frame = f;
+    return true;
+}
+
+/* Our PROVEN: the victim's same-host address (from its PROVEN) made junk. */
+static uint8_t *hostile_proven(const tdp_hello *vp, const junk *j, size_t *len)
+{
+    static uint8_t addr[TDP_MAX_UCX_ADDR];
+    const tdp_hx_rec *vr = tdp_hello_rec(vp, TDP_HX_UCX_LOCAL_ADDR);
+    assert_non_null(vr);
+    size_t n = junk_addr(j, vr->val, vr->len, addr, sizeof(addr));
+    tdp_hello h = {0};
+    h.recs[h.nrecs++] = (tdp_hx_rec){TDP_HX_UCX_LOCAL_ADDR, (uint32_t)n, addr};
+    *len = tdp_wire_proven_size(&h);
+    uint8_t *out = malloc(*len);
+    assert_non_null(out);
+    assert_int_equal(tdp_wire_proven_encode(out, &h), TDP_OK);
+    return out;
+}
+
+/* Our hostile HELLO, and for a same-host case our hostile PROVEN after the victim's. */
+static void attack(int fd, const tdp_hello *vh, const junk *j)
+{
+    size_t n;
+    uint8_t *out = hostile_hello(vh, j, &n);
+    assert_true(write_full(fd, out, n));
+    free(out);
+    if (!j->local)
+        return;
+    uint8_t *pf;
+    tdp_hello vp;
+    assert_true(read_proven_frame(fd, &pf, &vp));
+    out = hostile_proven(&vp, j, &n);
+    free(pf);
+    assert_true(write_full(fd, out, n));
+    free(out);
 }
 
 /* ---- helpers for the victim child ---------------------------------------------- */
@@ -369,12 +432,9 @@ static void test_hostile_client(void **state)
         uint8_t *vf;
         tdp_hello vh;
         assert_true(read_hello(fd, &vf, &vh));
-        size_t n;
-        uint8_t *out = hostile_hello(&vh, j, &n);
-        assert_true(write_full(fd, out, n));
+        attack(fd, &vh, j);
         int why = victim_answer(fd, j->must_eproto ? TMO : 1500);
         close(fd);
-        free(out);
         free(vf);
         usleep(50 * 1000);
         int st;
@@ -475,12 +535,9 @@ static void test_hostile_listener(void **state)
         uint8_t *vf;
         tdp_hello vh;
         assert_true(read_hello(fd, &vf, &vh));
-        size_t n;
-        uint8_t *out = hostile_hello(&vh, j, &n);
-        assert_true(write_full(fd, out, n));
+        attack(fd, &vh, j);
         int why = victim_answer(fd, j->must_eproto ? TMO : 1500);
         close(fd);
-        free(out);
         free(vf);
         usleep(50 * 1000);
         int st;

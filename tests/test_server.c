@@ -814,6 +814,59 @@ static int64_t raw_wait_closed(int fd)
 }
 
 /*
+ * What a connection costs the server before it says HELLO: no UCX worker
+ * of its own (a pipe gets one only once both HELLOs pick the ucx plane for
+ * a peer on this host), so silent sockets make none; a client on the shm
+ * plane makes none on either side, one on the ucx plane one on each.
+ * Until 2026-11-28 every accepted socket made one (4 MB of shared memory,
+ * ~10 ms) when the server's HELLO was written.
+ */
+static void test_silent_sockets_make_no_worker(void **state)
+{
+    enum { N = 20 };
+    env e;
+    tdp_server_opts o;
+    tdp_server_opts_default(&o);
+    env_up(&e, MODE_ECHO, &o);
+    tdp__ucx *ucx = tdp__ucx_peek(e.sl);
+    bool local =
+        ucx != NULL && ucx->nworkers > TDP_WORKER_LOCAL && ucx->worker[TDP_WORKER_LOCAL] != NULL;
+    unsigned base = tdp__ucx_private_live();
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect_from(e.port, 10 + i);
+        assert_int_equal(raw_first_frame(fds[i], NULL, 0, NULL), TDP_CTL_HELLO);
+    }
+    print_message("%d silent sockets, each sent the server's HELLO: %u private workers "
+                  "(%u before; same-host context: %d)\n",
+                  N, tdp__ucx_private_live(), base, local);
+    assert_int_equal(tdp__ucx_private_live(), base);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    assert_true(WAIT_FOR(stats(&e).handshakes_failed == N, TMO));
+
+    tdp_pipe *p;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, NULL, &p), TDP_OK);
+    if (tdp_pipe_plane(p) == TDP_PLANE_SHM)
+        assert_int_equal(tdp__ucx_private_live(), base);
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    tdp_pipe_opts po;
+    tdp_pipe_opts_default(&po);
+    po.plane = TDP_PLANE_UCX;
+    assert_int_equal(tdp_pipe_connect(e.cl[0], "127.0.0.1", e.port, &po, &p), TDP_OK);
+    assert_int_equal(tdp_pipe_plane(p), TDP_PLANE_UCX);
+    unsigned want = base + (local ? 2 : 0);
+    assert_true(WAIT_FOR(tdp__ucx_private_live() == want, TMO));
+    if (local) /* the pipe's own worker is the one in use */
+        assert_int_equal(tdp__ucx_link_worker(tdp__session_link(p)), TDP_WORKER_LOCAL);
+    tdp_pipe_free(p);
+    assert_true(WAIT_FOR(stats(&e).clients_now == 0, TMO));
+    assert_true(WAIT_FOR(tdp__ucx_private_live() == base, TMO));
+    env_down(&e);
+}
+
+/*
  * A socket that says nothing is dropped at the handshake deadline, and
  * meanwhile takes no client's place.
  */
@@ -1659,15 +1712,25 @@ int main(int argc, char **argv)
         child_main((uint16_t)atoi(argv[2]));
     signal(SIGPIPE, SIG_IGN);
     struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_lifecycle),          cmocka_unit_test(test_many_clients),
-        cmocka_unit_test(test_request_reply),      cmocka_unit_test(test_depth_echo),
-        cmocka_unit_test(test_reply_ring),         cmocka_unit_test(test_max_clients),
-        cmocka_unit_test(test_handshake_timeout),  cmocka_unit_test(test_hostile_clients),
-        cmocka_unit_test(test_handler_error),      cmocka_unit_test(test_connect_cycles),
-        cmocka_unit_test(test_kill_client),        cmocka_unit_test(test_shutdown),
-        cmocka_unit_test(test_strangers),          cmocka_unit_test(test_idle_timeout),
-        cmocka_unit_test(test_listener_strangers), cmocka_unit_test(test_listener_hooks),
-        cmocka_unit_test(test_stats_sized),        cmocka_unit_test(test_memory_cap),
+        cmocka_unit_test(test_lifecycle),
+        cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_request_reply),
+        cmocka_unit_test(test_depth_echo),
+        cmocka_unit_test(test_reply_ring),
+        cmocka_unit_test(test_max_clients),
+        cmocka_unit_test(test_handshake_timeout),
+        cmocka_unit_test(test_hostile_clients),
+        cmocka_unit_test(test_handler_error),
+        cmocka_unit_test(test_connect_cycles),
+        cmocka_unit_test(test_kill_client),
+        cmocka_unit_test(test_shutdown),
+        cmocka_unit_test(test_strangers),
+        cmocka_unit_test(test_idle_timeout),
+        cmocka_unit_test(test_listener_strangers),
+        cmocka_unit_test(test_listener_hooks),
+        cmocka_unit_test(test_stats_sized),
+        cmocka_unit_test(test_memory_cap),
+        cmocka_unit_test(test_silent_sockets_make_no_worker),
     };
     /* TDP_TEST_FILTER=pattern runs only the matching tests, TDP_TEST_SKIP=pattern
      * leaves the matching ones out (cmocka wildcards) */

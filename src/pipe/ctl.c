@@ -401,7 +401,27 @@ static void read_frames(tdp__ctl *c, struct evbuffer *in)
                 if (c->bev == NULL)
                     return;
             }
-            if (c->opts.secret == NULL && h.auth == 0) {
+            if (c->opts.secret == NULL && h.auth == 0 && c->proven_mine &&
+                h.proven == TDP_PROVEN_V1) {
+                /* both offered PROVEN: what the chosen plane makes only for
+                 * a peer on this host goes out now; the peer's HELLO waits
+                 * for the peer's own PROVEN */
+                uint8_t *ph = tdp__malloc(hdr.length);
+                if (ph == NULL) {
+                    fail(c, TDP_ENOMEM);
+                    return;
+                }
+                memcpy(ph, f + TDP_CTL_HDR_LEN, hdr.length);
+                rc = send_proven(c, &h);
+                if (rc != TDP_OK || c->bev == NULL) {
+                    tdp__free(ph);
+                    if (c->bev != NULL)
+                        fail(c, rc == TDP_ENOMEM ? rc : TDP_EINTERNAL);
+                    return;
+                }
+                c->held = ph;
+                c->held_len = hdr.length;
+            } else if (c->opts.secret == NULL && h.auth == 0) {
                 c->up->hello(c->owner, &h);
             } else if (c->opts.secret == NULL || h.auth != TDP_AUTH_HMAC_SHA256) {
                 tdp_log_warn("peer %s: %s", c->peer_name,

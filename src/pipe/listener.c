@@ -19,6 +19,14 @@
 
 #define REFUSAL_MS 2000 /* at most this long, or the handshake deadline */
 #define DEFAULT_MAX_PENDING 256u
+/*
+ * Connections the kernel completes before the loop accepts them (it caps
+ * this at net.core.somaxconn, 4096 on current kernels). With 128, a burst
+ * of connections (a flood, or many workers starting at once) had the
+ * kernel drop the SYNs past it: those clients waited for a SYN
+ * retransmission, 1 s and more, while the listener was idle.
+ */
+#define LISTEN_BACKLOG      4096
 #define DEFAULT_PER_SOURCE  32u
 
 /* Where a socket comes from, for per-source limits: an IPv4 address or an IPv6 /64. */
@@ -324,7 +332,7 @@ static void listen_task(void *arg)
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (r->sa.ss_family == AF_INET6 && r->wildcard)
         setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)); /* v4 too */
-    if (bind(fd, (struct sockaddr *)&r->sa, r->salen) != 0 || listen(fd, 128) != 0) {
+    if (bind(fd, (struct sockaddr *)&r->sa, r->salen) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
         tdp_log_debug("bind/listen: %s", strerror(errno));
         close(fd);
         r->rc = TDP_EADDR;

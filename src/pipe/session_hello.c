@@ -117,6 +117,18 @@ void tdp__pipe_send_hello(tdp_pipe *p)
         /* set before the planes fill theirs: what a plane may hold for a
          * peer that has not proven itself yet depends on it */
         .auth = p->secret_len > 0 ? TDP_AUTH_HMAC_SHA256 : 0,
+        /*
+         * A peer on this host gets what only a same-host pipe needs (the
+         * ucx plane's worker of its own: 4 MB of shared memory, ~10 ms)
+         * only once both HELLOs have shown the plane they pick needs it:
+         * its address then travels in PROVEN (wire.h), after the HELLOs
+         * (with a secret, after the proofs too). A pipe that ends up on the
+         * shm plane, or a connection that never says HELLO, makes none.
+         */
+        .proven =
+            tdp__ctl_local_now(&p->ctl) && (p->secret_len > 0 || p->opts.peer_mode == TDP_PEER_AUTO)
+                ? TDP_PROVEN_V1
+                : 0,
     };
     uint32_t n = 0;
     if (p->state == PIPE_DEAD)
@@ -146,9 +158,6 @@ void tdp__pipe_send_hello(tdp_pipe *p)
     h.checksum = p->opts.checksum ? TDP_SUM_XXH3_64 : 0;
     h.ready = TDP_READY_V1; /* this side answers prepared SCHEMAs (session_prepare.c) */
     h.window = p->opts.recv_window_bytes;
-    /* with a secret, a peer on this host gets a same-host UCX worker only
-     * after the proofs: its address then travels in PROVEN (wire.h) */
-    h.proven = p->secret_len > 0 && tdp__ctl_local_now(&p->ctl) ? TDP_PROVEN_V1 : 0;
     /* buffers still lent from an earlier link hold receive slots: fewer credits */
     uint32_t held = 0;
     for (uint32_t i = 0; i < TDP_MAX_DEPTH; i++)
@@ -187,8 +196,16 @@ static void on_ctl_connected(void *owner)
 static void on_ctl_hello_in(void *owner, const tdp_hello *h)
 {
     tdp_pipe *p = owner;
-    if (p->hello_hook == NULL || p->state != PIPE_CONNECTING)
+    if (p->state != PIPE_CONNECTING)
         return;
+    if (p->hello_hook == NULL) {
+        /* a dialer that reads the listener's HELLO before its own connect
+         * event: ours goes now, so that whether PROVEN follows is known
+         * (both HELLOs offer it) before the peer's is acted on */
+        if (p->secret_len == 0 && !p->ctl.nonce_sent)
+            tdp__pipe_send_hello(p);
+        return;
+    }
     tdp_err (*fn)(void *, const tdp_hello *, tdp_pipe_opts *) = p->hello_hook;
     p->hello_hook = NULL; /* once */
     tdp_pipe_opts o = p->opts;

@@ -2425,13 +2425,15 @@ static tdp_err u_hello_fill(tdp__link *l, tdp_hello *h)
     if (rc != TDP_OK)
         return rc;
     /*
-     * With a shared secret, nothing is made for a peer before its proof,
-     * and this HELLO goes out before it: no worker of its own yet, so no
-     * same-host address here. One is made once the peer has proven itself,
-     * and its address goes in this side's PROVEN frame (u_proven_fill);
-     * with a peer that speaks no PROVEN, both sides use the general worker.
+     * A worker of the pipe's own is made only for a peer that needs it: with
+     * PROVEN offered (every pipe whose control socket is local), once both
+     * HELLOs are in and pick this plane for a same-host peer, and with a
+     * shared secret only after the proofs too (nothing is made for a peer
+     * before its proof). Its address then goes in this side's PROVEN frame
+     * (u_proven_fill); with a peer that speaks no PROVEN, both sides use
+     * the general worker.
      */
-    if (h->auth != 0) {
+    if (h->auth != 0 || h->proven == TDP_PROVEN_V1) {
         l->own_late = !l->no_own && have_local(l->x) && h->peer_mode == TDP_PEER_AUTO;
         l->no_own = true;
     }

@@ -5,6 +5,7 @@
  */
 #include "ucx_workers.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,6 +282,14 @@ static bool fds_to_spare(void)
     return n == PRIVATE_FDS;
 }
 
+/* private workers alive in the process (tdp__ucx_private_live) */
+static atomic_uint private_live;
+
+unsigned tdp__ucx_private_live(void)
+{
+    return atomic_load(&private_live);
+}
+
 tdp_err tdp__ucx_private_new(tdp__ucx *pub, tdp__ucx_private **out)
 {
     ucx_state *u = (ucx_state *)pub; /* pub is ucx_state's first member */
@@ -297,6 +306,7 @@ tdp_err tdp__ucx_private_new(tdp__ucx *pub, tdp__ucx_private **out)
         tdp__free(p);
         return rc;
     }
+    atomic_fetch_add(&private_live, 1);
     *out = p;
     return TDP_OK;
 }
@@ -314,4 +324,5 @@ void tdp__ucx_private_free(tdp__ucx_private *p)
     tdp__loop_source_remove(p->u->loop, p->src);
     ucp_worker_destroy(p->ws.worker);
     tdp__free(p);
+    atomic_fetch_sub(&private_live, 1);
 }

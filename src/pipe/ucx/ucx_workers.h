@@ -77,4 +77,7 @@ ucp_worker_h tdp__ucx_private_worker(const tdp__ucx_private *p);
  * from inside a progress of that worker. */
 void tdp__ucx_private_free(tdp__ucx_private *p);
 
+/* Private workers alive in this process, every loop's (for tests). Any thread. */
+unsigned tdp__ucx_private_live(void);
+
 #endif
