@@ -68,24 +68,37 @@ static bool write_full(int fd, const void *buf, size_t n)
     return true;
 }
 
-/* The peer's HELLO: the whole frame (header included) in *frame, decoded in *h. */
-static bool read_hello(int fd, uint8_t **frame, tdp_hello *h)
+/* The peer's next frame, of this type: the whole of it (header included) in *frame. */
+static bool read_frame(int fd, uint16_t type, uint8_t **frame, uint32_t *len)
 {
     uint8_t hb[TDP_CTL_HDR_LEN];
     tdp_ctl_hdr hdr;
     int64_t deadline = mono_ms() + TMO;
     if (!read_full(fd, hb, sizeof(hb), deadline) || tdp_wire_ctl_hdr_decode(hb, &hdr) != TDP_OK ||
-        hdr.type != TDP_CTL_HELLO)
+        hdr.type != type)
         return false;
-    uint8_t *f = malloc(TDP_CTL_HDR_LEN + hdr.length);
+    uint8_t *f = malloc(TDP_CTL_HDR_LEN + hdr.length + 1);
     assert_non_null(f);
     memcpy(f, hb, sizeof(hb));
-    if (!read_full(fd, f + TDP_CTL_HDR_LEN, hdr.length, deadline) ||
-        tdp_wire_hello_decode(f + TDP_CTL_HDR_LEN, hdr.length, h) != TDP_OK) {
+    if (!read_full(fd, f + TDP_CTL_HDR_LEN, hdr.length, deadline)) {
         free(f);
         return false;
     }
     *frame = f;
+    *len = hdr.length;
+    return true;
+}
+
+/* The peer's HELLO: the whole frame (header included) in *frame, decoded in *h. */
+static bool read_hello(int fd, uint8_t **frame, tdp_hello *h)
+{
+    uint32_t n;
+    if (!read_frame(fd, TDP_CTL_HELLO, frame, &n))
+        return false;
+    if (tdp_wire_hello_decode(*frame + TDP_CTL_HDR_LEN, n, h) != TDP_OK) {
+        free(*frame);
+        return false;
+    }
     return true;
 }
 
@@ -223,21 +236,14 @@ static uint8_t *hostile_hello(const tdp_hello *victim, const junk *j, size_t *le
 /* The victim's PROVEN frame (after our HELLO offering it): its records in *h. */
 static bool read_proven_frame(int fd, uint8_t **frame, tdp_hello *h)
 {
-    uint8_t hb[TDP_CTL_HDR_LEN];
-    tdp_ctl_hdr hdr;
-    int64_t deadline = mono_ms() + TMO;
-    if (!read_full(fd, hb, sizeof(hb), deadline) || tdp_wire_ctl_hdr_decode(hb, &hdr) != TDP_OK ||
-        hdr.type != TDP_CTL_PROVEN)
+    uint32_t n;
+    if (!read_frame(fd, TDP_CTL_PROVEN, frame, &n))
         return false;
-    uint8_t *f = malloc(TDP_CTL_HDR_LEN + hdr.length + 1);
-    assert_non_null(f);
     memset(h, 0, sizeof(*h));
-    if (!read_full(fd, f + TDP_CTL_HDR_LEN, hdr.length, deadline) ||
-        tdp_wire_proven_decode(f + TDP_CTL_HDR_LEN, hdr.length, h) != TDP_OK) {
-        free(f);
+    if (tdp_wire_proven_decode(*frame + TDP_CTL_HDR_LEN, n, h) != TDP_OK) {
+        free(*frame);
         return false;
     }
-    *frame = f;
     return true;
 }
 
