@@ -344,7 +344,8 @@ static void listen_task(void *arg)
     l->port = ntohs(got.ss_family == AF_INET ? ((struct sockaddr_in *)&got)->sin_port
                                              : ((struct sockaddr_in6 *)&got)->sin6_port);
     l->evl = evconnlistener_new(tdp__loop_base(l->loop), accept_cb, l,
-                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC, -1, fd);
+                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC,
+                                0 /* listening already: -1 would listen(128) again */, fd);
     if (l->evl == NULL) {
         close(fd);
         r->rc = TDP_ENOMEM;
