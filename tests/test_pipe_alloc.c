@@ -158,8 +158,8 @@ static void *run_side(void *arg)
              * on threads of their own (tdp__cuda_pin): a one-time job, whose
              * allocations (the driver's, or the fake's records) belong to
              * the setup, not to the steady state */
-            for (int k = 0; k < 1000 && tdp__cuda_pins_running() > 0; k++)
-                usleep(5000);
+            for (int k = 0; k < 4000 && tdp__cuda_pins_running() > 0; k++)
+                usleep(5000); /* 20 s at most: pins are slow on a loaded 2-core machine */
             pthread_barrier_wait(s->bar);
             s->lib0 = tdp_mem_total_allocs();
             s->m0 = n_malloc_now();
